@@ -1,0 +1,148 @@
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+use serde::Deserialize;
+
+/// Broker settings (`broker:` in the YAML config).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BrokerConfig {
+    /// First topic level of module traffic (`ke/<to>/<from>/<operation>/<resource>`).
+    #[serde(default = "default_topic_root")]
+    pub topic_root: String,
+    /// Listeners by name; each binds one address and speaks one MQTT version.
+    #[serde(default = "default_listeners")]
+    pub listeners: BTreeMap<String, ListenerConfig>,
+    /// Largest MQTT packet a client may send (topic and properties included), in bytes.
+    #[serde(default = "default_max_packet_bytes")]
+    pub max_packet_bytes: usize,
+    /// Most simultaneous client connections, in-process links included.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// How long a new TCP connection may take to send CONNECT, in milliseconds (at most 65535).
+    #[serde(default = "default_connect_timeout_ms")]
+    pub connect_timeout_ms: u16,
+    /// Size of one in-memory log segment per subscribed filter, in bytes.
+    #[serde(default = "default_segment_bytes")]
+    pub segment_bytes: usize,
+    /// Segments kept per filter: a subscriber further behind than bytes × count loses messages.
+    #[serde(default = "default_segment_count")]
+    pub segment_count: usize,
+}
+
+/// One listener.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ListenerConfig {
+    /// Address to bind, e.g. `127.0.0.1:1883`.
+    pub address: SocketAddr,
+    /// MQTT protocol version spoken on this port: `v4` (3.1.1) or `v5`.
+    #[serde(default)]
+    pub protocol: MqttVersion,
+}
+
+/// MQTT protocol version of a listener.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum MqttVersion {
+    #[default]
+    V4,
+    V5,
+}
+
+fn default_topic_root() -> String {
+    "ke".to_owned()
+}
+fn default_listeners() -> BTreeMap<String, ListenerConfig> {
+    let mqtt = ListenerConfig {
+        address: SocketAddr::from(([127, 0, 0, 1], 1883)),
+        protocol: MqttVersion::V4,
+    };
+    BTreeMap::from([("mqtt".to_owned(), mqtt)])
+}
+const fn default_max_packet_bytes() -> usize {
+    2 * 1024 * 1024
+}
+const fn default_max_connections() -> usize {
+    10_000
+}
+const fn default_connect_timeout_ms() -> u16 {
+    5_000
+}
+const fn default_segment_bytes() -> usize {
+    4 * 1024 * 1024
+}
+const fn default_segment_count() -> usize {
+    8
+}
+
+impl Default for BrokerConfig {
+    fn default() -> Self {
+        BrokerConfig {
+            topic_root: default_topic_root(),
+            listeners: default_listeners(),
+            max_packet_bytes: default_max_packet_bytes(),
+            max_connections: default_max_connections(),
+            connect_timeout_ms: default_connect_timeout_ms(),
+            segment_bytes: default_segment_bytes(),
+            segment_count: default_segment_count(),
+        }
+    }
+}
+
+impl BrokerConfig {
+    /// Checks what serde cannot; errors name the offending key.
+    pub fn validate(&self) -> Result<(), crate::Error> {
+        let bad = |m: String| Err(crate::Error::Config(m));
+        if self.topic_root.is_empty() || self.topic_root.contains(['/', '+', '#']) {
+            return bad(format!(
+                "broker.topic_root {:?} must be one non-empty topic level without wildcards",
+                self.topic_root
+            ));
+        }
+        if self.listeners.is_empty() {
+            return bad("broker.listeners must name at least one listener".into());
+        }
+        // rumqttd's router panics on segments under 1 KiB.
+        if self.segment_bytes < 1024 || self.segment_count == 0 {
+            return bad("broker.segment_bytes must be >= 1024 and broker.segment_count >= 1".into());
+        }
+        if self.max_packet_bytes < 1024 {
+            return bad("broker.max_packet_bytes must be >= 1024".into());
+        }
+        if self.max_connections == 0 {
+            return bad("broker.max_connections must be >= 1".into());
+        }
+        Ok(())
+    }
+
+    pub(crate) fn router_config(&self) -> rumqttd::RouterConfig {
+        // Every field is set on purpose: rumqttd's defaults (zero segments) panic its router.
+        rumqttd::RouterConfig {
+            max_connections: self.max_connections,
+            max_outgoing_packet_count: 200,
+            max_segment_size: self.segment_bytes.max(self.max_packet_bytes),
+            max_segment_count: self.segment_count,
+            custom_segment: None,
+            initialized_filters: None,
+            shared_subscriptions_strategy: Default::default(),
+        }
+    }
+
+    pub(crate) fn server_settings(&self, name: &str, listener: &ListenerConfig) -> rumqttd::ServerSettings {
+        rumqttd::ServerSettings {
+            name: name.to_owned(),
+            listen: listener.address,
+            tls: None,
+            next_connection_delay_ms: 0,
+            connections: rumqttd::ConnectionSettings {
+                connection_timeout_ms: self.connect_timeout_ms,
+                max_payload_size: self.max_packet_bytes,
+                max_inflight_count: 100,
+                auth: None,
+                external_auth: None,
+                dynamic_filters: false,
+            },
+        }
+    }
+}

@@ -1,0 +1,30 @@
+use std::net::SocketAddr;
+
+/// Everything that can go wrong while starting or using the embedded broker.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("cannot listen on {address} (listener `{name}`): {source}")]
+    Bind {
+        name: String,
+        address: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("listener `{name}` on {address} stopped: {reason}")]
+    ListenerStopped {
+        name: String,
+        address: SocketAddr,
+        reason: String,
+    },
+    #[error("listener `{name}` on {address} did not start accepting within {waited_ms} ms")]
+    NotReady {
+        name: String,
+        address: SocketAddr,
+        waited_ms: u64,
+    },
+    #[error("invalid broker config: {0}")]
+    Config(String),
+    #[error("in-process link `{client_id}` refused by the router: {reason}")]
+    Link { client_id: String, reason: String },
+    #[error("the broker link is closed")]
+    LinkClosed,
+}

@@ -1,0 +1,25 @@
+//! The bus: an embedded rumqttd broker that devices and edge modules talk to over MQTT, plus the
+//! in-process links our own modules use. Only this crate knows rumqttd's types.
+//!
+//! # Layout
+//! - [`config`]: our YAML listener/limit settings, turned into rumqttd's settings.
+//! - [`guard`]: the CONNECT check that keeps bad client ids away from rumqttd (rumqttd #1062).
+//! - [`server`]: starts the router and the listeners; a listener that cannot bind is fatal.
+//! - [`link`]: an in-process client: subscribe, receive [`Message`]s, publish them.
+//! - [`message`]: the one value all crates exchange.
+
+pub mod config;
+pub mod error;
+pub mod guard;
+pub mod link;
+pub mod message;
+pub mod server;
+
+pub use config::{BrokerConfig, ListenerConfig, MqttVersion};
+pub use error::Error;
+pub use link::{Link, Publisher};
+pub use message::Message;
+pub use server::Broker;
+
+/// Client ids starting with this prefix are reserved for the node's own in-process links.
+pub const RESERVED_CLIENT_PREFIX: &str = "edgemeta-";

@@ -1,0 +1,135 @@
+use bytes::Bytes;
+use rumqttd::local::{LinkRx, LinkTx};
+use rumqttd::protocol::{Packet, Publish, PublishProperties};
+use rumqttd::Notification;
+use tokio::sync::mpsc;
+use tracing::{debug, error, warn};
+
+use crate::{Error, Message};
+
+/// An in-process MQTT client: [`Link::inbox`] yields what its filters match, [`Publisher`] sends.
+///
+/// Receiving runs as a tokio task (rumqttd's `LinkRx::next` is async); publishing runs on its own
+/// thread because `LinkTx` blocks on rumqttd's bounded router channel.
+pub struct Link {
+    pub inbox: mpsc::Receiver<Message>,
+    pub publisher: Publisher,
+}
+
+/// Cheap, cloneable handle that publishes through a [`Link`].
+#[derive(Clone, Debug)]
+pub struct Publisher {
+    tx: mpsc::Sender<Message>,
+}
+
+impl Publisher {
+    /// Queues `message` for the broker; waits while the link's queue is full.
+    pub async fn publish(&self, message: Message) -> Result<(), Error> {
+        self.tx.send(message).await.map_err(|_| Error::LinkClosed)
+    }
+
+    /// A publisher whose messages land in the returned receiver: for tests of broker-free code.
+    pub fn channel(capacity: usize) -> (Publisher, mpsc::Receiver<Message>) {
+        let (tx, rx) = mpsc::channel(capacity);
+        (Publisher { tx }, rx)
+    }
+}
+
+impl Link {
+    pub(crate) fn spawn(
+        client_id: String,
+        link_tx: LinkTx,
+        link_rx: LinkRx,
+        capacity: usize,
+    ) -> Result<Link, Error> {
+        let (inbox_tx, inbox) = mpsc::channel(capacity);
+        let (publisher, outgoing) = Publisher::channel(capacity);
+        tokio::spawn(receive(client_id.clone(), link_rx, inbox_tx));
+        std::thread::Builder::new()
+            .name(format!("{client_id}-tx"))
+            .spawn(move || send(client_id, link_tx, outgoing))
+            .map_err(|e| Error::Link {
+                client_id: "publisher thread".into(),
+                reason: e.to_string(),
+            })?;
+        Ok(Link { inbox, publisher })
+    }
+}
+
+/// Router notifications → inbox. Ends when the inbox is dropped or the router goes away.
+async fn receive(client_id: String, mut link_rx: LinkRx, inbox: mpsc::Sender<Message>) {
+    loop {
+        let notification = match link_rx.next().await {
+            Ok(Some(n)) => n,
+            Ok(None) => continue,
+            Err(e) => {
+                error!(error_code = "EM-BROKER-LINK", %client_id, error = %e, "link receive failed");
+                return;
+            }
+        };
+        match notification {
+            Notification::Forward(forward) => {
+                let Ok(topic) = String::from_utf8(forward.publish.topic.to_vec()) else {
+                    warn!(error_code = "EM-BROKER-TOPIC-UTF8", %client_id, "dropped publish with non-UTF-8 topic");
+                    continue;
+                };
+                let (response_topic, correlation) = match forward.properties {
+                    Some(p) => (p.response_topic, p.correlation_data),
+                    None => (None, None),
+                };
+                let message = Message {
+                    topic,
+                    payload: forward.publish.payload,
+                    response_topic,
+                    correlation,
+                };
+                if inbox.send(message).await.is_err() {
+                    return;
+                }
+            }
+            // The router parks a link whose buffer filled; without this, delivery stops silently.
+            Notification::Unschedule => {
+                if let Err(e) = link_rx.wake().await {
+                    error!(error_code = "EM-BROKER-LINK", %client_id, error = %e, "link wake failed");
+                    return;
+                }
+            }
+            other => debug!(%client_id, notification = ?other, "link notification"),
+        }
+    }
+}
+
+/// Outgoing queue → router, on a dedicated thread.
+fn send(client_id: String, mut link_tx: LinkTx, mut outgoing: mpsc::Receiver<Message>) {
+    while let Some(message) = outgoing.blocking_recv() {
+        let result = match message.correlation {
+            None => link_tx.publish(message.topic, message.payload),
+            Some(correlation) => {
+                let properties = PublishProperties {
+                    correlation_data: Some(correlation),
+                    ..Default::default()
+                };
+                let publish = Publish::new(Bytes::from(message.topic), message.payload, false);
+                // `send` is declared async but completes without awaiting anything.
+                poll_ready_now(link_tx.send(Packet::Publish(publish, Some(properties))))
+            }
+        };
+        if let Err(e) = result {
+            error!(error_code = "EM-BROKER-LINK", %client_id, error = %e, "link publish failed");
+            return;
+        }
+    }
+}
+
+/// Polls a future that never returns `Pending` (rumqttd's `LinkTx::send`) to completion.
+fn poll_ready_now<F: std::future::Future>(future: F) -> F::Output {
+    use std::task::{Context, Poll, Waker};
+    let mut future = std::pin::pin!(future);
+    let mut cx = Context::from_waker(Waker::noop());
+    loop {
+        if let Poll::Ready(out) = future.as_mut().poll(&mut cx) {
+            return out;
+        }
+        std::thread::yield_now();
+    }
+}

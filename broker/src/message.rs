@@ -1,0 +1,24 @@
+use bytes::Bytes;
+
+/// One MQTT publication as our modules see it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Message {
+    pub topic: String,
+    pub payload: Bytes,
+    /// MQTT v5 Response Topic a requester asked its replies to go to (incoming only).
+    pub response_topic: Option<String>,
+    /// MQTT v5 Correlation Data: read from a request, attached to its reply.
+    pub correlation: Option<Bytes>,
+}
+
+impl Message {
+    /// A publication with no v5 properties.
+    pub fn new(topic: impl Into<String>, payload: impl Into<Bytes>) -> Self {
+        Message {
+            topic: topic.into(),
+            payload: payload.into(),
+            response_topic: None,
+            correlation: None,
+        }
+    }
+}

@@ -1,0 +1,192 @@
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rumqttd::local::{LinkBuilder, LinkRx, LinkTx};
+use rumqttd::protocol::{v4::V4, v5::V5};
+use rumqttd::{LinkType, Notification, Router, Server};
+use tokio::task::JoinSet;
+use tracing::info;
+
+use crate::config::{BrokerConfig, MqttVersion};
+use crate::guard::ConnectGuard;
+use crate::link::Link;
+use crate::{Error, RESERVED_CLIENT_PREFIX};
+
+/// Spawns one rumqttd listener on our runtime, its codec wrapped in [`ConnectGuard`].
+///
+/// A macro because rumqttd's router channel type cannot be named outside rumqttd.
+macro_rules! spawn_listener {
+    ($set:expr, $settings:expr, $router_tx:expr, $protocol:expr) => {{
+        let settings: rumqttd::ServerSettings = $settings;
+        let (name, address) = (settings.name.clone(), settings.listen);
+        let mut server = Server::new(settings, $router_tx, ConnectGuard::new($protocol));
+        $set.spawn(async move {
+            let reason = match server.start(LinkType::Remote).await {
+                Ok(()) => "accept loop ended".to_owned(),
+                Err(e) => e.to_string(),
+            };
+            Error::ListenerStopped {
+                name,
+                address,
+                reason,
+            }
+        });
+    }};
+}
+
+/// How long a listener may take to bind once its task is spawned.
+const READY_TIMEOUT: Duration = Duration::from_secs(5);
+
+type LinkFactory = dyn Fn(&str) -> Result<(LinkTx, LinkRx, Notification), rumqttd::local::LinkError>
+    + Send
+    + Sync;
+
+/// The running broker: rumqttd's router thread plus one task per listener on our runtime.
+///
+/// Dropping it stops the listeners (existing connections and the router live until process exit,
+/// rumqttd has no shutdown).
+pub struct Broker {
+    listeners: JoinSet<Error>,
+    new_link: Arc<LinkFactory>,
+    open: Option<Box<OpenListeners>>,
+    addresses: Vec<(String, SocketAddr)>,
+}
+
+/// Spawns the configured listeners; a closure because it captures rumqttd's unnameable sender.
+type OpenListeners = dyn FnOnce(&mut JoinSet<Error>) -> Result<Vec<(String, SocketAddr, MqttVersion)>, Error> + Send;
+
+impl Broker {
+    /// Validates the config and starts rumqttd's router; listeners open with [`Broker::listen`],
+    /// so in-process links can subscribe before the first client arrives.
+    pub fn new(config: &BrokerConfig) -> Result<Broker, Error> {
+        config.validate()?;
+        let router_tx = Router::new(0, config.router_config()).spawn();
+        let listener_tx = router_tx.clone();
+        let new_link: Arc<LinkFactory> = Arc::new(move |client_id: &str| {
+            LinkBuilder::new(client_id, router_tx.clone())
+                .clean_session(true)
+                .build()
+        });
+        let config = config.clone();
+        let open: Box<OpenListeners> = Box::new(move |listeners: &mut JoinSet<Error>| {
+            let mut planned = Vec::new();
+            for (name, listener) in &config.listeners {
+                // rumqttd only logs a failed bind; probe first so the failure is ours to report.
+                std::net::TcpListener::bind(listener.address).map_err(|source| Error::Bind {
+                    name: name.clone(),
+                    address: listener.address,
+                    source,
+                })?;
+                let settings = config.server_settings(name, listener);
+                match listener.protocol {
+                    MqttVersion::V4 => spawn_listener!(listeners, settings, listener_tx.clone(), V4),
+                    MqttVersion::V5 => spawn_listener!(listeners, settings, listener_tx.clone(), V5),
+                }
+                planned.push((name.clone(), listener.address, listener.protocol));
+            }
+            Ok(planned)
+        });
+        Ok(Broker {
+            listeners: JoinSet::new(),
+            new_link,
+            open: Some(open),
+            addresses: Vec::new(),
+        })
+    }
+
+    /// Opens every listener; returns once all of them accept connections.
+    ///
+    /// # Errors
+    /// A listener that cannot bind (address in use, bad address) is fatal and named.
+    pub async fn listen(&mut self) -> Result<(), Error> {
+        let Some(open) = self.open.take() else {
+            return Ok(());
+        };
+        for (name, address, protocol) in open(&mut self.listeners)? {
+            wait_until_bound(&mut self.listeners, &name, address).await?;
+            info!(listener = %name, %address, ?protocol, "mqtt listener ready");
+            self.addresses.push((name, address));
+        }
+        Ok(())
+    }
+
+    /// The listeners' names and addresses.
+    pub fn addresses(&self) -> &[(String, SocketAddr)] {
+        &self.addresses
+    }
+
+    /// Opens an in-process client named `edgemeta-<name>` subscribed to `filters`.
+    pub async fn link(&self, name: &str, filters: &[String], capacity: usize) -> Result<Link, Error> {
+        let client_id = format!("{RESERVED_CLIENT_PREFIX}{name}");
+        let factory = self.new_link.clone();
+        let filters = filters.to_vec();
+        let id = client_id.clone();
+        // Registering with the router is a blocking round trip; keep it off the tokio workers.
+        let (tx, rx) = tokio::task::spawn_blocking(move || {
+            let (mut tx, rx, _ack) = factory(&id).map_err(|e| link_error(&id, e))?;
+            for filter in filters {
+                tx.subscribe(filter).map_err(|e| link_error(&id, e))?;
+            }
+            Ok::<_, Error>((tx, rx))
+        })
+        .await
+        .map_err(|e| Error::Link {
+            client_id: client_id.clone(),
+            reason: e.to_string(),
+        })??;
+        Link::spawn(client_id, tx, rx, capacity)
+    }
+
+    /// Resolves when a listener stops after start-up; the node cannot serve without it.
+    pub async fn failed(&mut self) -> Error {
+        match self.listeners.join_next().await {
+            Some(Ok(error)) => error,
+            Some(Err(join)) => Error::ListenerStopped {
+                name: "?".into(),
+                address: SocketAddr::from(([0, 0, 0, 0], 0)),
+                reason: join.to_string(),
+            },
+            None => std::future::pending().await,
+        }
+    }
+}
+
+fn link_error(client_id: &str, error: rumqttd::local::LinkError) -> Error {
+    Error::Link {
+        client_id: client_id.to_owned(),
+        reason: error.to_string(),
+    }
+}
+
+/// Waits until rumqttd holds the port (our own bind then fails) or its task has died.
+async fn wait_until_bound(
+    set: &mut JoinSet<Error>,
+    name: &str,
+    address: SocketAddr,
+) -> Result<(), Error> {
+    let started = Instant::now();
+    loop {
+        if let Some(done) = set.try_join_next() {
+            return Err(match done {
+                Ok(e) => e,
+                Err(join) => Error::ListenerStopped {
+                    name: name.to_owned(),
+                    address,
+                    reason: join.to_string(),
+                },
+            });
+        }
+        if std::net::TcpListener::bind(address).is_err() {
+            return Ok(());
+        }
+        if started.elapsed() > READY_TIMEOUT {
+            return Err(Error::NotReady {
+                name: name.to_owned(),
+                address,
+                waited_ms: READY_TIMEOUT.as_millis() as u64,
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}

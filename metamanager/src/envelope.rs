@@ -1,0 +1,258 @@
+//! The KubeEdge `model.Message` JSON envelope (protocol §1), full or bare.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+
+/// `header` of a message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Header {
+    #[serde(default = "new_msg_id")]
+    pub msg_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_msg_id: Option<String>,
+    #[serde(default = "now_ms")]
+    pub timestamp: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resourceversion: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sync: Option<bool>,
+}
+
+/// `route` of a message: who sent it and what it is about.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Route {
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub source: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub group: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub operation: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub resource: String,
+}
+
+/// A whole message. `content` stays the sender's JSON text: it is stored and forwarded verbatim.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Envelope {
+    pub header: Header,
+    pub route: Route,
+    pub content: Box<RawValue>,
+}
+
+/// Why a payload cannot be read as a message.
+#[derive(Debug, thiserror::Error)]
+pub enum EnvelopeError {
+    #[error("payload is neither JSON nor UTF-8 text")]
+    NotText,
+    #[error("invalid envelope: {0}")]
+    Invalid(#[source] serde_json::Error),
+}
+
+/// A fresh UUIDv4 message id.
+pub fn new_msg_id() -> String {
+    uuid::Uuid::new_v4().to_string()
+}
+
+/// Milliseconds since the epoch, KubeEdge's timestamp unit.
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// The JSON `null`, for messages with no content.
+pub fn null() -> Box<RawValue> {
+    raw("null")
+}
+
+/// Wraps JSON text that is known to be valid.
+pub(crate) fn raw(json: &str) -> Box<RawValue> {
+    RawValue::from_string(json.to_owned()).expect("caller passes valid JSON")
+}
+
+/// A JSON string value holding `text`.
+pub fn json_string(text: &str) -> Box<RawValue> {
+    serde_json::value::to_raw_value(text).expect("a string always serializes")
+}
+
+/// The only keys we look at to tell a full envelope from a bare payload.
+#[derive(Deserialize)]
+struct Probe<'a> {
+    #[serde(borrow)]
+    header: Option<&'a RawValue>,
+    #[serde(borrow)]
+    route: Option<&'a RawValue>,
+    #[serde(borrow)]
+    content: Option<&'a RawValue>,
+}
+
+impl Envelope {
+    /// Reads a payload: a JSON object with `header` and `route` is a full envelope; anything else
+    /// is the content of a new message (invalid JSON becomes a JSON string, empty becomes `null`).
+    pub fn parse(payload: &[u8]) -> Result<Envelope, EnvelopeError> {
+        let content = match serde_json::from_slice::<Probe<'_>>(payload) {
+            Ok(Probe {
+                header: Some(header),
+                route: Some(route),
+                content,
+            }) => {
+                let header = object(header, "header")?;
+                let route = object(route, "route")?;
+                let content = content.map_or_else(null, |c| c.to_owned());
+                return Ok(Envelope {
+                    header,
+                    route,
+                    content,
+                });
+            }
+            Ok(_) => raw_json(payload).ok_or(EnvelopeError::NotText)?,
+            Err(_) => bare_content(payload)?,
+        };
+        Ok(Envelope::new(Route::default(), content))
+    }
+
+    /// A new message with a fresh id and timestamp.
+    pub fn new(route: Route, content: Box<RawValue>) -> Envelope {
+        Envelope {
+            header: Header {
+                msg_id: new_msg_id(),
+                parent_msg_id: None,
+                timestamp: now_ms(),
+                resourceversion: None,
+                sync: None,
+            },
+            route,
+            content,
+        }
+    }
+
+    /// The wire form.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("an envelope of strings and raw JSON always serializes")
+    }
+
+    /// `content` when it is a JSON string, unescaped.
+    pub fn content_str(&self) -> Option<String> {
+        serde_json::from_str::<String>(self.content.get()).ok()
+    }
+}
+
+/// Deserializes a header or route, which must be a JSON object (serde would also take an array).
+fn object<T: serde::de::DeserializeOwned>(raw: &RawValue, what: &str) -> Result<T, EnvelopeError> {
+    if !raw.get().starts_with('{') {
+        let e = <serde_json::Error as serde::de::Error>::custom(format!("{what} must be a JSON object"));
+        return Err(EnvelopeError::Invalid(e));
+    }
+    serde_json::from_str(raw.get()).map_err(EnvelopeError::Invalid)
+}
+
+fn raw_json(payload: &[u8]) -> Option<Box<RawValue>> {
+    let text = std::str::from_utf8(payload).ok()?;
+    RawValue::from_string(text.trim().to_owned()).ok()
+}
+
+/// A payload that is not a JSON object with header and route.
+fn bare_content(payload: &[u8]) -> Result<Box<RawValue>, EnvelopeError> {
+    if payload.iter().all(u8::is_ascii_whitespace) {
+        return Ok(null());
+    }
+    if let Some(json) = raw_json(payload) {
+        return Ok(json);
+    }
+    let text = std::str::from_utf8(payload).map_err(|_| EnvelopeError::NotText)?;
+    if text.contains('\0') {
+        return Err(EnvelopeError::NotText);
+    }
+    Ok(json_string(text))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_envelope_keeps_ids_route_and_raw_content() {
+        let payload = br#"{"header":{"msg_id":"m1","parent_msg_id":"p0","timestamp":5,"resourceversion":"9","sync":true},
+            "route":{"source":"edgecontroller","group":"resource","operation":"insert","resource":"default/pod/nginx"},
+            "content":{"b": 1,  "a":[2]}}"#;
+        let e = Envelope::parse(payload).unwrap();
+        assert_eq!(e.header.msg_id, "m1");
+        assert_eq!(e.header.parent_msg_id.as_deref(), Some("p0"));
+        assert_eq!(e.header.timestamp, 5);
+        assert_eq!(e.header.sync, Some(true));
+        assert_eq!(e.route.source, "edgecontroller");
+        assert_eq!(e.content.get(), r#"{"b": 1,  "a":[2]}"#);
+    }
+
+    #[test]
+    fn a_full_envelope_without_content_has_null_content_and_fills_missing_ids() {
+        let e = Envelope::parse(br#"{"header":{},"route":{}}"#).unwrap();
+        assert_eq!(e.content.get(), "null");
+        assert_eq!(e.header.msg_id.len(), 36);
+        assert!(e.header.timestamp > 0);
+    }
+
+    #[test]
+    fn a_json_object_without_header_and_route_is_bare_content() {
+        let e = Envelope::parse(br#"{"data":{"k":"v"},"route":1}"#).unwrap();
+        assert_eq!(e.content.get(), r#"{"data":{"k":"v"},"route":1}"#);
+        assert_eq!(e.header.msg_id.len(), 36);
+    }
+
+    #[test]
+    fn bare_json_values_of_every_kind_are_content() {
+        for json in ["[1,2]", "\"text\"", "42", "true", "null"] {
+            assert_eq!(Envelope::parse(json.as_bytes()).unwrap().content.get(), json);
+        }
+    }
+
+    #[test]
+    fn an_empty_payload_is_null_content() {
+        assert_eq!(Envelope::parse(b"").unwrap().content.get(), "null");
+        assert_eq!(Envelope::parse(b" \n").unwrap().content.get(), "null");
+    }
+
+    #[test]
+    fn text_that_is_not_json_becomes_a_json_string() {
+        let e = Envelope::parse(b"cloud_connected").unwrap();
+        assert_eq!(e.content.get(), "\"cloud_connected\"");
+        assert_eq!(e.content_str().as_deref(), Some("cloud_connected"));
+        let e = Envelope::parse(b"{\"unterminated\": ").unwrap();
+        assert_eq!(e.content_str().as_deref(), Some("{\"unterminated\": "));
+    }
+
+    #[test]
+    fn binary_garbage_is_refused() {
+        for payload in [&[0xff, 0xfe, 0x00, 0x80][..], &[0xc3, 0x28], b"a\0b"] {
+            assert!(matches!(Envelope::parse(payload), Err(EnvelopeError::NotText)), "{payload:?}");
+        }
+    }
+
+    #[test]
+    fn a_malformed_header_or_route_is_an_invalid_envelope() {
+        for payload in [
+            r#"{"header":{"msg_id":5},"route":{}}"#,
+            r#"{"header":[],"route":{}}"#,
+            r#"{"header":{},"route":"x"}"#,
+            r#"{"header":{"timestamp":"soon"},"route":{}}"#,
+            r#"{"header":{},"route":{"source":7}}"#,
+        ] {
+            let err = Envelope::parse(payload.as_bytes()).unwrap_err();
+            assert!(matches!(err, EnvelopeError::Invalid(_)), "{payload}");
+            assert!(err.to_string().starts_with("invalid envelope: "));
+        }
+    }
+
+    #[test]
+    fn serialization_round_trips() {
+        let mut e = Envelope::new(Route::default(), raw(r#"{"x":[1]}"#));
+        e.route.operation = "insert".into();
+        e.header.parent_msg_id = Some("p".into());
+        let back = Envelope::parse(&e.to_bytes()).unwrap();
+        assert_eq!(back.header, e.header);
+        assert_eq!(back.route, e.route);
+        assert_eq!(back.content.get(), e.content.get());
+    }
+}

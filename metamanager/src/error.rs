@@ -1,0 +1,75 @@
+use crate::envelope::EnvelopeError;
+use crate::resource::InvalidResource;
+use crate::store::StoreError;
+
+/// Everything a message can fail with. `Display` is the text the requester reads in its `error`
+/// reply; [`Error::code`] is the stable code in the log line.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("unsupported operation {0:?}")]
+    UnsupportedOperation(String),
+    #[error(transparent)]
+    InvalidResource(#[from] InvalidResource),
+    #[error("payload of {size} bytes exceeds the limit of {limit} bytes")]
+    PayloadTooLarge { size: usize, limit: usize },
+    #[error(transparent)]
+    Envelope(#[from] EnvelopeError),
+    #[error("invalid {what} content: {reason}")]
+    Content { what: &'static str, reason: String },
+    #[error("{action} failed: {source}")]
+    Store {
+        action: &'static str,
+        source: libsql::Error,
+    },
+    #[error("no answer from the cloud to query {resource} within {waited_ms} ms and nothing stored locally")]
+    RemoteTimeout { resource: String, waited_ms: u64 },
+    #[error("edged did not answer {operation} {resource} within {waited_ms} ms")]
+    VolumeTimeout {
+        operation: String,
+        resource: String,
+        waited_ms: u64,
+    },
+    #[error("commit failed: {0}")]
+    Commit(String),
+    #[error("store unavailable: {0}")]
+    Open(#[from] StoreError),
+    #[error("the metamanager is shutting down")]
+    Closed,
+}
+
+impl Error {
+    /// Wraps a store failure with what was being done, in KubeEdge's words.
+    pub fn store(action: &'static str) -> impl FnOnce(libsql::Error) -> Error {
+        move |source| Error::Store { action, source }
+    }
+
+    /// A stable code for logs and alerts.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Error::UnsupportedOperation(_) => "EM-META-OPERATION",
+            Error::InvalidResource(_) => "EM-META-RESOURCE",
+            Error::PayloadTooLarge { .. } => "EM-META-PAYLOAD-SIZE",
+            Error::Envelope(EnvelopeError::NotText) => "EM-META-PAYLOAD-BINARY",
+            Error::Envelope(EnvelopeError::Invalid(_)) => "EM-META-ENVELOPE",
+            Error::Content { .. } => "EM-META-CONTENT",
+            Error::Store { .. } => "EM-STORE-WRITE",
+            Error::RemoteTimeout { .. } => "EM-META-REMOTE-TIMEOUT",
+            Error::VolumeTimeout { .. } => "EM-META-VOLUME-TIMEOUT",
+            Error::Commit(_) => "EM-STORE-COMMIT",
+            Error::Open(_) => "EM-STORE-OPEN",
+            Error::Closed => "EM-META-CLOSED",
+        }
+    }
+
+    /// Bad input is the sender's problem (logged at warn); the rest is ours (logged at error).
+    pub fn is_bad_input(&self) -> bool {
+        matches!(
+            self,
+            Error::UnsupportedOperation(_)
+                | Error::InvalidResource(_)
+                | Error::PayloadTooLarge { .. }
+                | Error::Envelope(_)
+                | Error::Content { .. }
+        )
+    }
+}

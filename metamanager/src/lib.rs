@@ -1,0 +1,204 @@
+//! The MetaManager: KubeEdge's edge metadata hub on MQTT. Messages addressed to `<root>/meta/...`
+//! are parsed, applied to the SQLite store and routed on to edged, edgemesh, edgefunction and
+//! the cloud (through the durable outbox), exactly as KubeEdge v1.3's `process.go` does.
+//!
+//! # Layout (in the order a message flows)
+//! - [`intake`]: link inbox → topic and envelope checks → [`Request`]; malformed input answered.
+//! - [`topic`], [`envelope`], [`operation`], [`resource`]: the grammar.
+//! - [`worker`]: the store owner thread; group commit, one savepoint per message.
+//! - [`process`]: what each operation does, driven by the [`routing`] table.
+//! - [`store`]: libsql on a local file: `meta` (KubeEdge's table) and `outbox`.
+//! - [`relay`]: without a cloud bridge, the outbox goes to the local `<root>/cloud/...` topics.
+
+pub mod envelope;
+pub mod error;
+pub mod intake;
+pub mod operation;
+pub mod process;
+pub mod relay;
+pub mod request;
+pub mod resource;
+pub mod routing;
+pub mod store;
+pub mod topic;
+pub mod worker;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use edgemeta_broker::{Link, Publisher};
+use serde::Deserialize;
+use tokio::sync::{mpsc, oneshot, Notify};
+use tokio_util::sync::CancellationToken;
+
+pub use error::Error;
+pub use operation::Operation;
+pub use request::Request;
+pub use store::{OutboxEntry, StoreConfig};
+
+/// MetaManager settings (`metamanager:` in the YAML config).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct MetaConfig {
+    /// Largest payload accepted on `<root>/meta/...`; larger ones get an `error` reply.
+    #[serde(default = "default_max_payload_bytes")]
+    pub max_payload_bytes: usize,
+    /// How long a remote query waits for the cloud before answering from the store or failing.
+    #[serde(default = "default_wait_ms")]
+    pub remote_query_timeout_ms: u64,
+    /// How long a CSI volume call waits for edged's answer.
+    #[serde(default = "default_wait_ms")]
+    pub volume_timeout_ms: u64,
+    /// Seconds between pod-status syncs to the cloud (KubeEdge `podStatusSyncInterval`).
+    #[serde(default = "default_podstatus_sync_interval_s")]
+    pub podstatus_sync_interval_s: u64,
+    /// Messages that may wait for the store worker before intake stops reading the broker.
+    #[serde(default = "default_queue_capacity")]
+    pub queue_capacity: usize,
+}
+
+const fn default_max_payload_bytes() -> usize {
+    1024 * 1024
+}
+const fn default_wait_ms() -> u64 {
+    60_000
+}
+const fn default_podstatus_sync_interval_s() -> u64 {
+    60
+}
+const fn default_queue_capacity() -> usize {
+    4096
+}
+
+impl Default for MetaConfig {
+    fn default() -> Self {
+        MetaConfig {
+            max_payload_bytes: default_max_payload_bytes(),
+            remote_query_timeout_ms: default_wait_ms(),
+            volume_timeout_ms: default_wait_ms(),
+            podstatus_sync_interval_s: default_podstatus_sync_interval_s(),
+            queue_capacity: default_queue_capacity(),
+        }
+    }
+}
+
+/// The filter the MetaManager's link subscribes to.
+pub fn subscription(root: &str) -> String {
+    format!("{root}/{}/#", topic::META)
+}
+
+/// Access to the outbox for whoever delivers it (the local relay or the cloud bridge).
+#[derive(Clone)]
+pub struct OutboxHandle {
+    jobs: mpsc::Sender<worker::Job>,
+    changed: Arc<Notify>,
+}
+
+impl OutboxHandle {
+    /// The oldest `limit` entries not yet acknowledged, oldest first.
+    pub async fn peek(&self, limit: usize) -> Result<Vec<OutboxEntry>, Error> {
+        let (reply, rx) = oneshot::channel();
+        self.jobs
+            .send(worker::Job::OutboxPeek { limit, reply })
+            .await
+            .map_err(|_| Error::Closed)?;
+        rx.await.map_err(|_| Error::Closed)?
+    }
+
+    /// Deletes every entry up to and including `seq`, after it was delivered.
+    pub async fn ack(&self, seq: i64) -> Result<(), Error> {
+        let (reply, rx) = oneshot::channel();
+        self.jobs
+            .send(worker::Job::OutboxAck { seq, reply })
+            .await
+            .map_err(|_| Error::Closed)?;
+        rx.await.map_err(|_| Error::Closed)?
+    }
+
+    /// Wakes when new entries may have been committed.
+    pub fn changed(&self) -> Arc<Notify> {
+        self.changed.clone()
+    }
+}
+
+/// A running MetaManager.
+pub struct MetaManager {
+    outbox: OutboxHandle,
+    intake: tokio::task::JoinHandle<()>,
+    store_done: oneshot::Receiver<()>,
+}
+
+impl MetaManager {
+    /// Opens the store and starts intake and worker on `link` (subscribed to [`subscription`]).
+    ///
+    /// With `local_relay`, the outbox is delivered to the local broker (no cloud bridge).
+    pub async fn start(
+        config: &MetaConfig,
+        store: &StoreConfig,
+        root: &str,
+        link: Link,
+        local_relay: bool,
+        cancel: CancellationToken,
+    ) -> Result<MetaManager, Error> {
+        let (jobs_tx, jobs_rx) = mpsc::channel(config.queue_capacity.max(1));
+        let changed = Arc::new(Notify::new());
+        let worker_config = worker::WorkerConfig {
+            root: root.to_owned(),
+            waits: process::Waits {
+                remote_query: Duration::from_millis(config.remote_query_timeout_ms),
+                volume: Duration::from_millis(config.volume_timeout_ms),
+            },
+            podstatus_sync_interval: Duration::from_secs(config.podstatus_sync_interval_s.max(1)),
+            batch_max: store.batch_max.max(1),
+        };
+        let Link { inbox, publisher } = link;
+        let store_done = worker::spawn(
+            store.clone(),
+            worker_config,
+            jobs_rx,
+            publisher.clone(),
+            changed.clone(),
+        )
+        .await?;
+        let outbox = OutboxHandle {
+            jobs: jobs_tx.clone(),
+            changed: changed.clone(),
+        };
+        if local_relay {
+            tokio::spawn(relay::run(outbox.clone(), publisher.clone(), changed, cancel.clone()));
+        }
+        let intake_config = intake::IntakeConfig {
+            root: root.to_owned(),
+            max_payload_bytes: config.max_payload_bytes,
+        };
+        let intake = tokio::spawn(intake::run(intake_config, inbox, jobs_tx, publisher, cancel));
+        Ok(MetaManager {
+            outbox,
+            intake,
+            store_done,
+        })
+    }
+
+    /// The outbox, for a cloud bridge.
+    pub fn outbox(&self) -> OutboxHandle {
+        self.outbox.clone()
+    }
+
+    /// Waits until intake has stopped and the worker has committed everything it accepted.
+    /// Cancel the token given to [`MetaManager::start`] first.
+    pub async fn stopped(self) {
+        let MetaManager {
+            outbox,
+            intake,
+            store_done,
+        } = self;
+        let _ = intake.await;
+        drop(outbox);
+        let _ = store_done.await;
+    }
+}
+
+/// Re-exported for tests that drive the MetaManager without a broker.
+pub fn test_publisher(capacity: usize) -> (Publisher, mpsc::Receiver<edgemeta_broker::Message>) {
+    Publisher::channel(capacity)
+}

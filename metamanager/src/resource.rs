@@ -1,0 +1,89 @@
+use std::fmt;
+
+/// A KubeEdge edge resource `<namespace>/<type>[/<id>]`; the whole string is the store key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resource {
+    key: String,
+    type_end: usize,
+    namespace_end: usize,
+}
+
+/// A resource string that is not `<namespace>/<type>[/<id>]`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid resource {0:?}: want <namespace>/<type>[/<id>]")]
+pub struct InvalidResource(pub String);
+
+impl Resource {
+    /// Parses `<namespace>/<type>[/<id>]`: two or three non-empty levels.
+    pub fn parse(raw: &str) -> Result<Resource, InvalidResource> {
+        let levels: Vec<&str> = raw.split('/').collect();
+        if !(2..=3).contains(&levels.len()) || levels.iter().any(|l| l.is_empty()) {
+            return Err(InvalidResource(raw.to_owned()));
+        }
+        let namespace_end = levels[0].len();
+        Ok(Resource {
+            key: raw.to_owned(),
+            namespace_end,
+            type_end: namespace_end + 1 + levels[1].len(),
+        })
+    }
+
+    /// Builds `<namespace>/<type>/<id>` from parts already known to be single levels.
+    pub fn from_parts(namespace: &str, res_type: &str, id: &str) -> Result<Resource, InvalidResource> {
+        Resource::parse(&format!("{namespace}/{res_type}/{id}"))
+    }
+
+    /// The whole resource string: the `meta.key` column.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    pub fn namespace(&self) -> &str {
+        &self.key[..self.namespace_end]
+    }
+
+    /// The `meta.type` column.
+    pub fn res_type(&self) -> &str {
+        &self.key[self.namespace_end + 1..self.type_end]
+    }
+
+    /// The object's name; `None` for a two-level (list) resource.
+    pub fn id(&self) -> Option<&str> {
+        self.key.get(self.type_end + 1..)
+    }
+}
+
+impl fmt::Display for Resource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.key)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn three_levels_give_namespace_type_and_id() {
+        let r = Resource::parse("default/pod/nginx").unwrap();
+        assert_eq!((r.namespace(), r.res_type(), r.id()), ("default", "pod", Some("nginx")));
+        assert_eq!(r.key(), "default/pod/nginx");
+    }
+
+    #[test]
+    fn two_levels_are_a_list_of_a_type() {
+        let r = Resource::parse("default/pod").unwrap();
+        assert_eq!((r.namespace(), r.res_type(), r.id()), ("default", "pod", None));
+    }
+
+    #[test]
+    fn other_shapes_are_rejected_with_the_expected_text() {
+        for raw in ["", "pod", "a/b/c/d", "a//c", "/pod/x", "a/b/", "default/pod/nginx/extra/x"] {
+            let err = Resource::parse(raw).unwrap_err();
+            assert_eq!(
+                err.to_string(),
+                format!("invalid resource {raw:?}: want <namespace>/<type>[/<id>]")
+            );
+        }
+    }
+}

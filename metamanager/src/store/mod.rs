@@ -1,0 +1,278 @@
+//! The SQLite store: KubeEdge's `meta` table plus the cloud `outbox`, through libsql.
+//!
+//! [`Db`] is used only by the worker thread that owns it (see `worker.rs`): libsql runs SQLite
+//! synchronously inside its async calls, so it must never run on a tokio worker serving MQTT.
+
+mod migrations;
+
+use std::path::Path;
+use std::time::Duration;
+
+use libsql::{params, Connection};
+use serde::Deserialize;
+
+/// Store settings (`store:` in the YAML config).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StoreConfig {
+    /// SQLite file; created with its parent directories when missing.
+    #[serde(default = "default_path")]
+    pub path: std::path::PathBuf,
+    /// How long a statement waits for a lock held by another connection, in milliseconds.
+    #[serde(default = "default_busy_timeout_ms")]
+    pub busy_timeout_ms: u64,
+    /// `full` survives power loss; `normal` only process crashes (SQLite `synchronous`).
+    #[serde(default)]
+    pub synchronous: Synchronous,
+    /// Most messages committed in one transaction (group commit).
+    #[serde(default = "default_batch_max")]
+    pub batch_max: usize,
+    /// SQLite `max_page_count` (4 KiB pages); 0 = unlimited. A full store answers `error`.
+    #[serde(default)]
+    pub max_pages: u64,
+}
+
+/// SQLite `synchronous` levels offered.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Synchronous {
+    #[default]
+    Full,
+    Normal,
+}
+
+fn default_path() -> std::path::PathBuf {
+    "edgemeta.db".into()
+}
+const fn default_busy_timeout_ms() -> u64 {
+    5_000
+}
+const fn default_batch_max() -> usize {
+    256
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            path: default_path(),
+            busy_timeout_ms: default_busy_timeout_ms(),
+            synchronous: Synchronous::default(),
+            batch_max: default_batch_max(),
+            max_pages: 0,
+        }
+    }
+}
+
+/// A store failure, with the SQLite text.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("cannot create directory {path}: {source}")]
+    CreateDir {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("store {path} has schema version {found}, newer than this build's {latest}")]
+    TooNew {
+        path: String,
+        found: i64,
+        latest: i64,
+    },
+    #[error("{0}")]
+    Sql(#[from] libsql::Error),
+}
+
+/// One row of the cloud outbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxEntry {
+    pub seq: i64,
+    pub topic: String,
+    pub payload: Vec<u8>,
+}
+
+/// A typed view of one SQLite connection. Every statement is a fresh, reset-free execution:
+/// libsql silently reuses old values when a prepared statement is re-run without `reset()`.
+pub struct Db {
+    conn: Connection,
+    // Keeps the database alive as long as the connection.
+    _db: libsql::Database,
+}
+
+impl Db {
+    /// Opens (creating if needed) the store and brings its schema up to date.
+    pub async fn open(config: &StoreConfig) -> Result<Db, StoreError> {
+        if let Some(dir) = config.path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|source| StoreError::CreateDir {
+                path: dir.display().to_string(),
+                source,
+            })?;
+        }
+        let db = libsql::Builder::new_local(&config.path).build().await?;
+        let conn = db.connect()?;
+        conn.busy_timeout(Duration::from_millis(config.busy_timeout_ms))?;
+        // journal_mode returns a row, so it must go through query(), not execute().
+        conn.query("PRAGMA journal_mode=WAL", ()).await?;
+        let sync = match config.synchronous {
+            Synchronous::Full => "FULL",
+            Synchronous::Normal => "NORMAL",
+        };
+        conn.execute(&format!("PRAGMA synchronous={sync}"), ()).await?;
+        if config.max_pages > 0 {
+            conn.query(&format!("PRAGMA max_page_count={}", config.max_pages), ())
+                .await?;
+        }
+        let this = Db { conn, _db: db };
+        this.migrate(&config.path).await?;
+        Ok(this)
+    }
+
+    async fn migrate(&self, path: &Path) -> Result<(), StoreError> {
+        let current = self.scalar_i64("PRAGMA user_version").await?;
+        let latest = migrations::latest();
+        if current > latest {
+            return Err(StoreError::TooNew {
+                path: path.display().to_string(),
+                found: current,
+                latest,
+            });
+        }
+        for (version, sql) in migrations::MIGRATIONS.iter().filter(|(v, _)| *v > current) {
+            self.conn.execute("BEGIN IMMEDIATE", ()).await?;
+            let applied = async {
+                self.conn.execute_batch(sql).await?;
+                self.conn
+                    .execute(&format!("PRAGMA user_version={version}"), ())
+                    .await?;
+                self.conn.execute("COMMIT", ()).await
+            }
+            .await;
+            if let Err(e) = applied {
+                let _ = self.conn.execute("ROLLBACK", ()).await;
+                return Err(e.into());
+            }
+            tracing::info!(version, "store schema migrated");
+        }
+        Ok(())
+    }
+
+    async fn scalar_i64(&self, sql: &str) -> Result<i64, libsql::Error> {
+        let mut rows = self.conn.query(sql, ()).await?;
+        match rows.next().await? {
+            Some(row) => row.get::<i64>(0),
+            None => Ok(0),
+        }
+    }
+
+    /// Runs a transaction-control statement (`BEGIN`, `SAVEPOINT x`, `COMMIT`, ...).
+    pub async fn control(&self, sql: &str) -> Result<(), libsql::Error> {
+        self.conn.execute(sql, ()).await.map(drop)
+    }
+
+    /// `value` of `key`, if stored.
+    pub async fn get(&self, key: &str) -> Result<Option<String>, libsql::Error> {
+        let mut rows = self
+            .conn
+            .query("SELECT value FROM meta WHERE key = ?1", [key])
+            .await?;
+        match rows.next().await? {
+            Some(row) => row.get::<Option<String>>(0),
+            None => Ok(None),
+        }
+    }
+
+    /// Insert or replace one record (KubeEdge `InsertOrUpdate`).
+    pub async fn upsert(&self, key: &str, res_type: &str, value: &str) -> Result<(), libsql::Error> {
+        self.conn
+            .execute(
+                "INSERT INTO meta (key, type, value) VALUES (?1, ?2, ?3)
+                 ON CONFLICT(key) DO UPDATE SET type = excluded.type, value = excluded.value",
+                params![key, res_type, value],
+            )
+            .await
+            .map(drop)
+    }
+
+    /// Deletes `key`; the number of rows removed.
+    pub async fn delete(&self, key: &str) -> Result<u64, libsql::Error> {
+        self.conn
+            .execute("DELETE FROM meta WHERE key = ?1", [key])
+            .await
+    }
+
+    /// Every `value` of `res_type`, in every namespace, in key order.
+    pub async fn list_by_type(&self, res_type: &str) -> Result<Vec<String>, libsql::Error> {
+        Ok(self
+            .rows_by_type(res_type)
+            .await?
+            .into_iter()
+            .map(|(_, v)| v)
+            .collect())
+    }
+
+    /// Every `(key, value)` of `res_type`, in key order.
+    pub async fn rows_by_type(&self, res_type: &str) -> Result<Vec<(String, String)>, libsql::Error> {
+        let mut rows = self
+            .conn
+            .query(
+                "SELECT key, value FROM meta WHERE type = ?1 ORDER BY key",
+                [res_type],
+            )
+            .await?;
+        let mut out = Vec::new();
+        while let Some(row) = rows.next().await? {
+            let value: Option<String> = row.get(1)?;
+            out.push((row.get(0)?, value.unwrap_or_default()));
+        }
+        Ok(out)
+    }
+
+    /// Appends one cloud-bound message to the outbox.
+    pub async fn outbox_push(&self, topic: &str, payload: &[u8]) -> Result<(), libsql::Error> {
+        self.conn
+            .execute(
+                "INSERT INTO outbox (topic, payload, created_ms) VALUES (?1, ?2, ?3)",
+                params![topic, payload.to_vec(), crate::envelope::now_ms()],
+            )
+            .await
+            .map(drop)
+    }
+
+    /// The oldest `limit` outbox entries, oldest first.
+    pub async fn outbox_peek(&self, limit: usize) -> Result<Vec<OutboxEntry>, libsql::Error> {
+        let mut rows = self
+            .conn
+            .query(
+                "SELECT seq, topic, payload FROM outbox ORDER BY seq LIMIT ?1",
+                [limit as i64],
+            )
+            .await?;
+        let mut out = Vec::new();
+        while let Some(row) = rows.next().await? {
+            out.push(OutboxEntry {
+                seq: row.get(0)?,
+                topic: row.get(1)?,
+                payload: row.get(2)?,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Removes every outbox entry up to and including `seq`.
+    pub async fn outbox_ack(&self, seq: i64) -> Result<u64, libsql::Error> {
+        self.conn
+            .execute("DELETE FROM outbox WHERE seq <= ?1", [seq])
+            .await
+    }
+
+    /// Entries waiting in the outbox.
+    pub async fn outbox_len(&self) -> Result<i64, libsql::Error> {
+        self.scalar_i64("SELECT count(*) FROM outbox").await
+    }
+
+    /// Folds the WAL back into the database file; called at shutdown.
+    pub async fn checkpoint(&self) -> Result<(), libsql::Error> {
+        self.conn
+            .query("PRAGMA wal_checkpoint(TRUNCATE)", ())
+            .await
+            .map(drop)
+    }
+}

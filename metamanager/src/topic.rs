@@ -1,0 +1,145 @@
+//! Topic grammar `<root>/<to>/<from>/<operation>/<resource>` (protocol §2).
+
+use crate::operation::Operation;
+use crate::resource::{InvalidResource, Resource};
+
+/// The module name the MetaManager uses as `<to>` and `<from>`.
+pub const META: &str = "meta";
+/// The module that stands for everything the cloud bridge carries up.
+pub const CLOUD: &str = "cloud";
+
+/// Cloud-side sources relayed by the bridge; their replies go to the `cloud` module.
+pub const CLOUD_SOURCES: [&str; 3] = ["edgecontroller", "funcmgr", "devicecontroller"];
+
+/// Where a reply to `source` is addressed: cloud sources are all reached through `cloud`.
+pub fn reply_module(source: &str) -> &str {
+    if CLOUD_SOURCES.contains(&source) {
+        CLOUD
+    } else {
+        source
+    }
+}
+
+/// A `ke/meta/...` topic split into its parts; the operation and resource are checked later so
+/// that a bad one can still be answered on the sender's error topic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboundTopic<'a> {
+    pub from: &'a str,
+    pub operation: &'a str,
+    /// Everything after the operation, possibly empty or of the wrong shape.
+    pub resource: &'a str,
+}
+
+/// Why a topic cannot even be answered (no sender to reply to).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("topic {0:?} is not <root>/meta/<from>/<operation>/<resource>")]
+pub struct UnaddressableTopic(pub String);
+
+impl<'a> InboundTopic<'a> {
+    /// Splits a topic addressed to the MetaManager.
+    pub fn parse(root: &str, topic: &'a str) -> Result<InboundTopic<'a>, UnaddressableTopic> {
+        let bad = || UnaddressableTopic(topic.to_owned());
+        let rest = topic
+            .strip_prefix(root)
+            .and_then(|t| t.strip_prefix('/'))
+            .and_then(|t| t.strip_prefix(META))
+            .and_then(|t| t.strip_prefix('/'))
+            .ok_or_else(bad)?;
+        let mut parts = rest.splitn(3, '/');
+        let from = parts.next().filter(|f| !f.is_empty()).ok_or_else(bad)?;
+        let operation = parts.next().ok_or_else(bad)?;
+        let resource = parts.next().unwrap_or("");
+        Ok(InboundTopic {
+            from,
+            operation,
+            resource,
+        })
+    }
+
+    /// The operation, if this node implements it.
+    pub fn operation(&self) -> Option<Operation> {
+        Operation::parse(self.operation)
+    }
+
+    pub fn resource(&self) -> Result<Resource, InvalidResource> {
+        Resource::parse(self.resource)
+    }
+}
+
+/// Builds `<root>/<to>/<from>/<operation>/<resource>`.
+pub fn outbound(root: &str, to: &str, from: &str, operation: &str, resource: &str) -> String {
+    if resource.is_empty() {
+        format!("{root}/{to}/{from}/{operation}")
+    } else {
+        format!("{root}/{to}/{from}/{operation}/{resource}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_three_level_resource_topic_splits() {
+        let t = InboundTopic::parse("ke", "ke/meta/edgecontroller/insert/default/pod/nginx").unwrap();
+        assert_eq!(t.from, "edgecontroller");
+        assert_eq!(t.operation(), Some(Operation::Insert));
+        assert_eq!(t.resource().unwrap().key(), "default/pod/nginx");
+    }
+
+    #[test]
+    fn a_two_level_resource_topic_splits() {
+        let t = InboundTopic::parse("ke", "ke/meta/edged/query/default/pod").unwrap();
+        assert_eq!(t.resource().unwrap().id(), None);
+    }
+
+    #[test]
+    fn a_custom_root_is_honoured() {
+        assert!(InboundTopic::parse("site7", "site7/meta/edged/query/default/pod").is_ok());
+        assert!(InboundTopic::parse("site7", "ke/meta/edged/query/default/pod").is_err());
+    }
+
+    #[test]
+    fn wrong_resource_shapes_are_kept_for_the_error_reply() {
+        let one = InboundTopic::parse("ke", "ke/meta/edged/insert/pod").unwrap();
+        assert_eq!(one.resource, "pod");
+        assert!(one.resource().is_err());
+        let five = InboundTopic::parse("ke", "ke/meta/edged/insert/a/b/c/d/e").unwrap();
+        assert_eq!(five.resource, "a/b/c/d/e");
+        assert!(five.resource().is_err());
+        let none = InboundTopic::parse("ke", "ke/meta/edged/insert").unwrap();
+        assert_eq!(none.resource, "");
+        assert!(none.resource().is_err());
+    }
+
+    #[test]
+    fn unknown_operations_are_kept_for_the_error_reply() {
+        let t = InboundTopic::parse("ke", "ke/meta/edged/frobnicate/default/pod/x").unwrap();
+        assert_eq!(t.operation, "frobnicate");
+        assert_eq!(t.operation(), None);
+    }
+
+    #[test]
+    fn topics_without_a_sender_are_unaddressable() {
+        for topic in ["ke", "ke/meta", "ke/meta/", "ke/meta//insert/a/b", "ke/edged/edged/insert/a/b", "kex/meta/edged/insert/a/b", "ke/metax/edged/insert/a/b"] {
+            assert!(InboundTopic::parse("ke", topic).is_err(), "{topic}");
+        }
+    }
+
+    #[test]
+    fn replies_to_cloud_sources_go_to_the_cloud_module() {
+        assert_eq!(reply_module("edgecontroller"), "cloud");
+        assert_eq!(reply_module("funcmgr"), "cloud");
+        assert_eq!(reply_module("edged"), "edged");
+        assert_eq!(reply_module("device"), "device");
+    }
+
+    #[test]
+    fn outbound_topics_follow_the_grammar() {
+        assert_eq!(
+            outbound("ke", "cloud", "meta", "response", "default/pod/nginx"),
+            "ke/cloud/meta/response/default/pod/nginx"
+        );
+        assert_eq!(outbound("ke", "edged", "meta", "error", ""), "ke/edged/meta/error");
+    }
+}

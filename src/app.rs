@@ -1,0 +1,57 @@
+//! Wiring: broker → MetaManager link → listeners; on a stop signal, cancel, then wait (bounded)
+//! until every accepted message is committed.
+
+use std::future::Future;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use edgemeta_broker::Broker;
+use edgemeta_metamanager::{subscription, MetaManager};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use crate::config::Settings;
+
+/// Messages buffered between the broker link and the MetaManager's intake.
+const LINK_CAPACITY: usize = 1024;
+
+/// Runs the node until `shutdown` resolves or a listener dies.
+pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    let cancel = CancellationToken::new();
+    let root = settings.broker.topic_root.clone();
+    let mut broker = Broker::new(&settings.broker).context("starting the MQTT broker")?;
+    let link = broker
+        .link("metamanager", &[subscription(&root)], LINK_CAPACITY)
+        .await
+        .context("linking the metamanager to the broker")?;
+    let meta = MetaManager::start(
+        &settings.metamanager,
+        &settings.store,
+        &root,
+        link,
+        true,
+        cancel.child_token(),
+    )
+    .await
+    .with_context(|| format!("opening the store {}", settings.store.path.display()))?;
+    broker.listen().await.context("starting the MQTT listeners")?;
+    info!(store = %settings.store.path.display(), "edgemeta serving");
+
+    let failure = tokio::select! {
+        _ = shutdown => None,
+        e = broker.failed() => Some(e),
+    };
+    cancel.cancel();
+    // No new connections from here on; rumqttd cannot close the ones it has (rumqttd #771).
+    drop(broker);
+    let grace = Duration::from_millis(settings.shutdown_grace_ms);
+    match tokio::time::timeout(grace, meta.stopped()).await {
+        Ok(()) => info!("stopped; every accepted message is committed"),
+        Err(_) => warn!(error_code = "EM-SHUTDOWN-GRACE", grace_ms = settings.shutdown_grace_ms, "stopped before the store worker finished"),
+    }
+    if let Some(e) = failure {
+        error!(error_code = "EM-BROKER-LISTENER", error = %e, "listener failed");
+        return Err(e).context("an MQTT listener stopped");
+    }
+    Ok(())
+}

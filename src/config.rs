@@ -1,0 +1,108 @@
+//! Settings: the embedded default (`conf/edge.yaml`) or `--config FILE`, then `EDGEMETA_*`
+//! environment overrides; unknown keys are refused by name.
+
+use std::path::Path;
+
+use anyhow::Context as _;
+use config::{Config, Environment, File, FileFormat};
+use edgemeta_broker::BrokerConfig;
+use edgemeta_metamanager::{MetaConfig, StoreConfig};
+use serde::Deserialize;
+
+/// The default configuration, compiled in so the binary runs with no files around it.
+pub const DEFAULT_YAML: &str = include_str!("../conf/edge.yaml");
+
+/// Everything `edgemeta run` is configured with.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    #[serde(default)]
+    pub log: LogConfig,
+    #[serde(default)]
+    pub broker: BrokerConfig,
+    #[serde(default)]
+    pub store: StoreConfig,
+    #[serde(default)]
+    pub metamanager: MetaConfig,
+    /// How long SIGINT/SIGTERM may take to commit accepted work and stop, in milliseconds.
+    #[serde(default = "default_shutdown_grace_ms")]
+    pub shutdown_grace_ms: u64,
+}
+
+/// Logging settings.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    /// A tracing filter (`info`, `edgemeta=debug,rumqttd=warn`); `RUST_LOG` wins over it.
+    #[serde(default = "default_level")]
+    pub level: String,
+}
+
+fn default_level() -> String {
+    "info,rumqttd=off".to_owned()
+}
+const fn default_shutdown_grace_ms() -> u64 {
+    5_000
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            level: default_level(),
+        }
+    }
+}
+
+impl Settings {
+    /// Loads `file` (or the embedded default) with environment overrides on top.
+    pub fn load(file: Option<&Path>) -> anyhow::Result<Settings> {
+        let builder = match file {
+            Some(path) => Config::builder().add_source(File::from(path).format(FileFormat::Yaml).required(true)),
+            None => Config::builder().add_source(File::from_str(DEFAULT_YAML, FileFormat::Yaml)),
+        };
+        let settings: Settings = builder
+            // `prefix_separator` is required with `__`, or config expects `EDGEMETA__`.
+            .add_source(
+                Environment::with_prefix("EDGEMETA")
+                    .prefix_separator("_")
+                    .separator("__"),
+            )
+            .build()
+            .and_then(Config::try_deserialize)
+            .with_context(|| match file {
+                Some(path) => format!("invalid configuration in {}", path.display()),
+                None => "invalid configuration (embedded default + EDGEMETA_* environment)".to_owned(),
+            })?;
+        settings.broker.validate()?;
+        Ok(settings)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_embedded_default_equals_the_built_in_defaults() {
+        let from_yaml: Settings = Config::builder()
+            .add_source(File::from_str(DEFAULT_YAML, FileFormat::Yaml))
+            .build()
+            .and_then(Config::try_deserialize)
+            .expect("conf/edge.yaml parses");
+        let built_in: Settings = Config::builder()
+            .build()
+            .and_then(Config::try_deserialize)
+            .expect("empty config takes defaults");
+        assert_eq!(from_yaml, built_in);
+    }
+
+    #[test]
+    fn an_unknown_key_is_refused_by_name() {
+        let err = Config::builder()
+            .add_source(File::from_str("broker:\n  max_conections: 3\n", FileFormat::Yaml))
+            .build()
+            .and_then(Config::try_deserialize::<Settings>)
+            .unwrap_err();
+        assert!(err.to_string().contains("max_conections"), "{err}");
+    }
+}

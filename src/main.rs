@@ -1,0 +1,54 @@
+//! `edgemeta`: KubeEdge's edge MetaManager on an embedded MQTT broker.
+//!
+//! # Layout
+//! - `config`: settings from `conf/edge.yaml` or `--config`, plus `EDGEMETA_*` overrides.
+//! - `telemetry`: tracing setup (`RUST_LOG` wins).
+//! - `app`: broker → MetaManager wiring and bounded shutdown.
+//! - `shutdown`: SIGINT / SIGTERM.
+
+mod app;
+mod config;
+mod shutdown;
+mod telemetry;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "edgemeta", version, about = "KubeEdge's edge MetaManager on MQTT")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the node: embedded MQTT broker, MetaManager and store.
+    Run {
+        /// YAML configuration file (default: the embedded conf/edge.yaml).
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+    },
+    /// Print the embedded default configuration.
+    DefaultConfig,
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::DefaultConfig => {
+            print!("{}", config::DEFAULT_YAML);
+            Ok(())
+        }
+        Command::Run { config } => {
+            let settings = config::Settings::load(config.as_deref())?;
+            telemetry::init(&settings.log.level);
+            tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .thread_name("edgemeta")
+                .build()?
+                .block_on(app::run(settings, shutdown::signal()))
+        }
+    }
+}
