@@ -46,6 +46,8 @@ pub struct Envelope {
 pub enum EnvelopeError {
     #[error("payload is neither JSON nor UTF-8 text")]
     NotText,
+    #[error("malformed JSON: {0}")]
+    Malformed(#[source] serde_json::Error),
     #[error("invalid envelope: {0}")]
     Invalid(#[source] serde_json::Error),
 }
@@ -165,6 +167,12 @@ fn bare_content(payload: &[u8]) -> Result<Box<RawValue>, EnvelopeError> {
     if text.contains('\0') {
         return Err(EnvelopeError::NotText);
     }
+    // Text that opens like an object or array was meant as JSON: storing it as a string would
+    // keep a truncated document and tell the sender "OK".
+    if text.trim_start().starts_with(['{', '[']) {
+        let error = serde_json::from_str::<&RawValue>(text).expect_err("it did not parse before");
+        return Err(EnvelopeError::Malformed(error));
+    }
     Ok(json_string(text))
 }
 
@@ -219,8 +227,15 @@ mod tests {
         let e = Envelope::parse(b"cloud_connected").unwrap();
         assert_eq!(e.content.get(), "\"cloud_connected\"");
         assert_eq!(e.content_str().as_deref(), Some("cloud_connected"));
-        let e = Envelope::parse(b"{\"unterminated\": ").unwrap();
-        assert_eq!(e.content_str().as_deref(), Some("{\"unterminated\": "));
+    }
+
+    #[test]
+    fn text_that_opens_like_json_but_does_not_parse_is_malformed() {
+        for payload in ["{\"unterminated\": ", "[1,2", " {\"a\":1}}", "{'single':'quotes'}"] {
+            let err = Envelope::parse(payload.as_bytes()).unwrap_err();
+            assert!(matches!(err, EnvelopeError::Malformed(_)), "{payload}");
+            assert!(err.to_string().starts_with("malformed JSON: "), "{err}");
+        }
     }
 
     #[test]

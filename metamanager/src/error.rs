@@ -51,6 +51,7 @@ impl Error {
             Error::PayloadTooLarge { .. } => "EM-META-PAYLOAD-SIZE",
             Error::Envelope(EnvelopeError::NotText) => "EM-META-PAYLOAD-BINARY",
             Error::Envelope(EnvelopeError::Invalid(_)) => "EM-META-ENVELOPE",
+            Error::Envelope(EnvelopeError::Malformed(_)) => "EM-META-JSON",
             Error::Content { .. } => "EM-META-CONTENT",
             Error::Store { .. } => "EM-STORE-WRITE",
             Error::RemoteTimeout { .. } => "EM-META-REMOTE-TIMEOUT",

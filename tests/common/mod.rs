@@ -1,0 +1,494 @@
+//! Test harness: starts the real `edgemeta` binary on free ports with a temporary store, and
+//! talks to it over real MQTT (rumqttc) or the real mosquitto command-line clients.
+#![allow(dead_code)] // each test file uses a different part of the harness
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Packet, QoS};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+/// How long any single network wait may take before the test fails.
+pub const WAIT: Duration = Duration::from_secs(10);
+/// How long to watch for a message that must not arrive.
+pub const QUIET: Duration = Duration::from_millis(400);
+
+/// Settings a test may change; everything else is the node's default.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub remote_query_timeout_ms: u64,
+    pub volume_timeout_ms: u64,
+    pub podstatus_sync_interval_s: u64,
+    pub max_payload_bytes: usize,
+    pub max_packet_bytes: usize,
+    pub max_pages: u64,
+    /// How long the node's store waits on a lock held by someone else.
+    pub busy_timeout_ms: u64,
+    /// Also open an MQTT v5 listener.
+    pub v5: bool,
+    /// SQL run on the store file before the node first opens it (e.g. failure triggers).
+    pub store_setup: Option<String>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            remote_query_timeout_ms: 2_000,
+            volume_timeout_ms: 2_000,
+            podstatus_sync_interval_s: 3_600,
+            max_payload_bytes: 64 * 1024,
+            max_packet_bytes: 256 * 1024,
+            max_pages: 0,
+            busy_timeout_ms: 5_000,
+            v5: false,
+            store_setup: None,
+        }
+    }
+}
+
+/// A running `edgemeta run` process with its own directory, store and ports.
+pub struct Node {
+    child: Option<Child>,
+    pub port: u16,
+    pub v5_port: Option<u16>,
+    dir: tempfile::TempDir,
+    pub options: Options,
+}
+
+/// A port nobody listens on right now.
+pub fn free_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    listener.local_addr().expect("local addr").port()
+}
+
+impl Node {
+    pub async fn start() -> Node {
+        Node::start_with(Options::default()).await
+    }
+
+    pub async fn start_with(options: Options) -> Node {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let v5_port = options.v5.then(free_port);
+        let mut node = Node {
+            child: None,
+            port: free_port(),
+            v5_port,
+            dir,
+            options,
+        };
+        if let Some(sql) = node.options.store_setup.clone() {
+            prepare_store(&node.db_path(), &sql).await;
+        }
+        node.write_config();
+        node.spawn().await;
+        node
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn db_path(&self) -> PathBuf {
+        self.dir.path().join("store").join("edgemeta.db")
+    }
+
+    pub fn config_path(&self) -> PathBuf {
+        self.dir.path().join("edge.yaml")
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        self.dir.path().join("edgemeta.log")
+    }
+
+    /// Everything the node logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    fn write_config(&self) {
+        let o = &self.options;
+        let v5 = match self.v5_port {
+            Some(port) => format!("    mqtt5:\n      address: 127.0.0.1:{port}\n      protocol: v5\n"),
+            None => String::new(),
+        };
+        let yaml = format!(
+            "log:\n  level: info,rumqttd=off\n\
+             broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\n{v5}  max_packet_bytes: {packet}\n\
+             store:\n  path: {db}\n  synchronous: normal\n  max_pages: {pages}\n  busy_timeout_ms: {busy}\n\
+             metamanager:\n  max_payload_bytes: {payload}\n  remote_query_timeout_ms: {rq}\n  volume_timeout_ms: {vol}\n  podstatus_sync_interval_s: {sync}\n\
+             shutdown_grace_ms: 5000\n",
+            port = self.port,
+            packet = o.max_packet_bytes,
+            db = self.db_path().display(),
+            pages = o.max_pages,
+            busy = o.busy_timeout_ms,
+            payload = o.max_payload_bytes,
+            rq = o.remote_query_timeout_ms,
+            vol = o.volume_timeout_ms,
+            sync = o.podstatus_sync_interval_s,
+        );
+        std::fs::write(self.config_path(), yaml).expect("write config");
+    }
+
+    async fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .expect("log file");
+        let child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
+            .arg("run")
+            .arg("--config")
+            .arg(self.config_path())
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log file"))
+            .stderr(log)
+            .spawn()
+            .expect("start edgemeta");
+        self.child = Some(child);
+        self.wait_until_serving().await;
+    }
+
+    async fn wait_until_serving(&mut self) {
+        let address = SocketAddr::from(([127, 0, 0, 1], self.port));
+        let started = Instant::now();
+        // Listeners open only after the MetaManager is subscribed, so a connect means ready.
+        while TcpStream::connect_timeout(&address, Duration::from_millis(100)).is_err() {
+            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                panic!("edgemeta exited with {status} during start-up:\n{}", self.log());
+            }
+            assert!(started.elapsed() < WAIT, "edgemeta not serving after {WAIT:?}:\n{}", self.log());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// `kill -9`: nothing gets a chance to flush.
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().expect("kill -9");
+            child.wait().expect("reap");
+        }
+    }
+
+    /// SIGTERM, then waits for the exit; returns the status and how long it took.
+    pub fn terminate(&mut self) -> (ExitStatus, Duration) {
+        let mut child = self.child.take().expect("node is running");
+        let started = Instant::now();
+        Command::new("kill")
+            .arg("-TERM")
+            .arg(child.id().to_string())
+            .status()
+            .expect("send SIGTERM");
+        loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                return (status, started.elapsed());
+            }
+            if started.elapsed() > WAIT {
+                let _ = child.kill();
+                panic!("edgemeta ignored SIGTERM for {WAIT:?}:\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Starts the node again on the same ports and store.
+    pub async fn restart(&mut self) {
+        assert!(self.child.is_none(), "stop the node before restarting it");
+        self.spawn().await;
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| c.try_wait().ok().flatten().is_none())
+    }
+
+    /// A connected rumqttc client with a unique id.
+    pub async fn client(&self) -> Client {
+        Client::connect(self.port, &unique_id("t")).await
+    }
+
+    /// The stored value of `key`, read from the SQLite file (a second connection, as an
+    /// operator's `sqlite3` would).
+    pub async fn stored(&self, key: &str) -> Option<String> {
+        let conn = open(&self.db_path()).await;
+        let mut rows = conn
+            .query("SELECT value FROM meta WHERE key = ?1", [key])
+            .await
+            .expect("query meta");
+        let row = rows.next().await.expect("read row")?;
+        row.get::<Option<String>>(0).expect("value column")
+    }
+
+    /// Every `(key, type, value)` in `meta`, in key order.
+    pub async fn meta_rows(&self) -> Vec<(String, String, String)> {
+        let conn = open(&self.db_path()).await;
+        let mut rows = conn
+            .query("SELECT key, type, coalesce(value, '') FROM meta ORDER BY key", ())
+            .await
+            .expect("query meta");
+        let mut out = Vec::new();
+        while let Some(row) = rows.next().await.expect("read row") {
+            out.push((row.get(0).unwrap(), row.get(1).unwrap(), row.get(2).unwrap()));
+        }
+        out
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+async fn open(path: &Path) -> libsql::Connection {
+    let db = libsql::Builder::new_local(path).build().await.expect("open store");
+    let conn = db.connect().expect("connect store");
+    conn.busy_timeout(Duration::from_secs(5)).expect("busy timeout");
+    conn
+}
+
+/// Creates the store file with KubeEdge's table and runs `sql` on it (the node migrates the rest).
+async fn prepare_store(path: &Path, sql: &str) {
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let conn = open(path).await;
+    conn.execute_batch(&format!(
+        "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, type TEXT NOT NULL, value TEXT);\n{sql}"
+    ))
+    .await
+    .expect("prepare store");
+}
+
+/// A client id no other test uses.
+pub fn unique_id(prefix: &str) -> String {
+    format!("{prefix}-{}", uuid_like())
+}
+
+fn uuid_like() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!("{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
+/// One received publication.
+#[derive(Debug, Clone)]
+pub struct Msg {
+    pub topic: String,
+    pub payload: Bytes,
+}
+
+impl Msg {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.payload)
+            .unwrap_or_else(|e| panic!("payload on {} is not JSON ({e}): {:?}", self.topic, self.payload))
+    }
+    pub fn content(&self) -> Value {
+        self.json()["content"].clone()
+    }
+    pub fn parent_id(&self) -> Option<String> {
+        self.json()["header"]["parent_msg_id"].as_str().map(str::to_owned)
+    }
+    pub fn msg_id(&self) -> String {
+        self.json()["header"]["msg_id"].as_str().expect("msg_id").to_owned()
+    }
+    pub fn operation(&self) -> String {
+        self.json()["route"]["operation"].as_str().unwrap_or_default().to_owned()
+    }
+    pub fn source(&self) -> String {
+        self.json()["route"]["source"].as_str().unwrap_or_default().to_owned()
+    }
+}
+
+/// A rumqttc (MQTT 3.1.1) client whose event loop runs in its own task.
+pub struct Client {
+    pub client: AsyncClient,
+    rx: mpsc::UnboundedReceiver<Msg>,
+    acks: mpsc::UnboundedReceiver<u16>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Client {
+    pub async fn connect(port: u16, id: &str) -> Client {
+        let mut options = MqttOptions::new(id, "127.0.0.1", port);
+        options.set_max_packet_size(4 * 1024 * 1024, 4 * 1024 * 1024);
+        options.set_keep_alive(Duration::from_secs(30));
+        let (client, eventloop) = AsyncClient::new(options, 1000);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (ack_tx, acks) = mpsc::unbounded_channel();
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(drive(eventloop, tx, ack_tx, ready_tx));
+        tokio::time::timeout(WAIT, ready_rx)
+            .await
+            .expect("CONNACK within the wait")
+            .expect("event loop alive");
+        Client { client, rx, acks, task }
+    }
+
+    /// Subscribes at QoS 1 and waits for the SUBACK.
+    pub async fn subscribe(&mut self, filter: &str) {
+        self.client
+            .subscribe(filter, QoS::AtLeastOnce)
+            .await
+            .expect("subscribe");
+        tokio::time::timeout(WAIT, self.acks.recv())
+            .await
+            .expect("SUBACK within the wait")
+            .expect("event loop alive");
+    }
+
+    /// Publishes at QoS 1 (the broker's PUBACK is not awaited).
+    pub async fn publish(&self, topic: &str, payload: impl Into<Vec<u8>>) {
+        self.client
+            .publish(topic, QoS::AtLeastOnce, false, payload.into())
+            .await
+            .expect("publish");
+    }
+
+    /// The next message, whatever its topic.
+    pub async fn next(&mut self) -> Msg {
+        tokio::time::timeout(WAIT, self.rx.recv())
+            .await
+            .unwrap_or_else(|_| panic!("no message within {WAIT:?}"))
+            .expect("event loop alive")
+    }
+
+    /// The next message on exactly `topic`, skipping others.
+    pub async fn expect(&mut self, topic: &str) -> Msg {
+        let deadline = Instant::now() + WAIT;
+        let mut seen = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, self.rx.recv()).await {
+                Ok(Some(m)) if m.topic == topic => return m,
+                Ok(Some(m)) => seen.push(m.topic),
+                _ => panic!("nothing on {topic} within {WAIT:?}; saw {seen:?}"),
+            }
+        }
+    }
+
+    /// The next message on `topic` whose `parent_msg_id` is `parent`.
+    pub async fn expect_reply(&mut self, topic: &str, parent: &str) -> Msg {
+        let deadline = Instant::now() + WAIT;
+        let mut seen = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, self.rx.recv()).await {
+                Ok(Some(m)) if m.topic == topic && m.parent_id().as_deref() == Some(parent) => return m,
+                Ok(Some(m)) => seen.push(m.topic),
+                _ => panic!("no reply to {parent} on {topic} within {WAIT:?}; saw {seen:?}"),
+            }
+        }
+    }
+
+    /// Asserts that nothing arrives on `topic` for [`QUIET`]; other messages are discarded.
+    pub async fn expect_silence(&mut self, topic: &str) {
+        let deadline = Instant::now() + QUIET;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, self.rx.recv()).await {
+                Ok(Some(m)) if m.topic == topic => panic!("unexpected message on {topic}: {:?}", m.payload),
+                Ok(Some(_)) => continue,
+                _ => return,
+            }
+        }
+    }
+
+    /// Every message received during `window`.
+    pub async fn drain(&mut self, window: Duration) -> Vec<Msg> {
+        let deadline = Instant::now() + window;
+        let mut out = Vec::new();
+        while let Ok(Some(m)) = tokio::time::timeout(deadline.saturating_duration_since(Instant::now()), self.rx.recv()).await {
+            out.push(m);
+        }
+        out
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn drive(
+    mut eventloop: EventLoop,
+    tx: mpsc::UnboundedSender<Msg>,
+    acks: mpsc::UnboundedSender<u16>,
+    ready: tokio::sync::oneshot::Sender<()>,
+) {
+    let mut ready = Some(ready);
+    loop {
+        match eventloop.poll().await {
+            Ok(Event::Incoming(Packet::ConnAck(_))) => {
+                if let Some(ready) = ready.take() {
+                    let _ = ready.send(());
+                }
+            }
+            Ok(Event::Incoming(Packet::Publish(p))) => {
+                let topic = p.topic.clone();
+                let _ = tx.send(Msg { topic, payload: p.payload });
+            }
+            Ok(Event::Incoming(Packet::SubAck(s))) => {
+                let _ = acks.send(s.pkid);
+            }
+            Ok(_) => {}
+            // The node may be restarting; rumqttc reconnects on the next poll.
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
+/// A full KubeEdge envelope with a fresh id; returns `(msg_id, payload)`.
+pub fn envelope(source: &str, operation: &str, resource: &str, content: Value) -> (String, String) {
+    let id = unique_id("msg");
+    let payload = json!({
+        "header": {"msg_id": id, "timestamp": 1_732_262_400_000_i64},
+        "route": {"source": source, "group": "resource", "operation": operation, "resource": resource},
+        "content": content,
+    });
+    (id, payload.to_string())
+}
+
+/// Publishes a full envelope on `<root>/meta/<from>/<op>/<resource>`; returns its id.
+pub async fn send(client: &Client, from: &str, operation: &str, resource: &str, content: Value) -> String {
+    let (id, payload) = envelope(from, operation, resource, content);
+    client
+        .publish(&format!("ke/meta/{from}/{operation}/{resource}"), payload)
+        .await;
+    id
+}
+
+/// Runs `mosquitto_pub` with `args` against the node; returns its exit status and stderr.
+pub fn mosquitto_pub(port: u16, args: &[&str]) -> (bool, String) {
+    let out = Command::new("mosquitto_pub")
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(args)
+        .output()
+        .expect("mosquitto_pub is installed (scripts/test installs it)");
+    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// Starts `mosquitto_sub -v` on `filter`, waiting for `count` messages (at most [`WAIT`]).
+pub fn mosquitto_sub(port: u16, filter: &str, count: usize) -> Child {
+    Command::new("mosquitto_sub")
+        .args(["-h", "127.0.0.1", "-p", &port.to_string(), "-v", "-q", "1"])
+        .args(["-t", filter, "-C", &count.to_string(), "-W", &WAIT.as_secs().to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("mosquitto_sub is installed (scripts/test installs it)")
+}
+
+/// Lines `mosquitto_sub -v` printed (`<topic> <payload>`), after it exited.
+pub fn sub_output(child: Child) -> Vec<String> {
+    let out = child.wait_with_output().expect("mosquitto_sub output");
+    String::from_utf8_lossy(&out.stdout).lines().map(str::to_owned).collect()
+}
