@@ -34,7 +34,10 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     )
     .await
     .with_context(|| format!("opening the store {}", settings.store.path.display()))?;
-    broker.listen().await.context("starting the MQTT listeners")?;
+    broker
+        .listen()
+        .await
+        .context("starting the MQTT listeners")?;
     info!(store = %settings.store.path.display(), "edgemeta serving");
 
     let failure = tokio::select! {
@@ -47,7 +50,11 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     let grace = Duration::from_millis(settings.shutdown_grace_ms);
     match tokio::time::timeout(grace, meta.stopped()).await {
         Ok(()) => info!("stopped; every accepted message is committed"),
-        Err(_) => warn!(error_code = "EM-SHUTDOWN-GRACE", grace_ms = settings.shutdown_grace_ms, "stopped before the store worker finished"),
+        Err(_) => warn!(
+            error_code = "EM-SHUTDOWN-GRACE",
+            grace_ms = settings.shutdown_grace_ms,
+            "stopped before the store worker finished"
+        ),
     }
     if let Some(e) = failure {
         error!(error_code = "EM-BROKER-LISTENER", error = %e, "listener failed");

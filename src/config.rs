@@ -57,7 +57,8 @@ impl Settings {
     /// Loads `file` (or the embedded default) with environment overrides on top.
     pub fn load(file: Option<&Path>) -> anyhow::Result<Settings> {
         let builder = match file {
-            Some(path) => Config::builder().add_source(File::from(path).format(FileFormat::Yaml).required(true)),
+            Some(path) => Config::builder()
+                .add_source(File::from(path).format(FileFormat::Yaml).required(true)),
             None => Config::builder().add_source(File::from_str(DEFAULT_YAML, FileFormat::Yaml)),
         };
         let settings: Settings = builder
@@ -71,7 +72,9 @@ impl Settings {
             .and_then(Config::try_deserialize)
             .with_context(|| match file {
                 Some(path) => format!("invalid configuration in {}", path.display()),
-                None => "invalid configuration (embedded default + EDGEMETA_* environment)".to_owned(),
+                None => {
+                    "invalid configuration (embedded default + EDGEMETA_* environment)".to_owned()
+                }
             })?;
         settings.broker.validate()?;
         Ok(settings)
@@ -99,7 +102,10 @@ mod tests {
     #[test]
     fn an_unknown_key_is_refused_by_name() {
         let err = Config::builder()
-            .add_source(File::from_str("broker:\n  max_conections: 3\n", FileFormat::Yaml))
+            .add_source(File::from_str(
+                "broker:\n  max_conections: 3\n",
+                FileFormat::Yaml,
+            ))
             .build()
             .and_then(Config::try_deserialize::<Settings>)
             .unwrap_err();

@@ -16,7 +16,11 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "edgemeta", version, about = "KubeEdge's edge MetaManager on MQTT")]
+#[command(
+    name = "edgemeta",
+    version,
+    about = "KubeEdge's edge MetaManager on MQTT"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -105,7 +105,9 @@ impl BrokerConfig {
         }
         // rumqttd's router panics on segments under 1 KiB.
         if self.segment_bytes < 1024 || self.segment_count == 0 {
-            return bad("broker.segment_bytes must be >= 1024 and broker.segment_count >= 1".into());
+            return bad(
+                "broker.segment_bytes must be >= 1024 and broker.segment_count >= 1".into(),
+            );
         }
         if self.max_packet_bytes < 1024 {
             return bad("broker.max_packet_bytes must be >= 1024".into());
@@ -129,7 +131,11 @@ impl BrokerConfig {
         }
     }
 
-    pub(crate) fn server_settings(&self, name: &str, listener: &ListenerConfig) -> rumqttd::ServerSettings {
+    pub(crate) fn server_settings(
+        &self,
+        name: &str,
+        listener: &ListenerConfig,
+    ) -> rumqttd::ServerSettings {
         rumqttd::ServerSettings {
             name: name.to_owned(),
             listen: listener.address,

@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use rumqttd::local::{LinkBuilder, LinkRx, LinkTx};
 use rumqttd::protocol::{v4::V4, v5::V5};
-use rumqttd::{LinkType, Notification, Router, Server};
+use rumqttd::{LinkType, Router, Server};
 use tokio::task::JoinSet;
 use tracing::info;
 
@@ -38,9 +38,7 @@ macro_rules! spawn_listener {
 /// How long a listener may take to bind once its task is spawned.
 const READY_TIMEOUT: Duration = Duration::from_secs(5);
 
-type LinkFactory = dyn Fn(&str) -> Result<(LinkTx, LinkRx, Notification), rumqttd::local::LinkError>
-    + Send
-    + Sync;
+type LinkFactory = dyn Fn(&str) -> Result<(LinkTx, LinkRx), Error> + Send + Sync;
 
 /// The running broker: rumqttd's router thread plus one task per listener on our runtime.
 ///
@@ -54,7 +52,8 @@ pub struct Broker {
 }
 
 /// Spawns the configured listeners; a closure because it captures rumqttd's unnameable sender.
-type OpenListeners = dyn FnOnce(&mut JoinSet<Error>) -> Result<Vec<(String, SocketAddr, MqttVersion)>, Error> + Send;
+type OpenListeners =
+    dyn FnOnce(&mut JoinSet<Error>) -> Result<Vec<(String, SocketAddr, MqttVersion)>, Error> + Send;
 
 impl Broker {
     /// Validates the config and starts rumqttd's router; listeners open with [`Broker::listen`],
@@ -67,6 +66,8 @@ impl Broker {
             LinkBuilder::new(client_id, router_tx.clone())
                 .clean_session(true)
                 .build()
+                .map(|(tx, rx, _ack)| (tx, rx))
+                .map_err(|e| link_error(client_id, e))
         });
         let config = config.clone();
         let open: Box<OpenListeners> = Box::new(move |listeners: &mut JoinSet<Error>| {
@@ -80,8 +81,12 @@ impl Broker {
                 })?;
                 let settings = config.server_settings(name, listener);
                 match listener.protocol {
-                    MqttVersion::V4 => spawn_listener!(listeners, settings, listener_tx.clone(), V4),
-                    MqttVersion::V5 => spawn_listener!(listeners, settings, listener_tx.clone(), V5),
+                    MqttVersion::V4 => {
+                        spawn_listener!(listeners, settings, listener_tx.clone(), V4)
+                    }
+                    MqttVersion::V5 => {
+                        spawn_listener!(listeners, settings, listener_tx.clone(), V5)
+                    }
                 }
                 planned.push((name.clone(), listener.address, listener.protocol));
             }
@@ -117,14 +122,19 @@ impl Broker {
     }
 
     /// Opens an in-process client named `edgemeta-<name>` subscribed to `filters`.
-    pub async fn link(&self, name: &str, filters: &[String], capacity: usize) -> Result<Link, Error> {
+    pub async fn link(
+        &self,
+        name: &str,
+        filters: &[String],
+        capacity: usize,
+    ) -> Result<Link, Error> {
         let client_id = format!("{RESERVED_CLIENT_PREFIX}{name}");
         let factory = self.new_link.clone();
         let filters = filters.to_vec();
         let id = client_id.clone();
         // Registering with the router is a blocking round trip; keep it off the tokio workers.
         let (tx, rx) = tokio::task::spawn_blocking(move || {
-            let (mut tx, rx, _ack) = factory(&id).map_err(|e| link_error(&id, e))?;
+            let (mut tx, rx) = factory(&id)?;
             for filter in filters {
                 tx.subscribe(filter).map_err(|e| link_error(&id, e))?;
             }

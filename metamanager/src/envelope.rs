@@ -144,7 +144,9 @@ impl Envelope {
 /// Deserializes a header or route, which must be a JSON object (serde would also take an array).
 fn object<T: serde::de::DeserializeOwned>(raw: &RawValue, what: &str) -> Result<T, EnvelopeError> {
     if !raw.get().starts_with('{') {
-        let e = <serde_json::Error as serde::de::Error>::custom(format!("{what} must be a JSON object"));
+        let e = <serde_json::Error as serde::de::Error>::custom(format!(
+            "{what} must be a JSON object"
+        ));
         return Err(EnvelopeError::Invalid(e));
     }
     serde_json::from_str(raw.get()).map_err(EnvelopeError::Invalid)
@@ -212,7 +214,10 @@ mod tests {
     #[test]
     fn bare_json_values_of_every_kind_are_content() {
         for json in ["[1,2]", "\"text\"", "42", "true", "null"] {
-            assert_eq!(Envelope::parse(json.as_bytes()).unwrap().content.get(), json);
+            assert_eq!(
+                Envelope::parse(json.as_bytes()).unwrap().content.get(),
+                json
+            );
         }
     }
 
@@ -231,7 +236,12 @@ mod tests {
 
     #[test]
     fn text_that_opens_like_json_but_does_not_parse_is_malformed() {
-        for payload in ["{\"unterminated\": ", "[1,2", " {\"a\":1}}", "{'single':'quotes'}"] {
+        for payload in [
+            "{\"unterminated\": ",
+            "[1,2",
+            " {\"a\":1}}",
+            "{'single':'quotes'}",
+        ] {
             let err = Envelope::parse(payload.as_bytes()).unwrap_err();
             assert!(matches!(err, EnvelopeError::Malformed(_)), "{payload}");
             assert!(err.to_string().starts_with("malformed JSON: "), "{err}");
@@ -241,7 +251,10 @@ mod tests {
     #[test]
     fn binary_garbage_is_refused() {
         for payload in [&[0xff, 0xfe, 0x00, 0x80][..], &[0xc3, 0x28], b"a\0b"] {
-            assert!(matches!(Envelope::parse(payload), Err(EnvelopeError::NotText)), "{payload:?}");
+            assert!(
+                matches!(Envelope::parse(payload), Err(EnvelopeError::NotText)),
+                "{payload:?}"
+            );
         }
     }
 

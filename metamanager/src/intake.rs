@@ -49,11 +49,17 @@ pub async fn run(
 }
 
 /// Handles one message; `false` once the worker is gone.
-async fn intake(config: &IntakeConfig, message: Message, jobs: &mpsc::Sender<Job>, publisher: &Publisher) -> bool {
+async fn intake(
+    config: &IntakeConfig,
+    message: Message,
+    jobs: &mpsc::Sender<Job>,
+    publisher: &Publisher,
+) -> bool {
     match parse(config, &message) {
-        Ok(Some(request)) => jobs.send(Job::Request(request)).await.is_ok(),
+        Ok(Some(request)) => jobs.send(Job::Request(Box::new(request))).await.is_ok(),
         Ok(None) => true,
-        Err((requester, error)) => {
+        Err(refused) => {
+            let Refused { requester, error } = *refused;
             for reply in requester.error_messages(&config.root, &error) {
                 if publisher.publish(reply).await.is_err() {
                     return false;
@@ -64,8 +70,15 @@ async fn intake(config: &IntakeConfig, message: Message, jobs: &mpsc::Sender<Job
     }
 }
 
-/// A request, `None` for a message nobody can be answered about, or the error and whom to tell.
-pub fn parse(config: &IntakeConfig, message: &Message) -> Result<Option<Request>, (Requester, Error)> {
+/// A message that cannot be applied, and whom to tell.
+#[derive(Debug)]
+pub struct Refused {
+    pub requester: Requester,
+    pub error: Error,
+}
+
+/// A request, `None` for a message nobody can be answered about, or why it is refused.
+pub fn parse(config: &IntakeConfig, message: &Message) -> Result<Option<Request>, Box<Refused>> {
     let topic = match InboundTopic::parse(&config.root, &message.topic) {
         Ok(topic) => topic,
         Err(e) => {
@@ -104,7 +117,9 @@ pub fn parse(config: &IntakeConfig, message: &Message) -> Result<Option<Request>
     };
     // Ids of a malformed envelope are unknown, so its error reply has no parent id.
     match Envelope::parse(&message.payload) {
-        Ok(envelope) => Ok(Some(Request::new(topic.from, operation, resource, envelope, message))),
+        Ok(envelope) => Ok(Some(Request::new(
+            topic.from, operation, resource, envelope, message,
+        ))),
         Err(e) => {
             requester.resource = resource.key().to_owned();
             Err(refuse(requester, Error::Envelope(e), topic.operation))
@@ -112,7 +127,7 @@ pub fn parse(config: &IntakeConfig, message: &Message) -> Result<Option<Request>
     }
 }
 
-fn refuse(requester: Requester, error: Error, operation: &str) -> (Requester, Error) {
+fn refuse(requester: Requester, error: Error, operation: &str) -> Box<Refused> {
     warn!(
         error_code = error.code(),
         from = %requester.from,
@@ -121,7 +136,7 @@ fn refuse(requester: Requester, error: Error, operation: &str) -> (Requester, Er
         error = %error,
         "message refused"
     );
-    (requester, error)
+    Box::new(Refused { requester, error })
 }
 
 #[cfg(test)]
@@ -136,12 +151,16 @@ mod tests {
     }
 
     fn refused(topic: &str, payload: &[u8]) -> (Requester, Error) {
-        parse(&config(), &Message::new(topic, payload.to_vec())).unwrap_err()
+        let refused = parse(&config(), &Message::new(topic, payload.to_vec())).unwrap_err();
+        (refused.requester, refused.error)
     }
 
     #[test]
     fn a_bare_payload_becomes_a_request_routed_by_the_topic() {
-        let m = Message::new("ke/meta/edgecontroller/insert/default/configmap/cfg", &br#"{"data":{"k":"v"}}"#[..]);
+        let m = Message::new(
+            "ke/meta/edgecontroller/insert/default/configmap/cfg",
+            &br#"{"data":{"k":"v"}}"#[..],
+        );
         let r = parse(&config(), &m).unwrap().unwrap();
         assert_eq!(r.requester.from, "edgecontroller");
         assert_eq!(r.envelope.route.operation, "insert");
@@ -154,7 +173,15 @@ mod tests {
     fn the_topic_wins_over_the_envelope_route() {
         let payload = br#"{"header":{"msg_id":"m"},"route":{"source":"edged","operation":"delete","resource":"x/y/z","group":"meta"},"content":1}"#;
         let m = Message::new("ke/meta/edgecontroller/insert/default/pod/p", &payload[..]);
-        let r = parse(&IntakeConfig { max_payload_bytes: 1024, ..config() }, &m).unwrap().unwrap();
+        let r = parse(
+            &IntakeConfig {
+                max_payload_bytes: 1024,
+                ..config()
+            },
+            &m,
+        )
+        .unwrap()
+        .unwrap();
         assert_eq!(r.envelope.route.source, "edgecontroller");
         assert_eq!(r.envelope.route.operation, "insert");
         assert_eq!(r.envelope.route.resource, "default/pod/p");
@@ -164,8 +191,18 @@ mod tests {
 
     #[test]
     fn unaddressable_topics_and_our_own_messages_are_dropped_quietly() {
-        for topic in ["ke/meta", "ke/meta/edged", "other/meta/edged/insert/a/b", "ke/meta/meta/insert/a/b"] {
-            assert!(parse(&config(), &Message::new(topic, &b"1"[..])).unwrap().is_none(), "{topic}");
+        for topic in [
+            "ke/meta",
+            "ke/meta/edged",
+            "other/meta/edged/insert/a/b",
+            "ke/meta/meta/insert/a/b",
+        ] {
+            assert!(
+                parse(&config(), &Message::new(topic, &b"1"[..]))
+                    .unwrap()
+                    .is_none(),
+                "{topic}"
+            );
         }
     }
 
@@ -173,14 +210,23 @@ mod tests {
     fn an_unknown_operation_is_answered_on_the_senders_error_topic() {
         let (who, e) = refused("ke/meta/edged/frobnicate/default/pod/x", b"{}");
         assert_eq!(e.to_string(), "unsupported operation \"frobnicate\"");
-        assert_eq!(who.topic("ke", crate::Operation::Error), "ke/edged/meta/error/default/pod/x");
+        assert_eq!(
+            who.topic("ke", crate::Operation::Error),
+            "ke/edged/meta/error/default/pod/x"
+        );
     }
 
     #[test]
     fn bad_resource_shapes_are_answered_with_the_shape_wanted() {
         let (who, e) = refused("ke/meta/device/insert/a/b/c/d", b"{}");
-        assert_eq!(e.to_string(), "invalid resource \"a/b/c/d\": want <namespace>/<type>[/<id>]");
-        assert_eq!(who.topic("ke", crate::Operation::Error), "ke/device/meta/error/a/b/c/d");
+        assert_eq!(
+            e.to_string(),
+            "invalid resource \"a/b/c/d\": want <namespace>/<type>[/<id>]"
+        );
+        assert_eq!(
+            who.topic("ke", crate::Operation::Error),
+            "ke/device/meta/error/a/b/c/d"
+        );
         let (_, e) = refused("ke/meta/device/insert/pod", b"{}");
         assert!(matches!(e, Error::InvalidResource(_)));
     }
@@ -188,20 +234,29 @@ mod tests {
     #[test]
     fn oversized_payloads_are_refused_before_parsing() {
         let (_, e) = refused("ke/meta/edged/insert/default/pod/x", &[b'1'; 65]);
-        assert_eq!(e.to_string(), "payload of 65 bytes exceeds the limit of 64 bytes");
+        assert_eq!(
+            e.to_string(),
+            "payload of 65 bytes exceeds the limit of 64 bytes"
+        );
     }
 
     #[test]
     fn binary_and_malformed_envelopes_are_refused() {
         let (_, e) = refused("ke/meta/edged/insert/default/pod/x", &[0xff, 0x00, 0x81]);
         assert_eq!(e.code(), "EM-META-PAYLOAD-BINARY");
-        let (_, e) = refused("ke/meta/edged/insert/default/pod/x", br#"{"header":1,"route":{}}"#);
+        let (_, e) = refused(
+            "ke/meta/edged/insert/default/pod/x",
+            br#"{"header":1,"route":{}}"#,
+        );
         assert_eq!(e.code(), "EM-META-ENVELOPE");
     }
 
     #[test]
     fn cloud_senders_are_answered_through_the_cloud_module() {
         let (who, _) = refused("ke/meta/edgecontroller/nope/default/pod/x", b"");
-        assert_eq!(who.topic("ke", crate::Operation::Error), "ke/cloud/meta/error/default/pod/x");
+        assert_eq!(
+            who.topic("ke", crate::Operation::Error),
+            "ke/cloud/meta/error/default/pod/x"
+        );
     }
 }

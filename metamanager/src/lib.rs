@@ -165,13 +165,24 @@ impl MetaManager {
             changed: changed.clone(),
         };
         if local_relay {
-            tokio::spawn(relay::run(outbox.clone(), publisher.clone(), changed, cancel.clone()));
+            tokio::spawn(relay::run(
+                outbox.clone(),
+                publisher.clone(),
+                changed,
+                cancel.clone(),
+            ));
         }
         let intake_config = intake::IntakeConfig {
             root: root.to_owned(),
             max_payload_bytes: config.max_payload_bytes,
         };
-        let intake = tokio::spawn(intake::run(intake_config, inbox, jobs_tx, publisher, cancel));
+        let intake = tokio::spawn(intake::run(
+            intake_config,
+            inbox,
+            jobs_tx,
+            publisher,
+            cancel,
+        ));
         Ok(MetaManager {
             outbox,
             intake,

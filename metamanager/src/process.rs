@@ -138,7 +138,11 @@ pub async fn apply(request: &Request, cx: &mut Context<'_>) -> Result<(), Error>
 async fn by_table(request: &Request, cx: &mut Context<'_>) -> Result<(), Error> {
     let resource = &request.resource;
     let content = request.envelope.content.get();
-    let candidates = routing::candidates(request.operation, &request.requester.from, resource.res_type());
+    let candidates = routing::candidates(
+        request.operation,
+        &request.requester.from,
+        resource.res_type(),
+    );
     for rule in candidates {
         if rule.when == When::StoredValueUnchanged {
             let stored = cx
@@ -186,8 +190,14 @@ async fn run_rule(rule: &Rule, request: &Request, cx: &mut Context<'_>) -> Resul
     }
     match rule.reply {
         Reply::Nothing => Ok(()),
-        Reply::Ok => cx.reply(&request.requester, Operation::Response, json_string("OK")).await,
-        Reply::Null => cx.reply(&request.requester, Operation::Response, null()).await,
+        Reply::Ok => {
+            cx.reply(&request.requester, Operation::Response, json_string("OK"))
+                .await
+        }
+        Reply::Null => {
+            cx.reply(&request.requester, Operation::Response, null())
+                .await
+        }
     }
 }
 
@@ -217,8 +227,8 @@ fn list_items(
         what: "list",
         reason,
     };
-    let items: Vec<Box<RawValue>> =
-        serde_json::from_str(content.get()).map_err(|e| bad(format!("{} is not an array: {e}", list.res_type())))?;
+    let items: Vec<Box<RawValue>> = serde_json::from_str(content.get())
+        .map_err(|e| bad(format!("{} is not an array: {e}", list.res_type())))?;
     items
         .into_iter()
         .map(|raw_item| {
@@ -259,7 +269,10 @@ async fn query(request: &Request, cx: &mut Context<'_>) -> Result<(), Error> {
 async fn local_values(db: &Db, resource: &Resource) -> Result<Vec<String>, Error> {
     let values = match resource.id() {
         None => db.list_by_type(resource.res_type()).await,
-        Some(_) => db.get(resource.key()).await.map(|v| v.into_iter().collect()),
+        Some(_) => db
+            .get(resource.key())
+            .await
+            .map(|v| v.into_iter().collect()),
     };
     values.map_err(Error::store("query meta"))
 }
@@ -270,7 +283,11 @@ async fn local_answer(request: &Request, cx: &mut Context<'_>) -> Result<(), Err
 }
 
 /// Answers with KubeEdge's `[]string`: each stored document as a JSON string.
-async fn answer_values(requester: &Requester, values: Vec<String>, cx: &mut Context<'_>) -> Result<(), Error> {
+async fn answer_values(
+    requester: &Requester,
+    values: Vec<String>,
+    cx: &mut Context<'_>,
+) -> Result<(), Error> {
     let content = serde_json::value::to_raw_value(&values).expect("strings serialize");
     cx.reply(requester, Operation::Response, content).await
 }
@@ -280,20 +297,36 @@ async fn remote_query(request: &Request, cx: &mut Context<'_>) -> Result<(), Err
     let mut envelope = request.envelope.clone();
     envelope.header.msg_id = new_msg_id();
     cx.send(CLOUD, &request.requester.from, &envelope).await?;
-    wait_for(cx, envelope.header.msg_id, PendingKind::RemoteQuery, request, cx.waits.remote_query);
+    wait_for(
+        cx,
+        envelope.header.msg_id,
+        PendingKind::RemoteQuery,
+        request,
+        cx.waits.remote_query,
+    );
     Ok(())
 }
 
 /// §3.10: the volume call goes to edged; edged's answer is returned to the requester.
 async fn volume(request: &Request, cx: &mut Context<'_>) -> Result<(), Error> {
-    cx.send(Forward::Edged.module(), &request.requester.from, &request.envelope)
-        .await?;
+    cx.send(
+        Forward::Edged.module(),
+        &request.requester.from,
+        &request.envelope,
+    )
+    .await?;
     let id = request.envelope.header.msg_id.clone();
     wait_for(cx, id, PendingKind::Volume, request, cx.waits.volume);
     Ok(())
 }
 
-fn wait_for(cx: &mut Context<'_>, id: String, kind: PendingKind, request: &Request, timeout: Duration) {
+fn wait_for(
+    cx: &mut Context<'_>,
+    id: String,
+    kind: PendingKind,
+    request: &Request,
+    timeout: Duration,
+) {
     let expiry = cx.state.expiries.insert(id.clone(), timeout);
     let pending = Pending {
         kind,
@@ -310,25 +343,38 @@ fn take_pending(state: &mut State, id: &str) -> Option<Pending> {
 }
 
 /// The cloud answered a remote query, or edged answered a volume call.
-async fn answer_pending(pending: Pending, answer: &Request, cx: &mut Context<'_>) -> Result<(), Error> {
+async fn answer_pending(
+    pending: Pending,
+    answer: &Request,
+    cx: &mut Context<'_>,
+) -> Result<(), Error> {
     let original = &pending.request;
     let failed = answer.operation == Operation::Error;
     match pending.kind {
         PendingKind::Volume => {
-            cx.reply(&original.requester, answer.operation, answer.envelope.content.clone())
-                .await
+            cx.reply(
+                &original.requester,
+                answer.operation,
+                answer.envelope.content.clone(),
+            )
+            .await
         }
         PendingKind::RemoteQuery => {
             if failed {
-                cx.reply(&original.requester, Operation::Error, answer.envelope.content.clone())
-                    .await?;
+                cx.reply(
+                    &original.requester,
+                    Operation::Error,
+                    answer.envelope.content.clone(),
+                )
+                .await?;
             } else {
                 let value = answer.envelope.content.get().to_owned();
                 upsert(cx.db, &original.resource, &value).await?;
                 answer_values(&original.requester, vec![value], cx).await?;
             }
             // §2.4.6: the cloud's answer is itself acknowledged.
-            cx.reply(&answer.requester, Operation::Response, json_string("OK")).await
+            cx.reply(&answer.requester, Operation::Response, json_string("OK"))
+                .await
         }
     }
 }
@@ -357,8 +403,12 @@ pub async fn expire(id: &str, cx: &mut Context<'_>) -> Result<(), Error> {
             waited_ms: cx.waits.volume.as_millis() as u64,
         },
     };
-    cx.reply(&request.requester, Operation::Error, json_string(&error.to_string()))
-        .await
+    cx.reply(
+        &request.requester,
+        Operation::Error,
+        json_string(&error.to_string()),
+    )
+    .await
 }
 
 /// §3.7: the cloud link went up or down. Going down answers waiting remote queries locally.
@@ -409,9 +459,16 @@ pub async fn sync_pod_status(cx: &mut Context<'_>) -> Result<(), Error> {
         let namespace = key.split('/').next().unwrap_or_default().to_owned();
         let statuses = by_namespace.entry(namespace).or_default();
         let pod_key = key.replacen("/podstatus/", "/pod/", 1);
-        let pod = cx.db.get(&pod_key).await.map_err(Error::store("query meta"))?;
+        let pod = cx
+            .db
+            .get(&pod_key)
+            .await
+            .map_err(Error::store("query meta"))?;
         if pod.is_none() {
-            cx.db.delete(&key).await.map_err(Error::store("delete meta"))?;
+            cx.db
+                .delete(&key)
+                .await
+                .map_err(Error::store("delete meta"))?;
             info!(%key, "removed pod status of a pod that is gone");
             continue;
         }
@@ -439,17 +496,26 @@ mod tests {
     #[test]
     fn list_items_are_keyed_by_their_own_namespace_and_name() {
         let list = Resource::parse("namespace/servicelist/service").unwrap();
-        let content = raw(r#"[{"metadata":{"name":"a","namespace":"ns1"}},{"metadata":{"name":"b"}}]"#);
+        let content =
+            raw(r#"[{"metadata":{"name":"a","namespace":"ns1"}},{"metadata":{"name":"b"}}]"#);
         let items = list_items(&list, "service", &content).unwrap();
         let keys: Vec<_> = items.iter().map(|(k, _)| k.key().to_owned()).collect();
         assert_eq!(keys, ["ns1/service/a", "namespace/service/b"]);
-        assert_eq!(items[0].1.get(), r#"{"metadata":{"name":"a","namespace":"ns1"}}"#);
+        assert_eq!(
+            items[0].1.get(),
+            r#"{"metadata":{"name":"a","namespace":"ns1"}}"#
+        );
     }
 
     #[test]
     fn a_list_that_is_not_an_array_of_named_items_is_refused() {
         let list = Resource::parse("namespace/servicelist/service").unwrap();
-        for bad in [r#"{"a":1}"#, r#"[{"spec":{}}]"#, r#"[{"metadata":{"name":"x/y"}}]"#, "\"x\""] {
+        for bad in [
+            r#"{"a":1}"#,
+            r#"[{"spec":{}}]"#,
+            r#"[{"metadata":{"name":"x/y"}}]"#,
+            "\"x\"",
+        ] {
             assert!(list_items(&list, "service", &raw(bad)).is_err(), "{bad}");
         }
     }

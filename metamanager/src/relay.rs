@@ -14,7 +14,12 @@ use crate::OutboxHandle;
 const BATCH: usize = 256;
 
 /// Publishes outbox entries in order and deletes each batch once handed to the broker.
-pub async fn run(outbox: OutboxHandle, publisher: Publisher, changed: Arc<Notify>, cancel: CancellationToken) {
+pub async fn run(
+    outbox: OutboxHandle,
+    publisher: Publisher,
+    changed: Arc<Notify>,
+    cancel: CancellationToken,
+) {
     loop {
         let entries = match outbox.peek(BATCH).await {
             Ok(entries) => entries,
@@ -30,7 +35,11 @@ pub async fn run(outbox: OutboxHandle, publisher: Publisher, changed: Arc<Notify
             }
         };
         for entry in entries {
-            if publisher.publish(Message::new(entry.topic, entry.payload)).await.is_err() {
+            if publisher
+                .publish(Message::new(entry.topic, entry.payload))
+                .await
+                .is_err()
+            {
                 return;
             }
         }

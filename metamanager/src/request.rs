@@ -88,7 +88,13 @@ impl Requester {
 
     /// `<root>/<requester>/meta/<operation>/<resource>`.
     pub fn topic(&self, root: &str, operation: Operation) -> String {
-        outbound(root, self.module(), META, operation.as_str(), &self.resource)
+        outbound(
+            root,
+            self.module(),
+            META,
+            operation.as_str(),
+            &self.resource,
+        )
     }
 
     /// The copy of a reply for an MQTT v5 requester's own Response Topic, if it set one.
@@ -109,7 +115,10 @@ impl Requester {
     pub fn error_messages(&self, root: &str, error: &Error) -> Vec<Message> {
         let envelope = self.envelope(Operation::Error, json_string(&error.to_string()));
         let payload = Bytes::from(envelope.to_bytes());
-        let mut out = vec![Message::new(self.topic(root, Operation::Error), payload.clone())];
+        let mut out = vec![Message::new(
+            self.topic(root, Operation::Error),
+            payload.clone(),
+        )];
         out.extend(self.v5_copy(&payload));
         out
     }

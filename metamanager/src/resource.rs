@@ -29,7 +29,11 @@ impl Resource {
     }
 
     /// Builds `<namespace>/<type>/<id>` from parts already known to be single levels.
-    pub fn from_parts(namespace: &str, res_type: &str, id: &str) -> Result<Resource, InvalidResource> {
+    pub fn from_parts(
+        namespace: &str,
+        res_type: &str,
+        id: &str,
+    ) -> Result<Resource, InvalidResource> {
         Resource::parse(&format!("{namespace}/{res_type}/{id}"))
     }
 
@@ -66,19 +70,33 @@ mod tests {
     #[test]
     fn three_levels_give_namespace_type_and_id() {
         let r = Resource::parse("default/pod/nginx").unwrap();
-        assert_eq!((r.namespace(), r.res_type(), r.id()), ("default", "pod", Some("nginx")));
+        assert_eq!(
+            (r.namespace(), r.res_type(), r.id()),
+            ("default", "pod", Some("nginx"))
+        );
         assert_eq!(r.key(), "default/pod/nginx");
     }
 
     #[test]
     fn two_levels_are_a_list_of_a_type() {
         let r = Resource::parse("default/pod").unwrap();
-        assert_eq!((r.namespace(), r.res_type(), r.id()), ("default", "pod", None));
+        assert_eq!(
+            (r.namespace(), r.res_type(), r.id()),
+            ("default", "pod", None)
+        );
     }
 
     #[test]
     fn other_shapes_are_rejected_with_the_expected_text() {
-        for raw in ["", "pod", "a/b/c/d", "a//c", "/pod/x", "a/b/", "default/pod/nginx/extra/x"] {
+        for raw in [
+            "",
+            "pod",
+            "a/b/c/d",
+            "a//c",
+            "/pod/x",
+            "a/b/",
+            "default/pod/nginx/extra/x",
+        ] {
             let err = Resource::parse(raw).unwrap_err();
             assert_eq!(
                 err.to_string(),

@@ -262,34 +262,69 @@ mod tests {
 
     #[test]
     fn every_table_operation_ends_in_a_catch_all_row() {
-        for op in Operation::ALL.into_iter().filter(|op| special(*op).is_none()) {
-            let last = RULES.iter().rev().find(|r| r.operation == op).expect("op has rows");
-            assert_eq!((last.source, last.types, last.when), (SourceMatch::Any, TypeMatch::Any, When::Always), "{op}");
+        for op in Operation::ALL
+            .into_iter()
+            .filter(|op| special(*op).is_none())
+        {
+            let last = RULES
+                .iter()
+                .rev()
+                .find(|r| r.operation == op)
+                .expect("op has rows");
+            assert_eq!(
+                (last.source, last.types, last.when),
+                (SourceMatch::Any, TypeMatch::Any, When::Always),
+                "{op}"
+            );
         }
     }
 
     #[test]
     fn special_operations_have_no_rows() {
-        for op in Operation::ALL.into_iter().filter(|op| special(*op).is_some()) {
+        for op in Operation::ALL
+            .into_iter()
+            .filter(|op| special(*op).is_some())
+        {
             assert!(RULES.iter().all(|r| r.operation != op), "{op}");
         }
     }
 
     #[test]
     fn inserts_go_to_edged_or_edgemesh_by_type() {
-        assert_eq!(first(Op::Insert, "edgecontroller", "pod").forward, Some(Edged));
-        assert_eq!(first(Op::Insert, "edgecontroller", "service").forward, Some(EdgeMesh));
-        assert_eq!(first(Op::Insert, "edgecontroller", "servicelist").store, Store::UpsertItems("service"));
+        assert_eq!(
+            first(Op::Insert, "edgecontroller", "pod").forward,
+            Some(Edged)
+        );
+        assert_eq!(
+            first(Op::Insert, "edgecontroller", "service").forward,
+            Some(EdgeMesh)
+        );
+        assert_eq!(
+            first(Op::Insert, "edgecontroller", "servicelist").store,
+            Store::UpsertItems("service")
+        );
         assert_eq!(first(Op::Insert, "edgemesh", "listener").reply, Reply::Null);
     }
 
     #[test]
     fn updates_are_forwarded_by_source() {
         assert_eq!(first(Op::Update, "edged", "podstatus").forward, Some(Cloud));
-        assert_eq!(first(Op::Update, "edgecontroller", "pod").forward, Some(Edged));
-        assert_eq!(first(Op::Update, "edgecontroller", "endpoints").forward, Some(EdgeMesh));
-        assert_eq!(first(Op::Update, "funcmgr", "function").forward, Some(EdgeFunction));
-        assert_eq!(first(Op::Update, "edgefunction", "function").forward, Some(Cloud));
+        assert_eq!(
+            first(Op::Update, "edgecontroller", "pod").forward,
+            Some(Edged)
+        );
+        assert_eq!(
+            first(Op::Update, "edgecontroller", "endpoints").forward,
+            Some(EdgeMesh)
+        );
+        assert_eq!(
+            first(Op::Update, "funcmgr", "function").forward,
+            Some(EdgeFunction)
+        );
+        assert_eq!(
+            first(Op::Update, "edgefunction", "function").forward,
+            Some(Cloud)
+        );
         assert_eq!(first(Op::Update, "device", "devicestatus").forward, None);
     }
 
@@ -304,14 +339,26 @@ mod tests {
     #[test]
     fn a_pod_delete_from_edged_goes_to_the_cloud_only() {
         assert_eq!(first(Op::Delete, "edged", "pod").forward, Some(Cloud));
-        assert_eq!(first(Op::Delete, "edgecontroller", "pod").forward, Some(Edged));
-        assert_eq!(first(Op::Delete, "edgecontroller", "service").forward, Some(EdgeMesh));
+        assert_eq!(
+            first(Op::Delete, "edgecontroller", "pod").forward,
+            Some(Edged)
+        );
+        assert_eq!(
+            first(Op::Delete, "edgecontroller", "service").forward,
+            Some(EdgeMesh)
+        );
     }
 
     #[test]
     fn responses_flow_away_from_their_sender() {
-        assert_eq!(first(Op::Response, "edgecontroller", "pod").forward, Some(Edged));
-        assert_eq!(first(Op::Response, "edgecontroller", "service").forward, Some(EdgeMesh));
+        assert_eq!(
+            first(Op::Response, "edgecontroller", "pod").forward,
+            Some(Edged)
+        );
+        assert_eq!(
+            first(Op::Response, "edgecontroller", "service").forward,
+            Some(EdgeMesh)
+        );
         assert_eq!(first(Op::Response, "edged", "pod").forward, Some(Cloud));
     }
 }

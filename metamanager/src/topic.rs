@@ -81,7 +81,8 @@ mod tests {
 
     #[test]
     fn a_three_level_resource_topic_splits() {
-        let t = InboundTopic::parse("ke", "ke/meta/edgecontroller/insert/default/pod/nginx").unwrap();
+        let t =
+            InboundTopic::parse("ke", "ke/meta/edgecontroller/insert/default/pod/nginx").unwrap();
         assert_eq!(t.from, "edgecontroller");
         assert_eq!(t.operation(), Some(Operation::Insert));
         assert_eq!(t.resource().unwrap().key(), "default/pod/nginx");
@@ -121,7 +122,15 @@ mod tests {
 
     #[test]
     fn topics_without_a_sender_are_unaddressable() {
-        for topic in ["ke", "ke/meta", "ke/meta/", "ke/meta//insert/a/b", "ke/edged/edged/insert/a/b", "kex/meta/edged/insert/a/b", "ke/metax/edged/insert/a/b"] {
+        for topic in [
+            "ke",
+            "ke/meta",
+            "ke/meta/",
+            "ke/meta//insert/a/b",
+            "ke/edged/edged/insert/a/b",
+            "kex/meta/edged/insert/a/b",
+            "ke/metax/edged/insert/a/b",
+        ] {
             assert!(InboundTopic::parse("ke", topic).is_err(), "{topic}");
         }
     }
@@ -140,6 +149,9 @@ mod tests {
             outbound("ke", "cloud", "meta", "response", "default/pod/nginx"),
             "ke/cloud/meta/response/default/pod/nginx"
         );
-        assert_eq!(outbound("ke", "edged", "meta", "error", ""), "ke/edged/meta/error");
+        assert_eq!(
+            outbound("ke", "edged", "meta", "error", ""),
+            "ke/edged/meta/error"
+        );
     }
 }

@@ -21,7 +21,7 @@ use crate::store::{Db, OutboxEntry, StoreConfig};
 /// Work for the store worker.
 pub enum Job {
     /// A parsed message from the broker.
-    Request(Request),
+    Request(Box<Request>),
     /// Read the oldest outbox entries (after the current batch commits).
     OutboxPeek {
         limit: usize,
@@ -57,7 +57,10 @@ pub async fn spawn(
     std::thread::Builder::new()
         .name("edgemeta-store".into())
         .spawn(move || {
-            let runtime = match tokio::runtime::Builder::new_current_thread().enable_time().build() {
+            let runtime = match tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .build()
+            {
                 Ok(rt) => rt,
                 Err(e) => {
                     let _ = opened_tx.send(Err(Error::Content {
@@ -105,7 +108,7 @@ struct Worker {
 
 /// One unit of a batch, in arrival order.
 enum Step {
-    Request(Request),
+    Request(Box<Request>),
     Expired(String),
     SyncPodStatus,
 }
@@ -148,7 +151,9 @@ impl Worker {
         let mut acks = Vec::new();
         let mut peeks = Vec::new();
         if let Err(e) = self.db.control("BEGIN IMMEDIATE").await {
-            return self.fail_batch(steps, others, Error::Commit(e.to_string())).await;
+            return self
+                .fail_batch(steps, others, Error::Commit(e.to_string()))
+                .await;
         }
         let mut applied = Vec::with_capacity(steps.len());
         for step in steps {
@@ -199,7 +204,10 @@ impl Worker {
         }
         for message in local {
             if self.publisher.publish(message).await.is_err() {
-                warn!(error_code = "EM-META-PUBLISH", "broker link closed; reply dropped");
+                warn!(
+                    error_code = "EM-META-PUBLISH",
+                    "broker link closed; reply dropped"
+                );
             }
         }
         for (reply, result) in acks {

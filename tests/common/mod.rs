@@ -112,7 +112,9 @@ impl Node {
     fn write_config(&self) {
         let o = &self.options;
         let v5 = match self.v5_port {
-            Some(port) => format!("    mqtt5:\n      address: 127.0.0.1:{port}\n      protocol: v5\n"),
+            Some(port) => {
+                format!("    mqtt5:\n      address: 127.0.0.1:{port}\n      protocol: v5\n")
+            }
             None => String::new(),
         };
         let yaml = format!(
@@ -159,10 +161,21 @@ impl Node {
         let started = Instant::now();
         // Listeners open only after the MetaManager is subscribed, so a connect means ready.
         while TcpStream::connect_timeout(&address, Duration::from_millis(100)).is_err() {
-            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
-                panic!("edgemeta exited with {status} during start-up:\n{}", self.log());
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                panic!(
+                    "edgemeta exited with {status} during start-up:\n{}",
+                    self.log()
+                );
             }
-            assert!(started.elapsed() < WAIT, "edgemeta not serving after {WAIT:?}:\n{}", self.log());
+            assert!(
+                started.elapsed() < WAIT,
+                "edgemeta not serving after {WAIT:?}:\n{}",
+                self.log()
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -229,12 +242,19 @@ impl Node {
     pub async fn meta_rows(&self) -> Vec<(String, String, String)> {
         let conn = open(&self.db_path()).await;
         let mut rows = conn
-            .query("SELECT key, type, coalesce(value, '') FROM meta ORDER BY key", ())
+            .query(
+                "SELECT key, type, coalesce(value, '') FROM meta ORDER BY key",
+                (),
+            )
             .await
             .expect("query meta");
         let mut out = Vec::new();
         while let Some(row) = rows.next().await.expect("read row") {
-            out.push((row.get(0).unwrap(), row.get(1).unwrap(), row.get(2).unwrap()));
+            out.push((
+                row.get(0).unwrap(),
+                row.get(1).unwrap(),
+                row.get(2).unwrap(),
+            ));
         }
         out
     }
@@ -250,9 +270,13 @@ impl Drop for Node {
 }
 
 async fn open(path: &Path) -> libsql::Connection {
-    let db = libsql::Builder::new_local(path).build().await.expect("open store");
+    let db = libsql::Builder::new_local(path)
+        .build()
+        .await
+        .expect("open store");
     let conn = db.connect().expect("connect store");
-    conn.busy_timeout(Duration::from_secs(5)).expect("busy timeout");
+    conn.busy_timeout(Duration::from_secs(5))
+        .expect("busy timeout");
     conn
 }
 
@@ -275,7 +299,11 @@ pub fn unique_id(prefix: &str) -> String {
 fn uuid_like() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static NEXT: AtomicU64 = AtomicU64::new(0);
-    format!("{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
+    format!(
+        "{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 /// One received publication.
@@ -287,23 +315,38 @@ pub struct Msg {
 
 impl Msg {
     pub fn json(&self) -> Value {
-        serde_json::from_slice(&self.payload)
-            .unwrap_or_else(|e| panic!("payload on {} is not JSON ({e}): {:?}", self.topic, self.payload))
+        serde_json::from_slice(&self.payload).unwrap_or_else(|e| {
+            panic!(
+                "payload on {} is not JSON ({e}): {:?}",
+                self.topic, self.payload
+            )
+        })
     }
     pub fn content(&self) -> Value {
         self.json()["content"].clone()
     }
     pub fn parent_id(&self) -> Option<String> {
-        self.json()["header"]["parent_msg_id"].as_str().map(str::to_owned)
+        self.json()["header"]["parent_msg_id"]
+            .as_str()
+            .map(str::to_owned)
     }
     pub fn msg_id(&self) -> String {
-        self.json()["header"]["msg_id"].as_str().expect("msg_id").to_owned()
+        self.json()["header"]["msg_id"]
+            .as_str()
+            .expect("msg_id")
+            .to_owned()
     }
     pub fn operation(&self) -> String {
-        self.json()["route"]["operation"].as_str().unwrap_or_default().to_owned()
+        self.json()["route"]["operation"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
     }
     pub fn source(&self) -> String {
-        self.json()["route"]["source"].as_str().unwrap_or_default().to_owned()
+        self.json()["route"]["source"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
     }
 }
 
@@ -329,7 +372,12 @@ impl Client {
             .await
             .expect("CONNACK within the wait")
             .expect("event loop alive");
-        Client { client, rx, acks, task }
+        Client {
+            client,
+            rx,
+            acks,
+            task,
+        }
     }
 
     /// Subscribes at QoS 1 and waits for the SUBACK.
@@ -381,7 +429,9 @@ impl Client {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match tokio::time::timeout(left, self.rx.recv()).await {
-                Ok(Some(m)) if m.topic == topic && m.parent_id().as_deref() == Some(parent) => return m,
+                Ok(Some(m)) if m.topic == topic && m.parent_id().as_deref() == Some(parent) => {
+                    return m
+                }
                 Ok(Some(m)) => seen.push(m.topic),
                 _ => panic!("no reply to {parent} on {topic} within {WAIT:?}; saw {seen:?}"),
             }
@@ -394,7 +444,9 @@ impl Client {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match tokio::time::timeout(left, self.rx.recv()).await {
-                Ok(Some(m)) if m.topic == topic => panic!("unexpected message on {topic}: {:?}", m.payload),
+                Ok(Some(m)) if m.topic == topic => {
+                    panic!("unexpected message on {topic}: {:?}", m.payload)
+                }
                 Ok(Some(_)) => continue,
                 _ => return,
             }
@@ -405,7 +457,12 @@ impl Client {
     pub async fn drain(&mut self, window: Duration) -> Vec<Msg> {
         let deadline = Instant::now() + window;
         let mut out = Vec::new();
-        while let Ok(Some(m)) = tokio::time::timeout(deadline.saturating_duration_since(Instant::now()), self.rx.recv()).await {
+        while let Ok(Some(m)) = tokio::time::timeout(
+            deadline.saturating_duration_since(Instant::now()),
+            self.rx.recv(),
+        )
+        .await
+        {
             out.push(m);
         }
         out
@@ -434,7 +491,10 @@ async fn drive(
             }
             Ok(Event::Incoming(Packet::Publish(p))) => {
                 let topic = p.topic.clone();
-                let _ = tx.send(Msg { topic, payload: p.payload });
+                let _ = tx.send(Msg {
+                    topic,
+                    payload: p.payload,
+                });
             }
             Ok(Event::Incoming(Packet::SubAck(s))) => {
                 let _ = acks.send(s.pkid);
@@ -458,7 +518,13 @@ pub fn envelope(source: &str, operation: &str, resource: &str, content: Value) -
 }
 
 /// Publishes a full envelope on `<root>/meta/<from>/<op>/<resource>`; returns its id.
-pub async fn send(client: &Client, from: &str, operation: &str, resource: &str, content: Value) -> String {
+pub async fn send(
+    client: &Client,
+    from: &str,
+    operation: &str,
+    resource: &str,
+    content: Value,
+) -> String {
     let (id, payload) = envelope(from, operation, resource, content);
     client
         .publish(&format!("ke/meta/{from}/{operation}/{resource}"), payload)
@@ -473,14 +539,24 @@ pub fn mosquitto_pub(port: u16, args: &[&str]) -> (bool, String) {
         .args(args)
         .output()
         .expect("mosquitto_pub is installed (scripts/test installs it)");
-    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 /// Starts `mosquitto_sub -v` on `filter`, waiting for `count` messages (at most [`WAIT`]).
 pub fn mosquitto_sub(port: u16, filter: &str, count: usize) -> Child {
     Command::new("mosquitto_sub")
         .args(["-h", "127.0.0.1", "-p", &port.to_string(), "-v", "-q", "1"])
-        .args(["-t", filter, "-C", &count.to_string(), "-W", &WAIT.as_secs().to_string()])
+        .args([
+            "-t",
+            filter,
+            "-C",
+            &count.to_string(),
+            "-W",
+            &WAIT.as_secs().to_string(),
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -490,5 +566,8 @@ pub fn mosquitto_sub(port: u16, filter: &str, count: usize) -> Child {
 /// Lines `mosquitto_sub -v` printed (`<topic> <payload>`), after it exited.
 pub fn sub_output(child: Child) -> Vec<String> {
     let out = child.wait_with_output().expect("mosquitto_sub output");
-    String::from_utf8_lossy(&out.stdout).lines().map(str::to_owned).collect()
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect()
 }

@@ -115,7 +115,8 @@ impl Db {
             Synchronous::Full => "FULL",
             Synchronous::Normal => "NORMAL",
         };
-        conn.execute(&format!("PRAGMA synchronous={sync}"), ()).await?;
+        conn.execute(&format!("PRAGMA synchronous={sync}"), ())
+            .await?;
         if config.max_pages > 0 {
             conn.query(&format!("PRAGMA max_page_count={}", config.max_pages), ())
                 .await?;
@@ -180,7 +181,12 @@ impl Db {
     }
 
     /// Insert or replace one record (KubeEdge `InsertOrUpdate`).
-    pub async fn upsert(&self, key: &str, res_type: &str, value: &str) -> Result<(), libsql::Error> {
+    pub async fn upsert(
+        &self,
+        key: &str,
+        res_type: &str,
+        value: &str,
+    ) -> Result<(), libsql::Error> {
         self.conn
             .execute(
                 "INSERT INTO meta (key, type, value) VALUES (?1, ?2, ?3)
@@ -209,7 +215,10 @@ impl Db {
     }
 
     /// Every `(key, value)` of `res_type`, in key order.
-    pub async fn rows_by_type(&self, res_type: &str) -> Result<Vec<(String, String)>, libsql::Error> {
+    pub async fn rows_by_type(
+        &self,
+        res_type: &str,
+    ) -> Result<Vec<(String, String)>, libsql::Error> {
         let mut rows = self
             .conn
             .query(
