@@ -73,6 +73,8 @@ pub struct Context<'a> {
     pub waits: Waits,
     /// Local messages to publish after the commit.
     pub local: Vec<Message>,
+    /// Whether anything was queued in the outbox.
+    pub outbox_written: bool,
 }
 
 impl Context<'_> {
@@ -88,6 +90,7 @@ impl Context<'_> {
         );
         let payload = envelope.to_bytes();
         if module == CLOUD {
+            self.outbox_written = true;
             self.db
                 .outbox_push(&topic, &payload)
                 .await

@@ -156,6 +156,7 @@ impl Worker {
                 .await;
         }
         let mut applied = Vec::with_capacity(steps.len());
+        let mut outbox_written = false;
         for step in steps {
             let _ = self.db.control("SAVEPOINT step").await;
             let mut cx = Context {
@@ -164,6 +165,7 @@ impl Worker {
                 state: &mut self.state,
                 waits: self.config.waits,
                 local: Vec::new(),
+                outbox_written: false,
             };
             let result = match &step {
                 Step::Request(request) => process::apply(request, &mut cx).await,
@@ -171,9 +173,11 @@ impl Worker {
                 Step::SyncPodStatus => process::sync_pod_status(&mut cx).await,
             };
             let produced = cx.local;
+            let wrote = cx.outbox_written;
             match result {
                 Ok(()) => {
                     let _ = self.db.control("RELEASE step").await;
+                    outbox_written |= wrote;
                     local.extend(produced);
                 }
                 Err(error) => {
@@ -217,7 +221,9 @@ impl Worker {
             let result = self.db.outbox_peek(limit).await;
             let _ = reply.send(result.map_err(Error::store("read outbox")));
         }
-        self.outbox_changed.notify_one();
+        if outbox_written {
+            self.outbox_changed.notify_one();
+        }
     }
 
     /// Nothing of the batch was committed: every request is told so.
