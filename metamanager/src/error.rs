@@ -29,6 +29,8 @@ pub enum Error {
         resource: String,
         waited_ms: u64,
     },
+    #[error("outbox full: {entries} messages ({bytes} bytes) wait for the cloud; change refused")]
+    OutboxFull { entries: u64, bytes: u64 },
     #[error("commit failed: {0}")]
     Commit(String),
     #[error("store unavailable: {0}")]
@@ -56,6 +58,7 @@ impl Error {
             Error::Store { .. } => "EM-STORE-WRITE",
             Error::RemoteTimeout { .. } => "EM-META-REMOTE-TIMEOUT",
             Error::VolumeTimeout { .. } => "EM-META-VOLUME-TIMEOUT",
+            Error::OutboxFull { .. } => "EM-STORE-OUTBOX-FULL",
             Error::Commit(_) => "EM-STORE-COMMIT",
             Error::Open(_) => "EM-STORE-OPEN",
             Error::Closed => "EM-META-CLOSED",

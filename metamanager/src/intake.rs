@@ -11,7 +11,7 @@ use crate::envelope::Envelope;
 use crate::error::Error;
 use crate::request::{Request, Requester};
 use crate::topic::{InboundTopic, META};
-use crate::worker::Job;
+use crate::worker::{Done, Job};
 
 /// Limits and names the intake needs.
 #[derive(Debug, Clone)]
@@ -20,29 +20,40 @@ pub struct IntakeConfig {
     pub max_payload_bytes: usize,
 }
 
-/// Reads the link until cancelled; then takes what is already queued, so nothing the broker
-/// handed over is dropped, and returns (dropping its job sender lets the worker finish).
+/// A message handed in by another in-process component (the cloud bridge), with the signal to
+/// fire once it is committed or refused.
+pub type Submission = (Message, Done);
+
+/// Reads the link and the submissions until cancelled; then takes what is already queued, so
+/// nothing handed over is dropped, and returns (dropping its job sender lets the worker finish).
 pub async fn run(
     config: IntakeConfig,
     mut inbox: mpsc::Receiver<Message>,
+    mut submissions: mpsc::Receiver<Submission>,
     jobs: mpsc::Sender<Job>,
     publisher: Publisher,
     cancel: CancellationToken,
 ) {
     loop {
-        let message = tokio::select! {
+        let (message, done) = tokio::select! {
             _ = cancel.cancelled() => break,
             message = inbox.recv() => match message {
-                Some(message) => message,
+                Some(message) => (message, None),
                 None => return,
             },
+            Some((message, done)) = submissions.recv() => (message, Some(done)),
         };
-        if !intake(&config, message, &jobs, &publisher).await {
+        if !intake(&config, message, done, &jobs, &publisher).await {
+            return;
+        }
+    }
+    while let Ok((message, done)) = submissions.try_recv() {
+        if !intake(&config, message, Some(done), &jobs, &publisher).await {
             return;
         }
     }
     while let Ok(message) = inbox.try_recv() {
-        if !intake(&config, message, &jobs, &publisher).await {
+        if !intake(&config, message, None, &jobs, &publisher).await {
             return;
         }
     }
@@ -52,18 +63,30 @@ pub async fn run(
 async fn intake(
     config: &IntakeConfig,
     message: Message,
+    done: Option<Done>,
     jobs: &mpsc::Sender<Job>,
     publisher: &Publisher,
 ) -> bool {
     match parse(config, &message) {
-        Ok(Some(request)) => jobs.send(Job::Request(Box::new(request))).await.is_ok(),
-        Ok(None) => true,
+        Ok(Some(request)) => jobs
+            .send(Job::Request(Box::new(request), done))
+            .await
+            .is_ok(),
+        Ok(None) => {
+            if let Some(done) = done {
+                let _ = done.send(());
+            }
+            true
+        }
         Err(refused) => {
             let Refused { requester, error } = *refused;
             for reply in requester.error_messages(&config.root, &error) {
                 if publisher.publish(reply).await.is_err() {
                     return false;
                 }
+            }
+            if let Some(done) = done {
+                let _ = done.send(());
             }
             true
         }

@@ -26,7 +26,7 @@ pub mod worker;
 use std::sync::Arc;
 use std::time::Duration;
 
-use edgemeta_broker::{Link, Publisher};
+use edgemeta_broker::{Link, Message, Publisher};
 use serde::Deserialize;
 use tokio::sync::{mpsc, oneshot, Notify};
 use tokio_util::sync::CancellationToken;
@@ -34,7 +34,7 @@ use tokio_util::sync::CancellationToken;
 pub use error::Error;
 pub use operation::Operation;
 pub use request::Request;
-pub use store::{OutboxEntry, StoreConfig};
+pub use store::{OutboxEntry, OutboxStats, StoreConfig};
 
 /// MetaManager settings (`metamanager:` in the YAML config).
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -115,15 +115,60 @@ impl OutboxHandle {
         rx.await.map_err(|_| Error::Closed)?
     }
 
+    /// Queues a message another module published for the cloud; returns after the commit.
+    pub async fn append(&self, topic: String, payload: Vec<u8>) -> Result<(), Error> {
+        let (reply, rx) = oneshot::channel();
+        self.jobs
+            .send(worker::Job::OutboxAppend {
+                topic,
+                payload,
+                reply,
+            })
+            .await
+            .map_err(|_| Error::Closed)?;
+        rx.await.map_err(|_| Error::Closed)?
+    }
+
+    /// Depth, size and oldest entry of the outbox.
+    pub async fn stats(&self) -> Result<OutboxStats, Error> {
+        let (reply, rx) = oneshot::channel();
+        self.jobs
+            .send(worker::Job::OutboxStats { reply })
+            .await
+            .map_err(|_| Error::Closed)?;
+        rx.await.map_err(|_| Error::Closed)?
+    }
+
     /// Wakes when new entries may have been committed.
     pub fn changed(&self) -> Arc<Notify> {
         self.changed.clone()
     }
 }
 
+/// Hands messages to the MetaManager as if they had arrived on its topics, and says when each
+/// is final: the cloud bridge acknowledges a cloud message only after that.
+#[derive(Clone)]
+pub struct Ingress {
+    tx: mpsc::Sender<intake::Submission>,
+}
+
+impl Ingress {
+    /// Queues `message` (its topic is `<root>/meta/...`); the receiver fires once the message is
+    /// committed, or refused with an error reply.
+    pub async fn submit(&self, message: Message) -> Result<oneshot::Receiver<()>, Error> {
+        let (done, rx) = oneshot::channel();
+        self.tx
+            .send((message, done))
+            .await
+            .map_err(|_| Error::Closed)?;
+        Ok(rx)
+    }
+}
+
 /// A running MetaManager.
 pub struct MetaManager {
     outbox: OutboxHandle,
+    ingress: Ingress,
     intake: tokio::task::JoinHandle<()>,
     store_done: oneshot::Receiver<()>,
 }
@@ -150,6 +195,10 @@ impl MetaManager {
             },
             podstatus_sync_interval: Duration::from_secs(config.podstatus_sync_interval_s.max(1)),
             batch_max: store.batch_max.max(1),
+            outbox_limit: process::OutboxLimit {
+                entries: store.outbox_max_entries,
+                bytes: store.outbox_max_bytes,
+            },
         };
         let Link { inbox, publisher } = link;
         let store_done = worker::spawn(
@@ -176,18 +225,26 @@ impl MetaManager {
             root: root.to_owned(),
             max_payload_bytes: config.max_payload_bytes,
         };
+        let (submit_tx, submissions) = mpsc::channel(config.queue_capacity.max(1));
         let intake = tokio::spawn(intake::run(
             intake_config,
             inbox,
+            submissions,
             jobs_tx,
             publisher,
             cancel,
         ));
         Ok(MetaManager {
             outbox,
+            ingress: Ingress { tx: submit_tx },
             intake,
             store_done,
         })
+    }
+
+    /// The way in for messages that do not come through the local broker (the cloud bridge).
+    pub fn ingress(&self) -> Ingress {
+        self.ingress.clone()
     }
 
     /// The outbox, for a cloud bridge.
@@ -200,9 +257,11 @@ impl MetaManager {
     pub async fn stopped(self) {
         let MetaManager {
             outbox,
+            ingress,
             intake,
             store_done,
         } = self;
+        drop(ingress);
         let _ = intake.await;
         drop(outbox);
         let _ = store_done.await;

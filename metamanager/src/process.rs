@@ -17,7 +17,7 @@ use crate::operation::Operation;
 use crate::request::{Request, Requester};
 use crate::resource::Resource;
 use crate::routing::{self, Forward, Reply, Rule, Special, Store, When};
-use crate::store::Db;
+use crate::store::{Db, OutboxStats};
 use crate::topic::{outbound, CLOUD, META};
 
 /// State the MetaManager keeps besides the store; owned by the store worker.
@@ -27,6 +27,8 @@ pub struct State {
     /// Requests waiting for another module's answer, by the id that answer will carry as parent.
     pub pending: HashMap<String, Pending>,
     pub expiries: DelayQueue<String>,
+    /// What waits in the outbox, kept in step with every push and acknowledgement.
+    pub outbox: OutboxStats,
 }
 
 /// A request waiting for an answer from the cloud (remote query) or from edged (volume call).
@@ -48,6 +50,7 @@ impl State {
             connected: false,
             pending: HashMap::new(),
             expiries: DelayQueue::new(),
+            outbox: OutboxStats::default(),
         }
     }
 }
@@ -65,12 +68,20 @@ pub struct Waits {
     pub volume: Duration,
 }
 
+/// The most the outbox may hold before cloud-bound changes are refused.
+#[derive(Debug, Clone, Copy)]
+pub struct OutboxLimit {
+    pub entries: u64,
+    pub bytes: u64,
+}
+
 /// Everything an operation may touch.
 pub struct Context<'a> {
     pub db: &'a Db,
     pub root: &'a str,
     pub state: &'a mut State,
     pub waits: Waits,
+    pub outbox_limit: OutboxLimit,
     /// Local messages to publish after the commit.
     pub local: Vec<Message>,
     /// Whether anything was queued in the outbox.
@@ -90,15 +101,34 @@ impl Context<'_> {
         );
         let payload = envelope.to_bytes();
         if module == CLOUD {
-            self.outbox_written = true;
-            self.db
-                .outbox_push(&topic, &payload)
-                .await
-                .map_err(Error::store("queue message for the cloud"))
+            self.queue_for_cloud(&topic, &payload).await
         } else {
             self.local.push(Message::new(topic, payload));
             Ok(())
         }
+    }
+
+    /// Appends to the outbox unless that would pass its limit: a full outbox refuses the change
+    /// (the requester gets an `error`) rather than dropping anything already queued.
+    pub async fn queue_for_cloud(&mut self, topic: &str, payload: &[u8]) -> Result<(), Error> {
+        let outbox = &mut self.state.outbox;
+        let size = payload.len() as u64;
+        if outbox.entries >= self.outbox_limit.entries
+            || outbox.bytes + size > self.outbox_limit.bytes
+        {
+            return Err(Error::OutboxFull {
+                entries: outbox.entries,
+                bytes: outbox.bytes,
+            });
+        }
+        self.db
+            .outbox_push(topic, payload)
+            .await
+            .map_err(Error::store("queue message for the cloud"))?;
+        outbox.entries += 1;
+        outbox.bytes += size;
+        self.outbox_written = true;
+        Ok(())
     }
 
     /// Answers `requester` (and its v5 Response Topic) with `operation` and `content`.

@@ -14,14 +14,27 @@ use tokio::time::{interval_at, Instant, MissedTickBehavior};
 use tracing::{error, warn};
 
 use crate::error::Error;
-use crate::process::{self, Context, State, Waits};
+use crate::process::{self, Context, OutboxLimit, State, Waits};
 use crate::request::Request;
-use crate::store::{Db, OutboxEntry, StoreConfig};
+use crate::store::{Db, OutboxEntry, OutboxStats, StoreConfig};
+
+/// Fired once a request's outcome is final: committed, or refused with an error reply.
+pub type Done = oneshot::Sender<()>;
 
 /// Work for the store worker.
 pub enum Job {
-    /// A parsed message from the broker.
-    Request(Box<Request>),
+    /// A parsed message, and whom to tell once it is committed.
+    Request(Box<Request>, Option<Done>),
+    /// Queue a message for the cloud that another module published on `<root>/cloud/...`.
+    OutboxAppend {
+        topic: String,
+        payload: Vec<u8>,
+        reply: oneshot::Sender<Result<(), Error>>,
+    },
+    /// Outbox depth, size and the creation time of its oldest entry.
+    OutboxStats {
+        reply: oneshot::Sender<Result<OutboxStats, Error>>,
+    },
     /// Read the oldest outbox entries (after the current batch commits).
     OutboxPeek {
         limit: usize,
@@ -40,6 +53,7 @@ pub struct WorkerConfig {
     pub waits: Waits,
     pub podstatus_sync_interval: Duration,
     pub batch_max: usize,
+    pub outbox_limit: OutboxLimit,
 }
 
 /// Opens the store on a new thread and serves `jobs` until every sender is gone.
@@ -78,13 +92,22 @@ pub async fn spawn(
                         return;
                     }
                 };
+                let outbox = match db.outbox_stats().await {
+                    Ok(stats) => stats,
+                    Err(e) => {
+                        let _ = opened_tx.send(Err(Error::Open(e.into())));
+                        return;
+                    }
+                };
                 let _ = opened_tx.send(Ok(()));
+                let mut state = State::new();
+                state.outbox = outbox;
                 let worker = Worker {
                     db,
                     config,
                     publisher,
                     outbox_changed,
-                    state: State::new(),
+                    state,
                 };
                 worker.run(jobs).await;
             });
@@ -108,7 +131,7 @@ struct Worker {
 
 /// One unit of a batch, in arrival order.
 enum Step {
-    Request(Box<Request>),
+    Request(Box<Request>, Option<Done>),
     Expired(String),
     SyncPodStatus,
 }
@@ -147,33 +170,25 @@ impl Worker {
     }
 
     async fn run_batch(&mut self, steps: Vec<Step>, others: Vec<Job>) {
-        let mut local: Vec<Message> = Vec::new();
-        let mut acks = Vec::new();
-        let mut peeks = Vec::new();
         if let Err(e) = self.db.control("BEGIN IMMEDIATE").await {
             return self
                 .fail_batch(steps, others, Error::Commit(e.to_string()))
                 .await;
         }
-        let mut applied = Vec::with_capacity(steps.len());
+        let outbox_before = self.state.outbox;
+        let mut local: Vec<Message> = Vec::new();
         let mut outbox_written = false;
+        let mut applied = Vec::with_capacity(steps.len());
         for step in steps {
             let _ = self.db.control("SAVEPOINT step").await;
-            let mut cx = Context {
-                db: &self.db,
-                root: &self.config.root,
-                state: &mut self.state,
-                waits: self.config.waits,
-                local: Vec::new(),
-                outbox_written: false,
-            };
+            let counters = self.state.outbox;
+            let mut cx = self.context();
             let result = match &step {
-                Step::Request(request) => process::apply(request, &mut cx).await,
+                Step::Request(request, _) => process::apply(request, &mut cx).await,
                 Step::Expired(id) => process::expire(id, &mut cx).await,
                 Step::SyncPodStatus => process::sync_pod_status(&mut cx).await,
             };
-            let produced = cx.local;
-            let wrote = cx.outbox_written;
+            let (produced, wrote) = (cx.local, cx.outbox_written);
             match result {
                 Ok(()) => {
                     let _ = self.db.control("RELEASE step").await;
@@ -183,29 +198,49 @@ impl Worker {
                 Err(error) => {
                     let _ = self.db.control("ROLLBACK TO step").await;
                     let _ = self.db.control("RELEASE step").await;
+                    self.state.outbox = counters;
                     local.extend(self.error_reply(&step, &error));
                 }
             }
             applied.push(step);
         }
+        let (mut replies, mut peeks, mut stats) = (Vec::new(), Vec::new(), Vec::new());
         for job in others {
             match job {
                 Job::OutboxAck { seq, reply } => {
-                    let result = self.db.outbox_ack(seq).await.map(drop);
-                    acks.push((reply, result.map_err(Error::store("acknowledge outbox"))));
+                    let result = self.db.outbox_ack(seq).await;
+                    if let Ok((entries, bytes)) = result {
+                        self.state.outbox.entries =
+                            self.state.outbox.entries.saturating_sub(entries);
+                        self.state.outbox.bytes = self.state.outbox.bytes.saturating_sub(bytes);
+                    }
+                    let result = result.map(drop).map_err(Error::store("acknowledge outbox"));
+                    replies.push((reply, result));
+                }
+                Job::OutboxAppend {
+                    topic,
+                    payload,
+                    reply,
+                } => {
+                    let result = self.context().queue_for_cloud(&topic, &payload).await;
+                    outbox_written |= result.is_ok();
+                    replies.push((reply, result));
                 }
                 Job::OutboxPeek { limit, reply } => peeks.push((limit, reply)),
-                Job::Request(_) => unreachable!("requests are sorted into steps"),
+                Job::OutboxStats { reply } => stats.push(reply),
+                Job::Request(..) => unreachable!("requests are sorted into steps"),
             }
         }
         if let Err(e) = self.db.control("COMMIT").await {
             let _ = self.db.control("ROLLBACK").await;
+            self.state.outbox = outbox_before;
             let error = Error::Commit(e.to_string());
-            for (reply, _) in acks {
+            for (reply, _) in replies {
                 let _ = reply.send(Err(Error::Commit(error.to_string())));
             }
             return self.fail_batch(applied, Vec::new(), error).await;
         }
+        // Committed: only now may anyone hear about it.
         for message in local {
             if self.publisher.publish(message).await.is_err() {
                 warn!(
@@ -214,11 +249,24 @@ impl Worker {
                 );
             }
         }
-        for (reply, result) in acks {
+        for step in applied {
+            if let Step::Request(_, Some(done)) = step {
+                let _ = done.send(());
+            }
+        }
+        for (reply, result) in replies {
             let _ = reply.send(result);
         }
         for (limit, reply) in peeks {
             let result = self.db.outbox_peek(limit).await;
+            let _ = reply.send(result.map_err(Error::store("read outbox")));
+        }
+        for reply in stats {
+            // Authoritative numbers, which also re-anchor the running counters.
+            let result = self.db.outbox_stats().await;
+            if let Ok(stats) = result {
+                self.state.outbox = stats;
+            }
             let _ = reply.send(result.map_err(Error::store("read outbox")));
         }
         if outbox_written {
@@ -226,30 +274,49 @@ impl Worker {
         }
     }
 
+    fn context(&mut self) -> Context<'_> {
+        Context {
+            db: &self.db,
+            root: &self.config.root,
+            state: &mut self.state,
+            waits: self.config.waits,
+            outbox_limit: self.config.outbox_limit,
+            local: Vec::new(),
+            outbox_written: false,
+        }
+    }
+
     /// Nothing of the batch was committed: every request is told so.
     async fn fail_batch(&mut self, steps: Vec<Step>, others: Vec<Job>, error: Error) {
         error!(error_code = error.code(), error = %error, "batch not committed");
-        for step in &steps {
-            for message in self.error_reply(step, &error) {
+        for step in steps {
+            for message in self.error_reply(&step, &error) {
                 let _ = self.publisher.publish(message).await;
             }
+            if let Step::Request(_, Some(done)) = step {
+                let _ = done.send(());
+            }
         }
+        let failed = || Error::Commit(error.to_string());
         for job in others {
             match job {
-                Job::OutboxAck { reply, .. } => {
-                    let _ = reply.send(Err(Error::Closed));
+                Job::OutboxAck { reply, .. } | Job::OutboxAppend { reply, .. } => {
+                    let _ = reply.send(Err(failed()));
                 }
                 Job::OutboxPeek { reply, .. } => {
-                    let _ = reply.send(Err(Error::Closed));
+                    let _ = reply.send(Err(failed()));
                 }
-                Job::Request(_) => {}
+                Job::OutboxStats { reply } => {
+                    let _ = reply.send(Err(failed()));
+                }
+                Job::Request(..) => {}
             }
         }
     }
 
     fn error_reply(&self, step: &Step, error: &Error) -> Vec<Message> {
         match step {
-            Step::Request(request) => {
+            Step::Request(request, _) => {
                 log_failure(request, error);
                 request.requester.error_messages(&self.config.root, error)
             }
@@ -267,7 +334,7 @@ impl Worker {
 
 fn sort(job: Job, steps: &mut Vec<Step>, others: &mut Vec<Job>) {
     match job {
-        Job::Request(request) => steps.push(Step::Request(request)),
+        Job::Request(request, done) => steps.push(Step::Request(request, done)),
         other => others.push(other),
     }
 }

@@ -30,6 +30,12 @@ pub struct StoreConfig {
     /// SQLite `max_page_count` (4 KiB pages); 0 = unlimited. A full store answers `error`.
     #[serde(default)]
     pub max_pages: u64,
+    /// Most messages waiting for the cloud; past it, cloud-bound changes get an `error` reply.
+    #[serde(default = "default_outbox_max_entries")]
+    pub outbox_max_entries: u64,
+    /// Most payload bytes waiting for the cloud.
+    #[serde(default = "default_outbox_max_bytes")]
+    pub outbox_max_bytes: u64,
 }
 
 /// SQLite `synchronous` levels offered.
@@ -50,6 +56,12 @@ const fn default_busy_timeout_ms() -> u64 {
 const fn default_batch_max() -> usize {
     256
 }
+const fn default_outbox_max_entries() -> u64 {
+    1_000_000
+}
+const fn default_outbox_max_bytes() -> u64 {
+    512 * 1024 * 1024
+}
 
 impl Default for StoreConfig {
     fn default() -> Self {
@@ -59,8 +71,19 @@ impl Default for StoreConfig {
             synchronous: Synchronous::default(),
             batch_max: default_batch_max(),
             max_pages: 0,
+            outbox_max_entries: default_outbox_max_entries(),
+            outbox_max_bytes: default_outbox_max_bytes(),
         }
     }
+}
+
+/// What waits in the outbox.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OutboxStats {
+    pub entries: u64,
+    pub bytes: u64,
+    /// Creation time (ms since the epoch) of the oldest entry.
+    pub oldest_ms: Option<i64>,
 }
 
 /// A store failure, with the SQLite text.
@@ -265,16 +288,43 @@ impl Db {
         Ok(out)
     }
 
-    /// Removes every outbox entry up to and including `seq`.
-    pub async fn outbox_ack(&self, seq: i64) -> Result<u64, libsql::Error> {
+    /// Removes every outbox entry up to and including `seq`; the entries and bytes removed.
+    pub async fn outbox_ack(&self, seq: i64) -> Result<(u64, u64), libsql::Error> {
+        let mut rows = self
+            .conn
+            .query(
+                "SELECT count(*), coalesce(sum(length(payload)), 0) FROM outbox WHERE seq <= ?1",
+                [seq],
+            )
+            .await?;
+        let (entries, bytes) = match rows.next().await? {
+            Some(row) => (row.get::<i64>(0)? as u64, row.get::<i64>(1)? as u64),
+            None => (0, 0),
+        };
+        drop(rows);
         self.conn
             .execute("DELETE FROM outbox WHERE seq <= ?1", [seq])
-            .await
+            .await?;
+        Ok((entries, bytes))
     }
 
-    /// Entries waiting in the outbox.
-    pub async fn outbox_len(&self) -> Result<i64, libsql::Error> {
-        self.scalar_i64("SELECT count(*) FROM outbox").await
+    /// Counts what waits in the outbox.
+    pub async fn outbox_stats(&self) -> Result<OutboxStats, libsql::Error> {
+        let mut rows = self
+            .conn
+            .query(
+                "SELECT count(*), coalesce(sum(length(payload)), 0), min(created_ms) FROM outbox",
+                (),
+            )
+            .await?;
+        Ok(match rows.next().await? {
+            Some(row) => OutboxStats {
+                entries: row.get::<i64>(0)? as u64,
+                bytes: row.get::<i64>(1)? as u64,
+                oldest_ms: row.get::<Option<i64>>(2)?,
+            },
+            None => OutboxStats::default(),
+        })
     }
 
     /// Folds the WAL back into the database file; called at shutdown.
