@@ -1,10 +1,12 @@
-//! Wiring: broker → MetaManager link → listeners; on a stop signal, cancel, then wait (bounded)
-//! until every accepted message is committed.
+//! Wiring: broker → MetaManager link → cloud bridge → listeners; on a stop signal, cancel, then
+//! wait (bounded) until every accepted message is committed.
 
 use std::future::Future;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use edgemeta_bridges::topic_map::TopicMap;
+use edgemeta_bridges::CloudBridge;
 use edgemeta_broker::Broker;
 use edgemeta_metamanager::{subscription, MetaManager};
 use tokio_util::sync::CancellationToken;
@@ -24,16 +26,36 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         .link("metamanager", &[subscription(&root)], LINK_CAPACITY)
         .await
         .context("linking the metamanager to the broker")?;
+    let cloud = settings.cloud.enabled;
+    // Without a cloud bridge the outbox is relayed to the local `<root>/cloud/...` topics.
     let meta = MetaManager::start(
         &settings.metamanager,
         &settings.store,
         &root,
         link,
-        true,
+        !cloud,
         cancel.child_token(),
     )
     .await
     .with_context(|| format!("opening the store {}", settings.store.path.display()))?;
+    let bridge = if cloud {
+        let map = TopicMap::new(&root, &settings.cloud.root, &settings.cloud.node_id);
+        let link = broker
+            .link("cloud-bridge", &[map.local_cloud_filter()], LINK_CAPACITY)
+            .await
+            .context("linking the cloud bridge to the broker")?;
+        let bridge = CloudBridge::new(
+            settings.cloud.clone(),
+            &root,
+            link,
+            meta.ingress(),
+            meta.outbox(),
+        )
+        .context("configuring the cloud bridge")?;
+        Some(tokio::spawn(bridge.run(cancel.child_token())))
+    } else {
+        None
+    };
     broker
         .listen()
         .await
@@ -48,7 +70,13 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     // No new connections from here on; rumqttd cannot close the ones it has (rumqttd #771).
     drop(broker);
     let grace = Duration::from_millis(settings.shutdown_grace_ms);
-    match tokio::time::timeout(grace, meta.stopped()).await {
+    let stopped = async {
+        if let Some(bridge) = bridge {
+            let _ = bridge.await;
+        }
+        meta.stopped().await;
+    };
+    match tokio::time::timeout(grace, stopped).await {
         Ok(()) => info!("stopped; every accepted message is committed"),
         Err(_) => warn!(
             error_code = "EM-SHUTDOWN-GRACE",

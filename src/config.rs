@@ -5,6 +5,7 @@ use std::path::Path;
 
 use anyhow::Context as _;
 use config::{Config, Environment, File, FileFormat};
+use edgemeta_bridges::CloudConfig;
 use edgemeta_broker::BrokerConfig;
 use edgemeta_metamanager::{MetaConfig, StoreConfig};
 use serde::Deserialize;
@@ -24,6 +25,8 @@ pub struct Settings {
     pub store: StoreConfig,
     #[serde(default)]
     pub metamanager: MetaConfig,
+    #[serde(default)]
+    pub cloud: CloudConfig,
     /// How long SIGINT/SIGTERM may take to commit accepted work and stop, in milliseconds.
     #[serde(default = "default_shutdown_grace_ms")]
     pub shutdown_grace_ms: u64,
@@ -77,6 +80,9 @@ impl Settings {
                 }
             })?;
         settings.broker.validate()?;
+        if settings.cloud.enabled {
+            settings.cloud.mqtt_options()?;
+        }
         Ok(settings)
     }
 }

@@ -95,11 +95,15 @@ pub struct OutboxHandle {
 }
 
 impl OutboxHandle {
-    /// The oldest `limit` entries not yet acknowledged, oldest first.
-    pub async fn peek(&self, limit: usize) -> Result<Vec<OutboxEntry>, Error> {
+    /// The oldest `limit` entries with a sequence number above `after`, oldest first.
+    pub async fn peek(&self, after: i64, limit: usize) -> Result<Vec<OutboxEntry>, Error> {
         let (reply, rx) = oneshot::channel();
         self.jobs
-            .send(worker::Job::OutboxPeek { limit, reply })
+            .send(worker::Job::OutboxPeek {
+                after,
+                limit,
+                reply,
+            })
             .await
             .map_err(|_| Error::Closed)?;
         rx.await.map_err(|_| Error::Closed)?

@@ -21,7 +21,7 @@ pub async fn run(
     cancel: CancellationToken,
 ) {
     loop {
-        let entries = match outbox.peek(BATCH).await {
+        let entries = match outbox.peek(0, BATCH).await {
             Ok(entries) => entries,
             Err(e) => {
                 error!(error_code = e.code(), error = %e, "outbox read failed");

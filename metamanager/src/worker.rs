@@ -35,8 +35,9 @@ pub enum Job {
     OutboxStats {
         reply: oneshot::Sender<Result<OutboxStats, Error>>,
     },
-    /// Read the oldest outbox entries (after the current batch commits).
+    /// Read the oldest outbox entries with `seq > after` (once the current batch commits).
     OutboxPeek {
+        after: i64,
         limit: usize,
         reply: oneshot::Sender<Result<Vec<OutboxEntry>, Error>>,
     },
@@ -226,7 +227,11 @@ impl Worker {
                     outbox_written |= result.is_ok();
                     replies.push((reply, result));
                 }
-                Job::OutboxPeek { limit, reply } => peeks.push((limit, reply)),
+                Job::OutboxPeek {
+                    after,
+                    limit,
+                    reply,
+                } => peeks.push((after, limit, reply)),
                 Job::OutboxStats { reply } => stats.push(reply),
                 Job::Request(..) => unreachable!("requests are sorted into steps"),
             }
@@ -257,8 +262,8 @@ impl Worker {
         for (reply, result) in replies {
             let _ = reply.send(result);
         }
-        for (limit, reply) in peeks {
-            let result = self.db.outbox_peek(limit).await;
+        for (after, limit, reply) in peeks {
+            let result = self.db.outbox_peek(after, limit).await;
             let _ = reply.send(result.map_err(Error::store("read outbox")));
         }
         for reply in stats {

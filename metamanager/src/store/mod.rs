@@ -268,13 +268,17 @@ impl Db {
             .map(drop)
     }
 
-    /// The oldest `limit` outbox entries, oldest first.
-    pub async fn outbox_peek(&self, limit: usize) -> Result<Vec<OutboxEntry>, libsql::Error> {
+    /// The oldest `limit` outbox entries after `after`, oldest first.
+    pub async fn outbox_peek(
+        &self,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<OutboxEntry>, libsql::Error> {
         let mut rows = self
             .conn
             .query(
-                "SELECT seq, topic, payload FROM outbox ORDER BY seq LIMIT ?1",
-                [limit as i64],
+                "SELECT seq, topic, payload FROM outbox WHERE seq > ?1 ORDER BY seq LIMIT ?2",
+                [after, limit as i64],
             )
             .await?;
         let mut out = Vec::new();

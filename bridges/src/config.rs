@@ -1,0 +1,197 @@
+use std::time::Duration;
+
+use rumqttc::MqttOptions;
+use serde::Deserialize;
+
+use crate::Error;
+
+/// Cloud bridge settings (`cloud:` in the YAML config).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CloudConfig {
+    /// `false` runs the node standalone: cloud-bound messages go to the local `<root>/cloud/...`.
+    #[serde(default)]
+    pub enabled: bool,
+    /// The cloud broker, `mqtt://host:port`.
+    #[serde(default = "default_url")]
+    pub url: String,
+    /// This node's name in cloud topics.
+    #[serde(default = "default_node_id")]
+    pub node_id: String,
+    /// First level of cloud topics: `<root>/<node_id>/up|down/...`.
+    #[serde(default = "default_root")]
+    pub root: String,
+    /// MQTT client id at the cloud broker (default: `edgemeta-<node_id>`). The session is
+    /// persistent, so the id must stay the same across restarts.
+    #[serde(default)]
+    pub client_id: Option<String>,
+    #[serde(default)]
+    pub username: Option<String>,
+    #[serde(default)]
+    pub password: Option<String>,
+    #[serde(default = "default_keep_alive_s")]
+    pub keep_alive_s: u64,
+    /// First reconnect delay; it doubles up to `backoff_max_ms`.
+    #[serde(default = "default_backoff_min_ms")]
+    pub backoff_min_ms: u64,
+    #[serde(default = "default_backoff_max_ms")]
+    pub backoff_max_ms: u64,
+    /// Messages sent to the cloud and not yet acknowledged by it.
+    #[serde(default = "default_inflight")]
+    pub inflight: u16,
+    /// Largest MQTT packet sent or accepted, in bytes.
+    #[serde(default = "default_max_packet_bytes")]
+    pub max_packet_bytes: usize,
+}
+
+fn default_url() -> String {
+    "mqtt://127.0.0.1:1884".to_owned()
+}
+fn default_node_id() -> String {
+    "edge-node".to_owned()
+}
+fn default_root() -> String {
+    "kubeedge".to_owned()
+}
+const fn default_keep_alive_s() -> u64 {
+    30
+}
+const fn default_backoff_min_ms() -> u64 {
+    200
+}
+const fn default_backoff_max_ms() -> u64 {
+    30_000
+}
+const fn default_inflight() -> u16 {
+    100
+}
+const fn default_max_packet_bytes() -> usize {
+    2 * 1024 * 1024
+}
+
+impl Default for CloudConfig {
+    fn default() -> Self {
+        CloudConfig {
+            enabled: false,
+            url: default_url(),
+            node_id: default_node_id(),
+            root: default_root(),
+            client_id: None,
+            username: None,
+            password: None,
+            keep_alive_s: default_keep_alive_s(),
+            backoff_min_ms: default_backoff_min_ms(),
+            backoff_max_ms: default_backoff_max_ms(),
+            inflight: default_inflight(),
+            max_packet_bytes: default_max_packet_bytes(),
+        }
+    }
+}
+
+impl CloudConfig {
+    /// Checks the settings and builds the MQTT options; errors name the key.
+    pub fn mqtt_options(&self) -> Result<MqttOptions, Error> {
+        let bad = |m: String| Err(Error::Config(m));
+        let (host, port) = match parse_url(&self.url) {
+            Ok(hp) => hp,
+            Err(m) => return bad(m),
+        };
+        for (key, value) in [("cloud.node_id", &self.node_id), ("cloud.root", &self.root)] {
+            if value.is_empty() || value.contains(['/', '+', '#']) {
+                return bad(format!(
+                    "{key} {value:?} must be one topic level without wildcards"
+                ));
+            }
+        }
+        if self.keep_alive_s < 5 {
+            return bad("cloud.keep_alive_s must be at least 5".into());
+        }
+        if self.inflight == 0 {
+            return bad("cloud.inflight must be at least 1".into());
+        }
+        if self.username.is_none() && self.password.is_some() {
+            return bad("cloud.password is set but cloud.username is not".into());
+        }
+        let mut options = MqttOptions::new(self.client_id(), host, port);
+        options
+            .set_keep_alive(Duration::from_secs(self.keep_alive_s))
+            .set_clean_session(false)
+            .set_manual_acks(true)
+            .set_inflight(self.inflight)
+            .set_max_packet_size(self.max_packet_bytes, self.max_packet_bytes);
+        if let Some(user) = &self.username {
+            options.set_credentials(user, self.password.clone().unwrap_or_default());
+        }
+        Ok(options)
+    }
+
+    /// The MQTT client id used at the cloud broker.
+    pub fn client_id(&self) -> String {
+        self.client_id
+            .clone()
+            .unwrap_or_else(|| format!("edgemeta-{}", self.node_id))
+    }
+}
+
+fn parse_url(url: &str) -> Result<(String, u16), String> {
+    let rest = if let Some(rest) = url.strip_prefix("mqtt://") {
+        rest
+    } else if url.starts_with("mqtts://") {
+        return Err(format!(
+            "cloud.url {url:?}: mqtts:// (TLS) is not supported by this build yet; use mqtt://"
+        ));
+    } else {
+        return Err(format!("cloud.url {url:?} must start with mqtt://"));
+    };
+    let (host, port) = match rest.rsplit_once(':') {
+        Some((host, port)) => {
+            let port = port
+                .parse::<u16>()
+                .map_err(|_| format!("cloud.url {url:?}: bad port {port:?}"))?;
+            (host, port)
+        }
+        None => (rest, 1883),
+    };
+    if host.is_empty() {
+        return Err(format!("cloud.url {url:?} has no host"));
+    }
+    Ok((host.to_owned(), port))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_give_host_and_port() {
+        assert_eq!(
+            parse_url("mqtt://cloud.example:8883").unwrap(),
+            ("cloud.example".into(), 8883)
+        );
+        assert_eq!(
+            parse_url("mqtt://10.0.0.1").unwrap(),
+            ("10.0.0.1".into(), 1883)
+        );
+    }
+
+    #[test]
+    fn bad_urls_name_the_key() {
+        for url in [
+            "tcp://x:1",
+            "mqtt://:1",
+            "mqtt://x:port",
+            "mqtts://x:8883",
+            "x",
+        ] {
+            assert!(parse_url(url).unwrap_err().contains("cloud.url"), "{url}");
+        }
+    }
+
+    #[test]
+    fn the_session_is_persistent_with_manual_acks() {
+        let options = CloudConfig::default().mqtt_options().unwrap();
+        assert!(!options.clean_session());
+        assert!(options.manual_acks());
+        assert_eq!(options.client_id(), "edgemeta-edge-node");
+    }
+}

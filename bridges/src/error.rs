@@ -1,0 +1,16 @@
+/// Everything the cloud bridge can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid cloud config: {0}")]
+    Config(String),
+    #[error("cloud connection: {0}")]
+    Connection(#[from] rumqttc::ConnectionError),
+    #[error("cloud broker refused the connection: {0:?}")]
+    Refused(rumqttc::ConnectReturnCode),
+    #[error("cloud client: {0}")]
+    Client(#[from] rumqttc::ClientError),
+    #[error("metamanager: {0}")]
+    Meta(#[from] edgemeta_metamanager::Error),
+    #[error("local broker link closed")]
+    LinkClosed,
+}

@@ -1,0 +1,19 @@
+//! The cloud bridge: carries messages between the node and a cloud MQTT broker with durable
+//! store-and-forward, and tells the node when the cloud link goes up or down.
+//!
+//! # Layout
+//! - [`config`]: the `cloud:` settings and the MQTT options built from them.
+//! - [`topic_map`]: local `<root>/cloud/...` ↔ cloud `<cloud_root>/<node_id>/up|down/...` topics.
+//! - [`backoff`]: capped exponential reconnect delay with jitter.
+//! - [`cloud`]: the session loop: ingress (cloud → MetaManager, acknowledged after commit),
+//!   egress (outbox → cloud, deleted after the cloud broker's PUBACK), connection signal.
+
+pub mod backoff;
+pub mod cloud;
+pub mod config;
+pub mod error;
+pub mod topic_map;
+
+pub use cloud::CloudBridge;
+pub use config::CloudConfig;
+pub use error::Error;

@@ -1,0 +1,92 @@
+//! Topic rewriting between the node and the cloud broker (protocol §5):
+//! `<root>/cloud/<from>/<op>/<resource>` goes up as `<cloud_root>/<node_id>/up/<from>/<op>/<resource>`;
+//! `<cloud_root>/<node_id>/down/<from>/<op>/<resource>` comes in as `<root>/meta/<from>/<op>/<resource>`.
+
+/// The mapping for one node.
+#[derive(Debug, Clone)]
+pub struct TopicMap {
+    local_cloud: String,
+    local_meta: String,
+    up: String,
+    down: String,
+}
+
+impl TopicMap {
+    pub fn new(local_root: &str, cloud_root: &str, node_id: &str) -> TopicMap {
+        TopicMap {
+            local_cloud: format!("{local_root}/cloud/"),
+            local_meta: format!("{local_root}/meta/"),
+            up: format!("{cloud_root}/{node_id}/up/"),
+            down: format!("{cloud_root}/{node_id}/down/"),
+        }
+    }
+
+    /// The cloud filter this node subscribes to.
+    pub fn down_filter(&self) -> String {
+        format!("{}#", self.down)
+    }
+
+    /// The local filter whose traffic goes up.
+    pub fn local_cloud_filter(&self) -> String {
+        format!("{}#", self.local_cloud)
+    }
+
+    /// Local cloud-bound topic → cloud topic; `None` if it is not cloud-bound.
+    pub fn up(&self, local: &str) -> Option<String> {
+        let rest = local
+            .strip_prefix(&self.local_cloud)
+            .filter(|r| !r.is_empty())?;
+        Some(format!("{}{rest}", self.up))
+    }
+
+    /// Cloud topic → local MetaManager topic; `None` if it is not this node's down traffic.
+    pub fn down(&self, cloud: &str) -> Option<String> {
+        let rest = cloud.strip_prefix(&self.down).filter(|r| !r.is_empty())?;
+        Some(format!("{}{rest}", self.local_meta))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TopicMap;
+
+    fn map() -> TopicMap {
+        TopicMap::new("ke", "kubeedge", "node-1")
+    }
+
+    #[test]
+    fn cloud_bound_topics_go_up_under_the_node() {
+        assert_eq!(
+            map()
+                .up("ke/cloud/meta/response/default/pod/nginx")
+                .as_deref(),
+            Some("kubeedge/node-1/up/meta/response/default/pod/nginx")
+        );
+        assert_eq!(map().up("ke/edged/meta/response/default/pod/nginx"), None);
+        assert_eq!(map().up("ke/cloud/"), None);
+    }
+
+    #[test]
+    fn down_topics_become_metamanager_topics() {
+        assert_eq!(
+            map()
+                .down("kubeedge/node-1/down/edgecontroller/insert/default/pod/nginx")
+                .as_deref(),
+            Some("ke/meta/edgecontroller/insert/default/pod/nginx")
+        );
+        assert_eq!(
+            map().down("kubeedge/node-2/down/edgecontroller/insert/default/pod/x"),
+            None
+        );
+        assert_eq!(
+            map().down("kubeedge/node-1/up/meta/response/default/pod/x"),
+            None
+        );
+    }
+
+    #[test]
+    fn filters_cover_the_node_only() {
+        assert_eq!(map().down_filter(), "kubeedge/node-1/down/#");
+        assert_eq!(map().local_cloud_filter(), "ke/cloud/#");
+    }
+}
