@@ -4,7 +4,7 @@ pub enum Error {
     #[error("invalid cloud config: {0}")]
     Config(String),
     #[error("cloud connection: {0}")]
-    Connection(#[from] rumqttc::ConnectionError),
+    Connection(Box<rumqttc::ConnectionError>),
     #[error("cloud broker refused the connection: {0:?}")]
     Refused(rumqttc::ConnectReturnCode),
     #[error("cloud client: {0}")]
@@ -13,4 +13,10 @@ pub enum Error {
     Meta(#[from] edgemeta_metamanager::Error),
     #[error("local broker link closed")]
     LinkClosed,
+}
+
+impl From<rumqttc::ConnectionError> for Error {
+    fn from(error: rumqttc::ConnectionError) -> Self {
+        Error::Connection(Box::new(error))
+    }
 }
