@@ -32,6 +32,44 @@ pub struct Options {
     pub v5: bool,
     /// SQL run on the store file before the node first opens it (e.g. failure triggers).
     pub store_setup: Option<String>,
+    /// Bridge to this cloud broker (`cloud.enabled: true`), with this node id.
+    pub cloud: Option<CloudOptions>,
+}
+
+/// The `cloud:` section for a node under test.
+#[derive(Debug, Clone)]
+pub struct CloudOptions {
+    pub port: u16,
+    pub node_id: String,
+    pub backoff_min_ms: u64,
+    pub backoff_max_ms: u64,
+}
+
+impl CloudOptions {
+    /// A bridge to `cloud` with a unique node id and quick reconnects.
+    pub fn to(cloud: &CloudBroker) -> CloudOptions {
+        CloudOptions {
+            port: cloud.port,
+            node_id: unique_id("node"),
+            backoff_min_ms: 50,
+            backoff_max_ms: 500,
+        }
+    }
+
+    /// `<cloud_root>/<node_id>/up/#`: what the node sends.
+    pub fn up_filter(&self) -> String {
+        format!("kubeedge/{}/up/#", self.node_id)
+    }
+
+    /// `<cloud_root>/<node_id>/down/<rest>`: where the cloud sends to this node.
+    pub fn down(&self, rest: &str) -> String {
+        format!("kubeedge/{}/down/{rest}", self.node_id)
+    }
+
+    /// `<cloud_root>/<node_id>/up/<rest>`.
+    pub fn up(&self, rest: &str) -> String {
+        format!("kubeedge/{}/up/{rest}", self.node_id)
+    }
 }
 
 impl Default for Options {
@@ -46,6 +84,7 @@ impl Default for Options {
             busy_timeout_ms: 5_000,
             v5: false,
             store_setup: None,
+            cloud: None,
         }
     }
 }
@@ -122,7 +161,7 @@ impl Node {
              broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\n{v5}  max_packet_bytes: {packet}\n\
              store:\n  path: {db}\n  synchronous: normal\n  max_pages: {pages}\n  busy_timeout_ms: {busy}\n\
              metamanager:\n  max_payload_bytes: {payload}\n  remote_query_timeout_ms: {rq}\n  volume_timeout_ms: {vol}\n  podstatus_sync_interval_s: {sync}\n\
-             shutdown_grace_ms: 5000\n",
+             shutdown_grace_ms: 5000\n{cloud}",
             port = self.port,
             packet = o.max_packet_bytes,
             db = self.db_path().display(),
@@ -132,6 +171,13 @@ impl Node {
             rq = o.remote_query_timeout_ms,
             vol = o.volume_timeout_ms,
             sync = o.podstatus_sync_interval_s,
+            cloud = match &o.cloud {
+                Some(c) => format!(
+                    "cloud:\n  enabled: true\n  url: mqtt://127.0.0.1:{}\n  node_id: {}\n  backoff_min_ms: {}\n  backoff_max_ms: {}\n  keep_alive_s: 5\n",
+                    c.port, c.node_id, c.backoff_min_ms, c.backoff_max_ms
+                ),
+                None => String::new(),
+            },
         );
         std::fs::write(self.config_path(), yaml).expect("write config");
     }
@@ -360,7 +406,13 @@ pub struct Client {
 
 impl Client {
     pub async fn connect(port: u16, id: &str) -> Client {
+        Client::connect_with(port, id, true).await
+    }
+
+    /// Connects with a clean or a persistent session.
+    pub async fn connect_with(port: u16, id: &str, clean_session: bool) -> Client {
         let mut options = MqttOptions::new(id, "127.0.0.1", port);
+        options.set_clean_session(clean_session);
         options.set_max_packet_size(4 * 1024 * 1024, 4 * 1024 * 1024);
         options.set_keep_alive(Duration::from_secs(30));
         let (client, eventloop) = AsyncClient::new(options, 1000);
@@ -570,4 +622,100 @@ pub fn sub_output(child: Child) -> Vec<String> {
         .lines()
         .map(str::to_owned)
         .collect()
+}
+
+/// A real mosquitto broker standing in for the cloud, on a free port, with persistence in its
+/// own directory so sessions and queued messages survive a graceful restart.
+pub struct CloudBroker {
+    child: Option<Child>,
+    pub port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl CloudBroker {
+    pub async fn start() -> CloudBroker {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut cloud = CloudBroker {
+            child: None,
+            port: free_port(),
+            dir,
+        };
+        let config = format!(
+            "listener {} 127.0.0.1\nallow_anonymous true\npersistence true\npersistence_location {}/\nautosave_interval 1\nmax_queued_messages 0\nmax_inflight_messages 100\n",
+            cloud.port,
+            cloud.dir.path().display()
+        );
+        std::fs::write(cloud.dir.path().join("mosquitto.conf"), config).expect("mosquitto.conf");
+        cloud.spawn().await;
+        cloud
+    }
+
+    async fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("mosquitto.log"))
+            .expect("log file");
+        let child = Command::new(mosquitto_binary())
+            .arg("-c")
+            .arg(self.dir.path().join("mosquitto.conf"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("mosquitto is installed (scripts/test installs it)");
+        self.child = Some(child);
+        let address = SocketAddr::from(([127, 0, 0, 1], self.port));
+        let started = Instant::now();
+        while TcpStream::connect_timeout(&address, Duration::from_millis(100)).is_err() {
+            assert!(
+                started.elapsed() < WAIT,
+                "mosquitto not listening after {WAIT:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// SIGTERM: mosquitto saves its persistence file and exits.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill")
+                .arg("-TERM")
+                .arg(child.id().to_string())
+                .status();
+            let _ = child.wait();
+        }
+    }
+
+    /// `kill -9`: whatever mosquitto had not saved is gone.
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    pub async fn restart(&mut self) {
+        assert!(self.child.is_none(), "stop the cloud broker first");
+        self.spawn().await;
+    }
+
+    /// A client of the cloud broker with a persistent session under `id`.
+    pub async fn client(&self, id: &str) -> Client {
+        Client::connect_with(self.port, id, false).await
+    }
+}
+
+impl Drop for CloudBroker {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+fn mosquitto_binary() -> &'static str {
+    if Path::new("/usr/sbin/mosquitto").exists() {
+        "/usr/sbin/mosquitto"
+    } else {
+        "mosquitto"
+    }
 }
