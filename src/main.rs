@@ -36,6 +36,9 @@ enum Command {
     },
     /// Print the embedded default configuration.
     DefaultConfig,
+    /// Read a password from standard input and print its argon2 hash for
+    /// `broker.auth.users.<name>.password_hash`.
+    Passwd,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -43,6 +46,16 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::DefaultConfig => {
             print!("{}", config::DEFAULT_YAML);
+            Ok(())
+        }
+        Command::Passwd => {
+            let mut line = String::new();
+            std::io::stdin().read_line(&mut line)?;
+            let password = line.trim_end_matches(['\r', '\n']);
+            anyhow::ensure!(!password.is_empty(), "no password on standard input");
+            let hash =
+                edgemeta_broker::security::hash_password(password).map_err(anyhow::Error::msg)?;
+            println!("{hash}");
             Ok(())
         }
         Command::Run { config } => {

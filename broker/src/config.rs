@@ -3,6 +3,8 @@ use std::net::SocketAddr;
 
 use serde::Deserialize;
 
+use crate::security::{AclConfig, AuthConfig, Policy};
+
 /// Broker settings (`broker:` in the YAML config).
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -28,6 +30,15 @@ pub struct BrokerConfig {
     /// Segments kept per filter: a subscriber further behind than bytes × count loses messages.
     #[serde(default = "default_segment_count")]
     pub segment_count: usize,
+    /// Most subscriptions one client may hold; further SUBSCRIBEs get a failure return code.
+    #[serde(default = "default_max_subscriptions_per_client")]
+    pub max_subscriptions_per_client: usize,
+    /// Who may connect.
+    #[serde(default)]
+    pub auth: AuthConfig,
+    /// What each identity may publish and subscribe to.
+    #[serde(default)]
+    pub acl: AclConfig,
 }
 
 /// One listener.
@@ -39,6 +50,19 @@ pub struct ListenerConfig {
     /// MQTT protocol version spoken on this port: `v4` (3.1.1) or `v5`.
     #[serde(default)]
     pub protocol: MqttVersion,
+    /// Serve MQTT over TLS with this certificate and key (PEM files).
+    #[serde(default)]
+    pub tls: Option<ListenerTls>,
+}
+
+/// A TLS listener's server identity.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ListenerTls {
+    /// PEM certificate chain, server certificate first.
+    pub cert_file: String,
+    /// PEM private key (PKCS#8 or RSA).
+    pub key_file: String,
 }
 
 /// MQTT protocol version of a listener.
@@ -57,6 +81,7 @@ fn default_listeners() -> BTreeMap<String, ListenerConfig> {
     let mqtt = ListenerConfig {
         address: SocketAddr::from(([127, 0, 0, 1], 1883)),
         protocol: MqttVersion::V4,
+        tls: None,
     };
     BTreeMap::from([("mqtt".to_owned(), mqtt)])
 }
@@ -75,6 +100,9 @@ const fn default_segment_bytes() -> usize {
 const fn default_segment_count() -> usize {
     8
 }
+const fn default_max_subscriptions_per_client() -> usize {
+    1_000
+}
 
 impl Default for BrokerConfig {
     fn default() -> Self {
@@ -86,6 +114,9 @@ impl Default for BrokerConfig {
             connect_timeout_ms: default_connect_timeout_ms(),
             segment_bytes: default_segment_bytes(),
             segment_count: default_segment_count(),
+            max_subscriptions_per_client: default_max_subscriptions_per_client(),
+            auth: AuthConfig::default(),
+            acl: AclConfig::default(),
         }
     }
 }
@@ -115,7 +146,29 @@ impl BrokerConfig {
         if self.max_connections == 0 {
             return bad("broker.max_connections must be >= 1".into());
         }
-        Ok(())
+        for (name, listener) in &self.listeners {
+            if let Some(tls) = &listener.tls {
+                for (key, path) in [("cert_file", &tls.cert_file), ("key_file", &tls.key_file)] {
+                    if !std::path::Path::new(path).is_file() {
+                        return bad(format!(
+                            "broker.listeners.{name}.tls.{key}: no file at {path:?}"
+                        ));
+                    }
+                }
+            }
+        }
+        self.policy().map(drop)
+    }
+
+    /// The authentication and ACL rules in force.
+    pub fn policy(&self) -> Result<Policy, crate::Error> {
+        Policy::new(
+            &self.topic_root,
+            &self.auth,
+            &self.acl,
+            self.max_subscriptions_per_client,
+        )
+        .map_err(crate::Error::Config)
     }
 
     pub(crate) fn router_config(&self) -> rumqttd::RouterConfig {
@@ -139,7 +192,11 @@ impl BrokerConfig {
         rumqttd::ServerSettings {
             name: name.to_owned(),
             listen: listener.address,
-            tls: None,
+            tls: listener.tls.as_ref().map(|tls| rumqttd::TlsConfig::Rustls {
+                capath: None,
+                certpath: tls.cert_file.clone(),
+                keypath: tls.key_file.clone(),
+            }),
             next_connection_delay_ms: 0,
             connections: rumqttd::ConnectionSettings {
                 connection_timeout_ms: self.connect_timeout_ms,

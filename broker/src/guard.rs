@@ -1,23 +1,62 @@
+//! The codec wrapper that is edgemeta's front door: rumqttd decodes, we vet, rumqttd acts.
+//!
+//! rumqttd 0.20 clones the codec given to `Server::new` for every connection, so a wrapper sees
+//! that connection's CONNECT (identity) and every PUBLISH and SUBSCRIBE, and can keep
+//! per-connection state. It enforces what rumqttd cannot: client ids that would poison a
+//! listener (rumqttd #1062), anonymous access, the topic ACL and the subscription limit.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+
 use bytes::BytesMut;
-use rumqttd::protocol::{Error as CodecError, Packet, Protocol};
+use rumqttd::protocol::{
+    Error as CodecError, Login, Packet, Protocol, PubAckReason, SubscribeReasonCode,
+};
 use tracing::warn;
 
+use crate::security::{Grants, Identity, Policy};
 use crate::RESERVED_CLIENT_PREFIX;
 
-/// Wraps rumqttd's codec to vet CONNECT before rumqttd acts on it.
-///
-/// rumqttd poisons a listener when a client id it refuses (`/ + # $`) connects twice (#1062), and a
-/// remote client could take over an in-process link by reusing its id. A refused CONNECT is
-/// rewritten to an empty id with a persistent session, which rumqttd answers with CONNACK
-/// "identifier rejected" before it touches the state that the bug poisons.
-#[derive(Debug, Clone)]
+/// Where refused publications go: rumqttd never matches a `$` topic against any filter.
+const DENIED_TOPIC: &str = "$edgemeta/denied";
+/// Where refused subscriptions point: a topic the ACL lets nobody publish to.
+const DENIED_FILTER: &str = "edgemeta-denied";
+
+/// Wraps rumqttd's codec to vet CONNECT, PUBLISH and SUBSCRIBE before rumqttd acts on them.
 pub struct ConnectGuard<P> {
     inner: P,
+    policy: Arc<Policy>,
+    v5: bool,
+    connection: Mutex<Connection>,
+}
+
+/// What one connection has been granted and refused.
+#[derive(Debug, Default)]
+struct Connection {
+    identity: Option<Identity>,
+    grants: Grants,
+    subscriptions: usize,
+    /// Packet ids of refused QoS 1 publishes, answered "not authorized" (MQTT 5).
+    denied_publishes: HashSet<u16>,
+    /// Packet id of a SUBSCRIBE → indices of its refused filters.
+    denied_filters: HashMap<u16, Vec<usize>>,
 }
 
 impl<P> ConnectGuard<P> {
-    pub fn new(inner: P) -> Self {
-        ConnectGuard { inner }
+    pub fn new(inner: P, policy: Arc<Policy>, v5: bool) -> Self {
+        ConnectGuard {
+            inner,
+            policy,
+            v5,
+            connection: Mutex::new(Connection::default()),
+        }
+    }
+}
+
+/// Each clone serves one new connection, so it starts with no state.
+impl<P: Clone> Clone for ConnectGuard<P> {
+    fn clone(&self) -> Self {
+        ConnectGuard::new(self.inner.clone(), self.policy.clone(), self.v5)
     }
 }
 
@@ -32,32 +71,161 @@ pub fn refuse_client_id(client_id: &str) -> Option<&'static str> {
     }
 }
 
+/// The packet id of a complete QoS 1/2 PUBLISH at the start of `stream`, read before rumqttd
+/// decodes it (rumqttd keeps `Publish::pkid` private).
+fn publish_pkid(stream: &[u8]) -> Option<u16> {
+    let first = *stream.first()?;
+    if first >> 4 != 3 || (first >> 1) & 0b11 == 0 {
+        return None;
+    }
+    let mut offset = 1;
+    let mut shift = 0;
+    loop {
+        let byte = *stream.get(offset)?;
+        offset += 1;
+        if byte & 0x80 == 0 || shift > 21 {
+            break;
+        }
+        shift += 7;
+    }
+    let topic_len = usize::from(u16::from_be_bytes([
+        *stream.get(offset)?,
+        *stream.get(offset + 1)?,
+    ]));
+    let at = offset + 2 + topic_len;
+    Some(u16::from_be_bytes([*stream.get(at)?, *stream.get(at + 1)?]))
+}
+
+impl<P: Protocol> ConnectGuard<P> {
+    fn vet(&self, packet: &mut Packet, pkid: Option<u16>) {
+        let mut connection = self.connection.lock().unwrap_or_else(|p| p.into_inner());
+        match packet {
+            Packet::Connect(connect, _, _, _, login) => {
+                if let Some(reason) = refuse_client_id(&connect.client_id) {
+                    warn!(error_code = "EM-BROKER-CLIENT-ID", client_id = %connect.client_id, reason, "refused MQTT client id");
+                    // An empty id with a persistent session makes rumqttd answer CONNACK
+                    // "identifier rejected" before it touches the state that #1062 poisons.
+                    connect.client_id.clear();
+                    connect.clean_session = false;
+                    return;
+                }
+                // rumqttd refuses a login-less CONNECT once any credential check is on; an
+                // empty username stands for the anonymous client, which the check may admit.
+                if login.is_none() && self.policy.needs_login_check() {
+                    *login = Some(Login {
+                        username: String::new(),
+                        password: String::new(),
+                    });
+                }
+                let identity = Identity {
+                    username: login
+                        .as_ref()
+                        .map(|l| l.username.clone())
+                        .filter(|u| !u.is_empty()),
+                    client_id: connect.client_id.clone(),
+                };
+                connection.grants = self.policy.grants(&identity);
+                connection.identity = Some(identity);
+            }
+            Packet::Publish(publish, _) => {
+                let topic = String::from_utf8_lossy(&publish.topic);
+                if connection.grants.may_publish(&topic) {
+                    return;
+                }
+                let denied = self.policy.count_denied_publish();
+                warn!(
+                    error_code = "EM-ACL-PUBLISH-DENIED",
+                    identity = ?connection.identity,
+                    %topic,
+                    denied,
+                    "publish refused by the ACL"
+                );
+                publish.topic = DENIED_TOPIC.into();
+                publish.payload = bytes::Bytes::new();
+                if let Some(pkid) = pkid {
+                    connection.denied_publishes.insert(pkid);
+                }
+            }
+            Packet::Subscribe(subscribe, _) => {
+                let mut refused = Vec::new();
+                for (index, filter) in subscribe.filters.iter_mut().enumerate() {
+                    let allowed = connection.grants.may_subscribe(&filter.path);
+                    let room = connection.subscriptions < self.policy.max_subscriptions();
+                    if allowed && room {
+                        connection.subscriptions += 1;
+                        continue;
+                    }
+                    let denied = self.policy.count_denied_subscribe();
+                    let reason = if allowed {
+                        "subscription limit reached"
+                    } else {
+                        "not allowed by the ACL"
+                    };
+                    warn!(
+                        error_code = "EM-ACL-SUBSCRIBE-DENIED",
+                        identity = ?connection.identity,
+                        filter = %filter.path,
+                        reason,
+                        denied,
+                        "subscribe refused"
+                    );
+                    filter.path = DENIED_FILTER.to_owned();
+                    refused.push(index);
+                }
+                if !refused.is_empty() {
+                    connection.denied_filters.insert(subscribe.pkid, refused);
+                }
+            }
+            Packet::Unsubscribe(unsubscribe, _) => {
+                connection.subscriptions = connection
+                    .subscriptions
+                    .saturating_sub(unsubscribe.filters.len());
+            }
+            _ => {}
+        }
+    }
+
+    fn answer(&self, packet: &mut Packet) {
+        let mut connection = self.connection.lock().unwrap_or_else(|p| p.into_inner());
+        match packet {
+            Packet::PubAck(ack, _) if connection.denied_publishes.remove(&ack.pkid) && self.v5 => {
+                ack.reason = PubAckReason::NotAuthorized;
+            }
+            Packet::SubAck(ack, _) => {
+                if let Some(refused) = connection.denied_filters.remove(&ack.pkid) {
+                    for index in refused {
+                        if let Some(code) = ack.return_codes.get_mut(index) {
+                            *code = if self.v5 {
+                                SubscribeReasonCode::NotAuthorized
+                            } else {
+                                SubscribeReasonCode::Failure
+                            };
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
 impl<P: Protocol> Protocol for ConnectGuard<P> {
     fn read_mut(&mut self, stream: &mut BytesMut, max_size: usize) -> Result<Packet, CodecError> {
+        let pkid = publish_pkid(stream);
         let mut packet = self.inner.read_mut(stream, max_size)?;
-        if let Packet::Connect(connect, ..) = &mut packet {
-            if let Some(reason) = refuse_client_id(&connect.client_id) {
-                warn!(
-                    error_code = "EM-BROKER-CLIENT-ID",
-                    client_id = %connect.client_id,
-                    reason,
-                    "refused MQTT client id"
-                );
-                connect.client_id.clear();
-                connect.clean_session = false;
-            }
-        }
+        self.vet(&mut packet, pkid);
         Ok(packet)
     }
 
-    fn write(&self, packet: Packet, write: &mut BytesMut) -> Result<usize, CodecError> {
+    fn write(&self, mut packet: Packet, write: &mut BytesMut) -> Result<usize, CodecError> {
+        self.answer(&mut packet);
         self.inner.write(packet, write)
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::refuse_client_id;
+    use super::{publish_pkid, refuse_client_id};
 
     #[test]
     fn ids_rumqttd_cannot_handle_are_refused() {
@@ -71,5 +239,16 @@ mod tests {
         for id in ["dev-1", "sensor_7", "mosq-abc123", "", "edgemeta"] {
             assert!(refuse_client_id(id).is_none(), "{id} should pass");
         }
+    }
+
+    #[test]
+    fn the_packet_id_of_a_qos1_publish_is_read_from_the_wire() {
+        // PUBLISH qos1, remaining length 7, topic "a/b", pkid 0x1234, payload "x"
+        let packet = [0x32, 0x08, 0x00, 0x03, b'a', b'/', b'b', 0x12, 0x34, b'x'];
+        assert_eq!(publish_pkid(&packet), Some(0x1234));
+        let qos0 = [0x30, 0x06, 0x00, 0x03, b'a', b'/', b'b', b'x'];
+        assert_eq!(publish_pkid(&qos0), None);
+        assert_eq!(publish_pkid(&[0x32, 0x08, 0x00]), None);
+        assert_eq!(publish_pkid(&[0x82, 0x08]), None);
     }
 }

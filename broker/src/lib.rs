@@ -3,7 +3,8 @@
 //!
 //! # Layout
 //! - [`config`]: our YAML listener/limit settings, turned into rumqttd's settings.
-//! - [`guard`]: the CONNECT check that keeps bad client ids away from rumqttd (rumqttd #1062).
+//! - [`guard`]: the codec wrapper that vets every CONNECT, PUBLISH and SUBSCRIBE.
+//! - [`security`]: authentication and the topic ACL the guard applies.
 //! - [`server`]: starts the router and the listeners; a listener that cannot bind is fatal.
 //! - [`link`]: an in-process client: subscribe, receive [`Message`]s, publish them.
 //! - [`message`]: the one value all crates exchange.
@@ -13,6 +14,7 @@ pub mod error;
 pub mod guard;
 pub mod link;
 pub mod message;
+pub mod security;
 pub mod server;
 
 pub use config::{BrokerConfig, ListenerConfig, MqttVersion};

@@ -5,8 +5,11 @@ use std::time::{Duration, Instant};
 use rumqttd::local::{LinkBuilder, LinkRx, LinkTx};
 use rumqttd::protocol::{v4::V4, v5::V5};
 use rumqttd::{LinkType, Router, Server};
+use std::sync::atomic::Ordering;
 use tokio::task::JoinSet;
-use tracing::info;
+use tracing::{info, warn};
+
+use crate::security::Policy;
 
 use crate::config::{BrokerConfig, MqttVersion};
 use crate::guard::ConnectGuard;
@@ -17,10 +20,10 @@ use crate::{Error, RESERVED_CLIENT_PREFIX};
 ///
 /// A macro because rumqttd's router channel type cannot be named outside rumqttd.
 macro_rules! spawn_listener {
-    ($set:expr, $settings:expr, $router_tx:expr, $protocol:expr) => {{
+    ($set:expr, $settings:expr, $router_tx:expr, $guard:expr) => {{
         let settings: rumqttd::ServerSettings = $settings;
         let (name, address) = (settings.name.clone(), settings.listen);
-        let mut server = Server::new(settings, $router_tx, ConnectGuard::new($protocol));
+        let mut server = Server::new(settings, $router_tx, $guard);
         $set.spawn(async move {
             let reason = match server.start(LinkType::Remote).await {
                 Ok(()) => "accept loop ended".to_owned(),
@@ -49,6 +52,7 @@ pub struct Broker {
     new_link: Arc<LinkFactory>,
     open: Option<Box<OpenListeners>>,
     addresses: Vec<(String, SocketAddr)>,
+    policy: Arc<Policy>,
 }
 
 /// Spawns the configured listeners; a closure because it captures rumqttd's unnameable sender.
@@ -60,6 +64,8 @@ impl Broker {
     /// so in-process links can subscribe before the first client arrives.
     pub fn new(config: &BrokerConfig) -> Result<Broker, Error> {
         config.validate()?;
+        let policy = Arc::new(config.policy()?);
+        let denials = policy.clone();
         let router_tx = Router::new(0, config.router_config()).spawn();
         let listener_tx = router_tx.clone();
         let new_link: Arc<LinkFactory> = Arc::new(move |client_id: &str| {
@@ -79,13 +85,32 @@ impl Broker {
                     address: listener.address,
                     source,
                 })?;
-                let settings = config.server_settings(name, listener);
+                let mut settings = config.server_settings(name, listener);
+                if policy.needs_login_check() {
+                    let policy = policy.clone();
+                    settings.connections.set_auth_handler(move |client_id, username, password| {
+                        let policy = policy.clone();
+                        async move {
+                            // argon2 is slow on purpose: keep it off the async workers.
+                            let user = username.clone();
+                            let ok = tokio::task::spawn_blocking(move || policy.check_login(&user, &password))
+                                .await
+                                .unwrap_or(false);
+                            if !ok {
+                                warn!(error_code = "EM-AUTH-REFUSED", %client_id, %username, "login refused");
+                            }
+                            ok
+                        }
+                    });
+                }
                 match listener.protocol {
                     MqttVersion::V4 => {
-                        spawn_listener!(listeners, settings, listener_tx.clone(), V4)
+                        let guard = ConnectGuard::new(V4, policy.clone(), false);
+                        spawn_listener!(listeners, settings, listener_tx.clone(), guard)
                     }
                     MqttVersion::V5 => {
-                        spawn_listener!(listeners, settings, listener_tx.clone(), V5)
+                        let guard = ConnectGuard::new(V5, policy.clone(), true);
+                        spawn_listener!(listeners, settings, listener_tx.clone(), guard)
                     }
                 }
                 planned.push((name.clone(), listener.address, listener.protocol));
@@ -97,6 +122,7 @@ impl Broker {
             new_link,
             open: Some(open),
             addresses: Vec::new(),
+            policy: denials,
         })
     }
 
@@ -114,6 +140,15 @@ impl Broker {
             self.addresses.push((name, address));
         }
         Ok(())
+    }
+
+    /// Publishes and subscribes refused so far: `(publishes, subscribes)`.
+    pub fn denials(&self) -> (u64, u64) {
+        let d = &self.policy.denials;
+        (
+            d.publishes.load(Ordering::Relaxed),
+            d.subscribes.load(Ordering::Relaxed),
+        )
     }
 
     /// The listeners' names and addresses.

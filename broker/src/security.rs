@@ -1,0 +1,436 @@
+//! Who may connect (username/password, anonymous) and what each identity may publish and
+//! subscribe to (topic ACL). rumqttd has no ACL (rumqttd #495, #1005): [`crate::guard`] applies
+//! these rules to every CONNECT, PUBLISH and SUBSCRIBE it decodes.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
+use argon2::Argon2;
+use serde::Deserialize;
+
+/// Authentication settings (`broker.auth`).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AuthConfig {
+    /// Whether clients may connect without a username.
+    #[serde(default = "default_true")]
+    pub allow_anonymous: bool,
+    /// Users by name; `password_hash` comes from `edgemeta passwd`.
+    #[serde(default)]
+    pub users: BTreeMap<String, UserConfig>,
+}
+
+/// One user.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct UserConfig {
+    /// An argon2 PHC string (`$argon2id$v=19$...`).
+    pub password_hash: String,
+}
+
+/// Topic access control (`broker.acl`).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AclConfig {
+    /// Off: every client may publish and subscribe anything (a trusted local network).
+    #[serde(default)]
+    pub enabled: bool,
+    /// Usernames that act as these edge modules (publish as `<root>/meta/<m>/...`, read `<root>/<m>/#`).
+    #[serde(default = "default_modules")]
+    pub modules: Vec<String>,
+    /// Extra permissions, added to the built-in module and device rules.
+    #[serde(default)]
+    pub rules: Vec<AclRule>,
+}
+
+/// Extra permissions for the identities whose username matches `identity`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AclRule {
+    /// A username, a prefix ending in `*`, `*` for every authenticated user, or `anonymous`.
+    pub identity: String,
+    /// Topic filters the identity may publish to; `%u` is its username, `%c` its client id.
+    #[serde(default)]
+    pub publish: Vec<String>,
+    /// Topic filters the identity may subscribe to (a subscription must lie inside one).
+    #[serde(default)]
+    pub subscribe: Vec<String>,
+}
+
+const fn default_true() -> bool {
+    true
+}
+fn default_modules() -> Vec<String> {
+    ["edged", "edgemesh", "edgefunction"]
+        .map(String::from)
+        .to_vec()
+}
+
+impl Default for AuthConfig {
+    fn default() -> Self {
+        AuthConfig {
+            allow_anonymous: true,
+            users: BTreeMap::new(),
+        }
+    }
+}
+
+impl Default for AclConfig {
+    fn default() -> Self {
+        AclConfig {
+            enabled: false,
+            modules: default_modules(),
+            rules: Vec::new(),
+        }
+    }
+}
+
+/// Hashes `password` for `broker.auth.users.<name>.password_hash`.
+pub fn hash_password(password: &str) -> Result<String, String> {
+    let salt =
+        SaltString::encode_b64(uuid::Uuid::new_v4().as_bytes()).map_err(|e| e.to_string())?;
+    Argon2::default()
+        .hash_password(password.as_bytes(), &salt)
+        .map(|hash| hash.to_string())
+        .map_err(|e| e.to_string())
+}
+
+/// Counts of refused operations, shared by every connection of the broker.
+#[derive(Debug, Default)]
+pub struct Denials {
+    pub publishes: AtomicU64,
+    pub subscribes: AtomicU64,
+}
+
+/// The checked form of the auth and ACL settings.
+#[derive(Debug)]
+pub struct Policy {
+    root: String,
+    allow_anonymous: bool,
+    users: BTreeMap<String, String>,
+    acl: Option<AclConfig>,
+    max_subscriptions: usize,
+    pub denials: Denials,
+}
+
+/// Who a connection is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    /// `None` for an anonymous client.
+    pub username: Option<String>,
+    pub client_id: String,
+}
+
+/// What one connection may do, worked out once at CONNECT.
+#[derive(Debug, Clone, Default)]
+pub struct Grants {
+    /// `None`: everything (ACL off).
+    publish: Option<Vec<String>>,
+    subscribe: Option<Vec<String>>,
+}
+
+impl Policy {
+    /// Checks the settings; errors name the offending key.
+    pub fn new(
+        root: &str,
+        auth: &AuthConfig,
+        acl: &AclConfig,
+        max_subscriptions: usize,
+    ) -> Result<Policy, String> {
+        for (name, user) in &auth.users {
+            if name.is_empty() {
+                return Err("broker.auth.users has an empty user name".into());
+            }
+            PasswordHash::new(&user.password_hash).map_err(|e| {
+                format!("broker.auth.users.{name}.password_hash is not an argon2 hash ({e}); make one with `edgemeta passwd`")
+            })?;
+        }
+        for (i, rule) in acl.rules.iter().enumerate() {
+            if rule.identity.is_empty() {
+                return Err(format!("broker.acl.rules[{i}].identity is empty"));
+            }
+        }
+        Ok(Policy {
+            root: root.to_owned(),
+            allow_anonymous: auth.allow_anonymous,
+            users: auth
+                .users
+                .iter()
+                .map(|(name, user)| (name.clone(), user.password_hash.clone()))
+                .collect(),
+            acl: acl.enabled.then(|| acl.clone()),
+            max_subscriptions,
+            denials: Denials::default(),
+        })
+    }
+
+    /// Whether rumqttd must be asked to check credentials at all.
+    pub fn needs_login_check(&self) -> bool {
+        !self.users.is_empty() || !self.allow_anonymous
+    }
+
+    pub fn allows_anonymous(&self) -> bool {
+        self.allow_anonymous
+    }
+
+    /// Checks a username and password; an empty username is the anonymous client.
+    /// Slow on purpose (argon2): call it off the async workers.
+    pub fn check_login(&self, username: &str, password: &str) -> bool {
+        if username.is_empty() {
+            return self.allow_anonymous;
+        }
+        let Some(hash) = self.users.get(username) else {
+            return false;
+        };
+        PasswordHash::new(hash)
+            .map(|parsed| {
+                Argon2::default()
+                    .verify_password(password.as_bytes(), &parsed)
+                    .is_ok()
+            })
+            .unwrap_or(false)
+    }
+
+    pub fn max_subscriptions(&self) -> usize {
+        self.max_subscriptions
+    }
+
+    /// What `identity` may do.
+    pub fn grants(&self, identity: &Identity) -> Grants {
+        let Some(acl) = &self.acl else {
+            return Grants::default();
+        };
+        let root = &self.root;
+        let (mut publish, mut subscribe) = match &identity.username {
+            Some(user) if acl.modules.contains(user) => (
+                vec![
+                    format!("{root}/meta/{user}/#"),
+                    format!("{root}/cloud/{user}/#"),
+                ],
+                vec![format!("{root}/{user}/#")],
+            ),
+            _ => (
+                vec![format!("{root}/meta/device/#")],
+                vec![format!("{root}/device/#")],
+            ),
+        };
+        let substitute = |filter: &String| {
+            filter
+                .replace("%u", identity.username.as_deref().unwrap_or(""))
+                .replace("%c", &identity.client_id)
+        };
+        for rule in acl
+            .rules
+            .iter()
+            .filter(|r| rule_applies(&r.identity, identity))
+        {
+            publish.extend(rule.publish.iter().map(substitute));
+            subscribe.extend(rule.subscribe.iter().map(substitute));
+        }
+        Grants {
+            publish: Some(publish),
+            subscribe: Some(subscribe),
+        }
+    }
+
+    pub(crate) fn count_denied_publish(&self) -> u64 {
+        self.denials.publishes.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    pub(crate) fn count_denied_subscribe(&self) -> u64 {
+        self.denials.subscribes.fetch_add(1, Ordering::Relaxed) + 1
+    }
+}
+
+fn rule_applies(pattern: &str, identity: &Identity) -> bool {
+    match (&identity.username, pattern) {
+        (None, "anonymous") => true,
+        (None, _) => false,
+        (Some(_), "*") => true,
+        (Some(user), pattern) => match pattern.strip_suffix('*') {
+            Some(prefix) => user.starts_with(prefix),
+            None => user == pattern,
+        },
+    }
+}
+
+impl Grants {
+    pub fn may_publish(&self, topic: &str) -> bool {
+        match &self.publish {
+            None => true,
+            Some(filters) => filters.iter().any(|f| rumqttd::protocol::matches(topic, f)),
+        }
+    }
+
+    /// A subscription is allowed when it lies inside an allowed filter.
+    pub fn may_subscribe(&self, filter: &str) -> bool {
+        match &self.subscribe {
+            None => true,
+            Some(allowed) => allowed.iter().any(|a| filter_within(filter, a)),
+        }
+    }
+}
+
+/// Whether every topic `filter` can match is also matched by `allowed`.
+fn filter_within(filter: &str, allowed: &str) -> bool {
+    let mut wanted = filter.split('/');
+    for level in allowed.split('/') {
+        match (level, wanted.next()) {
+            ("#", _) => return true,
+            (_, None) => return false,
+            (_, Some("#")) => return false,
+            ("+", Some(_)) => {}
+            (a, Some(w)) if a == w && w != "+" => {}
+            _ => return false,
+        }
+    }
+    wanted.next().is_none()
+}
+
+/// A shared policy.
+pub type SharedPolicy = Arc<Policy>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(acl: AclConfig, auth: AuthConfig) -> Policy {
+        Policy::new("ke", &auth, &acl, 100).unwrap()
+    }
+
+    fn secure() -> Policy {
+        let acl = AclConfig {
+            enabled: true,
+            rules: vec![AclRule {
+                identity: "sensor-*".into(),
+                publish: vec!["site/%u/#".into()],
+                subscribe: vec!["site/%c/#".into()],
+            }],
+            ..AclConfig::default()
+        };
+        policy(acl, AuthConfig::default())
+    }
+
+    fn user(name: &str) -> Identity {
+        Identity {
+            username: Some(name.into()),
+            client_id: format!("{name}-client"),
+        }
+    }
+
+    #[test]
+    fn with_the_acl_off_everything_is_allowed() {
+        let grants = policy(AclConfig::default(), AuthConfig::default()).grants(&user("x"));
+        assert!(grants.may_publish("ke/meta/edgecontroller/insert/a/b/c"));
+        assert!(grants.may_subscribe("#"));
+    }
+
+    #[test]
+    fn a_device_publishes_only_as_device_and_reads_only_device_replies() {
+        let grants = secure().grants(&user("thermometer"));
+        assert!(grants.may_publish("ke/meta/device/update/default/devicestatus/t1"));
+        for topic in [
+            "ke/meta/edgecontroller/insert/default/pod/x",
+            "ke/meta/edged/update/default/podstatus/x",
+            "ke/cloud/device/x",
+            "ke/edged/meta/response/a/b",
+        ] {
+            assert!(!grants.may_publish(topic), "{topic}");
+        }
+        assert!(grants.may_subscribe("ke/device/#"));
+        assert!(grants.may_subscribe("ke/device/meta/response/+/+/+"));
+        for filter in ["ke/cloud/#", "ke/#", "#", "ke/+/meta/#", "ke/edged/#"] {
+            assert!(!grants.may_subscribe(filter), "{filter}");
+        }
+    }
+
+    #[test]
+    fn anonymous_clients_are_devices_even_when_their_client_id_names_a_module() {
+        let anonymous = Identity {
+            username: None,
+            client_id: "edged".into(),
+        };
+        let grants = secure().grants(&anonymous);
+        assert!(!grants.may_publish("ke/meta/edged/update/default/podstatus/x"));
+        assert!(grants.may_publish("ke/meta/device/update/a/b/c"));
+    }
+
+    #[test]
+    fn a_module_acts_only_as_itself() {
+        let grants = secure().grants(&user("edged"));
+        assert!(grants.may_publish("ke/meta/edged/update/default/podstatus/x"));
+        assert!(grants.may_publish("ke/cloud/edged/update/default/podstatus/x"));
+        assert!(!grants.may_publish("ke/meta/edgecontroller/insert/default/pod/x"));
+        assert!(!grants.may_publish("ke/meta/edgemesh/insert/default/service/x"));
+        assert!(grants.may_subscribe("ke/edged/#"));
+        assert!(!grants.may_subscribe("ke/edgemesh/#"));
+    }
+
+    #[test]
+    fn rules_substitute_username_and_client_id() {
+        let grants = secure().grants(&user("sensor-7"));
+        assert!(grants.may_publish("site/sensor-7/temp"));
+        assert!(!grants.may_publish("site/sensor-8/temp"));
+        assert!(grants.may_subscribe("site/sensor-7-client/#"));
+        assert!(!grants.may_subscribe("site/#"));
+    }
+
+    #[test]
+    fn filters_within_filters() {
+        assert!(filter_within("a/b/c", "a/#"));
+        assert!(filter_within("a/+/c", "a/+/c"));
+        assert!(!filter_within("a/+/c", "a/b/c"));
+        assert!(!filter_within("a/#", "a/b/#"));
+        assert!(filter_within("a/b/#", "a/b/#"));
+        assert!(!filter_within("a", "a/b"));
+        assert!(!filter_within("a/b/c", "a/b"));
+    }
+
+    #[test]
+    fn passwords_verify_against_their_hash_only() {
+        let hash = hash_password("hunter2").unwrap();
+        let mut users = BTreeMap::new();
+        users.insert(
+            "bob".to_owned(),
+            UserConfig {
+                password_hash: hash,
+            },
+        );
+        let p = policy(
+            AclConfig::default(),
+            AuthConfig {
+                allow_anonymous: false,
+                users,
+            },
+        );
+        assert!(p.check_login("bob", "hunter2"));
+        assert!(!p.check_login("bob", "hunter3"));
+        assert!(!p.check_login("alice", "hunter2"));
+        assert!(!p.check_login("", ""));
+        assert!(p.needs_login_check());
+    }
+
+    #[test]
+    fn a_bad_hash_in_the_config_is_named() {
+        let mut users = BTreeMap::new();
+        users.insert(
+            "bob".to_owned(),
+            UserConfig {
+                password_hash: "plain".into(),
+            },
+        );
+        let err = Policy::new(
+            "ke",
+            &AuthConfig {
+                allow_anonymous: true,
+                users,
+            },
+            &AclConfig::default(),
+            10,
+        )
+        .unwrap_err();
+        assert!(err.contains("broker.auth.users.bob.password_hash"), "{err}");
+    }
+}
