@@ -34,6 +34,10 @@ pub struct Options {
     pub store_setup: Option<String>,
     /// Bridge to this cloud broker (`cloud.enabled: true`), with this node id.
     pub cloud: Option<CloudOptions>,
+    /// Extra listeners, as YAML lines indented under `broker.listeners` (4 spaces).
+    pub extra_listeners: String,
+    /// Extra `broker:` settings (auth, acl, limits), as YAML lines indented 2 spaces.
+    pub broker_yaml: String,
 }
 
 /// The `cloud:` section for a node under test.
@@ -85,6 +89,8 @@ impl Default for Options {
             v5: false,
             store_setup: None,
             cloud: None,
+            extra_listeners: String::new(),
+            broker_yaml: String::new(),
         }
     }
 }
@@ -158,12 +164,14 @@ impl Node {
         };
         let yaml = format!(
             "log:\n  level: info,rumqttd=off\n\
-             broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\n{v5}  max_packet_bytes: {packet}\n\
+             broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\n{v5}{extra_listeners}  max_packet_bytes: {packet}\n{broker_yaml}\
              store:\n  path: {db}\n  synchronous: normal\n  max_pages: {pages}\n  busy_timeout_ms: {busy}\n\
              metamanager:\n  max_payload_bytes: {payload}\n  remote_query_timeout_ms: {rq}\n  volume_timeout_ms: {vol}\n  podstatus_sync_interval_s: {sync}\n\
              shutdown_grace_ms: 5000\n{cloud}",
             port = self.port,
             packet = o.max_packet_bytes,
+            extra_listeners = o.extra_listeners,
+            broker_yaml = o.broker_yaml,
             db = self.db_path().display(),
             pages = o.max_pages,
             busy = o.busy_timeout_ms,
