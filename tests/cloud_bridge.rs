@@ -19,16 +19,29 @@ async fn a_cloud_insert_is_committed_then_acked_up_and_handed_to_edged() {
     let mut edged = node.client().await;
     edged.subscribe("ke/edged/#").await;
 
-    let (id, payload) = envelope("edgecontroller", "insert", "default/pod/web", json!({"spec": 1}));
+    let (id, payload) = envelope(
+        "edgecontroller",
+        "insert",
+        "default/pod/web",
+        json!({"spec": 1}),
+    );
     controller
-        .publish(&bridge.down("edgecontroller/insert/default/pod/web"), payload)
+        .publish(
+            &bridge.down("edgecontroller/insert/default/pod/web"),
+            payload,
+        )
         .await;
 
     let ack = controller
         .expect_reply(&bridge.up("meta/response/default/pod/web"), &id)
         .await;
     assert_eq!(ack.content(), json!("OK"));
-    assert_eq!(node.stored("default/pod/web").await.as_deref(), Some(r#"{"spec":1}"#));
-    let handed = edged.expect("ke/edged/edgecontroller/insert/default/pod/web").await;
+    assert_eq!(
+        node.stored("default/pod/web").await.as_deref(),
+        Some(r#"{"spec":1}"#)
+    );
+    let handed = edged
+        .expect("ke/edged/edgecontroller/insert/default/pod/web")
+        .await;
     assert_eq!(handed.msg_id(), id);
 }
