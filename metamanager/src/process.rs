@@ -9,7 +9,7 @@ use edgemeta_broker::Message;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use tokio_util::time::{delay_queue, DelayQueue};
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use crate::envelope::{json_string, new_msg_id, null, raw, Envelope, Route};
 use crate::error::Error;
@@ -402,7 +402,12 @@ async fn answer_pending(
                 .await?;
             } else {
                 let value = answer.envelope.content.get().to_owned();
-                upsert(cx.db, &original.resource, &value).await?;
+                // The requester still gets the cloud's answer when caching it fails (KubeEdge
+                // §7 row 20); the next query simply goes remote again.
+                if let Err(e) = upsert(cx.db, &original.resource, &value).await {
+                    warn!(error_code = "EM-STORE-CACHE", resource = %original.resource, error = %e,
+                        "remote query answer not cached");
+                }
                 answer_values(&original.requester, vec![value], cx).await?;
             }
             // §2.4.6: the cloud's answer is itself acknowledged.

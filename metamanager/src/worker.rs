@@ -85,33 +85,44 @@ pub async fn spawn(
                     return;
                 }
             };
-            runtime.block_on(async move {
-                let db = match Db::open(&store).await {
-                    Ok(db) => db,
-                    Err(e) => {
-                        let _ = opened_tx.send(Err(Error::Open(e)));
-                        return;
-                    }
-                };
-                let outbox = match db.outbox_stats().await {
-                    Ok(stats) => stats,
-                    Err(e) => {
-                        let _ = opened_tx.send(Err(Error::Open(e.into())));
-                        return;
-                    }
-                };
-                let _ = opened_tx.send(Ok(()));
-                let mut state = State::new();
-                state.outbox = outbox;
-                let worker = Worker {
-                    db,
-                    config,
-                    publisher,
-                    outbox_changed,
-                    state,
-                };
-                worker.run(jobs).await;
-            });
+            let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                runtime.block_on(async move {
+                    let db = match Db::open(&store).await {
+                        Ok(db) => db,
+                        Err(e) => {
+                            let _ = opened_tx.send(Err(Error::Open(e)));
+                            return;
+                        }
+                    };
+                    let outbox = match db.outbox_stats().await {
+                        Ok(stats) => stats,
+                        Err(e) => {
+                            let _ = opened_tx.send(Err(Error::Open(e.into())));
+                            return;
+                        }
+                    };
+                    let _ = opened_tx.send(Ok(()));
+                    let mut state = State::new();
+                    state.outbox = outbox;
+                    let worker = Worker {
+                        db,
+                        config,
+                        publisher,
+                        outbox_changed,
+                        state,
+                    };
+                    worker.run(jobs).await;
+                })
+            }));
+            if served.is_err() {
+                // Nothing is acknowledged before its commit, so stopping loses nothing a client
+                // was told is safe; serving on without a store would answer nobody.
+                error!(
+                    error_code = "EM-STORE-PANIC",
+                    "store thread panicked; exiting"
+                );
+                std::process::exit(70);
+            }
             let _ = done_tx.send(());
         })
         .map_err(|e| Error::Content {

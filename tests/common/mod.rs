@@ -498,6 +498,24 @@ impl Client {
         }
     }
 
+    /// One message on each of `topics`, in whatever order they arrive.
+    pub async fn expect_each<const N: usize>(&mut self, topics: [&str; N]) -> [Msg; N] {
+        let deadline = Instant::now() + WAIT;
+        let mut found: [Option<Msg>; N] = std::array::from_fn(|_| None);
+        let mut seen = Vec::new();
+        while found.iter().any(Option::is_none) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, self.rx.recv()).await {
+                Ok(Some(m)) => match topics.iter().position(|t| *t == m.topic) {
+                    Some(i) if found[i].is_none() => found[i] = Some(m),
+                    _ => seen.push(m.topic),
+                },
+                _ => panic!("not all of {topics:?} within {WAIT:?}; saw {seen:?}"),
+            }
+        }
+        found.map(|m| m.expect("found"))
+    }
+
     /// Asserts that nothing arrives on `topic` for [`QUIET`]; other messages are discarded.
     pub async fn expect_silence(&mut self, topic: &str) {
         let deadline = Instant::now() + QUIET;

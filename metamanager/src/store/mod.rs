@@ -8,7 +8,7 @@ mod migrations;
 use std::path::Path;
 use std::time::Duration;
 
-use libsql::{params, Connection};
+use libsql::{params, Connection, Value};
 use serde::Deserialize;
 
 /// Store settings (`store:` in the YAML config).
@@ -198,7 +198,7 @@ impl Db {
             .query("SELECT value FROM meta WHERE key = ?1", [key])
             .await?;
         match rows.next().await? {
-            Some(row) => row.get::<Option<String>>(0),
+            Some(row) => text(&row, 0),
             None => Ok(None),
         }
     }
@@ -251,8 +251,8 @@ impl Db {
             .await?;
         let mut out = Vec::new();
         while let Some(row) = rows.next().await? {
-            let value: Option<String> = row.get(1)?;
-            out.push((row.get(0)?, value.unwrap_or_default()));
+            let key = text(&row, 0)?.unwrap_or_default();
+            out.push((key, text(&row, 1)?.unwrap_or_default()));
         }
         Ok(out)
     }
@@ -337,5 +337,19 @@ impl Db {
             .query("PRAGMA wal_checkpoint(TRUNCATE)", ())
             .await
             .map(drop)
+    }
+}
+
+/// A text column read without trusting its storage class: libsql panics when a `String` meets a
+/// non-text value, and a KubeEdge `edgecore.db` edited by hand may hold anything.
+fn text(row: &libsql::Row, index: i32) -> Result<Option<String>, libsql::Error> {
+    match row.get_value(index)? {
+        Value::Null => Ok(None),
+        Value::Text(s) => Ok(Some(s)),
+        Value::Integer(i) => Ok(Some(i.to_string())),
+        Value::Real(r) => Ok(Some(r.to_string())),
+        Value::Blob(bytes) => String::from_utf8(bytes)
+            .map(Some)
+            .map_err(|_| libsql::Error::InvalidColumnType),
     }
 }
