@@ -1,0 +1,498 @@
+//! What an operator relies on: state survives restarts and `kill -9`, bad input is refused
+//! without harm, shutdown is bounded, configuration mistakes are named, and the command-line
+//! mosquitto clients work against the node.
+
+mod common;
+
+use common::{
+    envelope, mosquitto_pub, mosquitto_sub, send, sub_output, unique_id, Client, Node, Options,
+    WAIT,
+};
+use serde_json::json;
+use std::collections::HashSet;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[tokio::test]
+async fn state_survives_a_graceful_restart_and_a_kill_9_after_ok() {
+    let mut node = Node::start().await;
+    let mut client = node.client().await;
+    client.subscribe("ke/cloud/meta/response/#").await;
+    let id = send(
+        &client,
+        "edgecontroller",
+        "insert",
+        "default/pod/a",
+        json!({"v": 1}),
+    )
+    .await;
+    client
+        .expect_reply("ke/cloud/meta/response/default/pod/a", &id)
+        .await;
+    drop(client);
+    let (status, took) = node.terminate();
+    assert!(status.success(), "exit status {status}:\n{}", node.log());
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+    node.restart().await;
+
+    let mut client = node.client().await;
+    client.subscribe("ke/cloud/meta/response/#").await;
+    let id = send(
+        &client,
+        "edgecontroller",
+        "insert",
+        "default/pod/b",
+        json!({"v": 2}),
+    )
+    .await;
+    client
+        .expect_reply("ke/cloud/meta/response/default/pod/b", &id)
+        .await;
+    // The OK has been seen: from here nothing may lose pod b, not even SIGKILL.
+    node.kill9();
+    node.restart().await;
+
+    let mut client = node.client().await;
+    client.subscribe("ke/edged/meta/response/#").await;
+    let id = send(&client, "edged", "query", "default/pod", json!(null)).await;
+    let reply = client
+        .expect_reply("ke/edged/meta/response/default/pod", &id)
+        .await;
+    assert_eq!(reply.content(), json!([r#"{"v":1}"#, r#"{"v":2}"#]));
+}
+
+#[tokio::test]
+async fn every_insert_acked_before_a_kill_9_is_stored_after_it() {
+    let mut node = Node::start().await;
+    let mut client = node.client().await;
+    client.subscribe("ke/cloud/meta/response/#").await;
+    let mut ids = Vec::new();
+    for i in 0..2000 {
+        ids.push(
+            send(
+                &client,
+                "edgecontroller",
+                "insert",
+                &format!("default/pod/p{i}"),
+                json!({"i": i}),
+            )
+            .await,
+        );
+    }
+    // Kill as soon as a few hundred are acknowledged: the rest are in flight.
+    let mut acked = HashSet::new();
+    while acked.len() < 300 {
+        let m = client.next().await;
+        if let Some(parent) = m.parent_id() {
+            acked.insert(parent);
+        }
+    }
+    node.kill9();
+    acked.extend(
+        client
+            .drain(Duration::from_millis(50))
+            .await
+            .iter()
+            .filter_map(|m| m.parent_id()),
+    );
+    node.restart().await;
+    let stored: HashSet<String> = node.meta_rows().await.into_iter().map(|r| r.0).collect();
+    for (i, id) in ids.iter().enumerate() {
+        if acked.contains(id) {
+            assert!(
+                stored.contains(&format!("default/pod/p{i}")),
+                "acked p{i} lost"
+            );
+        }
+    }
+    assert!(stored.len() >= acked.len());
+}
+
+#[tokio::test]
+async fn sigterm_during_a_burst_stops_within_five_seconds_with_every_ack_committed() {
+    let mut node = Node::start().await;
+    let mut client = node.client().await;
+    client.subscribe("ke/cloud/meta/response/#").await;
+    let mut ids = Vec::new();
+    for i in 0..2000 {
+        ids.push(
+            send(
+                &client,
+                "edgecontroller",
+                "insert",
+                &format!("default/pod/p{i}"),
+                json!({"i": i}),
+            )
+            .await,
+        );
+    }
+    let mut acked = HashSet::new();
+    while acked.len() < 100 {
+        if let Some(parent) = client.next().await.parent_id() {
+            acked.insert(parent);
+        }
+    }
+    let (status, took) = node.terminate();
+    assert!(status.success(), "exit status {status}:\n{}", node.log());
+    assert!(took < Duration::from_secs(5), "shutdown took {took:?}");
+    acked.extend(
+        client
+            .drain(Duration::from_millis(100))
+            .await
+            .iter()
+            .filter_map(|m| m.parent_id()),
+    );
+    let log = node.log();
+    assert!(log.contains("every accepted message is committed"), "{log}");
+    node.restart().await;
+    let stored: HashSet<String> = node.meta_rows().await.into_iter().map(|r| r.0).collect();
+    for (i, id) in ids.iter().enumerate() {
+        if acked.contains(id) {
+            assert!(
+                stored.contains(&format!("default/pod/p{i}")),
+                "acked p{i} lost"
+            );
+        }
+    }
+}
+
+/// Each bad input gets an `error` reply naming the problem on the sender's error topic.
+#[tokio::test]
+async fn bad_input_is_refused_with_a_clear_error_and_the_store_is_unchanged() {
+    let node = Node::start_with(Options {
+        max_payload_bytes: 4096,
+        store_setup: Some(
+            "INSERT INTO meta(key, type, value) VALUES ('default/pod/keep', 'pod', '{\"keep\":1}');"
+                .to_owned(),
+        ),
+        ..Options::default()
+    })
+    .await;
+    let before = node.meta_rows().await;
+    let mut client = node.client().await;
+    client.subscribe("ke/edged/meta/error/#").await;
+
+    let cases: Vec<(&str, Vec<u8>, &str, &str)> = vec![
+        (
+            "ke/meta/edged/insert/default/pod/x",
+            br#"{"header": {"msg_id": "#.to_vec(),
+            "ke/edged/meta/error/default/pod/x",
+            "malformed JSON",
+        ),
+        (
+            "ke/meta/edged/insert/default",
+            b"{}".to_vec(),
+            "ke/edged/meta/error/default",
+            "invalid resource",
+        ),
+        (
+            "ke/meta/edged/insert/a/b/c/d/e",
+            b"{}".to_vec(),
+            "ke/edged/meta/error/a/b/c/d/e",
+            "invalid resource",
+        ),
+        (
+            "ke/meta/edged/frobnicate/default/pod/x",
+            b"{}".to_vec(),
+            "ke/edged/meta/error/default/pod/x",
+            "unsupported operation \"frobnicate\"",
+        ),
+        (
+            "ke/meta/edged/insert/default/pod/big",
+            format!("\"{}\"", "x".repeat(5000)).into_bytes(),
+            "ke/edged/meta/error/default/pod/big",
+            "exceeds the limit of 4096 bytes",
+        ),
+        (
+            "ke/meta/edged/insert/default/pod/bin",
+            vec![0xff, 0x00, 0xfe, 0x13, 0x37],
+            "ke/edged/meta/error/default/pod/bin",
+            "neither JSON nor UTF-8 text",
+        ),
+        (
+            "ke/meta/edged/insert/default/pod/arr",
+            br#"{"header": [], "route": 1, "content": {}}"#.to_vec(),
+            "ke/edged/meta/error/default/pod/arr",
+            "invalid envelope",
+        ),
+    ];
+    for (topic, payload, error_topic, text) in cases {
+        client.publish(topic, payload).await;
+        let reply = client.expect(error_topic).await;
+        let content = reply.content();
+        let said = content.as_str().unwrap_or_default();
+        assert!(said.contains(text), "{topic}: {said:?} should say {text:?}");
+        assert_eq!(reply.operation(), "error");
+    }
+    assert_eq!(node.meta_rows().await, before);
+
+    // And the node keeps answering.
+    client.subscribe("ke/edged/meta/response/#").await;
+    let id = send(&client, "edged", "query", "default/pod/keep", json!(null)).await;
+    let reply = client
+        .expect_reply("ke/edged/meta/response/default/pod/keep", &id)
+        .await;
+    assert_eq!(reply.content(), json!([r#"{"keep":1}"#]));
+}
+
+#[tokio::test]
+async fn a_client_id_with_a_slash_is_refused_twice_and_the_listener_keeps_serving() {
+    let node = Node::start().await;
+    for _ in 0..2 {
+        let (ok, stderr) = mosquitto_pub(
+            node.port,
+            &[
+                "-i",
+                "dev/1",
+                "-t",
+                "ke/meta/edged/insert/default/pod/x",
+                "-m",
+                "{}",
+            ],
+        );
+        assert!(!ok, "dev/1 must be refused");
+        assert!(
+            stderr.to_lowercase().contains("identifier rejected"),
+            "{stderr}"
+        );
+    }
+    let mut client = node.client().await;
+    client.subscribe("ke/edged/meta/response/#").await;
+    let id = send(&client, "edged", "insert", "default/pod/x", json!({})).await;
+    client
+        .expect_reply("ke/edged/meta/response/default/pod/x", &id)
+        .await;
+    assert_eq!(node.stored("default/pod/x").await.as_deref(), Some("{}"));
+    assert!(node.log().contains("EM-BROKER-CLIENT-ID"));
+}
+
+#[tokio::test]
+async fn mosquitto_clients_drive_the_node_with_bare_and_full_payloads() {
+    let node = Node::start().await;
+    let port = node.port;
+    let watcher = mosquitto_sub(port, "ke/edged/#", 3);
+    // mosquitto_sub subscribes asynchronously; give it a moment before publishing.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let (ok, stderr) = mosquitto_pub(
+        port,
+        &[
+            "-q",
+            "1",
+            "-t",
+            "ke/meta/edgecontroller/insert/default/configmap/app",
+            "-m",
+            r#"{"data":{"mode":"eco"}}"#,
+        ],
+    );
+    assert!(ok, "{stderr}");
+    let (_, full) = envelope("edged", "query", "default/configmap/app", json!(null));
+    let (ok, stderr) = mosquitto_pub(
+        port,
+        &[
+            "-q",
+            "1",
+            "-t",
+            "ke/meta/edged/query/default/configmap/app",
+            "-m",
+            &full,
+        ],
+    );
+    assert!(ok, "{stderr}");
+
+    let lines = sub_output(watcher);
+    assert!(
+        lines.iter().any(|l| l
+            .starts_with(r#"ke/edged/edgecontroller/insert/default/configmap/app {"#)
+            && l.contains(r#""content":{"data":{"mode":"eco"}}"#)),
+        "{lines:#?}"
+    );
+    assert!(
+        lines.iter().any(
+            |l| l.starts_with("ke/edged/meta/response/default/configmap/app ")
+                && l.contains(r#""content":["{\"data\":{\"mode\":\"eco\"}}"]"#)
+        ),
+        "{lines:#?}"
+    );
+    assert_eq!(
+        node.stored("default/configmap/app").await.as_deref(),
+        Some(r#"{"data":{"mode":"eco"}}"#)
+    );
+}
+
+#[tokio::test]
+async fn the_readme_walkthrough_works_verbatim() {
+    // The README's commands, with the port the test picked instead of 1883.
+    let node = Node::start().await;
+    let port = node.port.to_string();
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+        .expect("README.md");
+    let commands: Vec<String> = readme
+        .lines()
+        .filter(|l| l.starts_with("mosquitto_pub ") || l.starts_with("mosquitto_sub "))
+        .filter(|l| l.contains("-p 1883"))
+        .map(|l| l.replace("-p 1883", &format!("-p {port}")))
+        .collect();
+    assert!(
+        commands.len() >= 3,
+        "walkthrough commands in README: {commands:?}"
+    );
+    let mut watchers = Vec::new();
+    for command in &commands {
+        let args = shell_words(command);
+        if args[0] == "mosquitto_sub" {
+            let mut args = args[1..].to_vec();
+            args.extend([
+                "-C".into(),
+                "1".into(),
+                "-W".into(),
+                WAIT.as_secs().to_string(),
+            ]);
+            watchers.push((
+                command.clone(),
+                Command::new("mosquitto_sub")
+                    .args(&args)
+                    .stdout(Stdio::piped())
+                    .spawn()
+                    .expect("mosquitto_sub"),
+            ));
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        } else {
+            let status = Command::new("mosquitto_pub")
+                .args(&args[1..])
+                .status()
+                .expect("mosquitto_pub");
+            assert!(status.success(), "{command}");
+        }
+    }
+    for (command, child) in watchers {
+        let out = child.wait_with_output().expect("mosquitto_sub");
+        assert!(
+            out.status.success() && !out.stdout.is_empty(),
+            "nothing arrived for `{command}`"
+        );
+    }
+}
+
+/// Splits a README command line on spaces, honouring single quotes.
+fn shell_words(line: &str) -> Vec<String> {
+    let mut words = Vec::new();
+    let mut word = String::new();
+    let mut quoted = false;
+    let mut started = false;
+    for c in line.chars() {
+        match c {
+            '\'' => {
+                quoted = !quoted;
+                started = true;
+            }
+            ' ' if !quoted => {
+                if started {
+                    words.push(std::mem::take(&mut word));
+                    started = false;
+                }
+            }
+            c => {
+                word.push(c);
+                started = true;
+            }
+        }
+    }
+    if started {
+        words.push(word);
+    }
+    words
+}
+
+/// Runs `edgemeta run` with `yaml` and `env`; it must exit on its own within the wait.
+fn run_expecting_exit(yaml: &str, env: &[(&str, &str)]) -> (bool, String) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = dir.path().join("edge.yaml");
+    std::fs::write(&config, yaml).expect("config");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
+        .arg("run")
+        .arg("--config")
+        .arg(&config)
+        .current_dir(dir.path())
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start edgemeta");
+    let started = Instant::now();
+    while child.try_wait().expect("wait").is_none() {
+        if started.elapsed() > WAIT {
+            let _ = child.kill();
+            panic!("edgemeta kept running with a bad configuration");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().expect("output");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+#[tokio::test]
+async fn an_unknown_configuration_key_is_refused_by_name() {
+    let (ok, text) = run_expecting_exit("metamanager:\n  max_payload_byte: 10\n", &[]);
+    assert!(!ok);
+    assert!(text.contains("max_payload_byte"), "{text}");
+}
+
+#[tokio::test]
+async fn a_listener_that_cannot_bind_stops_start_up_naming_the_address() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let address = taken.local_addr().expect("addr").to_string();
+    let yaml = format!(
+        "broker:\n  listeners:\n    mqtt:\n      address: {address}\nstore:\n  path: store.db\n"
+    );
+    let (ok, text) = run_expecting_exit(&yaml, &[]);
+    assert!(!ok);
+    assert!(text.contains(&address), "{text}");
+}
+
+#[tokio::test]
+async fn an_environment_variable_overrides_the_file() {
+    let port = common::free_port();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = dir.path().join("edge.yaml");
+    std::fs::write(
+        &config,
+        format!("broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\nstore:\n  path: store.db\n"),
+    )
+    .expect("config");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
+        .arg("run")
+        .arg("--config")
+        .arg(&config)
+        .current_dir(dir.path())
+        .env("EDGEMETA_METAMANAGER__MAX_PAYLOAD_BYTES", "64")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start edgemeta");
+    let started = Instant::now();
+    let mut client = loop {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            break Client::connect(port, &unique_id("env")).await;
+        }
+        assert!(started.elapsed() < WAIT, "node not serving");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    client.subscribe("ke/edged/meta/error/#").await;
+    client
+        .publish("ke/meta/edged/insert/default/pod/x", "x".repeat(100))
+        .await;
+    let reply = client.expect("ke/edged/meta/error/default/pod/x").await;
+    assert!(reply
+        .content()
+        .as_str()
+        .unwrap_or_default()
+        .contains("exceeds the limit of 64 bytes"));
+    let _ = child.kill();
+    let _ = child.wait();
+}
