@@ -496,3 +496,90 @@ async fn an_environment_variable_overrides_the_file() {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+#[tokio::test]
+async fn the_readme_cloud_walkthrough_works_verbatim() {
+    // The README's cloud section, with the ports the test picked instead of 1883 and 1884.
+    let cloud = common::CloudBroker::start().await;
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+        .expect("README.md");
+    let run = readme
+        .lines()
+        .find(|l| l.starts_with("EDGEMETA_CLOUD__ENABLED="))
+        .expect("the cloud run command in README");
+    let cloud_port = cloud.port.to_string();
+    let env: Vec<(String, String)> = run
+        .split(' ')
+        .take_while(|w| w.starts_with("EDGEMETA_"))
+        .map(|w| {
+            let (k, v) = w.split_once('=').expect("KEY=value");
+            (k.to_owned(), v.replace(":1884", &format!(":{cloud_port}")))
+        })
+        .collect();
+    let port = common::free_port();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = dir.path().join("edge.yaml");
+    std::fs::write(
+        &config,
+        format!("broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\nstore:\n  path: store.db\n"),
+    )
+    .expect("config");
+    let log_path = dir.path().join("node.log");
+    let log = std::fs::File::create(&log_path).expect("log");
+    let mut node = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
+        .arg("run")
+        .arg("--config")
+        .arg(&config)
+        .current_dir(dir.path())
+        .envs(env)
+        .stdout(log.try_clone().expect("log"))
+        .stderr(log)
+        .spawn()
+        .expect("start edgemeta");
+    // As a person would, wait for the node to say it reached the cloud (its session, and with it
+    // the down subscription, must exist before the cloud publishes).
+    let started = Instant::now();
+    while !std::fs::read_to_string(&log_path)
+        .unwrap_or_default()
+        .contains("cloud_connected")
+    {
+        assert!(started.elapsed() < WAIT, "the bridge never connected");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let commands: Vec<Vec<String>> = readme
+        .lines()
+        .filter(|l| l.starts_with("mosquitto_pub ") || l.starts_with("mosquitto_sub "))
+        .filter(|l| l.contains("-p 1884"))
+        .map(|l| shell_words(&l.replace("-p 1884", &format!("-p {cloud_port}"))))
+        .collect();
+    assert_eq!(commands.len(), 2, "{commands:?}");
+    let mut sub_args = commands[0][1..].to_vec();
+    sub_args.extend([
+        "-C".into(),
+        "1".into(),
+        "-W".into(),
+        WAIT.as_secs().to_string(),
+    ]);
+    let watcher = Command::new("mosquitto_sub")
+        .args(&sub_args)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("mosquitto_sub");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let status = Command::new("mosquitto_pub")
+        .args(&commands[1][1..])
+        .status()
+        .expect("mosquitto_pub");
+    assert!(status.success());
+    let out = watcher.wait_with_output().expect("mosquitto_sub");
+    let line = String::from_utf8_lossy(&out.stdout).into_owned();
+    let _ = node.kill();
+    let _ = node.wait();
+    assert!(
+        line.starts_with("kubeedge/edge-1/up/meta/response/default/pod/web ")
+            && line.contains(r#""content":"OK""#),
+        "{line}"
+    );
+}
