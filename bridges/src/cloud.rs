@@ -31,6 +31,8 @@ use crate::{CloudConfig, Error};
 const REPORT_EVERY: Duration = Duration::from_secs(10);
 /// Cloud messages waiting to be handed to the MetaManager.
 const DOWN_QUEUE: usize = 256;
+/// Cloud messages received but not yet queued for the MetaManager, past which reading pauses.
+const DOWN_BACKLOG: usize = 4096;
 
 /// The bridge, ready to run.
 pub struct CloudBridge {
@@ -239,6 +241,10 @@ impl Session<'_> {
         let mut more = true;
         let mut acked_upto: Option<i64> = None;
         let mut unflushed = 0_usize;
+        // Cloud messages not yet handed to ingress. The event loop is polled even while ingress
+        // is busy: the acks ingress sends go through it, so blocking it on ingress deadlocks.
+        // The cloud broker's in-flight window bounds this for QoS 1; the cap stops QoS 0 floods.
+        let mut pending_down: VecDeque<Publish> = VecDeque::new();
         let lost = |error: Error| SessionEnd::Lost {
             error,
             was_connected: true,
@@ -280,7 +286,11 @@ impl Session<'_> {
                     return SessionEnd::Cancelled;
                 }
                 _ = changed.notified(), if !more => more = true,
-                event = eventloop.poll() => match event {
+                permit = down_tx.reserve(), if !pending_down.is_empty() => match permit {
+                    Ok(permit) => permit.send(pending_down.pop_front().expect("not empty")),
+                    Err(_) => return lost(Error::LinkClosed),
+                },
+                event = eventloop.poll(), if pending_down.len() < DOWN_BACKLOG => match event {
                     Ok(Event::Outgoing(Outgoing::Publish(pkid))) => {
                         if let Some(slot) = inflight.iter_mut().find(|s| s.pkid.is_none()) {
                             slot.pkid = Some(pkid);
@@ -302,11 +312,7 @@ impl Session<'_> {
                             }
                         }
                     }
-                    Ok(Event::Incoming(Packet::Publish(publish))) => {
-                        if down_tx.send(publish).await.is_err() {
-                            return lost(Error::LinkClosed);
-                        }
-                    }
+                    Ok(Event::Incoming(Packet::Publish(publish))) => pending_down.push_back(publish),
                     Ok(_) => {}
                     Err(e) => {
                         let _ = flush(self.outbox, &mut acked_upto, &mut unflushed).await;
