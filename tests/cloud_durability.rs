@@ -124,8 +124,12 @@ async fn an_upward_stream_survives_ten_cloud_restarts() {
     )
     .await;
     assert_eq!(
-        missing, 0,
-        "{missing} of {TOTAL} messages never reached the cloud"
+        missing,
+        0,
+        "{missing} of {TOTAL} messages never reached the cloud; {} wait in the outbox; \
+         node log:\n{}",
+        node.outbox_len().await,
+        tail(&cloud.log(), 60)
     );
     let unique: HashSet<String> = received.iter().map(Msg::msg_id).collect();
     assert_eq!(unique.len(), TOTAL, "only sent ids arrive");
@@ -281,4 +285,10 @@ async fn with_the_cloud_unreachable_queries_answer_from_the_store_at_once() {
         assert!(took < Duration::from_secs(2), "{resource} took {took:?}");
     }
     assert!(node.log().contains("EM-BRIDGE-CONNECT"), "{}", node.log());
+}
+
+/// The last `n` lines of a log, for failure messages.
+fn tail(log: &str, n: usize) -> String {
+    let lines: Vec<&str> = log.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }

@@ -292,6 +292,17 @@ impl Node {
         row.get::<Option<String>>(0).expect("value column")
     }
 
+    /// How many messages wait in the outbox for the cloud.
+    pub async fn outbox_len(&self) -> i64 {
+        let conn = open(&self.db_path()).await;
+        let mut rows = conn
+            .query("SELECT count(*) FROM outbox", ())
+            .await
+            .expect("query outbox");
+        let row = rows.next().await.expect("read row").expect("one row");
+        row.get(0).expect("count")
+    }
+
     /// Every `(key, type, value)` in `meta`, in key order.
     pub async fn meta_rows(&self) -> Vec<(String, String, String)> {
         let conn = open(&self.db_path()).await;
@@ -661,6 +672,10 @@ pub struct CloudBroker {
 impl CloudBroker {
     pub async fn start() -> CloudBroker {
         let dir = tempfile::tempdir().expect("temp dir");
+        // Started as root, mosquitto drops to its own user and must still write its persistence.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777))
+            .expect("chmod the cloud broker's directory");
         let mut cloud = CloudBroker {
             child: None,
             port: free_port(),
@@ -724,6 +739,11 @@ impl CloudBroker {
     pub async fn restart(&mut self) {
         assert!(self.child.is_none(), "stop the cloud broker first");
         self.spawn().await;
+    }
+
+    /// What mosquitto logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("mosquitto.log")).unwrap_or_default()
     }
 
     /// A client of the cloud broker with a persistent session under `id`.
