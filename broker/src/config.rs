@@ -63,6 +63,10 @@ pub struct ListenerTls {
     pub cert_file: String,
     /// PEM private key (PKCS#8 or RSA).
     pub key_file: String,
+    /// PEM CA certificates: when set, clients must present a certificate signed by one of them,
+    /// and the certificate's common name is the client's identity (username) for the ACL.
+    #[serde(default)]
+    pub client_ca_file: Option<String>,
 }
 
 /// MQTT protocol version of a listener.
@@ -148,7 +152,12 @@ impl BrokerConfig {
         }
         for (name, listener) in &self.listeners {
             if let Some(tls) = &listener.tls {
-                for (key, path) in [("cert_file", &tls.cert_file), ("key_file", &tls.key_file)] {
+                let files = [
+                    ("cert_file", Some(&tls.cert_file)),
+                    ("key_file", Some(&tls.key_file)),
+                    ("client_ca_file", tls.client_ca_file.as_ref()),
+                ];
+                for (key, path) in files.into_iter().filter_map(|(k, p)| Some((k, p?))) {
                     if !std::path::Path::new(path).is_file() {
                         return bad(format!(
                             "broker.listeners.{name}.tls.{key}: no file at {path:?}"

@@ -15,6 +15,7 @@ use rumqttd::protocol::{
 use tracing::warn;
 
 use crate::security::{Grants, Identity, Policy};
+use crate::tls_front::{take_preamble, Preamble};
 use crate::RESERVED_CLIENT_PREFIX;
 
 /// Where refused publications go: rumqttd never matches a `$` topic against any filter.
@@ -28,6 +29,8 @@ pub struct ConnectGuard<P> {
     policy: Arc<Policy>,
     v5: bool,
     connection: Mutex<Connection>,
+    /// Set on the back end of a client-certificate listener: the secret its preamble must carry.
+    front: Option<Arc<str>>,
 }
 
 /// What one connection has been granted and refused.
@@ -40,6 +43,9 @@ struct Connection {
     denied_publishes: HashSet<u16>,
     /// Packet id of a SUBSCRIBE → indices of its refused filters.
     denied_filters: HashMap<u16, Vec<usize>>,
+    /// Back end of a certificate listener: whether the preamble was read, and what it said.
+    preamble_read: bool,
+    certificate_name: Option<String>,
 }
 
 impl<P> ConnectGuard<P> {
@@ -49,14 +55,24 @@ impl<P> ConnectGuard<P> {
             policy,
             v5,
             connection: Mutex::new(Connection::default()),
+            front: None,
         }
+    }
+
+    /// The guard of a listener reachable only through the client-certificate TLS front.
+    pub fn behind_front(mut self, secret: Arc<str>) -> Self {
+        self.front = Some(secret);
+        self
     }
 }
 
 /// Each clone serves one new connection, so it starts with no state.
 impl<P: Clone> Clone for ConnectGuard<P> {
     fn clone(&self) -> Self {
-        ConnectGuard::new(self.inner.clone(), self.policy.clone(), self.v5)
+        ConnectGuard {
+            front: self.front.clone(),
+            ..ConnectGuard::new(self.inner.clone(), self.policy.clone(), self.v5)
+        }
     }
 }
 
@@ -101,13 +117,26 @@ impl<P: Protocol> ConnectGuard<P> {
         let mut connection = self.connection.lock().unwrap_or_else(|p| p.into_inner());
         match packet {
             Packet::Connect(connect, _, _, _, login) => {
-                if let Some(reason) = refuse_client_id(&connect.client_id) {
+                let unvouched = self.front.is_some() && connection.certificate_name.is_none();
+                let refusal = if unvouched {
+                    Some("reached the certificate listener's back end without its front")
+                } else {
+                    refuse_client_id(&connect.client_id)
+                };
+                if let Some(reason) = refusal {
                     warn!(error_code = "EM-BROKER-CLIENT-ID", client_id = %connect.client_id, reason, "refused MQTT client id");
                     // An empty id with a persistent session makes rumqttd answer CONNACK
                     // "identifier rejected" before it touches the state that #1062 poisons.
                     connect.client_id.clear();
                     connect.clean_session = false;
                     return;
+                }
+                // A verified certificate's name is the identity, whatever login was sent.
+                if let (Some(name), Some(secret)) = (&connection.certificate_name, &self.front) {
+                    *login = Some(Login {
+                        username: name.clone(),
+                        password: secret.to_string(),
+                    });
                 }
                 // rumqttd refuses a login-less CONNECT once any credential check is on; an
                 // empty username stands for the anonymous client, which the check may admit.
@@ -211,6 +240,17 @@ impl<P: Protocol> ConnectGuard<P> {
 
 impl<P: Protocol> Protocol for ConnectGuard<P> {
     fn read_mut(&mut self, stream: &mut BytesMut, max_size: usize) -> Result<Packet, CodecError> {
+        if let Some(secret) = &self.front {
+            let connection = self.connection.get_mut().unwrap_or_else(|p| p.into_inner());
+            if !connection.preamble_read {
+                match take_preamble(stream, secret) {
+                    Preamble::Incomplete => return Err(CodecError::InsufficientBytes(1)),
+                    Preamble::Vouched(name) => connection.certificate_name = Some(name),
+                    Preamble::Absent => {}
+                }
+                connection.preamble_read = true;
+            }
+        }
         let pkid = publish_pkid(stream);
         let mut packet = self.inner.read_mut(stream, max_size)?;
         self.vet(&mut packet, pkid);

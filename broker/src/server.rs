@@ -38,6 +38,55 @@ macro_rules! spawn_listener {
     }};
 }
 
+/// Spawns a listener speaking `protocol` behind a [`ConnectGuard`] (optionally behind the
+/// client-certificate front, whose secret it then requires).
+macro_rules! spawn_guarded {
+    ($set:expr, $settings:expr, $router_tx:expr, $protocol:expr, $policy:expr, $front:expr) => {{
+        let front: Option<Arc<str>> = $front;
+        match $protocol {
+            MqttVersion::V4 => {
+                let mut guard = ConnectGuard::new(V4, $policy.clone(), false);
+                if let Some(secret) = front {
+                    guard = guard.behind_front(secret);
+                }
+                spawn_listener!($set, $settings, $router_tx, guard)
+            }
+            MqttVersion::V5 => {
+                let mut guard = ConnectGuard::new(V5, $policy.clone(), true);
+                if let Some(secret) = front {
+                    guard = guard.behind_front(secret);
+                }
+                spawn_listener!($set, $settings, $router_tx, guard)
+            }
+        }
+    }};
+}
+
+/// Has rumqttd check logins through the policy when any credential check is on.
+fn with_auth(
+    mut settings: rumqttd::ServerSettings,
+    policy: &Arc<Policy>,
+) -> rumqttd::ServerSettings {
+    if policy.needs_login_check() {
+        let policy = policy.clone();
+        settings.connections.set_auth_handler(move |client_id, username, password| {
+            let policy = policy.clone();
+            async move {
+                // argon2 is slow on purpose: keep it off the async workers.
+                let user = username.clone();
+                let ok = tokio::task::spawn_blocking(move || policy.check_login(&user, &password))
+                    .await
+                    .unwrap_or(false);
+                if !ok {
+                    warn!(error_code = "EM-AUTH-REFUSED", %client_id, %username, "login refused");
+                }
+                ok
+            }
+        });
+    }
+    settings
+}
+
 /// How long a listener may take to bind once its task is spawned.
 const READY_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -80,39 +129,64 @@ impl Broker {
             let mut planned = Vec::new();
             for (name, listener) in &config.listeners {
                 // rumqttd only logs a failed bind; probe first so the failure is ours to report.
-                std::net::TcpListener::bind(listener.address).map_err(|source| Error::Bind {
-                    name: name.clone(),
-                    address: listener.address,
-                    source,
+                let bound = std::net::TcpListener::bind(listener.address).map_err(|source| {
+                    Error::Bind {
+                        name: name.clone(),
+                        address: listener.address,
+                        source,
+                    }
                 })?;
-                let mut settings = config.server_settings(name, listener);
-                if policy.needs_login_check() {
-                    let policy = policy.clone();
-                    settings.connections.set_auth_handler(move |client_id, username, password| {
-                        let policy = policy.clone();
-                        async move {
-                            // argon2 is slow on purpose: keep it off the async workers.
-                            let user = username.clone();
-                            let ok = tokio::task::spawn_blocking(move || policy.check_login(&user, &password))
-                                .await
-                                .unwrap_or(false);
-                            if !ok {
-                                warn!(error_code = "EM-AUTH-REFUSED", %client_id, %username, "login refused");
-                            }
-                            ok
-                        }
-                    });
-                }
-                match listener.protocol {
-                    MqttVersion::V4 => {
-                        let guard = ConnectGuard::new(V4, policy.clone(), false);
-                        spawn_listener!(listeners, settings, listener_tx.clone(), guard)
-                    }
-                    MqttVersion::V5 => {
-                        let guard = ConnectGuard::new(V5, policy.clone(), true);
-                        spawn_listener!(listeners, settings, listener_tx.clone(), guard)
-                    }
-                }
+                let front = listener
+                    .tls
+                    .as_ref()
+                    .and_then(|tls| Some((tls, tls.client_ca_file.as_ref()?)));
+                let Some((tls, ca_file)) = front else {
+                    drop(bound);
+                    let settings = with_auth(config.server_settings(name, listener), &policy);
+                    spawn_guarded!(
+                        listeners,
+                        settings,
+                        listener_tx.clone(),
+                        listener.protocol,
+                        &policy,
+                        None
+                    );
+                    planned.push((name.clone(), listener.address, listener.protocol));
+                    continue;
+                };
+                // Client certificates: our TLS front on the address, rumqttd behind it on loopback.
+                let acceptor = crate::tls_front::acceptor(name, tls, ca_file)?;
+                let backend_name = format!("{name}-backend");
+                let backend = std::net::TcpListener::bind(("127.0.0.1", 0))
+                    .and_then(|probe| probe.local_addr())
+                    .map_err(|source| Error::Bind {
+                        name: backend_name.clone(),
+                        address: listener.address,
+                        source,
+                    })?;
+                let plain = crate::config::ListenerConfig {
+                    address: backend,
+                    tls: None,
+                    ..listener.clone()
+                };
+                let settings = with_auth(config.server_settings(&backend_name, &plain), &policy);
+                spawn_guarded!(
+                    listeners,
+                    settings,
+                    listener_tx.clone(),
+                    listener.protocol,
+                    &policy,
+                    Some(policy.cert_secret())
+                );
+                listeners.spawn(crate::tls_front::serve(
+                    name.clone(),
+                    bound,
+                    acceptor,
+                    backend,
+                    policy.cert_secret(),
+                    Duration::from_millis(u64::from(config.connect_timeout_ms)),
+                ));
+                planned.push((backend_name, backend, listener.protocol));
                 planned.push((name.clone(), listener.address, listener.protocol));
             }
             Ok(planned)

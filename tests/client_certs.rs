@@ -1,0 +1,319 @@
+//! Client-certificate listeners: the certificate's common name is the identity the ACL judges.
+//! Certificates are made with `openssl` at test time; none are committed.
+
+mod common;
+
+use common::{Client, Node, Options, QUIET};
+use serde_json::json;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+/// A throw-away PKI in its own directory: one CA, a server certificate for `localhost`, and
+/// client certificates by common name.
+struct Pki {
+    dir: tempfile::TempDir,
+}
+
+impl Pki {
+    fn new() -> Pki {
+        let pki = Pki {
+            dir: tempfile::tempdir().expect("temp dir"),
+        };
+        pki.authority("ca");
+        pki.issue("server", "localhost", "ca", "subjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n");
+        pki
+    }
+
+    fn path(&self, file: &str) -> PathBuf {
+        self.dir.path().join(file)
+    }
+
+    fn openssl(&self, args: &[&str]) {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(self.dir.path())
+            .output()
+            .expect("openssl is installed");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// A self-signed CA `<name>.pem` / `<name>.key`.
+    fn authority(&self, name: &str) {
+        self.openssl(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            &format!("{name}.key"),
+            "-out",
+            &format!("{name}.pem"),
+            "-days",
+            "2",
+            "-subj",
+            &format!("/CN=edgemeta test {name}"),
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,keyCertSign,cRLSign",
+        ]);
+    }
+
+    /// `<file>.pem` / `<file>.key` with subject CN `cn`, signed by the CA `<ca>`.
+    fn issue(&self, file: &str, cn: &str, ca: &str, extensions: &str) {
+        std::fs::write(self.path(&format!("{file}.ext")), extensions).expect("extensions");
+        self.openssl(&[
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            &format!("{file}.key"),
+            "-out",
+            &format!("{file}.csr"),
+            "-subj",
+            &format!("/CN={cn}"),
+        ]);
+        self.openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            &format!("{file}.csr"),
+            "-CA",
+            &format!("{ca}.pem"),
+            "-CAkey",
+            &format!("{ca}.key"),
+            "-CAcreateserial",
+            "-out",
+            &format!("{file}.pem"),
+            "-days",
+            "2",
+            "-extfile",
+            &format!("{file}.ext"),
+        ]);
+    }
+
+    /// A client certificate for `cn` signed by `ca`.
+    fn client(&self, cn: &str, ca: &str) -> String {
+        let file = format!("client-{cn}-{ca}");
+        self.issue(
+            &file,
+            cn,
+            ca,
+            "extendedKeyUsage=clientAuth\nbasicConstraints=CA:FALSE\n",
+        );
+        file
+    }
+}
+
+/// A node with ACL on and a client-certificate listener; anonymous plain-TCP clients may watch
+/// everything (so the test can see what gets through) but publish only as devices.
+async fn node(pki: &Pki) -> (Node, u16) {
+    let port = common::free_port();
+    let node = Node::start_with(Options {
+        extra_listeners: format!(
+            "    certs:\n      address: 127.0.0.1:{port}\n      tls:\n        cert_file: {}\n        key_file: {}\n        client_ca_file: {}\n",
+            pki.path("server.pem").display(),
+            pki.path("server.key").display(),
+            pki.path("ca.pem").display(),
+        ),
+        broker_yaml: "  acl:\n    enabled: true\n    rules:\n      - identity: anonymous\n        subscribe: ['ke/#']\n".to_owned(),
+        ..Options::default()
+    })
+    .await;
+    (node, port)
+}
+
+/// `mosquitto_pub` over TLS with the client certificate `cert` (or none).
+fn tls_pub(pki: &Pki, port: u16, cert: Option<&str>, topic: &str, message: &str) -> Output {
+    let mut command = Command::new("mosquitto_pub");
+    command
+        .args(["-h", "localhost", "-p", &port.to_string(), "-q", "1"])
+        .arg("--cafile")
+        .arg(pki.path("ca.pem"));
+    if let Some(cert) = cert {
+        command
+            .arg("--cert")
+            .arg(pki.path(&format!("{cert}.pem")))
+            .arg("--key")
+            .arg(pki.path(&format!("{cert}.key")));
+    }
+    command
+        .args(["-t", topic, "-m", message])
+        .output()
+        .expect("mosquitto_pub is installed")
+}
+
+async fn watcher(node: &Node) -> Client {
+    let mut watcher = node.client().await;
+    watcher.subscribe("ke/#").await;
+    watcher
+}
+
+#[tokio::test]
+async fn a_device_certificate_is_the_device_identity_and_cannot_pose_as_a_module() {
+    let pki = Pki::new();
+    let device = pki.client("device1", "ca");
+    let (node, port) = node(&pki).await;
+    let mut watch = watcher(&node).await;
+
+    // Permitted: a device reports under ke/meta/device/...
+    let out = tls_pub(
+        &pki,
+        port,
+        Some(&device),
+        "ke/meta/device/insert/default/sensor/t1",
+        r#"{"celsius":21}"#,
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    watch
+        .expect("ke/device/meta/response/default/sensor/t1")
+        .await;
+    assert_eq!(
+        node.stored("default/sensor/t1").await.as_deref(),
+        Some(r#"{"celsius":21}"#)
+    );
+
+    // Refused: 40 attempts to speak as the cloud or as edged; none may reach the store or edged.
+    let before = node.meta_rows().await;
+    let mut attempts = 0;
+    for i in 0..20 {
+        for topic in [
+            format!("ke/meta/edgecontroller/insert/default/pod/evil{i}"),
+            format!("ke/meta/edged/update/default/podstatus/evil{i}"),
+        ] {
+            tls_pub(&pki, port, Some(&device), &topic, "{}");
+            attempts += 1;
+        }
+    }
+    let seen = watch.drain(QUIET).await;
+    let through: Vec<&String> = seen
+        .iter()
+        .map(|m| &m.topic)
+        .filter(|t| t.contains("evil"))
+        .collect();
+    assert!(
+        through.is_empty(),
+        "{} of {attempts} got through: {through:?}",
+        through.len()
+    );
+    assert_eq!(node.meta_rows().await, before);
+    assert!(node.log().contains("EM-ACL-PUBLISH-DENIED"));
+}
+
+#[tokio::test]
+async fn a_module_certificate_gets_the_module_rights() {
+    let pki = Pki::new();
+    let edged = pki.client("edged", "ca");
+    let (node, port) = node(&pki).await;
+    let mut watch = watcher(&node).await;
+    let out = tls_pub(
+        &pki,
+        port,
+        Some(&edged),
+        "ke/meta/edged/update/default/podstatus/web",
+        r#"{"phase":"Running"}"#,
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ok = watch
+        .expect("ke/edged/meta/response/default/podstatus/web")
+        .await;
+    assert_eq!(ok.content(), json!("OK"));
+    assert_eq!(
+        node.stored("default/podstatus/web").await.as_deref(),
+        Some(r#"{"phase":"Running"}"#)
+    );
+}
+
+#[tokio::test]
+async fn no_certificate_or_a_foreign_one_is_refused_and_the_back_end_cannot_be_reached_directly() {
+    let pki = Pki::new();
+    pki.authority("rogue");
+    let forged = pki.client("edged", "rogue");
+    let (node, port) = node(&pki).await;
+
+    for cert in [None, Some(forged.as_str())] {
+        let out = tls_pub(
+            &pki,
+            port,
+            cert,
+            "ke/meta/edged/update/default/podstatus/x",
+            "{}",
+        );
+        assert!(!out.status.success(), "{cert:?} was let in");
+    }
+    // Plain MQTT on the TLS port is refused too.
+    let (ok, _) = common::mosquitto_pub(
+        port,
+        &["-t", "ke/meta/device/insert/default/sensor/x", "-m", "{}"],
+    );
+    assert!(!ok);
+
+    // The loopback back end is named in the log; a client that finds it is still refused.
+    let log = node.log();
+    let backend = backend_port(&log).expect("back end address in the log");
+    let (ok, stderr) = common::mosquitto_pub(
+        backend,
+        &[
+            "-u",
+            "edged",
+            "-t",
+            "ke/meta/edged/update/default/podstatus/x",
+            "-m",
+            "{}",
+        ],
+    );
+    assert!(!ok, "the back end accepted a client without the front");
+    assert!(
+        stderr.to_lowercase().contains("identifier rejected"),
+        "{stderr}"
+    );
+    assert!(node.meta_rows().await.is_empty());
+}
+
+fn backend_port(log: &str) -> Option<u16> {
+    let line = log
+        .lines()
+        .find(|l| l.contains("certs-backend") && l.contains("ready"))?;
+    let clean: String = strip_ansi(line);
+    let at = clean.find("address=127.0.0.1:")? + "address=127.0.0.1:".len();
+    clean[at..]
+        .split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
+}
+
+fn strip_ansi(text: &str) -> String {
+    let mut out = String::new();
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for d in chars.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
