@@ -583,3 +583,42 @@ async fn the_readme_cloud_walkthrough_works_verbatim() {
         "{line}"
     );
 }
+
+#[tokio::test]
+async fn a_full_store_refuses_writes_with_an_error_and_keeps_answering_queries() {
+    let node = Node::start_with(Options {
+        max_pages: 40,
+        ..Options::default()
+    })
+    .await;
+    let mut client = node.client().await;
+    client.subscribe("ke/edged/meta/#").await;
+    let big = "x".repeat(30_000);
+    let mut refused = None;
+    let mut stored = Vec::new();
+    for i in 0..100 {
+        let resource = format!("default/configmap/c{i}");
+        let id = send(&client, "edged", "insert", &resource, json!(big)).await;
+        let reply = loop {
+            let m = client.next().await;
+            if m.parent_id().as_deref() == Some(id.as_str()) {
+                break m;
+            }
+        };
+        if reply.operation() == "error" {
+            refused = Some(reply.content().as_str().unwrap_or_default().to_owned());
+            break;
+        }
+        stored.push(resource);
+    }
+    let refused = refused.expect("a 40-page store fills up");
+    assert!(refused.contains("full"), "{refused}");
+    assert!(!stored.is_empty());
+    // What was acknowledged is there, and reads still work.
+    let id = send(&client, "edged", "query", &stored[0], json!(null)).await;
+    let reply = client
+        .expect_reply(&format!("ke/edged/meta/response/{}", stored[0]), &id)
+        .await;
+    assert_eq!(reply.content().as_array().map(Vec::len), Some(1));
+    assert_eq!(node.meta_rows().await.len(), stored.len());
+}

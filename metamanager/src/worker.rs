@@ -191,7 +191,12 @@ impl Worker {
         let mut local: Vec<Message> = Vec::new();
         let mut outbox_written = false;
         let mut applied = Vec::with_capacity(steps.len());
+        let mut aborted = None;
         for step in steps {
+            if aborted.is_some() {
+                applied.push(step);
+                continue;
+            }
             let _ = self.db.control("SAVEPOINT step").await;
             let counters = self.state.outbox;
             let mut cx = self.context();
@@ -207,6 +212,12 @@ impl Worker {
                     outbox_written |= wrote;
                     local.extend(produced);
                 }
+                Err(error) if !self.db.in_transaction() => {
+                    // SQLite gave up the whole transaction: nothing of this batch will commit.
+                    aborted = Some(Error::Commit(format!(
+                        "the store rolled the batch back: {error}"
+                    )));
+                }
                 Err(error) => {
                     let _ = self.db.control("ROLLBACK TO step").await;
                     let _ = self.db.control("RELEASE step").await;
@@ -215,6 +226,10 @@ impl Worker {
                 }
             }
             applied.push(step);
+        }
+        if let Some(error) = aborted {
+            self.state.outbox = outbox_before;
+            return self.fail_batch(applied, others, error).await;
         }
         let (mut replies, mut peeks, mut stats) = (Vec::new(), Vec::new(), Vec::new());
         for job in others {

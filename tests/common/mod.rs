@@ -104,10 +104,27 @@ pub struct Node {
     pub options: Options,
 }
 
-/// A port nobody listens on right now.
+/// A port nobody listens on right now, below Linux's ephemeral range (32768 and up): a node
+/// that restarts must get its port back, and no client's outgoing socket can take it meanwhile.
 pub fn free_port() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    listener.local_addr().expect("local addr").port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const FIRST: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    // Test binaries run one after another; start each at its own offset anyway.
+    let _ = NEXT.compare_exchange(
+        0,
+        std::process::id() % SPAN + 1,
+        Ordering::SeqCst,
+        Ordering::SeqCst,
+    );
+    for _ in 0..SPAN {
+        let port = (FIRST + NEXT.fetch_add(1, Ordering::SeqCst) % SPAN) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port between {FIRST} and {}", FIRST + SPAN);
 }
 
 impl Node {

@@ -191,6 +191,12 @@ impl Db {
         self.conn.execute(sql, ()).await.map(drop)
     }
 
+    /// Whether a transaction is open. SQLite rolls back the whole transaction by itself on some
+    /// errors (a full disk, I/O errors), which a savepoint cannot undo.
+    pub fn in_transaction(&self) -> bool {
+        !self.conn.is_autocommit()
+    }
+
     /// `value` of `key`, if stored.
     pub async fn get(&self, key: &str) -> Result<Option<String>, libsql::Error> {
         let mut rows = self
