@@ -145,9 +145,23 @@ impl Node {
         if let Some(sql) = node.options.store_setup.clone() {
             prepare_store(&node.db_path(), &sql).await;
         }
-        node.write_config();
-        node.spawn().await;
-        node
+        // Another process may take a port between our probe and the node's bind: then try
+        // fresh ports (the node names the address in its refusal).
+        for _ in 0..3 {
+            node.write_config();
+            match node.spawn().await {
+                Ok(()) => return node,
+                Err(log) if log.contains("Address already in use") => {
+                    node.port = free_port();
+                    node.v5_port = node.options.v5.then(free_port);
+                }
+                Err(log) => panic!("edgemeta did not start:\n{log}"),
+            }
+        }
+        panic!(
+            "edgemeta found no free port in three tries:\n{}",
+            node.log()
+        );
     }
 
     pub fn dir(&self) -> &Path {
@@ -207,7 +221,7 @@ impl Node {
         std::fs::write(self.config_path(), yaml).expect("write config");
     }
 
-    async fn spawn(&mut self) {
+    async fn spawn(&mut self) -> Result<(), String> {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -224,10 +238,11 @@ impl Node {
             .spawn()
             .expect("start edgemeta");
         self.child = Some(child);
-        self.wait_until_serving().await;
+        self.wait_until_serving().await
     }
 
-    async fn wait_until_serving(&mut self) {
+    /// `Err(log)` if the node exited during start-up.
+    async fn wait_until_serving(&mut self) -> Result<(), String> {
         let address = SocketAddr::from(([127, 0, 0, 1], self.port));
         let started = Instant::now();
         // Listeners open only after the MetaManager is subscribed, so a connect means ready.
@@ -237,10 +252,8 @@ impl Node {
                 .as_mut()
                 .and_then(|c| c.try_wait().ok().flatten())
             {
-                panic!(
-                    "edgemeta exited with {status} during start-up:\n{}",
-                    self.log()
-                );
+                self.child = None;
+                return Err(format!("exited with {status}:\n{}", self.log()));
             }
             assert!(
                 started.elapsed() < WAIT,
@@ -249,6 +262,7 @@ impl Node {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        Ok(())
     }
 
     /// `kill -9`: nothing gets a chance to flush.
@@ -283,7 +297,9 @@ impl Node {
     /// Starts the node again on the same ports and store.
     pub async fn restart(&mut self) {
         assert!(self.child.is_none(), "stop the node before restarting it");
-        self.spawn().await;
+        if let Err(log) = self.spawn().await {
+            panic!("edgemeta did not restart: {log}");
+        }
     }
 
     pub fn is_running(&mut self) -> bool {
