@@ -1,4 +1,4 @@
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -278,7 +278,17 @@ fn link_error(client_id: &str, error: rumqttd::local::LinkError) -> Error {
     }
 }
 
-/// Waits until rumqttd holds the port (our own bind then fails) or its task has died.
+/// Where a client on this host reaches a listener bound to `address`.
+fn reachable(address: SocketAddr) -> SocketAddr {
+    let ip = match address.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        IpAddr::V6(ip) if ip.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        ip => ip,
+    };
+    SocketAddr::new(ip, address.port())
+}
+
+/// Waits until rumqttd accepts connections on the port, or its task has died.
 async fn wait_until_bound(
     set: &mut JoinSet<Error>,
     name: &str,
@@ -296,7 +306,10 @@ async fn wait_until_bound(
                 },
             });
         }
-        if std::net::TcpListener::bind(address).is_err() {
+        // Connect rather than bind to test it: a test bind would hold the port for an instant
+        // and could make rumqttd's own bind fail.
+        let probe = tokio::net::TcpStream::connect(reachable(address));
+        if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(100), probe).await {
             return Ok(());
         }
         if started.elapsed() > READY_TIMEOUT {
