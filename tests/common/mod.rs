@@ -2,6 +2,8 @@
 //! talks to it over real MQTT (rumqttc) or the real mosquitto command-line clients.
 #![allow(dead_code)] // each test file uses a different part of the harness
 
+pub mod pki;
+
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -461,10 +463,22 @@ impl Client {
         Client::connect_with(port, id, true).await
     }
 
+    /// Connects with a username and password.
+    pub async fn connect_as(port: u16, id: &str, user: &str, password: &str) -> Client {
+        Client::open(port, id, true, Some((user, password))).await
+    }
+
     /// Connects with a clean or a persistent session.
     pub async fn connect_with(port: u16, id: &str, clean_session: bool) -> Client {
+        Client::open(port, id, clean_session, None).await
+    }
+
+    async fn open(port: u16, id: &str, clean_session: bool, login: Option<(&str, &str)>) -> Client {
         let mut options = MqttOptions::new(id, "127.0.0.1", port);
         options.set_clean_session(clean_session);
+        if let Some((user, password)) = login {
+            options.set_credentials(user, password);
+        }
         options.set_max_packet_size(4 * 1024 * 1024, 4 * 1024 * 1024);
         options.set_keep_alive(Duration::from_secs(30));
         let (client, eventloop) = AsyncClient::new(options, 1000);
