@@ -1,5 +1,502 @@
-//! `edgemeta-bench`: drives edgemeta and mosquitto from a separate process over real MQTT.
+//! `edgemeta-bench`: drives edgemeta and mosquitto from this separate process over real MQTT on
+//! loopback, with the same load generator, and prints a Markdown table of the figures.
 
-fn main() {
-    println!("edgemeta-bench: not implemented yet");
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use clap::Parser;
+use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Packet, QoS};
+use serde_json::json;
+use tokio::sync::mpsc;
+
+#[derive(Parser)]
+#[command(about = "edgemeta against mosquitto, same load, same run")]
+struct Args {
+    /// Tiny sizes: checks the harness end to end in well under two minutes.
+    #[arg(long)]
+    quick: bool,
+    /// The edgemeta binary to measure.
+    #[arg(long, default_value = "target/release/edgemeta")]
+    edgemeta: PathBuf,
+    /// The mosquitto broker to compare with.
+    #[arg(long, default_value = "/usr/sbin/mosquitto")]
+    mosquitto: PathBuf,
+}
+
+/// How much load each scenario offers.
+struct Sizes {
+    publishers: usize,
+    per_publisher: usize,
+    rates: Vec<u64>,
+    rate_seconds: u64,
+    queries: usize,
+    list_size: usize,
+}
+
+/// One row of the results table.
+struct Row {
+    name: String,
+    edgemeta: String,
+    mosquitto: String,
+    target: String,
+    verdict: String,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let sizes = if args.quick {
+        Sizes {
+            publishers: 2,
+            per_publisher: 500,
+            rates: vec![1_000],
+            rate_seconds: 1,
+            queries: 100,
+            list_size: 1_000,
+        }
+    } else {
+        Sizes {
+            publishers: 4,
+            per_publisher: 10_000,
+            rates: vec![1_000, 5_000, 10_000, 20_000],
+            rate_seconds: 3,
+            queries: 2_000,
+            list_size: 10_000,
+        }
+    };
+    let dir = tempfile::tempdir()?;
+    let mut rows = Vec::new();
+
+    let mosquitto = Server::mosquitto(&args.mosquitto, dir.path()).await?;
+    let edgemeta = Server::edgemeta(&args.edgemeta, dir.path()).await?;
+    rows.push(Row::sized(
+        "RSS idle",
+        edgemeta.rss_kib()?,
+        mosquitto.rss_kib()?,
+        "≤ 25 MB",
+        25 * 1024,
+    ));
+
+    // P1: throughput.
+    let total = sizes.publishers * sizes.per_publisher;
+    let em = throughput(edgemeta.port, "ke/edged/#", &sizes, "tp").await?;
+    let mq = throughput(mosquitto.port, "ke/meta/#", &sizes, "tp").await?;
+    let ratio = em / mq;
+    rows.push(Row {
+        name: format!(
+            "P1 throughput, {} publishers × {} inserts (msg/s)",
+            sizes.publishers, sizes.per_publisher
+        ),
+        edgemeta: format!("{em:.0}"),
+        mosquitto: format!("{mq:.0}"),
+        target: "ratio ≥ 0.7".into(),
+        verdict: verdict(ratio >= 0.7, &format!("ratio {ratio:.2}")),
+    });
+
+    // P2: latency against offered load.
+    for &rate in &sizes.rates {
+        let em = latency(edgemeta.port, "ke/edged/#", rate, sizes.rate_seconds).await?;
+        let mq = latency(mosquitto.port, "ke/meta/#", rate, sizes.rate_seconds).await?;
+        let met = rate != 10_000 || em.p99 <= 5_000;
+        rows.push(Row {
+            name: format!("P2 latency at {rate} msg/s offered, p50 / p99 / p999 (µs)"),
+            edgemeta: em.to_string(),
+            mosquitto: mq.to_string(),
+            target: if rate == 10_000 {
+                "p99 ≤ 5 ms".into()
+            } else {
+                "—".into()
+            },
+            verdict: if rate == 10_000 {
+                verdict(met, "")
+            } else {
+                "—".into()
+            },
+        });
+    }
+
+    // P3: local queries.
+    fill(edgemeta.port, "list", sizes.list_size).await?;
+    let by_key = query_latency(edgemeta.port, "tp/pod/p0-0", sizes.queries).await?;
+    rows.push(Row {
+        name: format!("P3 query by key, p50 / p99 (µs), {} queries", sizes.queries),
+        edgemeta: format!("{} / {}", by_key.p50, by_key.p99),
+        mosquitto: "no query".into(),
+        target: "p99 ≤ 1 ms".into(),
+        verdict: verdict(by_key.p99 <= 1_000, ""),
+    });
+    let list = query_latency(edgemeta.port, "list/pod", 5).await?;
+    rows.push(Row {
+        name: format!("P3 list {} pods, p50 (ms)", sizes.list_size),
+        edgemeta: format!("{:.1}", list.p50 as f64 / 1000.0),
+        mosquitto: "no query".into(),
+        target: "≤ 50 ms".into(),
+        verdict: verdict(list.p50 <= 50_000, ""),
+    });
+
+    let stored = total + sizes.list_size;
+    rows.push(Row::sized(
+        &format!("RSS with {stored} resources"),
+        edgemeta.rss_kib()?,
+        mosquitto.rss_kib()?,
+        "≤ 25 MB",
+        25 * 1024,
+    ));
+    let size = std::fs::metadata(&args.edgemeta)?.len();
+    rows.push(Row {
+        name: "release binary size".into(),
+        edgemeta: format!("{:.1} MB", size as f64 / 1e6),
+        mosquitto: format!(
+            "{:.1} MB",
+            std::fs::metadata(&args.mosquitto)?.len() as f64 / 1e6
+        ),
+        target: "≤ 15 MB".into(),
+        verdict: verdict(size <= 15_000_000, ""),
+    });
+    drop(edgemeta);
+    let started = Instant::now();
+    let edgemeta = Server::edgemeta(&args.edgemeta, dir.path()).await?;
+    query_latency(edgemeta.port, "tp/pod/p0-0", 1).await?;
+    let ready = started.elapsed();
+    rows.push(Row {
+        name: format!("start to first answer with {stored} resources"),
+        edgemeta: format!("{} ms", ready.as_millis()),
+        mosquitto: "—".into(),
+        target: "≤ 300 ms".into(),
+        verdict: verdict(ready <= Duration::from_millis(300), ""),
+    });
+
+    println!("| measure | edgemeta | mosquitto | target | met |\n|---|---|---|---|---|");
+    for r in rows {
+        println!(
+            "| {} | {} | {} | {} | {} |",
+            r.name, r.edgemeta, r.mosquitto, r.target, r.verdict
+        );
+    }
+    Ok(())
+}
+
+impl Row {
+    fn sized(name: &str, edgemeta: u64, mosquitto: u64, target: &str, limit_kib: u64) -> Row {
+        Row {
+            name: name.into(),
+            edgemeta: format!("{:.1} MB", edgemeta as f64 / 1024.0),
+            mosquitto: format!("{:.1} MB", mosquitto as f64 / 1024.0),
+            target: target.into(),
+            verdict: verdict(edgemeta <= limit_kib, ""),
+        }
+    }
+}
+
+fn verdict(met: bool, detail: &str) -> String {
+    let word = if met { "met" } else { "**not met**" };
+    if detail.is_empty() {
+        word.into()
+    } else {
+        format!("{word} ({detail})")
+    }
+}
+
+/// A broker process under test.
+struct Server {
+    child: Child,
+    port: u16,
+}
+
+impl Server {
+    async fn mosquitto(binary: &Path, dir: &Path) -> anyhow::Result<Server> {
+        let port = free_port()?;
+        let conf = dir.join("mosquitto.conf");
+        std::fs::write(&conf, format!("listener {port} 127.0.0.1\nallow_anonymous true\nmax_queued_messages 0\nmax_inflight_messages 100\n"))?;
+        let child = Command::new(binary)
+            .arg("-c")
+            .arg(&conf)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("start mosquitto")?;
+        Server::ready(child, port).await
+    }
+
+    /// edgemeta with its defaults (synchronous=full), its store in `dir`.
+    async fn edgemeta(binary: &Path, dir: &Path) -> anyhow::Result<Server> {
+        let port = free_port()?;
+        let conf = dir.join("edge.yaml");
+        std::fs::write(&conf, format!("broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\nstore:\n  path: {}\n", dir.join("bench.db").display()))?;
+        let child = Command::new(binary)
+            .arg("run")
+            .arg("--config")
+            .arg(&conf)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("start {}", binary.display()))?;
+        Server::ready(child, port).await
+    }
+
+    async fn ready(child: Child, port: u16) -> anyhow::Result<Server> {
+        let server = Server { child, port };
+        let started = Instant::now();
+        while tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_err()
+        {
+            if started.elapsed() > Duration::from_secs(10) {
+                bail!("server on port {port} not ready");
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        Ok(server)
+    }
+
+    fn rss_kib(&self) -> anyhow::Result<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))?;
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .context("VmRSS")
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.child.id().to_string())
+            .status();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// A connected client whose received publishes arrive on a channel.
+async fn client(
+    port: u16,
+    id: &str,
+) -> anyhow::Result<(AsyncClient, mpsc::UnboundedReceiver<(String, bytes::Bytes)>)> {
+    let mut options = MqttOptions::new(
+        format!("{id}-{}", uuid::Uuid::new_v4().simple()),
+        "127.0.0.1",
+        port,
+    );
+    options.set_max_packet_size(64 << 20, 64 << 20);
+    options.set_keep_alive(Duration::from_secs(30));
+    let (client, mut eventloop) = AsyncClient::new(options, 10_000);
+    // Like any latency-minded client; the broker's side is what is measured.
+    let mut network = rumqttc::NetworkOptions::new();
+    network.set_tcp_nodelay(true);
+    eventloop.set_network_options(network);
+    let (tx, rx) = mpsc::unbounded_channel();
+    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(drive(eventloop, tx, ready_tx));
+    tokio::time::timeout(Duration::from_secs(10), ready_rx)
+        .await
+        .context("CONNACK")??;
+    Ok((client, rx))
+}
+
+async fn drive(
+    mut eventloop: EventLoop,
+    tx: mpsc::UnboundedSender<(String, bytes::Bytes)>,
+    ready: tokio::sync::oneshot::Sender<()>,
+) {
+    let mut ready = Some(ready);
+    loop {
+        match eventloop.poll().await {
+            Ok(Event::Incoming(Packet::ConnAck(_))) => {
+                if let Some(r) = ready.take() {
+                    let _ = r.send(());
+                }
+            }
+            Ok(Event::Incoming(Packet::SubAck(_))) => {}
+            Ok(Event::Incoming(Packet::Publish(p))) => {
+                if tx.send((p.topic, p.payload)).is_err() {
+                    return;
+                }
+            }
+            Ok(_) => {}
+            Err(_) => return,
+        }
+    }
+}
+
+async fn subscribe(client: &AsyncClient, filter: &str) -> anyhow::Result<()> {
+    client.subscribe(filter, QoS::AtLeastOnce).await?;
+    // The SUBACK is consumed by `drive`; give the broker a moment to install the filter.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    Ok(())
+}
+
+/// A KubeEdge envelope with ~300 bytes of content.
+fn insert(resource: &str, sent_us: u64) -> Vec<u8> {
+    json!({
+        "header": {"msg_id": uuid::Uuid::new_v4().to_string(), "timestamp": 0},
+        "route": {"source": "edgecontroller", "group": "resource", "operation": "insert", "resource": resource},
+        "content": {"t": sent_us, "metadata": {"name": resource, "namespace": "default"}, "pad": "x".repeat(230)},
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// Messages per second from the first publish to the last arrival at the subscriber.
+async fn throughput(port: u16, watch: &str, sizes: &Sizes, ns: &str) -> anyhow::Result<f64> {
+    let (sub, mut rx) = client(port, "sub").await?;
+    subscribe(&sub, watch).await?;
+    let total = sizes.publishers * sizes.per_publisher;
+    let started = Instant::now();
+    for p in 0..sizes.publishers {
+        let (publisher, _) = client(port, "pub").await?;
+        let per = sizes.per_publisher;
+        let ns = ns.to_owned();
+        tokio::spawn(async move {
+            for i in 0..per {
+                let resource = format!("{ns}/pod/p{p}-{i}");
+                let topic = format!("ke/meta/edgecontroller/insert/{resource}");
+                if publisher
+                    .publish(topic, QoS::AtLeastOnce, false, insert(&resource, 0))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_secs(3600)).await; // keep the connection for acks
+        });
+    }
+    let mut got = 0;
+    while got < total {
+        tokio::time::timeout(Duration::from_secs(60), rx.recv())
+            .await
+            .context("throughput stalled")?
+            .context("subscriber gone")?;
+        got += 1;
+    }
+    Ok(total as f64 / started.elapsed().as_secs_f64())
+}
+
+/// Latency percentiles in microseconds.
+struct Percentiles {
+    p50: u64,
+    p99: u64,
+    p999: u64,
+}
+
+impl std::fmt::Display for Percentiles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} / {} / {}", self.p50, self.p99, self.p999)
+    }
+}
+
+fn percentiles(mut samples: Vec<u64>) -> Percentiles {
+    samples.sort_unstable();
+    let at = |q: f64| {
+        samples
+            .get(((samples.len() as f64 - 1.0) * q) as usize)
+            .copied()
+            .unwrap_or(0)
+    };
+    Percentiles {
+        p50: at(0.5),
+        p99: at(0.99),
+        p999: at(0.999),
+    }
+}
+
+/// Publish → subscriber latency at a paced offered rate.
+async fn latency(port: u16, watch: &str, rate: u64, seconds: u64) -> anyhow::Result<Percentiles> {
+    let epoch = Instant::now();
+    let (sub, mut rx) = client(port, "lsub").await?;
+    subscribe(&sub, watch).await?;
+    let (publisher, _) = client(port, "lpub").await?;
+    let total = rate * seconds;
+    let per_tick = (rate / 1000).max(1);
+    let producer = tokio::spawn(async move {
+        // Every millisecond, that millisecond's share of the offered rate.
+        let mut tick = tokio::time::interval(Duration::from_millis(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+        let mut sent = 0;
+        while sent < total {
+            tick.tick().await;
+            for _ in 0..per_tick {
+                let resource = format!("lat/pod/r{}", sent % 1000);
+                let now = epoch.elapsed().as_micros() as u64;
+                let topic = format!("ke/meta/edgecontroller/insert/{resource}");
+                if publisher
+                    .publish(topic, QoS::AtLeastOnce, false, insert(&resource, now))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                sent += 1;
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+    });
+    let mut samples = Vec::with_capacity(total as usize);
+    while (samples.len() as u64) < total {
+        let (_, payload) = tokio::time::timeout(Duration::from_secs(30), rx.recv())
+            .await
+            .context("latency run stalled")?
+            .context("subscriber gone")?;
+        let now = epoch.elapsed().as_micros() as u64;
+        let body: serde_json::Value = serde_json::from_slice(&payload)?;
+        if let Some(sent) = body["content"]["t"].as_u64() {
+            samples.push(now.saturating_sub(sent));
+        }
+    }
+    producer.abort();
+    Ok(percentiles(samples))
+}
+
+/// Stores `count` pods under namespace `ns`, waiting until the last is handed to edged.
+async fn fill(port: u16, ns: &str, count: usize) -> anyhow::Result<()> {
+    let (c, mut rx) = client(port, "fill").await?;
+    subscribe(&c, &format!("ke/edged/edgecontroller/insert/{ns}/#")).await?;
+    for i in 0..count {
+        let resource = format!("{ns}/pod/q{i}");
+        c.publish(
+            format!("ke/meta/edgecontroller/insert/{resource}"),
+            QoS::AtLeastOnce,
+            false,
+            insert(&resource, 0),
+        )
+        .await?;
+    }
+    for _ in 0..count {
+        tokio::time::timeout(Duration::from_secs(60), rx.recv())
+            .await
+            .context("fill stalled")?;
+    }
+    Ok(())
+}
+
+/// Round trip of `n` sequential edged queries of `resource`.
+async fn query_latency(port: u16, resource: &str, n: usize) -> anyhow::Result<Percentiles> {
+    let (c, mut rx) = client(port, "query").await?;
+    subscribe(&c, &format!("ke/edged/meta/response/{resource}")).await?;
+    let mut samples = Vec::with_capacity(n);
+    for _ in 0..n {
+        let started = Instant::now();
+        c.publish(
+            format!("ke/meta/edged/query/{resource}"),
+            QoS::AtLeastOnce,
+            false,
+            Vec::new(),
+        )
+        .await?;
+        tokio::time::timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .context("no answer")?;
+        samples.push(started.elapsed().as_micros() as u64);
+    }
+    Ok(percentiles(samples))
 }
