@@ -19,7 +19,7 @@ async fn node(pki: &Pki) -> (Node, u16) {
             pki.path("server.key").display(),
             pki.path("ca.pem").display(),
         ),
-        broker_yaml: "  acl:\n    enabled: true\n    rules:\n      - identity: anonymous\n        subscribe: ['ke/#']\n".to_owned(),
+        broker_yaml: "  acl:\n    enabled: true\n    rules:\n      - identity: anonymous\n        subscribe: ['ke/#', 'site/#']\n      - identity: 'sensor-*'\n        publish: ['site/%u/#']\n".to_owned(),
         ..Options::default()
     })
     .await;
@@ -209,4 +209,29 @@ fn strip_ansi(text: &str) -> String {
         }
     }
     out
+}
+
+#[tokio::test]
+async fn acl_rules_match_the_certificate_name() {
+    let pki = Pki::new();
+    let sensor = pki.client("sensor-7", "ca");
+    let device = pki.client("device1", "ca");
+    let (node, port) = node(&pki).await;
+    let mut watch = node.client().await;
+    watch.subscribe("site/#").await;
+    // The rule for `sensor-*` lets sensor-7 publish under its own name (%u) only.
+    for (cert, topic) in [
+        (&sensor, "site/sensor-7/temp"),
+        (&sensor, "site/sensor-8/temp"),
+        (&device, "site/device1/temp"),
+    ] {
+        tls_pub(&pki, port, Some(cert), topic, "21");
+    }
+    let seen: Vec<String> = watch
+        .drain(QUIET)
+        .await
+        .into_iter()
+        .map(|m| m.topic)
+        .collect();
+    assert_eq!(seen, ["site/sensor-7/temp"]);
 }
