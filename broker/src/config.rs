@@ -33,6 +33,10 @@ pub struct BrokerConfig {
     /// Most subscriptions one client may hold; further SUBSCRIBEs get a failure return code.
     #[serde(default = "default_max_subscriptions_per_client")]
     pub max_subscriptions_per_client: usize,
+    /// Serve plain listeners through our own accept loop, which turns Nagle off towards clients
+    /// (rumqttd leaves it on: a reply after a PUBACK then waits ~40 ms for the client's ACK).
+    #[serde(default = "default_true")]
+    pub low_latency: bool,
     /// Who may connect.
     #[serde(default)]
     pub auth: AuthConfig,
@@ -78,6 +82,9 @@ pub enum MqttVersion {
     V5,
 }
 
+const fn default_true() -> bool {
+    true
+}
 fn default_topic_root() -> String {
     "ke".to_owned()
 }
@@ -119,6 +126,7 @@ impl Default for BrokerConfig {
             segment_bytes: default_segment_bytes(),
             segment_count: default_segment_count(),
             max_subscriptions_per_client: default_max_subscriptions_per_client(),
+            low_latency: true,
             auth: AuthConfig::default(),
             acl: AclConfig::default(),
         }

@@ -43,8 +43,10 @@ struct Connection {
     denied_publishes: HashSet<u16>,
     /// Packet id of a SUBSCRIBE → indices of its refused filters.
     denied_filters: HashMap<u16, Vec<usize>>,
-    /// Back end of a certificate listener: whether the preamble was read, and what it said.
+    /// Back end of the front: whether the preamble was read, whether the front vouched for the
+    /// connection, and the client certificate's name if it had one.
     preamble_read: bool,
+    vouched: bool,
     certificate_name: Option<String>,
 }
 
@@ -59,7 +61,7 @@ impl<P> ConnectGuard<P> {
         }
     }
 
-    /// The guard of a listener reachable only through the client-certificate TLS front.
+    /// The guard of a listener reachable only through our front (`tls_front.rs`).
     pub fn behind_front(mut self, secret: Arc<str>) -> Self {
         self.front = Some(secret);
         self
@@ -117,9 +119,9 @@ impl<P: Protocol> ConnectGuard<P> {
         let mut connection = self.connection.lock().unwrap_or_else(|p| p.into_inner());
         match packet {
             Packet::Connect(connect, _, _, _, login) => {
-                let unvouched = self.front.is_some() && connection.certificate_name.is_none();
+                let unvouched = self.front.is_some() && !connection.vouched;
                 let refusal = if unvouched {
-                    Some("reached the certificate listener's back end without its front")
+                    Some("reached a listener's back end without its front")
                 } else {
                     refuse_client_id(&connect.client_id)
                 };
@@ -245,7 +247,10 @@ impl<P: Protocol> Protocol for ConnectGuard<P> {
             if !connection.preamble_read {
                 match take_preamble(stream, secret) {
                     Preamble::Incomplete => return Err(CodecError::InsufficientBytes(1)),
-                    Preamble::Vouched(name) => connection.certificate_name = Some(name),
+                    Preamble::Vouched(name) => {
+                        connection.vouched = true;
+                        connection.certificate_name = name;
+                    }
                     Preamble::Absent => {}
                 }
                 connection.preamble_read = true;

@@ -136,11 +136,17 @@ impl Broker {
                         source,
                     }
                 })?;
-                let front = listener
-                    .tls
-                    .as_ref()
-                    .and_then(|tls| Some((tls, tls.client_ca_file.as_ref()?)));
-                let Some((tls, ca_file)) = front else {
+                // Our front takes certificate listeners always, plain ones for low latency.
+                let front = match &listener.tls {
+                    Some(tls) => match &tls.client_ca_file {
+                        Some(ca_file) => {
+                            Some(Some(crate::tls_front::acceptor(name, tls, ca_file)?))
+                        }
+                        None => None,
+                    },
+                    None => config.low_latency.then_some(None),
+                };
+                let Some(acceptor) = front else {
                     drop(bound);
                     let settings = with_auth(config.server_settings(name, listener), &policy);
                     spawn_guarded!(
@@ -154,8 +160,7 @@ impl Broker {
                     planned.push((name.clone(), listener.address, listener.protocol));
                     continue;
                 };
-                // Client certificates: our TLS front on the address, rumqttd behind it on loopback.
-                let acceptor = crate::tls_front::acceptor(name, tls, ca_file)?;
+                // Our front on the address, rumqttd behind it on loopback.
                 let backend_name = format!("{name}-backend");
                 let backend = std::net::TcpListener::bind(("127.0.0.1", 0))
                     .and_then(|probe| probe.local_addr())
