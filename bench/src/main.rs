@@ -23,9 +23,13 @@ struct Args {
     /// The mosquitto broker to compare with.
     #[arg(long, default_value = "/usr/sbin/mosquitto")]
     mosquitto: PathBuf,
+    /// Also write the P2 latency figures as CSV here (for the plot).
+    #[arg(long)]
+    csv: Option<PathBuf>,
 }
 
 /// How much load each scenario offers.
+#[derive(Clone)]
 struct Sizes {
     publishers: usize,
     per_publisher: usize,
@@ -33,6 +37,10 @@ struct Sizes {
     rate_seconds: u64,
     queries: usize,
     list_size: usize,
+    /// Resources already stored in the P5 scaling runs.
+    preloads: Vec<usize>,
+    /// Messages queued while the cloud is down in P4.
+    backlog: usize,
 }
 
 /// One row of the results table.
@@ -55,6 +63,8 @@ async fn main() -> anyhow::Result<()> {
             rate_seconds: 1,
             queries: 100,
             list_size: 1_000,
+            preloads: vec![100, 1_000],
+            backlog: 2_000,
         }
     } else {
         Sizes {
@@ -64,6 +74,8 @@ async fn main() -> anyhow::Result<()> {
             rate_seconds: 3,
             queries: 2_000,
             list_size: 10_000,
+            preloads: vec![1_000, 100_000],
+            backlog: 100_000,
         }
     };
     let dir = tempfile::tempdir()?;
@@ -96,9 +108,13 @@ async fn main() -> anyhow::Result<()> {
     });
 
     // P2: latency against offered load.
+    let mut csv = String::from("system,offered,p50_us,p99_us,p999_us\n");
     for &rate in &sizes.rates {
         let em = latency(edgemeta.port, "ke/edged/#", rate, sizes.rate_seconds).await?;
         let mq = latency(mosquitto.port, "ke/meta/#", rate, sizes.rate_seconds).await?;
+        for (system, p) in [("edgemeta", &em), ("mosquitto", &mq)] {
+            csv.push_str(&format!("{system},{rate},{},{},{}\n", p.p50, p.p99, p.p999));
+        }
         let met = rate != 10_000 || em.p99 <= 5_000;
         rows.push(Row {
             name: format!("P2 latency at {rate} msg/s offered, p50 / p99 / p999 (µs)"),
@@ -115,6 +131,9 @@ async fn main() -> anyhow::Result<()> {
                 "—".into()
             },
         });
+    }
+    if let Some(path) = &args.csv {
+        std::fs::write(path, &csv)?;
     }
 
     // P3: local queries.
@@ -184,6 +203,10 @@ async fn main() -> anyhow::Result<()> {
         verdict: verdict(ready <= Duration::from_millis(300), ""),
     });
 
+    drop(edgemeta);
+    scaling(&args, &sizes, &mut rows).await?;
+    backlog(&args, &sizes, &mut rows).await?;
+
     println!("| measure | edgemeta | mosquitto | target | met |\n|---|---|---|---|---|");
     for r in rows {
         println!(
@@ -192,6 +215,273 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// P5: P1 and P3 on a fresh node that already stores each of `sizes.preloads` resources, plus
+/// memory and start-up time with the largest.
+async fn scaling(args: &Args, sizes: &Sizes, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+    let small = Sizes {
+        publishers: 2,
+        per_publisher: sizes.per_publisher / 2,
+        ..sizes.clone()
+    };
+    let mut figures = Vec::new();
+    for &preload in &sizes.preloads {
+        let dir = tempfile::tempdir()?;
+        let node = Server::edgemeta(&args.edgemeta, dir.path()).await?;
+        fill(node.port, "pre", preload).await?;
+        let rate = throughput(node.port, "ke/edged/#", &small, "tp").await?;
+        let query = query_latency(node.port, "pre/pod/q0", sizes.queries, QoS::AtLeastOnce).await?;
+        let rss = node.rss_kib()?;
+        drop(node);
+        let started = Instant::now();
+        let node = Server::edgemeta(&args.edgemeta, dir.path()).await?;
+        query_latency(node.port, "pre/pod/q0", 1, QoS::AtLeastOnce).await?;
+        let ready = started.elapsed();
+        figures.push((preload, rate, query.p99, rss, ready));
+    }
+    let (Some(first), Some(last)) = (figures.first(), figures.last()) else {
+        return Ok(());
+    };
+    for &(preload, rate, p99, _, _) in &figures {
+        let rate_change = rate / first.1 - 1.0;
+        let p99_change = p99 as f64 / first.2.max(1) as f64 - 1.0;
+        let flat = rate_change.abs() <= 0.2 && p99_change.abs() <= 0.2;
+        rows.push(Row {
+            name: format!(
+                "P5 with {preload} stored: P1 msg/s ({} × {}) / P3 p99 µs",
+                small.publishers, small.per_publisher
+            ),
+            edgemeta: format!("{rate:.0} / {p99}"),
+            mosquitto: "—".into(),
+            target: format!("within ±20 % of {} stored", first.0),
+            verdict: verdict(
+                flat,
+                &format!(
+                    "{:+.0} % / {:+.0} %",
+                    rate_change * 100.0,
+                    p99_change * 100.0
+                ),
+            ),
+        });
+    }
+    let (preload, _, _, rss, ready) = *last;
+    rows.push(Row {
+        mosquitto: "—".into(),
+        ..Row::sized(
+            &format!("RSS with {preload} stored (after P1, P3)"),
+            rss,
+            0,
+            "≤ 25 MB",
+            25 * 1024,
+        )
+    });
+    rows.push(Row {
+        name: format!("start to first answer with {preload} stored"),
+        edgemeta: format!("{} ms", ready.as_millis()),
+        mosquitto: "—".into(),
+        target: "≤ 300 ms".into(),
+        verdict: verdict(ready <= Duration::from_millis(300), ""),
+    });
+    Ok(())
+}
+
+/// P4: `sizes.backlog` cloud-bound messages queued while the cloud broker is down, then the time
+/// from its return until the last one reached a cloud subscriber; edgemeta's outbox against a
+/// mosquitto bridge carrying the same stream.
+async fn backlog(args: &Args, sizes: &Sizes, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+    let n = sizes.backlog;
+    let dir = tempfile::tempdir()?;
+    // Started as root, mosquitto drops to its own user and must still write its persistence.
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )?;
+
+    // edgemeta: the bridge reconnects within 200 ms (backoff_max_ms) once the cloud is back.
+    let cloud_port = free_port()?;
+    let persist = |name: &str| {
+        format!(
+            "persistence true\npersistence_location {}/\npersistence_file {name}.db\n",
+            dir.path().display()
+        )
+    };
+    let cloud = Server::mosquitto_with(
+        &args.mosquitto,
+        dir.path(),
+        "cloud1",
+        cloud_port,
+        &persist("cloud1"),
+    )
+    .await?;
+    prepare_subscriber(cloud.port, "p4-edgemeta", "kubeedge/bench/up/#").await?;
+    drop(cloud);
+    let node_dir = dir.path().join("node");
+    std::fs::create_dir_all(&node_dir)?;
+    let node = Server::edgemeta_with(&args.edgemeta, &node_dir, &format!(
+        "cloud:\n  enabled: true\n  url: mqtt://127.0.0.1:{cloud_port}\n  node_id: bench\n  backoff_min_ms: 50\n  backoff_max_ms: 200\n"
+    )).await?;
+    let (edged, mut acks) = client(node.port, "p4-edged").await?;
+    subscribe(&edged, &mut acks, "ke/edged/meta/response/#").await?;
+    for i in 0..n {
+        let resource = format!("default/podstatus/p{}", i % 1000);
+        edged
+            .publish(
+                format!("ke/meta/edged/update/{resource}"),
+                QoS::AtLeastOnce,
+                false,
+                update(&resource, i),
+            )
+            .await?;
+    }
+    wait_for(
+        &mut acks,
+        n,
+        |topic| topic.starts_with("ke/edged/meta/response/"),
+        "edgemeta commits",
+    )
+    .await?;
+    let started = Instant::now();
+    let cloud = Server::mosquitto_with(
+        &args.mosquitto,
+        dir.path(),
+        "cloud1",
+        cloud_port,
+        &persist("cloud1"),
+    )
+    .await?;
+    let (_sub, mut up) = session(cloud.port, "p4-edgemeta", false).await?;
+    let first = wait_for(
+        &mut up,
+        n,
+        |topic| topic.starts_with("kubeedge/bench/up/"),
+        "edgemeta drain",
+    )
+    .await?;
+    let edgemeta = (first - started, first.elapsed());
+    drop((node, cloud));
+
+    // mosquitto: an edge mosquitto bridging ke/cloud/# up, queueing while the cloud is away.
+    let cloud_port = free_port()?;
+    let cloud = Server::mosquitto_with(
+        &args.mosquitto,
+        dir.path(),
+        "cloud2",
+        cloud_port,
+        &persist("cloud2"),
+    )
+    .await?;
+    prepare_subscriber(cloud.port, "p4-mosquitto", "kubeedge/bench/up/#").await?;
+    drop(cloud);
+    let bridge = format!(
+        "connection cloud\naddress 127.0.0.1:{cloud_port}\ntopic # out 1 ke/cloud/ kubeedge/bench/up/\ncleansession false\nrestart_timeout 1 1\n"
+    );
+    let edge =
+        Server::mosquitto_with(&args.mosquitto, dir.path(), "edge", free_port()?, &bridge).await?;
+    let (publisher, mut pubacks) = client(edge.port, "p4-pub").await?;
+    for i in 0..n {
+        let resource = format!("default/podstatus/p{}", i % 1000);
+        publisher
+            .publish(
+                format!("ke/cloud/edged/update/{resource}"),
+                QoS::AtLeastOnce,
+                false,
+                update(&resource, i),
+            )
+            .await?;
+    }
+    wait_for(
+        &mut pubacks,
+        n,
+        |topic| topic == PUBACK,
+        "mosquitto accepts",
+    )
+    .await?;
+    let started = Instant::now();
+    let cloud = Server::mosquitto_with(
+        &args.mosquitto,
+        dir.path(),
+        "cloud2",
+        cloud_port,
+        &persist("cloud2"),
+    )
+    .await?;
+    let (_sub, mut up) = session(cloud.port, "p4-mosquitto", false).await?;
+    let first = wait_for(
+        &mut up,
+        n,
+        |topic| topic.starts_with("kubeedge/bench/up/"),
+        "mosquitto drain",
+    )
+    .await?;
+    let mosquitto = (first - started, first.elapsed());
+    drop((edge, cloud));
+
+    rows.push(Row {
+        name: format!("P4 {n} queued messages: cloud back → first arrives / first → last (s)"),
+        edgemeta: format!(
+            "{:.2} / {:.2}",
+            edgemeta.0.as_secs_f64(),
+            edgemeta.1.as_secs_f64()
+        ),
+        mosquitto: format!(
+            "{:.2} / {:.2} (bridge)",
+            mosquitto.0.as_secs_f64(),
+            mosquitto.1.as_secs_f64()
+        ),
+        target: "—".into(),
+        verdict: format!(
+            "drain {:.0} vs {:.0} msg/s",
+            n as f64 / edgemeta.1.as_secs_f64().max(1e-6),
+            n as f64 / mosquitto.1.as_secs_f64().max(1e-6)
+        ),
+    });
+    Ok(())
+}
+
+/// Makes a persistent session under `id` subscribed to `filter`, then leaves it.
+async fn prepare_subscriber(port: u16, id: &str, filter: &str) -> anyhow::Result<()> {
+    let (client, mut rx) = session(port, id, false).await?;
+    subscribe(&client, &mut rx, filter).await?;
+    client.disconnect().await?;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    Ok(())
+}
+
+/// Waits until `n` messages whose topic passes `wanted` have arrived; returns when the first
+/// of them did.
+async fn wait_for(
+    rx: &mut Inbox,
+    n: usize,
+    wanted: impl Fn(&str) -> bool,
+    what: &str,
+) -> anyhow::Result<Instant> {
+    let mut got = 0;
+    let mut first = Instant::now();
+    while got < n {
+        let (topic, _) = tokio::time::timeout(Duration::from_secs(60), rx.recv())
+            .await
+            .with_context(|| format!("{what}: stalled at {got} of {n}"))?
+            .with_context(|| format!("{what}: connection gone"))?;
+        if wanted(&topic) {
+            if got == 0 {
+                first = Instant::now();
+            }
+            got += 1;
+        }
+    }
+    Ok(first)
+}
+
+/// An edged pod-status update envelope.
+fn update(resource: &str, seq: usize) -> Vec<u8> {
+    json!({
+        "header": {"msg_id": uuid::Uuid::new_v4().to_string(), "timestamp": 0},
+        "route": {"source": "edged", "group": "resource", "operation": "update", "resource": resource},
+        "content": {"seq": seq, "phase": "Running", "pad": "x".repeat(200)},
+    })
+    .to_string()
+    .into_bytes()
 }
 
 impl Row {
@@ -223,14 +513,28 @@ struct Server {
 
 impl Server {
     async fn mosquitto(binary: &Path, dir: &Path) -> anyhow::Result<Server> {
-        let port = free_port()?;
-        let conf = dir.join("mosquitto.conf");
-        std::fs::write(&conf, format!("listener {port} 127.0.0.1\nallow_anonymous true\nmax_queued_messages 0\nmax_inflight_messages 100\n"))?;
+        Server::mosquitto_with(binary, dir, "mosquitto", free_port()?, "").await
+    }
+
+    /// A mosquitto on `port` with `extra` configuration, its files named after `name` in `dir`.
+    async fn mosquitto_with(
+        binary: &Path,
+        dir: &Path,
+        name: &str,
+        port: u16,
+        extra: &str,
+    ) -> anyhow::Result<Server> {
+        let conf = dir.join(format!("{name}.conf"));
+        std::fs::write(&conf, format!("listener {port} 127.0.0.1\nallow_anonymous true\nmax_queued_messages 0\nmax_inflight_messages 100\n{extra}"))?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join(format!("{name}.log")))?;
         let child = Command::new(binary)
             .arg("-c")
             .arg(&conf)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
             .spawn()
             .context("start mosquitto")?;
         Server::ready(child, port).await
@@ -238,9 +542,14 @@ impl Server {
 
     /// edgemeta with its defaults (synchronous=full), its store in `dir`.
     async fn edgemeta(binary: &Path, dir: &Path) -> anyhow::Result<Server> {
+        Server::edgemeta_with(binary, dir, "").await
+    }
+
+    /// edgemeta with `extra` YAML sections appended to its configuration.
+    async fn edgemeta_with(binary: &Path, dir: &Path, extra: &str) -> anyhow::Result<Server> {
         let port = free_port()?;
         let conf = dir.join("edge.yaml");
-        std::fs::write(&conf, format!("broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\nstore:\n  path: {}\n", dir.join("bench.db").display()))?;
+        std::fs::write(&conf, format!("broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\nstore:\n  path: {}\n{extra}", dir.join("bench.db").display()))?;
         let child = Command::new(binary)
             .arg("run")
             .arg("--config")
@@ -298,11 +607,18 @@ async fn client(
     port: u16,
     id: &str,
 ) -> anyhow::Result<(AsyncClient, mpsc::UnboundedReceiver<(String, bytes::Bytes)>)> {
-    let mut options = MqttOptions::new(
-        format!("{id}-{}", uuid::Uuid::new_v4().simple()),
-        "127.0.0.1",
-        port,
-    );
+    let unique = format!("{id}-{}", uuid::Uuid::new_v4().simple());
+    session(port, &unique, true).await
+}
+
+/// A client under exactly `id`, with a clean or a persistent session.
+async fn session(
+    port: u16,
+    id: &str,
+    clean: bool,
+) -> anyhow::Result<(AsyncClient, mpsc::UnboundedReceiver<(String, bytes::Bytes)>)> {
+    let mut options = MqttOptions::new(id, "127.0.0.1", port);
+    options.set_clean_session(clean);
     options.set_max_packet_size(64 << 20, 64 << 20);
     options.set_keep_alive(Duration::from_secs(30));
     let (client, mut eventloop) = AsyncClient::new(options, 10_000);
@@ -332,11 +648,15 @@ async fn drive(
                     let _ = r.send(());
                 }
             }
-            Ok(Event::Incoming(Packet::SubAck(_))) => {}
+            Ok(Event::Incoming(Packet::PubAck(_))) => {
+                // Publishers drop their inbox; their event loop must go on regardless.
+                let _ = tx.send((PUBACK.to_owned(), bytes::Bytes::new()));
+            }
+            Ok(Event::Incoming(Packet::SubAck(_))) => {
+                let _ = tx.send((SUBACK.to_owned(), bytes::Bytes::new()));
+            }
             Ok(Event::Incoming(Packet::Publish(p))) => {
-                if tx.send((p.topic, p.payload)).is_err() {
-                    return;
-                }
+                let _ = tx.send((p.topic, p.payload));
             }
             Ok(_) => {}
             Err(_) => return,
@@ -344,12 +664,26 @@ async fn drive(
     }
 }
 
-async fn subscribe(client: &AsyncClient, filter: &str) -> anyhow::Result<()> {
+/// What `drive` passes on for a SUBACK (no real topic starts with `$`).
+const SUBACK: &str = "$suback";
+/// What `drive` passes on for a PUBACK.
+const PUBACK: &str = "$puback";
+
+/// Subscribes and waits for the SUBACK.
+async fn subscribe(client: &AsyncClient, rx: &mut Inbox, filter: &str) -> anyhow::Result<()> {
     client.subscribe(filter, QoS::AtLeastOnce).await?;
-    // The SUBACK is consumed by `drive`; give the broker a moment to install the filter.
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    Ok(())
+    loop {
+        let (topic, _) = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .context("SUBACK")?
+            .context("connection gone")?;
+        if topic == SUBACK {
+            return Ok(());
+        }
+    }
 }
+
+type Inbox = mpsc::UnboundedReceiver<(String, bytes::Bytes)>;
 
 /// A KubeEdge envelope with ~300 bytes of content.
 fn insert(resource: &str, sent_us: u64) -> Vec<u8> {
@@ -365,7 +699,7 @@ fn insert(resource: &str, sent_us: u64) -> Vec<u8> {
 /// Messages per second from the first publish to the last arrival at the subscriber.
 async fn throughput(port: u16, watch: &str, sizes: &Sizes, ns: &str) -> anyhow::Result<f64> {
     let (sub, mut rx) = client(port, "sub").await?;
-    subscribe(&sub, watch).await?;
+    subscribe(&sub, &mut rx, watch).await?;
     let total = sizes.publishers * sizes.per_publisher;
     let started = Instant::now();
     for p in 0..sizes.publishers {
@@ -430,7 +764,7 @@ fn percentiles(mut samples: Vec<u64>) -> Percentiles {
 async fn latency(port: u16, watch: &str, rate: u64, seconds: u64) -> anyhow::Result<Percentiles> {
     let epoch = Instant::now();
     let (sub, mut rx) = client(port, "lsub").await?;
-    subscribe(&sub, watch).await?;
+    subscribe(&sub, &mut rx, watch).await?;
     let (publisher, _) = client(port, "lpub").await?;
     let total = rate * seconds;
     let per_tick = (rate / 1000).max(1);
@@ -476,7 +810,12 @@ async fn latency(port: u16, watch: &str, rate: u64, seconds: u64) -> anyhow::Res
 /// Stores `count` pods under namespace `ns`, waiting until the last is handed to edged.
 async fn fill(port: u16, ns: &str, count: usize) -> anyhow::Result<()> {
     let (c, mut rx) = client(port, "fill").await?;
-    subscribe(&c, &format!("ke/edged/edgecontroller/insert/{ns}/#")).await?;
+    subscribe(
+        &c,
+        &mut rx,
+        &format!("ke/edged/edgecontroller/insert/{ns}/#"),
+    )
+    .await?;
     for i in 0..count {
         let resource = format!("{ns}/pod/q{i}");
         c.publish(
@@ -487,11 +826,7 @@ async fn fill(port: u16, ns: &str, count: usize) -> anyhow::Result<()> {
         )
         .await?;
     }
-    for _ in 0..count {
-        tokio::time::timeout(Duration::from_secs(60), rx.recv())
-            .await
-            .context("fill stalled")?;
-    }
+    wait_for(&mut rx, count, |topic| !topic.starts_with('$'), "fill").await?;
     Ok(())
 }
 
@@ -503,7 +838,7 @@ async fn query_latency(
     qos: QoS,
 ) -> anyhow::Result<Percentiles> {
     let (c, mut rx) = client(port, "query").await?;
-    subscribe(&c, &format!("ke/edged/meta/response/{resource}")).await?;
+    subscribe(&c, &mut rx, &format!("ke/edged/meta/response/{resource}")).await?;
     let mut samples = Vec::with_capacity(n);
     for _ in 0..n {
         let started = Instant::now();
@@ -514,9 +849,7 @@ async fn query_latency(
             Vec::new(),
         )
         .await?;
-        tokio::time::timeout(Duration::from_secs(10), rx.recv())
-            .await
-            .context("no answer")?;
+        wait_for(&mut rx, 1, |topic| !topic.starts_with('$'), "query").await?;
         samples.push(started.elapsed().as_micros() as u64);
     }
     Ok(percentiles(samples))
