@@ -622,3 +622,25 @@ async fn a_full_store_refuses_writes_with_an_error_and_keeps_answering_queries()
     assert_eq!(reply.content().as_array().map(Vec::len), Some(1));
     assert_eq!(node.meta_rows().await.len(), stored.len());
 }
+
+#[tokio::test]
+async fn a_refused_full_envelope_is_answered_with_its_own_id() {
+    let node = Node::start().await;
+    let mut client = node.client().await;
+    client.subscribe("ke/edged/meta/error/#").await;
+    for (topic, error_topic) in [
+        (
+            "ke/meta/edged/frobnicate/default/pod/x",
+            "ke/edged/meta/error/default/pod/x",
+        ),
+        (
+            "ke/meta/edged/insert/a/b/c/d/e",
+            "ke/edged/meta/error/a/b/c/d/e",
+        ),
+    ] {
+        let (id, payload) = envelope("edged", "insert", "default/pod/x", json!({}));
+        client.publish(topic, payload).await;
+        let reply = client.expect_reply(error_topic, &id).await;
+        assert_eq!(reply.operation(), "error");
+    }
+}

@@ -79,6 +79,23 @@ pub fn json_string(text: &str) -> Box<RawValue> {
     serde_json::value::to_raw_value(text).expect("a string always serializes")
 }
 
+/// The `msg_id` a sender put in a full envelope, read even when the message is refused for its
+/// topic, so the error reply can name the request.
+pub fn sender_msg_id(payload: &[u8]) -> Option<String> {
+    #[derive(Deserialize)]
+    struct Ids {
+        header: Header,
+    }
+    #[derive(Deserialize)]
+    struct Header {
+        msg_id: String,
+    }
+    serde_json::from_slice::<Ids>(payload)
+        .ok()
+        .map(|ids| ids.header.msg_id)
+        .filter(|id| !id.is_empty())
+}
+
 /// The only keys we look at to tell a full envelope from a bare payload.
 #[derive(Deserialize)]
 struct Probe<'a> {
@@ -202,6 +219,15 @@ mod tests {
         assert_eq!(e.content.get(), "null");
         assert_eq!(e.header.msg_id.len(), 36);
         assert!(e.header.timestamp > 0);
+    }
+
+    #[test]
+    fn the_senders_msg_id_is_read_from_a_full_envelope_only() {
+        let full = br#"{"header":{"msg_id":"m7","timestamp":1},"route":{},"content":[1]}"#;
+        assert_eq!(sender_msg_id(full).as_deref(), Some("m7"));
+        assert_eq!(sender_msg_id(br#"{"data":1}"#), None);
+        assert_eq!(sender_msg_id(b"not json"), None);
+        assert_eq!(sender_msg_id(br#"{"header":{"msg_id":""}}"#), None);
     }
 
     #[test]

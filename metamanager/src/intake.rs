@@ -136,7 +136,13 @@ pub fn parse(config: &IntakeConfig, message: &Message) -> Result<Option<Request>
     })();
     let (operation, resource) = match checked {
         Ok(parts) => parts,
-        Err(error) => return Err(refuse(requester, error, topic.operation)),
+        Err(error) => {
+            // A payload within the limit may still name the request it carries.
+            if !matches!(error, Error::PayloadTooLarge { .. }) {
+                requester.msg_id = crate::envelope::sender_msg_id(&message.payload);
+            }
+            return Err(refuse(requester, error, topic.operation));
+        }
     };
     // Ids of a malformed envelope are unknown, so its error reply has no parent id.
     match Envelope::parse(&message.payload) {
