@@ -292,3 +292,50 @@ fn tail(log: &str, n: usize) -> String {
     let lines: Vec<&str> = log.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
+
+#[tokio::test]
+async fn a_cloud_change_refused_for_a_full_outbox_is_delivered_again_not_lost() {
+    let cloud = CloudBroker::start().await;
+    let bridge = CloudOptions::to(&cloud);
+    // No room at all: every change that must tell the cloud something is refused for now.
+    let mut node = Node::start_with(Options {
+        cloud: Some(bridge.clone()),
+        store_yaml: "  outbox_max_entries: 0\n".to_owned(),
+        ..Options::default()
+    })
+    .await;
+    let mut controller = cloud.client(&unique_id("controller")).await;
+    controller.subscribe(&bridge.up("meta/#")).await;
+    let (id, payload) = envelope(
+        "edgecontroller",
+        "insert",
+        "default/pod/web",
+        json!({"v": 1}),
+    );
+    controller
+        .publish(
+            &bridge.down("edgecontroller/insert/default/pod/web"),
+            payload,
+        )
+        .await;
+    let deadline = Instant::now() + common::WAIT;
+    while !node.log().contains("EM-BRIDGE-REDELIVER") {
+        assert!(Instant::now() < deadline, "no redelivery:\n{}", node.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(node.stored("default/pod/web").await, None);
+
+    // With room again, the cloud broker's redelivery applies it and the ack reaches the cloud.
+    node.kill9();
+    node.options.store_yaml = String::new();
+    node.reconfigure();
+    node.restart().await;
+    let ack = controller
+        .expect_reply(&bridge.up("meta/response/default/pod/web"), &id)
+        .await;
+    assert_eq!(ack.content(), json!("OK"));
+    assert_eq!(
+        node.stored("default/pod/web").await.as_deref(),
+        Some(r#"{"v":1}"#)
+    );
+}

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use edgemeta_broker::{Link, Message, Publisher};
 use edgemeta_metamanager::envelope::{json_string, Envelope, Route};
-use edgemeta_metamanager::{Ingress, OutboxHandle, OutboxStats};
+use edgemeta_metamanager::{Ingress, OutboxHandle, OutboxStats, Outcome};
 use rumqttc::{
     AsyncClient, ConnectReturnCode, Event, EventLoop, MqttOptions, Outgoing, Packet, Publish, QoS,
 };
@@ -206,14 +206,16 @@ impl Session<'_> {
             return lost(e.into(), true);
         }
         let (down_tx, down_rx) = mpsc::channel(DOWN_QUEUE);
+        let redeliver = Arc::new(Notify::new());
         let ingress_task = tokio::spawn(ingress(
             down_rx,
             self.ingress.clone(),
             client.clone(),
             self.map.clone(),
+            redeliver.clone(),
         ));
         let end = self
-            .exchange(cancel, &client, &mut eventloop, down_tx)
+            .exchange(cancel, &client, &mut eventloop, down_tx, &redeliver)
             .await;
         if matches!(end, SessionEnd::Cancelled) {
             let _ = client.try_disconnect();
@@ -234,6 +236,7 @@ impl Session<'_> {
         client: &AsyncClient,
         eventloop: &mut EventLoop,
         down_tx: mpsc::Sender<Publish>,
+        redeliver: &Notify,
     ) -> SessionEnd {
         let changed: Arc<Notify> = self.outbox.changed();
         let mut inflight: VecDeque<InFlight> = VecDeque::new();
@@ -286,6 +289,10 @@ impl Session<'_> {
                     return SessionEnd::Cancelled;
                 }
                 _ = changed.notified(), if !more => more = true,
+                _ = redeliver.notified() => {
+                    let _ = flush(self.outbox, &mut acked_upto, &mut unflushed).await;
+                    return lost(Error::Redeliver);
+                }
                 permit = down_tx.reserve(), if !pending_down.is_empty() => match permit {
                     Ok(permit) => permit.send(pending_down.pop_front().expect("not empty")),
                     Err(_) => return lost(Error::LinkClosed),
@@ -338,21 +345,33 @@ async fn flush(
 }
 
 /// Cloud → MetaManager, in order; each message is acknowledged to the cloud broker only after
-/// the MetaManager committed it (or refused it with an error reply, which is final too).
+/// the MetaManager committed it (or refused it for good, with an error reply). A message refused
+/// for now (outbox full) stops the acks and ends the session, so that the cloud broker delivers
+/// it and everything after it again, in order.
 async fn ingress(
     mut down_rx: mpsc::Receiver<Publish>,
     meta: Ingress,
     client: AsyncClient,
     map: TopicMap,
+    redeliver: Arc<Notify>,
 ) {
-    let (order_tx, mut order_rx) = mpsc::channel::<(oneshot::Receiver<()>, Publish)>(DOWN_QUEUE);
+    let (order_tx, mut order_rx) =
+        mpsc::channel::<(oneshot::Receiver<Outcome>, Publish)>(DOWN_QUEUE);
     let acker = tokio::spawn(async move {
         while let Some((done, publish)) = order_rx.recv().await {
-            if done.await.is_err() {
-                return; // MetaManager stopped: leave it unacknowledged, the broker redelivers.
-            }
-            if client.ack(&publish).await.is_err() {
-                return;
+            match done.await {
+                Ok(Outcome::Final) => {
+                    if client.ack(&publish).await.is_err() {
+                        return;
+                    }
+                }
+                Ok(Outcome::Retry) => {
+                    warn!(error_code = "EM-BRIDGE-REDELIVER", topic = %publish.topic, "cloud message refused for now; reconnecting to have it delivered again");
+                    redeliver.notify_one();
+                    return;
+                }
+                // MetaManager stopped: leave it unacknowledged, the broker redelivers.
+                Err(_) => return,
             }
         }
     });
@@ -368,7 +387,7 @@ async fn ingress(
             None => {
                 warn!(error_code = "EM-BRIDGE-TOPIC", topic = %publish.topic, "cloud message on an unexpected topic; acknowledged and dropped");
                 let (tx, rx) = oneshot::channel();
-                let _ = tx.send(());
+                let _ = tx.send(Outcome::Final);
                 rx
             }
         };

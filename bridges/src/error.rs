@@ -13,6 +13,10 @@ pub enum Error {
     Meta(#[from] edgemeta_metamanager::Error),
     #[error("local broker link closed")]
     LinkClosed,
+    #[error(
+        "a cloud message was refused for now (outbox full); a new session has it delivered again"
+    )]
+    Redeliver,
 }
 
 impl From<rumqttc::ConnectionError> for Error {

@@ -11,7 +11,7 @@ use crate::envelope::Envelope;
 use crate::error::Error;
 use crate::request::{Request, Requester};
 use crate::topic::{InboundTopic, META};
-use crate::worker::{Done, Job};
+use crate::worker::{Done, Job, Outcome};
 
 /// Limits and names the intake needs.
 #[derive(Debug, Clone)]
@@ -74,7 +74,7 @@ async fn intake(
             .is_ok(),
         Ok(None) => {
             if let Some(done) = done {
-                let _ = done.send(());
+                let _ = done.send(Outcome::Final);
             }
             true
         }
@@ -86,7 +86,7 @@ async fn intake(
                 }
             }
             if let Some(done) = done {
-                let _ = done.send(());
+                let _ = done.send(Outcome::Final);
             }
             true
         }

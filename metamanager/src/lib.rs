@@ -35,6 +35,7 @@ pub use error::Error;
 pub use operation::Operation;
 pub use request::Request;
 pub use store::{OutboxEntry, OutboxStats, StoreConfig};
+pub use worker::Outcome;
 
 /// MetaManager settings (`metamanager:` in the YAML config).
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -157,9 +158,9 @@ pub struct Ingress {
 }
 
 impl Ingress {
-    /// Queues `message` (its topic is `<root>/meta/...`); the receiver fires once the message is
-    /// committed, or refused with an error reply.
-    pub async fn submit(&self, message: Message) -> Result<oneshot::Receiver<()>, Error> {
+    /// Queues `message` (its topic is `<root>/meta/...`); the receiver tells once the message is
+    /// committed or refused for good ([`Outcome::Final`]), or should be delivered again later.
+    pub async fn submit(&self, message: Message) -> Result<oneshot::Receiver<Outcome>, Error> {
         let (done, rx) = oneshot::channel();
         self.tx
             .send((message, done))

@@ -18,8 +18,26 @@ use crate::process::{self, Context, OutboxLimit, State, Waits};
 use crate::request::Request;
 use crate::store::{Db, OutboxEntry, OutboxStats, StoreConfig};
 
-/// Fired once a request's outcome is final: committed, or refused with an error reply.
-pub type Done = oneshot::Sender<()>;
+/// Fired once a request has been dealt with.
+pub type Done = oneshot::Sender<Outcome>;
+
+/// How a request submitted through [`crate::Ingress`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Committed, or refused for good with an error reply: the sender may forget it.
+    Final,
+    /// Refused for now (outbox full, a failed commit): the sender should deliver it again later.
+    Retry,
+}
+
+impl Outcome {
+    fn of(error: &Error) -> Outcome {
+        match error {
+            Error::OutboxFull { .. } | Error::Commit(_) | Error::Closed => Outcome::Retry,
+            _ => Outcome::Final,
+        }
+    }
+}
 
 /// Work for the store worker.
 pub enum Job {
@@ -183,6 +201,7 @@ impl Worker {
 
     async fn run_batch(&mut self, steps: Vec<Step>, others: Vec<Job>) {
         if let Err(e) = self.db.control("BEGIN IMMEDIATE").await {
+            let steps = steps.into_iter().map(|s| (s, Outcome::Retry)).collect();
             return self
                 .fail_batch(steps, others, Error::Commit(e.to_string()))
                 .await;
@@ -194,7 +213,7 @@ impl Worker {
         let mut aborted = None;
         for step in steps {
             if aborted.is_some() {
-                applied.push(step);
+                applied.push((step, Outcome::Retry));
                 continue;
             }
             let _ = self.db.control("SAVEPOINT step").await;
@@ -206,6 +225,7 @@ impl Worker {
                 Step::SyncPodStatus => process::sync_pod_status(&mut cx).await,
             };
             let (produced, wrote) = (cx.local, cx.outbox_written);
+            let outcome = result.as_ref().err().map_or(Outcome::Final, Outcome::of);
             match result {
                 Ok(()) => {
                     let _ = self.db.control("RELEASE step").await;
@@ -225,7 +245,7 @@ impl Worker {
                     local.extend(self.error_reply(&step, &error));
                 }
             }
-            applied.push(step);
+            applied.push((step, outcome));
         }
         if let Some(error) = aborted {
             self.state.outbox = outbox_before;
@@ -280,9 +300,9 @@ impl Worker {
                 );
             }
         }
-        for step in applied {
+        for (step, outcome) in applied {
             if let Step::Request(_, Some(done)) = step {
-                let _ = done.send(());
+                let _ = done.send(outcome);
             }
         }
         for (reply, result) in replies {
@@ -318,14 +338,14 @@ impl Worker {
     }
 
     /// Nothing of the batch was committed: every request is told so.
-    async fn fail_batch(&mut self, steps: Vec<Step>, others: Vec<Job>, error: Error) {
+    async fn fail_batch(&mut self, steps: Vec<(Step, Outcome)>, others: Vec<Job>, error: Error) {
         error!(error_code = error.code(), error = %error, "batch not committed");
-        for step in steps {
+        for (step, _) in steps {
             for message in self.error_reply(&step, &error) {
                 let _ = self.publisher.publish(message).await;
             }
             if let Step::Request(_, Some(done)) = step {
-                let _ = done.send(());
+                let _ = done.send(Outcome::Retry);
             }
         }
         let failed = || Error::Commit(error.to_string());

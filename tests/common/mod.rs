@@ -40,6 +40,8 @@ pub struct Options {
     pub extra_listeners: String,
     /// Extra `broker:` settings (auth, acl, limits), as YAML lines indented 2 spaces.
     pub broker_yaml: String,
+    /// YAML lines inserted in the `store:` section (2-space indent).
+    pub store_yaml: String,
 }
 
 /// The `cloud:` section for a node under test.
@@ -93,6 +95,7 @@ impl Default for Options {
             cloud: None,
             extra_listeners: String::new(),
             broker_yaml: String::new(),
+            store_yaml: String::new(),
         }
     }
 }
@@ -198,7 +201,7 @@ impl Node {
         let yaml = format!(
             "log:\n  level: info,rumqttd=off\n\
              broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\n{v5}{extra_listeners}  max_packet_bytes: {packet}\n{broker_yaml}\
-             store:\n  path: {db}\n  synchronous: normal\n  max_pages: {pages}\n  busy_timeout_ms: {busy}\n\
+             store:\n  path: {db}\n  synchronous: normal\n  max_pages: {pages}\n  busy_timeout_ms: {busy}\n{store_yaml}\
              metamanager:\n  max_payload_bytes: {payload}\n  remote_query_timeout_ms: {rq}\n  volume_timeout_ms: {vol}\n  podstatus_sync_interval_s: {sync}\n\
              shutdown_grace_ms: 5000\n{cloud}",
             port = self.port,
@@ -208,6 +211,7 @@ impl Node {
             db = self.db_path().display(),
             pages = o.max_pages,
             busy = o.busy_timeout_ms,
+            store_yaml = o.store_yaml,
             payload = o.max_payload_bytes,
             rq = o.remote_query_timeout_ms,
             vol = o.volume_timeout_ms,
@@ -294,6 +298,11 @@ impl Node {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
+    }
+
+    /// Rewrites the configuration from `options` (takes effect at the next restart).
+    pub fn reconfigure(&mut self) {
+        self.write_config();
     }
 
     /// Starts the node again on the same ports and store.
