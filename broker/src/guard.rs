@@ -14,6 +14,7 @@ use rumqttd::protocol::{
 };
 use tracing::warn;
 
+use crate::backlog::Backlog;
 use crate::security::{Grants, Identity, Policy};
 use crate::tls_front::{take_preamble, Preamble};
 use crate::RESERVED_CLIENT_PREFIX;
@@ -31,6 +32,8 @@ pub struct ConnectGuard<P> {
     connection: Mutex<Connection>,
     /// Set on the back end of a client-certificate listener: the secret its preamble must carry.
     front: Option<Arc<str>>,
+    /// Counts publishes to our links' filters, so the front can pause clients in time.
+    backlog: Option<Arc<Backlog>>,
 }
 
 /// What one connection has been granted and refused.
@@ -58,7 +61,14 @@ impl<P> ConnectGuard<P> {
             v5,
             connection: Mutex::new(Connection::default()),
             front: None,
+            backlog: None,
         }
+    }
+
+    /// Counts this listener's publishes in `backlog`.
+    pub fn counting(mut self, backlog: Arc<Backlog>) -> Self {
+        self.backlog = Some(backlog);
+        self
     }
 
     /// The guard of a listener reachable only through our front (`tls_front.rs`).
@@ -73,6 +83,7 @@ impl<P: Clone> Clone for ConnectGuard<P> {
     fn clone(&self) -> Self {
         ConnectGuard {
             front: self.front.clone(),
+            backlog: self.backlog.clone(),
             ..ConnectGuard::new(self.inner.clone(), self.policy.clone(), self.v5)
         }
     }
@@ -161,6 +172,9 @@ impl<P: Protocol> ConnectGuard<P> {
             Packet::Publish(publish, _) => {
                 let topic = String::from_utf8_lossy(&publish.topic);
                 if connection.grants.may_publish(&topic) {
+                    if let Some(backlog) = &self.backlog {
+                        backlog.published(&topic, publish.payload.len());
+                    }
                     return;
                 }
                 let denied = self.policy.count_denied_publish();

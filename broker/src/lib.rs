@@ -2,6 +2,7 @@
 //! in-process links our own modules use. Only this crate knows rumqttd's types.
 //!
 //! # Layout
+//! - [`backlog`]: how far our links lag; the front pauses clients before rumqttd would drop.
 //! - [`config`]: our YAML listener/limit settings, turned into rumqttd's settings.
 //! - [`guard`]: the codec wrapper that vets every CONNECT, PUBLISH and SUBSCRIBE.
 //! - [`security`]: authentication and the topic ACL the guard applies.
@@ -10,6 +11,7 @@
 //! - [`link`]: an in-process client: subscribe, receive [`Message`]s, publish them.
 //! - [`message`]: the one value all crates exchange.
 
+pub mod backlog;
 pub mod config;
 pub mod error;
 pub mod guard;

@@ -5,6 +5,9 @@ use rumqttd::Notification;
 use tokio::sync::mpsc;
 use tracing::{debug, error, warn};
 
+use std::sync::Arc;
+
+use crate::backlog::Backlog;
 use crate::{Error, Message};
 
 /// An in-process MQTT client: [`Link::inbox`] yields what its filters match, [`Publisher`] sends.
@@ -41,13 +44,19 @@ impl Link {
         link_tx: LinkTx,
         link_rx: LinkRx,
         capacity: usize,
+        backlog: Arc<Backlog>,
     ) -> Result<Link, Error> {
         let (inbox_tx, inbox) = mpsc::channel(capacity);
         let (publisher, outgoing) = Publisher::channel(capacity);
-        tokio::spawn(receive(client_id.clone(), link_rx, inbox_tx));
+        tokio::spawn(receive(
+            client_id.clone(),
+            link_rx,
+            inbox_tx,
+            backlog.clone(),
+        ));
         std::thread::Builder::new()
             .name(format!("{client_id}-tx"))
-            .spawn(move || send(client_id, link_tx, outgoing))
+            .spawn(move || send(client_id, link_tx, outgoing, &backlog))
             .map_err(|e| Error::Link {
                 client_id: "publisher thread".into(),
                 reason: e.to_string(),
@@ -57,7 +66,12 @@ impl Link {
 }
 
 /// Router notifications → inbox. Ends when the inbox is dropped or the router goes away.
-async fn receive(client_id: String, mut link_rx: LinkRx, inbox: mpsc::Sender<Message>) {
+async fn receive(
+    client_id: String,
+    mut link_rx: LinkRx,
+    inbox: mpsc::Sender<Message>,
+    backlog: Arc<Backlog>,
+) {
     loop {
         let notification = match link_rx.next().await {
             Ok(Some(n)) => n,
@@ -69,6 +83,7 @@ async fn receive(client_id: String, mut link_rx: LinkRx, inbox: mpsc::Sender<Mes
         };
         match notification {
             Notification::Forward(forward) => {
+                backlog.consumed(forward.publish.payload.len());
                 let Ok(topic) = String::from_utf8(forward.publish.topic.to_vec()) else {
                     warn!(error_code = "EM-BROKER-TOPIC-UTF8", %client_id, "dropped publish with non-UTF-8 topic");
                     continue;
@@ -100,8 +115,15 @@ async fn receive(client_id: String, mut link_rx: LinkRx, inbox: mpsc::Sender<Mes
 }
 
 /// Outgoing queue → router, on a dedicated thread.
-fn send(client_id: String, mut link_tx: LinkTx, mut outgoing: mpsc::Receiver<Message>) {
+fn send(
+    client_id: String,
+    mut link_tx: LinkTx,
+    mut outgoing: mpsc::Receiver<Message>,
+    backlog: &Backlog,
+) {
     while let Some(message) = outgoing.blocking_recv() {
+        // Our own publishes to a link's filter count too, or the links' reads would not add up.
+        backlog.published(&message.topic, message.payload.len());
         let result = match message.correlation {
             None => link_tx.publish(message.topic, message.payload),
             Some(correlation) => {

@@ -9,6 +9,7 @@ use std::sync::atomic::Ordering;
 use tokio::task::JoinSet;
 use tracing::{info, warn};
 
+use crate::backlog::Backlog;
 use crate::security::Policy;
 
 use crate::config::{BrokerConfig, MqttVersion};
@@ -41,18 +42,20 @@ macro_rules! spawn_listener {
 /// Spawns a listener speaking `protocol` behind a [`ConnectGuard`] (optionally behind the
 /// client-certificate front, whose secret it then requires).
 macro_rules! spawn_guarded {
-    ($set:expr, $settings:expr, $router_tx:expr, $protocol:expr, $policy:expr, $front:expr) => {{
+    ($set:expr, $settings:expr, $router_tx:expr, $protocol:expr, $policy:expr, $front:expr, $backlog:expr) => {{
         let front: Option<Arc<str>> = $front;
         match $protocol {
             MqttVersion::V4 => {
-                let mut guard = ConnectGuard::new(V4, $policy.clone(), false);
+                let mut guard =
+                    ConnectGuard::new(V4, $policy.clone(), false).counting($backlog.clone());
                 if let Some(secret) = front {
                     guard = guard.behind_front(secret);
                 }
                 spawn_listener!($set, $settings, $router_tx, guard)
             }
             MqttVersion::V5 => {
-                let mut guard = ConnectGuard::new(V5, $policy.clone(), true);
+                let mut guard =
+                    ConnectGuard::new(V5, $policy.clone(), true).counting($backlog.clone());
                 if let Some(secret) = front {
                     guard = guard.behind_front(secret);
                 }
@@ -102,6 +105,7 @@ pub struct Broker {
     open: Option<Box<OpenListeners>>,
     addresses: Vec<(String, SocketAddr)>,
     policy: Arc<Policy>,
+    backlog: Arc<Backlog>,
 }
 
 /// Spawns the configured listeners; a closure because it captures rumqttd's unnameable sender.
@@ -114,6 +118,10 @@ impl Broker {
     pub fn new(config: &BrokerConfig) -> Result<Broker, Error> {
         config.validate()?;
         let policy = Arc::new(config.policy()?);
+        // Pause clients at half of what one filter's log holds, well before rumqttd would skip.
+        let log_bytes = config.segment_bytes.max(config.max_packet_bytes) * config.segment_count;
+        let backlog = Arc::new(Backlog::new(log_bytes as u64 / 2));
+        let listener_backlog = backlog.clone();
         let denials = policy.clone();
         let router_tx = Router::new(0, config.router_config()).spawn();
         let listener_tx = router_tx.clone();
@@ -155,7 +163,8 @@ impl Broker {
                         listener_tx.clone(),
                         listener.protocol,
                         &policy,
-                        None
+                        None,
+                        listener_backlog
                     );
                     planned.push((name.clone(), listener.address, listener.protocol));
                     continue;
@@ -181,7 +190,8 @@ impl Broker {
                     listener_tx.clone(),
                     listener.protocol,
                     &policy,
-                    Some(policy.cert_secret())
+                    Some(policy.cert_secret()),
+                    listener_backlog
                 );
                 listeners.spawn(crate::tls_front::serve(
                     name.clone(),
@@ -190,6 +200,7 @@ impl Broker {
                     backend,
                     policy.cert_secret(),
                     Duration::from_millis(u64::from(config.connect_timeout_ms)),
+                    listener_backlog.clone(),
                 ));
                 planned.push((backend_name, backend, listener.protocol));
                 planned.push((name.clone(), listener.address, listener.protocol));
@@ -202,6 +213,7 @@ impl Broker {
             open: Some(open),
             addresses: Vec::new(),
             policy: denials,
+            backlog,
         })
     }
 
@@ -243,6 +255,7 @@ impl Broker {
         capacity: usize,
     ) -> Result<Link, Error> {
         let client_id = format!("{RESERVED_CLIENT_PREFIX}{name}");
+        self.backlog.watch(filters);
         let factory = self.new_link.clone();
         let filters = filters.to_vec();
         let id = client_id.clone();
@@ -259,7 +272,7 @@ impl Broker {
             client_id: client_id.clone(),
             reason: e.to_string(),
         })??;
-        Link::spawn(client_id, tx, rx, capacity)
+        Link::spawn(client_id, tx, rx, capacity, self.backlog.clone())
     }
 
     /// Resolves when a listener stops after start-up; the node cannot serve without it.

@@ -24,6 +24,7 @@ use tokio_rustls::rustls::{RootCertStore, ServerConfig};
 use tokio_rustls::TlsAcceptor;
 use tracing::{debug, warn};
 
+use crate::backlog::Backlog;
 use crate::config::ListenerTls;
 use crate::Error;
 
@@ -81,6 +82,7 @@ pub async fn serve(
     backend: SocketAddr,
     secret: Arc<str>,
     handshake_timeout: Duration,
+    backlog: Arc<Backlog>,
 ) -> Error {
     let address = listener
         .local_addr()
@@ -109,13 +111,22 @@ pub async fn serve(
         };
         let acceptor = acceptor.clone();
         let secret = secret.clone();
+        let backlog = backlog.clone();
         tokio::spawn(async move {
             let _ = stream.set_nodelay(true);
             let result = match acceptor {
                 Some(acceptor) => {
-                    splice_tls(stream, &acceptor, backend, &secret, handshake_timeout).await
+                    splice_tls(
+                        stream,
+                        &acceptor,
+                        backend,
+                        &secret,
+                        handshake_timeout,
+                        &backlog,
+                    )
+                    .await
                 }
-                None => splice(stream, None, backend, &secret).await,
+                None => splice(stream, None, backend, &secret, &backlog).await,
             };
             if let Err(reason) = result {
                 debug!(%peer, reason, "client dropped by the front");
@@ -130,6 +141,7 @@ async fn splice_tls(
     backend: SocketAddr,
     secret: &str,
     handshake_timeout: Duration,
+    backlog: &Backlog,
 ) -> Result<(), String> {
     let tls = tokio::time::timeout(handshake_timeout, acceptor.accept(stream))
         .await
@@ -147,7 +159,7 @@ async fn splice_tls(
         );
         return Err("no usable common name".to_owned());
     };
-    splice(tls, Some(&name), backend, secret).await
+    splice(tls, Some(&name), backend, secret, backlog).await
 }
 
 /// Copies both ways between the client and the back end until either side closes.
@@ -156,6 +168,7 @@ async fn splice<S>(
     name: Option<&str>,
     backend: SocketAddr,
     secret: &str,
+    backlog: &Backlog,
 ) -> Result<(), String>
 where
     S: AsyncRead + AsyncWrite + Unpin,
@@ -171,7 +184,19 @@ where
         .map_err(|e| format!("back end {backend}: {e}"))?;
     let (mut from_client, mut to_client) = tokio::io::split(client);
     let up = async {
-        let _ = tokio::io::copy(&mut from_client, &mut to_backend).await;
+        let mut buffer = vec![0_u8; 16 * 1024];
+        loop {
+            // While our links lag, leave the client's bytes in its socket: TCP pushes back.
+            backlog.room().await;
+            match from_client.read(&mut buffer).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if to_backend.write_all(&buffer[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        }
         let _ = to_backend.shutdown().await;
     };
     let down = async {
