@@ -33,8 +33,8 @@ pub struct BrokerConfig {
     /// Most subscriptions one client may hold; further SUBSCRIBEs get a failure return code.
     #[serde(default = "default_max_subscriptions_per_client")]
     pub max_subscriptions_per_client: usize,
-    /// Serve plain listeners through our own accept loop, which turns Nagle off towards clients
-    /// (rumqttd leaves it on: a reply after a PUBACK then waits ~40 ms for the client's ACK).
+    /// Turn Nagle off towards clients and ACK rumqttd at once on the loopback hop (rumqttd
+    /// leaves Nagle on: a reply after a PUBACK then waits ~40 ms for the client's ACK).
     #[serde(default = "default_true")]
     pub low_latency: bool,
     /// Who may connect.

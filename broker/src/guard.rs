@@ -15,14 +15,15 @@ use rumqttd::protocol::{
 use tracing::warn;
 
 use crate::backlog::Backlog;
+use crate::front::{take_preamble, Preamble};
 use crate::security::{Grants, Identity, Policy};
-use crate::tls_front::{take_preamble, Preamble};
 use crate::RESERVED_CLIENT_PREFIX;
 
 /// Where refused publications go: rumqttd never matches a `$` topic against any filter.
 const DENIED_TOPIC: &str = "$edgemeta/denied";
-/// Where refused subscriptions point: a topic the ACL lets nobody publish to.
-const DENIED_FILTER: &str = "edgemeta-denied";
+/// Where refused subscriptions point: a plain topic (rumqttd drops a client that subscribes to
+/// a `$` filter) that the guard lets no client publish to, so nothing ever arrives there.
+const DENIED_FILTER: &str = "edgemeta-refused";
 
 /// Wraps rumqttd's codec to vet CONNECT, PUBLISH and SUBSCRIBE before rumqttd acts on them.
 pub struct ConnectGuard<P> {
@@ -41,7 +42,8 @@ pub struct ConnectGuard<P> {
 struct Connection {
     identity: Option<Identity>,
     grants: Grants,
-    subscriptions: usize,
+    /// Filters this connection holds, for the subscription limit.
+    held: HashSet<String>,
     /// Packet ids of refused QoS 1 publishes, answered "not authorized" (MQTT 5).
     denied_publishes: HashSet<u16>,
     /// Packet id of a SUBSCRIBE → indices of its refused filters.
@@ -71,7 +73,7 @@ impl<P> ConnectGuard<P> {
         self
     }
 
-    /// The guard of a listener reachable only through our front (`tls_front.rs`).
+    /// The guard of a listener reachable only through our front (`front.rs`).
     pub fn behind_front(mut self, secret: Arc<str>) -> Self {
         self.front = Some(secret);
         self
@@ -98,6 +100,12 @@ pub fn refuse_client_id(client_id: &str) -> Option<&'static str> {
     } else {
         None
     }
+}
+
+/// Whether a client with `grants` may publish to `topic`. `$` topics and the refused filter are
+/// the broker's own: a client publishing there could reach subscriptions the ACL refused.
+fn may_publish(grants: &Grants, topic: &str) -> bool {
+    !topic.starts_with('$') && topic != DENIED_FILTER && grants.may_publish(topic)
 }
 
 /// The packet id of a complete QoS 1/2 PUBLISH at the start of `stream`, read before rumqttd
@@ -129,7 +137,7 @@ impl<P: Protocol> ConnectGuard<P> {
     fn vet(&self, packet: &mut Packet, pkid: Option<u16>) {
         let mut connection = self.connection.lock().unwrap_or_else(|p| p.into_inner());
         match packet {
-            Packet::Connect(connect, _, _, _, login) => {
+            Packet::Connect(connect, _, will, _, login) => {
                 let unvouched = self.front.is_some() && !connection.vouched;
                 let refusal = if unvouched {
                     Some("reached a listener's back end without its front")
@@ -159,19 +167,33 @@ impl<P: Protocol> ConnectGuard<P> {
                         password: String::new(),
                     });
                 }
+                // A username nobody checked (no users configured) is only a claim: such a
+                // client is anonymous to the ACL, or naming a module would grant its rights.
+                let verified =
+                    self.policy.needs_login_check() || connection.certificate_name.is_some();
                 let identity = Identity {
                     username: login
                         .as_ref()
                         .map(|l| l.username.clone())
-                        .filter(|u| !u.is_empty()),
+                        .filter(|u| verified && !u.is_empty()),
                     client_id: connect.client_id.clone(),
                 };
                 connection.grants = self.policy.grants(&identity);
+                // rumqttd publishes a will without asking anyone: its topic is vetted as a
+                // publish now, or a device could send as the cloud by dropping its connection.
+                if let Some(will) = will {
+                    let topic = String::from_utf8_lossy(&will.topic).into_owned();
+                    if !may_publish(&connection.grants, &topic) {
+                        self.policy.count_denied_publish();
+                        warn!(error_code = "EM-ACL-WILL-DENIED", client_id = %connect.client_id, %topic, "will topic not permitted; the will goes nowhere");
+                        will.topic = DENIED_TOPIC.into();
+                    }
+                }
                 connection.identity = Some(identity);
             }
             Packet::Publish(publish, _) => {
                 let topic = String::from_utf8_lossy(&publish.topic);
-                if connection.grants.may_publish(&topic) {
+                if may_publish(&connection.grants, &topic) {
                     if let Some(backlog) = &self.backlog {
                         backlog.published(&topic, publish.payload.len());
                     }
@@ -194,10 +216,12 @@ impl<P: Protocol> ConnectGuard<P> {
             Packet::Subscribe(subscribe, _) => {
                 let mut refused = Vec::new();
                 for (index, filter) in subscribe.filters.iter_mut().enumerate() {
-                    let allowed = connection.grants.may_subscribe(&filter.path);
-                    let room = connection.subscriptions < self.policy.max_subscriptions();
+                    let allowed = !filter.path.starts_with('$')
+                        && connection.grants.may_subscribe(&filter.path);
+                    let room = connection.held.contains(&filter.path)
+                        || connection.held.len() < self.policy.max_subscriptions();
                     if allowed && room {
-                        connection.subscriptions += 1;
+                        connection.held.insert(filter.path.clone());
                         continue;
                     }
                     let denied = self.policy.count_denied_subscribe();
@@ -222,9 +246,9 @@ impl<P: Protocol> ConnectGuard<P> {
                 }
             }
             Packet::Unsubscribe(unsubscribe, _) => {
-                connection.subscriptions = connection
-                    .subscriptions
-                    .saturating_sub(unsubscribe.filters.len());
+                for filter in &unsubscribe.filters {
+                    connection.held.remove(filter);
+                }
             }
             _ => {}
         }

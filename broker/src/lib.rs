@@ -7,19 +7,19 @@
 //! - [`guard`]: the codec wrapper that vets every CONNECT, PUBLISH and SUBSCRIBE.
 //! - [`security`]: authentication and the topic ACL the guard applies.
 //! - [`server`]: starts the router and the listeners; a listener that cannot bind is fatal.
-//! - [`tls_front`]: TLS listeners that take the identity from the client certificate.
+//! - [`front`]: TLS listeners that take the identity from the client certificate.
 //! - [`link`]: an in-process client: subscribe, receive [`Message`]s, publish them.
 //! - [`message`]: the one value all crates exchange.
 
 pub mod backlog;
 pub mod config;
 pub mod error;
+pub mod front;
 pub mod guard;
 pub mod link;
 pub mod message;
 pub mod security;
 pub mod server;
-pub mod tls_front;
 
 pub use config::{BrokerConfig, ListenerConfig, MqttVersion};
 pub use error::Error;

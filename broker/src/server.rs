@@ -144,32 +144,10 @@ impl Broker {
                         source,
                     }
                 })?;
-                // Our front takes certificate listeners always, plain ones for low latency.
-                let front = match &listener.tls {
-                    Some(tls) => match &tls.client_ca_file {
-                        Some(ca_file) => {
-                            Some(Some(crate::tls_front::acceptor(name, tls, ca_file)?))
-                        }
-                        None => None,
-                    },
-                    None => config.low_latency.then_some(None),
-                };
-                let Some(acceptor) = front else {
-                    drop(bound);
-                    let settings = with_auth(config.server_settings(name, listener), &policy);
-                    spawn_guarded!(
-                        listeners,
-                        settings,
-                        listener_tx.clone(),
-                        listener.protocol,
-                        &policy,
-                        None,
-                        listener_backlog
-                    );
-                    planned.push((name.clone(), listener.address, listener.protocol));
-                    continue;
-                };
-                // Our front on the address, rumqttd behind it on loopback.
+                // Every listener is our front on the address, rumqttd behind it on loopback.
+                let tls = (listener.tls.as_ref())
+                    .map(|tls| crate::front::Tls::new(name, tls))
+                    .transpose()?;
                 let backend_name = format!("{name}-backend");
                 let backend = std::net::TcpListener::bind(("127.0.0.1", 0))
                     .and_then(|probe| probe.local_addr())
@@ -193,14 +171,19 @@ impl Broker {
                     Some(policy.cert_secret()),
                     listener_backlog
                 );
-                listeners.spawn(crate::tls_front::serve(
+                listeners.spawn(crate::front::serve(
                     name.clone(),
                     bound,
-                    acceptor,
-                    backend,
-                    policy.cert_secret(),
-                    Duration::from_millis(u64::from(config.connect_timeout_ms)),
-                    listener_backlog.clone(),
+                    tls,
+                    crate::front::Backend {
+                        address: backend,
+                        secret: policy.cert_secret(),
+                        connect_timeout: Duration::from_millis(u64::from(
+                            config.connect_timeout_ms,
+                        )),
+                        backlog: listener_backlog.clone(),
+                        low_latency: config.low_latency,
+                    },
                 ));
                 planned.push((backend_name, backend, listener.protocol));
                 planned.push((name.clone(), listener.address, listener.protocol));

@@ -6,7 +6,11 @@
 //!   waits for the client's delayed ACK (~40 ms). The front sets TCP_NODELAY towards the client
 //!   and acknowledges rumqttd's segments at once (TCP_QUICKACK) on the loopback hop.
 //!
-//! Each connection is spliced to a loopback rumqttd listener, preceded by a one-line preamble with
+//! - back-pressure: it stops reading from clients while the in-process links lag (backlog.rs);
+//! - rumqttd 0.20's connection races: it never lets rumqttd see a client's end of stream before
+//!   rumqttd is done with the connection (see `splice`).
+//!
+//! Every listener is served this way. Each connection is spliced to a loopback rumqttd listener, preceded by a one-line preamble with
 //! a per-process secret and the certificate name (if any). The guard on that back end takes the
 //! name from the preamble and refuses clients without it.
 
@@ -34,25 +38,43 @@ const MAGIC: &[u8] = b"EMCERT1 ";
 /// A preamble longer than this is not ours.
 const MAX_PREAMBLE: usize = 1024;
 
-/// The server side of a client-certificate listener.
-pub fn acceptor(name: &str, tls: &ListenerTls, ca_file: &str) -> Result<TlsAcceptor, Error> {
-    let bad = |what: String| Error::Config(format!("broker.listeners.{name}.tls: {what}"));
-    let certs = read_certs(&tls.cert_file).map_err(bad)?;
-    let key = read_key(&tls.key_file).map_err(bad)?;
-    let mut roots = RootCertStore::empty();
-    for ca in read_certs(ca_file).map_err(bad)? {
-        roots
-            .add(ca)
-            .map_err(|e| bad(format!("client_ca_file {ca_file}: {e}")))?;
+/// The TLS side of a listener: certificate and key, and with `client_ca_file` a demand for client
+/// certificates signed by one of those CAs.
+#[derive(Clone)]
+pub struct Tls {
+    acceptor: TlsAcceptor,
+    client_certificates: bool,
+}
+
+impl Tls {
+    pub fn new(name: &str, tls: &ListenerTls) -> Result<Tls, Error> {
+        let bad = |what: String| Error::Config(format!("broker.listeners.{name}.tls: {what}"));
+        let certs = read_certs(&tls.cert_file).map_err(bad)?;
+        let key = read_key(&tls.key_file).map_err(bad)?;
+        let builder = ServerConfig::builder();
+        let builder = match &tls.client_ca_file {
+            None => builder.with_no_client_auth(),
+            Some(ca_file) => {
+                let mut roots = RootCertStore::empty();
+                for ca in read_certs(ca_file).map_err(bad)? {
+                    roots
+                        .add(ca)
+                        .map_err(|e| bad(format!("client_ca_file {ca_file}: {e}")))?;
+                }
+                let verifier = WebPkiClientVerifier::builder(Arc::new(roots))
+                    .build()
+                    .map_err(|e| bad(format!("client_ca_file {ca_file}: {e}")))?;
+                builder.with_client_cert_verifier(verifier)
+            }
+        };
+        let config = builder
+            .with_single_cert(certs, key)
+            .map_err(|e| bad(format!("cert_file/key_file: {e}")))?;
+        Ok(Tls {
+            acceptor: TlsAcceptor::from(Arc::new(config)),
+            client_certificates: tls.client_ca_file.is_some(),
+        })
     }
-    let verifier = WebPkiClientVerifier::builder(Arc::new(roots))
-        .build()
-        .map_err(|e| bad(format!("client_ca_file {ca_file}: {e}")))?;
-    let config = ServerConfig::builder()
-        .with_client_cert_verifier(verifier)
-        .with_single_cert(certs, key)
-        .map_err(|e| bad(format!("cert_file/key_file: {e}")))?;
-    Ok(TlsAcceptor::from(Arc::new(config)))
 }
 
 fn read_certs(path: &str) -> Result<Vec<CertificateDer<'static>>, String> {
@@ -73,16 +95,25 @@ fn read_key(path: &str) -> Result<PrivateKeyDer<'static>, String> {
         .ok_or_else(|| format!("{path}: no PEM private key"))
 }
 
-/// Accepts clients on `listener` until the task is dropped; each is spliced to `backend`, after a
-/// TLS handshake when `acceptor` is given.
+/// Where and how the front hands each client on to its rumqttd back end.
+#[derive(Clone)]
+pub struct Backend {
+    pub address: SocketAddr,
+    pub secret: Arc<str>,
+    /// Time limit for the TLS handshake and for rumqttd's CONNACK.
+    pub connect_timeout: Duration,
+    pub backlog: Arc<Backlog>,
+    /// TCP_NODELAY towards clients, TCP_QUICKACK on the loopback hop.
+    pub low_latency: bool,
+}
+
+/// Accepts clients on `listener` until the task is dropped; each is spliced to the back end,
+/// after a TLS handshake when `tls` is given.
 pub async fn serve(
     name: String,
     listener: std::net::TcpListener,
-    acceptor: Option<TlsAcceptor>,
-    backend: SocketAddr,
-    secret: Arc<str>,
-    handshake_timeout: Duration,
-    backlog: Arc<Backlog>,
+    tls: Option<Tls>,
+    backend: Backend,
 ) -> Error {
     let address = listener
         .local_addr()
@@ -109,24 +140,17 @@ pub async fn serve(
                 continue;
             }
         };
-        let acceptor = acceptor.clone();
-        let secret = secret.clone();
-        let backlog = backlog.clone();
+        let tls = tls.clone();
+        let backend = backend.clone();
+        // The handshake runs in the connection's own task, with a time limit: one silent client
+        // cannot hold up the others (rumqttd's own TLS accept loop can be).
         tokio::spawn(async move {
-            let _ = stream.set_nodelay(true);
-            let result = match acceptor {
-                Some(acceptor) => {
-                    splice_tls(
-                        stream,
-                        &acceptor,
-                        backend,
-                        &secret,
-                        handshake_timeout,
-                        &backlog,
-                    )
-                    .await
-                }
-                None => splice(stream, None, backend, &secret, &backlog).await,
+            if backend.low_latency {
+                let _ = stream.set_nodelay(true);
+            }
+            let result = match tls {
+                Some(tls) => splice_tls(stream, &tls, &backend).await,
+                None => splice(stream, None, &backend).await,
             };
             if let Err(reason) = result {
                 debug!(%peer, reason, "client dropped by the front");
@@ -135,19 +159,15 @@ pub async fn serve(
     }
 }
 
-async fn splice_tls(
-    stream: TcpStream,
-    acceptor: &TlsAcceptor,
-    backend: SocketAddr,
-    secret: &str,
-    handshake_timeout: Duration,
-    backlog: &Backlog,
-) -> Result<(), String> {
-    let tls = tokio::time::timeout(handshake_timeout, acceptor.accept(stream))
+async fn splice_tls(stream: TcpStream, tls: &Tls, backend: &Backend) -> Result<(), String> {
+    let stream = tokio::time::timeout(backend.connect_timeout, tls.acceptor.accept(stream))
         .await
         .map_err(|_| "TLS handshake timed out".to_owned())?
         .map_err(|e| format!("TLS handshake: {e}"))?;
-    let (_, session) = tls.get_ref();
+    if !tls.client_certificates {
+        return splice(stream, None, backend).await;
+    }
+    let (_, session) = stream.get_ref();
     let name = session
         .peer_certificates()
         .and_then(|chain| chain.first())
@@ -159,59 +179,100 @@ async fn splice_tls(
         );
         return Err("no usable common name".to_owned());
     };
-    splice(tls, Some(&name), backend, secret, backlog).await
+    splice(stream, Some(&name), backend).await
 }
 
-/// Copies both ways between the client and the back end until either side closes.
-async fn splice<S>(
-    client: S,
-    name: Option<&str>,
-    backend: SocketAddr,
-    secret: &str,
-    backlog: &Backlog,
-) -> Result<(), String>
+/// How far the back end has got, as the client side sees it.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum BackendState {
+    Silent,
+    Answered,
+    Closed,
+}
+
+/// How long a back-end connection outlives its client when rumqttd does not close it first.
+const LINGER: Duration = Duration::from_millis(500);
+
+/// Copies both ways between the client and the back end until the back end closes.
+async fn splice<S>(client: S, name: Option<&str>, backend: &Backend) -> Result<(), String>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    let inner = TcpStream::connect(backend)
+    let address = backend.address;
+    let inner = TcpStream::connect(address)
         .await
-        .map_err(|e| format!("back end {backend}: {e}"))?;
-    let _ = inner.set_nodelay(true);
+        .map_err(|e| format!("back end {address}: {e}"))?;
+    let _ = inner.set_nodelay(backend.low_latency);
     let (mut from_backend, mut to_backend) = inner.into_split();
     to_backend
-        .write_all(&preamble(secret, name))
+        .write_all(&preamble(&backend.secret, name))
         .await
-        .map_err(|e| format!("back end {backend}: {e}"))?;
+        .map_err(|e| format!("back end {address}: {e}"))?;
     let (mut from_client, mut to_client) = tokio::io::split(client);
+    let (state_tx, mut state) = tokio::sync::watch::channel(BackendState::Silent);
     let up = async {
         let mut buffer = vec![0_u8; 16 * 1024];
         loop {
-            // While our links lag, leave the client's bytes in its socket: TCP pushes back.
-            backlog.room().await;
-            match from_client.read(&mut buffer).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => {
-                    if to_backend.write_all(&buffer[..n]).await.is_err() {
-                        break;
-                    }
-                }
+            let read = async {
+                // While our links lag, leave the client's bytes in its socket: TCP pushes back.
+                backend.backlog.room().await;
+                from_client.read(&mut buffer).await
+            };
+            let n = tokio::select! {
+                read = read => match read {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => n,
+                },
+                // rumqttd dropped the client: so does the front, whatever the client does.
+                _ = state.wait_for(|s| *s == BackendState::Closed) => break,
+            };
+            if to_backend.write_all(&buffer[..n]).await.is_err() {
+                break;
             }
+        }
+        // The client is gone, but rumqttd 0.20 must not see that before it has finished with
+        // the connection: a CONNACK it cannot write leaves a dead will handler behind that
+        // panics the next CONNECT with that client id while holding the listener's lock
+        // (poisoning it for every client), and an end of stream it sees before it has handled
+        // the client's DISCONNECT makes it disconnect the router slot a second time, by then
+        // often reused by another client. So wait until rumqttd closes (it does after a
+        // DISCONNECT) or has answered and had LINGER to do so.
+        let closed = tokio::time::timeout(LINGER, state.wait_for(|s| *s == BackendState::Closed));
+        if closed.await.is_err() {
+            let _ = tokio::time::timeout(
+                backend.connect_timeout,
+                state.wait_for(|s| *s >= BackendState::Answered),
+            )
+            .await;
         }
         let _ = to_backend.shutdown().await;
     };
     let down = async {
         let mut buffer = vec![0_u8; 16 * 1024];
+        let mut client_gone = false;
         while let Ok(n) = from_backend.read(&mut buffer).await {
             if n == 0 {
                 break;
             }
-            // Acknowledge at once, or rumqttd's Nagle holds its next small packet for our
-            // delayed ACK. The flag does not stick, hence after every read.
-            let _ = SockRef::from(from_backend.as_ref()).set_tcp_quickack(true);
-            if to_client.write_all(&buffer[..n]).await.is_err() {
-                break;
+            state_tx.send_if_modified(|s| {
+                let first = *s == BackendState::Silent;
+                if first {
+                    *s = BackendState::Answered;
+                }
+                first
+            });
+            if client_gone {
+                continue;
             }
+            if backend.low_latency {
+                // Acknowledge at once, or rumqttd's Nagle holds its next small packet for our
+                // delayed ACK. The flag does not stick, hence after every read.
+                let _ = SockRef::from(from_backend.as_ref()).set_tcp_quickack(true);
+            }
+            // Keep reading after the client has gone, to see when rumqttd closes.
+            client_gone = to_client.write_all(&buffer[..n]).await.is_err();
         }
+        state_tx.send_replace(BackendState::Closed);
         let _ = to_client.shutdown().await;
     };
     tokio::join!(up, down);
