@@ -26,6 +26,12 @@ struct Args {
     /// Also write the P2 latency figures as CSV here (for the plot).
     #[arg(long)]
     csv: Option<PathBuf>,
+    /// Only offer P1's load, `--rounds` times, to an edgemeta already serving on this port
+    /// (to profile it: `perf record -p <pid>`), and print the rates.
+    #[arg(long)]
+    load_port: Option<u16>,
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
 }
 
 /// How much load each scenario offers.
@@ -70,14 +76,21 @@ async fn main() -> anyhow::Result<()> {
         Sizes {
             publishers: 4,
             per_publisher: 10_000,
-            rates: vec![1_000, 5_000, 10_000, 20_000],
+            rates: vec![1_000, 5_000, 10_000, 20_000, 40_000],
             rate_seconds: 3,
             queries: 2_000,
             list_size: 10_000,
-            preloads: vec![1_000, 100_000],
+            preloads: vec![1_000, 100_000, 1_000_000],
             backlog: 100_000,
         }
     };
+    if let Some(port) = args.load_port {
+        for round in 0..args.rounds {
+            let rate = throughput(port, "ke/edged/#", &sizes, &format!("load{round}")).await?;
+            println!("round {round}: {rate:.0} msg/s");
+        }
+        return Ok(());
+    }
     let dir = tempfile::tempdir()?;
     let mut rows = Vec::new();
 
@@ -108,18 +121,23 @@ async fn main() -> anyhow::Result<()> {
     });
 
     // P2: latency against offered load.
-    let mut csv = String::from("system,offered,p50_us,p99_us,p999_us\n");
+    let mut csv = String::from("system,offered,delivered,p50_us,p99_us,p999_us\n");
     for &rate in &sizes.rates {
-        let em = latency(edgemeta.port, "ke/edged/#", rate, sizes.rate_seconds).await?;
-        let mq = latency(mosquitto.port, "ke/meta/#", rate, sizes.rate_seconds).await?;
-        for (system, p) in [("edgemeta", &em), ("mosquitto", &mq)] {
-            csv.push_str(&format!("{system},{rate},{},{},{}\n", p.p50, p.p99, p.p999));
+        let (em, em_rate) = latency(edgemeta.port, "ke/edged/#", rate, sizes.rate_seconds).await?;
+        let (mq, mq_rate) = latency(mosquitto.port, "ke/meta/#", rate, sizes.rate_seconds).await?;
+        for (system, p, delivered) in [("edgemeta", &em, em_rate), ("mosquitto", &mq, mq_rate)] {
+            csv.push_str(&format!(
+                "{system},{rate},{delivered:.0},{},{},{}\n",
+                p.p50, p.p99, p.p999
+            ));
         }
         let met = rate != 10_000 || em.p99 <= 5_000;
         rows.push(Row {
-            name: format!("P2 latency at {rate} msg/s offered, p50 / p99 / p999 (µs)"),
-            edgemeta: em.to_string(),
-            mosquitto: mq.to_string(),
+            name: format!(
+                "P2 at {rate} msg/s offered: latency p50 / p99 / p999 (µs); delivered msg/s"
+            ),
+            edgemeta: format!("{em}; {em_rate:.0}"),
+            mosquitto: format!("{mq}; {mq_rate:.0}"),
             target: if rate == 10_000 {
                 "p99 ≤ 5 ms".into()
             } else {
@@ -784,14 +802,21 @@ fn percentiles(mut samples: Vec<u64>) -> Percentiles {
     }
 }
 
-/// Publish → subscriber latency at a paced offered rate.
-async fn latency(port: u16, watch: &str, rate: u64, seconds: u64) -> anyhow::Result<Percentiles> {
+/// Publish → subscriber latency at a paced offered rate, and the rate actually delivered
+/// (messages over first publish → last receive).
+async fn latency(
+    port: u16,
+    watch: &str,
+    rate: u64,
+    seconds: u64,
+) -> anyhow::Result<(Percentiles, f64)> {
     let epoch = Instant::now();
     let (sub, mut rx) = client(port, "lsub").await?;
     subscribe(&sub, &mut rx, watch).await?;
     let (publisher, _) = client(port, "lpub").await?;
     let total = rate * seconds;
     let per_tick = (rate / 1000).max(1);
+    let started = Instant::now();
     let producer = tokio::spawn(async move {
         // Every millisecond, that millisecond's share of the offered rate.
         let mut tick = tokio::time::interval(Duration::from_millis(1));
@@ -827,8 +852,9 @@ async fn latency(port: u16, watch: &str, rate: u64, seconds: u64) -> anyhow::Res
             samples.push(now.saturating_sub(sent));
         }
     }
+    let delivered = total as f64 / started.elapsed().as_secs_f64();
     producer.abort();
-    Ok(percentiles(samples))
+    Ok((percentiles(samples), delivered))
 }
 
 /// Stores `count` pods under namespace `ns`, waiting until the last is handed to edged.

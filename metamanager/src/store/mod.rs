@@ -8,7 +8,11 @@ mod migrations;
 use std::path::Path;
 use std::time::Duration;
 
-use libsql::{params, Connection, Value};
+use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
+
+use libsql::params::IntoParams;
+use libsql::{params, Connection, Statement, Value};
 use serde::Deserialize;
 
 /// Store settings (`store:` in the YAML config).
@@ -112,10 +116,13 @@ pub struct OutboxEntry {
     pub payload: Vec<u8>,
 }
 
-/// A typed view of one SQLite connection. Every statement is a fresh, reset-free execution:
-/// libsql silently reuses old values when a prepared statement is re-run without `reset()`.
+/// A typed view of one SQLite connection.
 pub struct Db {
     conn: Connection,
+    /// Prepared statements by SQL text: preparing costs more than running the small statements
+    /// of the write path. A statement is taken out while in use (no lock across an await) and
+    /// reset before it goes back: libsql silently reuses old values otherwise.
+    statements: Mutex<HashMap<&'static str, Statement>>,
     // Keeps the database alive as long as the connection.
     _db: libsql::Database,
 }
@@ -144,7 +151,11 @@ impl Db {
             conn.query(&format!("PRAGMA max_page_count={}", config.max_pages), ())
                 .await?;
         }
-        let this = Db { conn, _db: db };
+        let this = Db {
+            conn,
+            statements: Mutex::new(HashMap::new()),
+            _db: db,
+        };
         this.migrate(&config.path).await?;
         Ok(this)
     }
@@ -186,9 +197,40 @@ impl Db {
         }
     }
 
+    /// The prepared statement for `sql`, from the cache or freshly prepared.
+    async fn statement(&self, sql: &'static str) -> Result<Statement, libsql::Error> {
+        let cached = self
+            .statements
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(sql);
+        match cached {
+            Some(statement) => Ok(statement),
+            None => self.conn.prepare(sql).await,
+        }
+    }
+
+    /// Returns a statement to the cache once its rows are dropped. One that failed is not
+    /// returned: it is finalized and prepared afresh next time.
+    fn keep(&self, sql: &'static str, statement: Statement) {
+        statement.reset();
+        self.statements
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(sql, statement);
+    }
+
+    /// Executes `sql` through the cache; the number of rows changed.
+    async fn exec(&self, sql: &'static str, params: impl IntoParams) -> Result<u64, libsql::Error> {
+        let statement = self.statement(sql).await?;
+        let changed = statement.execute(params).await?;
+        self.keep(sql, statement);
+        Ok(changed as u64)
+    }
+
     /// Runs a transaction-control statement (`BEGIN`, `SAVEPOINT x`, `COMMIT`, ...).
-    pub async fn control(&self, sql: &str) -> Result<(), libsql::Error> {
-        self.conn.execute(sql, ()).await.map(drop)
+    pub async fn control(&self, sql: &'static str) -> Result<(), libsql::Error> {
+        self.exec(sql, ()).await.map(drop)
     }
 
     /// Whether a transaction is open. SQLite rolls back the whole transaction by itself on some
@@ -199,14 +241,16 @@ impl Db {
 
     /// `value` of `key`, if stored.
     pub async fn get(&self, key: &str) -> Result<Option<String>, libsql::Error> {
-        let mut rows = self
-            .conn
-            .query("SELECT value FROM meta WHERE key = ?1", [key])
-            .await?;
-        match rows.next().await? {
-            Some(row) => text(&row, 0),
-            None => Ok(None),
-        }
+        const SQL: &str = "SELECT value FROM meta WHERE key = ?1";
+        let statement = self.statement(SQL).await?;
+        let mut rows = statement.query([key]).await?;
+        let value = match rows.next().await? {
+            Some(row) => text(&row, 0)?,
+            None => None,
+        };
+        drop(rows);
+        self.keep(SQL, statement);
+        Ok(value)
     }
 
     /// Insert or replace one record (KubeEdge `InsertOrUpdate`).
@@ -216,21 +260,18 @@ impl Db {
         res_type: &str,
         value: &str,
     ) -> Result<(), libsql::Error> {
-        self.conn
-            .execute(
-                "INSERT INTO meta (key, type, value) VALUES (?1, ?2, ?3)
-                 ON CONFLICT(key) DO UPDATE SET type = excluded.type, value = excluded.value",
-                params![key, res_type, value],
-            )
-            .await
-            .map(drop)
+        self.exec(
+            "INSERT INTO meta (key, type, value) VALUES (?1, ?2, ?3)
+             ON CONFLICT(key) DO UPDATE SET type = excluded.type, value = excluded.value",
+            params![key, res_type, value],
+        )
+        .await
+        .map(drop)
     }
 
     /// Deletes `key`; the number of rows removed.
     pub async fn delete(&self, key: &str) -> Result<u64, libsql::Error> {
-        self.conn
-            .execute("DELETE FROM meta WHERE key = ?1", [key])
-            .await
+        self.exec("DELETE FROM meta WHERE key = ?1", [key]).await
     }
 
     /// Every `value` of `res_type`, in every namespace, in key order.
@@ -265,13 +306,12 @@ impl Db {
 
     /// Appends one cloud-bound message to the outbox.
     pub async fn outbox_push(&self, topic: &str, payload: &[u8]) -> Result<(), libsql::Error> {
-        self.conn
-            .execute(
-                "INSERT INTO outbox (topic, payload, created_ms) VALUES (?1, ?2, ?3)",
-                params![topic, payload.to_vec(), crate::envelope::now_ms()],
-            )
-            .await
-            .map(drop)
+        self.exec(
+            "INSERT INTO outbox (topic, payload, created_ms) VALUES (?1, ?2, ?3)",
+            params![topic, payload.to_vec(), crate::envelope::now_ms()],
+        )
+        .await
+        .map(drop)
     }
 
     /// The oldest `limit` outbox entries after `after`, oldest first.
@@ -357,5 +397,47 @@ fn text(row: &libsql::Row, index: i32) -> Result<Option<String>, libsql::Error> 
         Value::Blob(bytes) => String::from_utf8(bytes)
             .map(Some)
             .map_err(|_| libsql::Error::InvalidColumnType),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The statement cache must bind every call's own values, also after a statement failed.
+    #[tokio::test]
+    async fn reused_statements_see_each_calls_values() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = StoreConfig {
+            path: dir.path().join("meta.db"),
+            ..StoreConfig::default()
+        };
+        let db = Db::open(&config).await.expect("open");
+        for i in 0..3 {
+            db.upsert(&format!("ns/pod/p{i}"), "pod", &format!("v{i}"))
+                .await
+                .expect("upsert");
+        }
+        for i in 0..3 {
+            let value = db.get(&format!("ns/pod/p{i}")).await.expect("get");
+            assert_eq!(value.as_deref(), Some(format!("v{i}").as_str()));
+        }
+        assert!(db.control("RELEASE nothing").await.is_err());
+        db.control("SAVEPOINT step").await.expect("savepoint");
+        db.upsert("ns/pod/p0", "pod", "changed")
+            .await
+            .expect("upsert");
+        db.control("ROLLBACK TO step").await.expect("rollback to");
+        db.control("RELEASE step").await.expect("release");
+        assert_eq!(
+            db.get("ns/pod/p0").await.expect("get").as_deref(),
+            Some("v0")
+        );
+        assert_eq!(db.delete("ns/pod/p1").await.expect("delete"), 1);
+        assert_eq!(db.delete("ns/pod/p1").await.expect("delete"), 0);
+        assert_eq!(
+            db.get("ns/pod/p2").await.expect("get").as_deref(),
+            Some("v2")
+        );
     }
 }
