@@ -32,6 +32,9 @@ struct Args {
     load_port: Option<u16>,
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// With `--load-port`: every round writes the same resources (else each its own).
+    #[arg(long)]
+    same_names: bool,
 }
 
 /// How much load each scenario offers.
@@ -86,7 +89,8 @@ async fn main() -> anyhow::Result<()> {
     };
     if let Some(port) = args.load_port {
         for round in 0..args.rounds {
-            let rate = throughput(port, "ke/edged/#", &sizes, &format!("load{round}")).await?;
+            let ns = format!("load{}", if args.same_names { 0 } else { round });
+            let rate = throughput(port, "ke/edged/#", &sizes, &ns).await?;
             println!("round {round}: {rate:.0} msg/s");
         }
         return Ok(());
