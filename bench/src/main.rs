@@ -35,6 +35,9 @@ struct Args {
     /// With `--load-port`: every round writes the same resources (else each its own).
     #[arg(long)]
     same_names: bool,
+    /// With `--load-port`: P2 at this offered rate instead of P1.
+    #[arg(long)]
+    latency_rate: Option<u64>,
 }
 
 /// How much load each scenario offers.
@@ -89,6 +92,11 @@ async fn main() -> anyhow::Result<()> {
     };
     if let Some(port) = args.load_port {
         for round in 0..args.rounds {
+            if let Some(rate) = args.latency_rate {
+                let (p, delivered) = latency(port, "ke/edged/#", rate, 3).await?;
+                println!("round {round}: p50 / p99 / p999 {p} µs, delivered {delivered:.0} msg/s");
+                continue;
+            }
             let ns = format!("load{}", if args.same_names { 0 } else { round });
             let rate = throughput(port, "ke/edged/#", &sizes, &ns).await?;
             println!("round {round}: {rate:.0} msg/s");
@@ -873,17 +881,29 @@ async fn fill(port: u16, ns: &str, count: usize) -> anyhow::Result<()> {
     // The "OK"s to the cloud leave through the outbox after the commit: wait for them too, so
     // that the next measurement does not share the node with the relay still draining them.
     subscribe(&c, &mut rx, &format!("ke/cloud/meta/response/{ns}/#")).await?;
-    for i in 0..count {
-        let resource = format!("{ns}/pod/q{i}");
-        c.publish(
-            format!("ke/meta/edgecontroller/insert/{resource}"),
-            QoS::AtLeastOnce,
-            false,
-            insert(&resource, 0),
+    // In chunks: a subscriber that falls further behind than a filter log (32 MiB by default)
+    // loses messages in rumqttd, and this one client receives twice what it sends.
+    const CHUNK: usize = 20_000;
+    for start in (0..count).step_by(CHUNK) {
+        let end = (start + CHUNK).min(count);
+        for i in start..end {
+            let resource = format!("{ns}/pod/q{i}");
+            c.publish(
+                format!("ke/meta/edgecontroller/insert/{resource}"),
+                QoS::AtLeastOnce,
+                false,
+                insert(&resource, 0),
+            )
+            .await?;
+        }
+        wait_for(
+            &mut rx,
+            2 * (end - start),
+            |topic| !topic.starts_with('$'),
+            "fill",
         )
         .await?;
     }
-    wait_for(&mut rx, 2 * count, |topic| !topic.starts_with('$'), "fill").await?;
     Ok(())
 }
 

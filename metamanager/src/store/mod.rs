@@ -320,13 +320,10 @@ impl Db {
         after: i64,
         limit: usize,
     ) -> Result<Vec<OutboxEntry>, libsql::Error> {
-        let mut rows = self
-            .conn
-            .query(
-                "SELECT seq, topic, payload FROM outbox WHERE seq > ?1 ORDER BY seq LIMIT ?2",
-                [after, limit as i64],
-            )
-            .await?;
+        const SQL: &str =
+            "SELECT seq, topic, payload FROM outbox WHERE seq > ?1 ORDER BY seq LIMIT ?2";
+        let statement = self.statement(SQL).await?;
+        let mut rows = statement.query([after, limit as i64]).await?;
         let mut out = Vec::new();
         while let Some(row) = rows.next().await? {
             out.push(OutboxEntry {
@@ -335,25 +332,24 @@ impl Db {
                 payload: row.get(2)?,
             });
         }
+        drop(rows);
+        self.keep(SQL, statement);
         Ok(out)
     }
 
     /// Removes every outbox entry up to and including `seq`; the entries and bytes removed.
     pub async fn outbox_ack(&self, seq: i64) -> Result<(u64, u64), libsql::Error> {
-        let mut rows = self
-            .conn
-            .query(
-                "SELECT count(*), coalesce(sum(length(payload)), 0) FROM outbox WHERE seq <= ?1",
-                [seq],
-            )
-            .await?;
+        const SQL: &str =
+            "SELECT count(*), coalesce(sum(length(payload)), 0) FROM outbox WHERE seq <= ?1";
+        let statement = self.statement(SQL).await?;
+        let mut rows = statement.query([seq]).await?;
         let (entries, bytes) = match rows.next().await? {
             Some(row) => (row.get::<i64>(0)? as u64, row.get::<i64>(1)? as u64),
             None => (0, 0),
         };
         drop(rows);
-        self.conn
-            .execute("DELETE FROM outbox WHERE seq <= ?1", [seq])
+        self.keep(SQL, statement);
+        self.exec("DELETE FROM outbox WHERE seq <= ?1", [seq])
             .await?;
         Ok((entries, bytes))
     }
