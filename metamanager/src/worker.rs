@@ -159,6 +159,9 @@ struct Worker {
     state: State,
 }
 
+type Peek = (i64, usize, oneshot::Sender<Result<Vec<OutboxEntry>, Error>>);
+type StatsReply = oneshot::Sender<Result<OutboxStats, Error>>;
+
 /// One unit of a batch, in arrival order.
 enum Step {
     Request(Box<Request>, Option<Done>),
@@ -200,7 +203,17 @@ impl Worker {
     }
 
     async fn run_batch(&mut self, steps: Vec<Step>, others: Vec<Job>) {
-        if let Err(e) = self.db.control("BEGIN IMMEDIATE").await {
+        let writes_outbox = |job: &Job| matches!(job, Job::OutboxAppend { .. });
+        let acks = |job: &Job| matches!(job, Job::OutboxAck { .. });
+        if steps.is_empty() && !others.iter().any(|j| writes_outbox(j) || acks(j)) {
+            // Reads only (the relay or the bridge asking for rows): no transaction to open.
+            return self.answer_reads(others).await;
+        }
+        // A batch that only deletes delivered outbox rows needs no fsync: a power cut that undid
+        // it would send those rows again, which the at-least-once contract allows. In standalone
+        // mode every batch of requests is followed by such a batch, so this halves the fsyncs.
+        let durable = !steps.is_empty() || others.iter().any(writes_outbox);
+        if let Err(e) = self.db.begin(durable).await {
             let steps = steps.into_iter().map(|s| (s, Outcome::Retry)).collect();
             return self
                 .fail_batch(steps, others, Error::Commit(e.to_string()))
@@ -308,6 +321,31 @@ impl Worker {
         for (reply, result) in replies {
             let _ = reply.send(result);
         }
+        self.answer(peeks, stats).await;
+        if outbox_written {
+            self.outbox_changed.notify_one();
+        }
+    }
+
+    /// Answers a batch that reads the outbox and writes nothing.
+    async fn answer_reads(&mut self, others: Vec<Job>) {
+        let (mut peeks, mut stats) = (Vec::new(), Vec::new());
+        for job in others {
+            match job {
+                Job::OutboxPeek {
+                    after,
+                    limit,
+                    reply,
+                } => peeks.push((after, limit, reply)),
+                Job::OutboxStats { reply } => stats.push(reply),
+                _ => unreachable!("only reads reach answer_reads"),
+            }
+        }
+        self.answer(peeks, stats).await;
+    }
+
+    /// Outbox reads, answered from committed state.
+    async fn answer(&mut self, peeks: Vec<Peek>, stats: Vec<StatsReply>) {
         for (after, limit, reply) in peeks {
             let result = self.db.outbox_peek(after, limit).await;
             let _ = reply.send(result.map_err(Error::store("read outbox")));
@@ -319,9 +357,6 @@ impl Worker {
                 self.state.outbox = stats;
             }
             let _ = reply.send(result.map_err(Error::store("read outbox")));
-        }
-        if outbox_written {
-            self.outbox_changed.notify_one();
         }
     }
 

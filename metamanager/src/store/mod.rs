@@ -9,6 +9,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use libsql::params::IntoParams;
@@ -123,6 +124,9 @@ pub struct Db {
     /// of the write path. A statement is taken out while in use (no lock across an await) and
     /// reset before it goes back: libsql silently reuses old values otherwise.
     statements: Mutex<HashMap<&'static str, Statement>>,
+    /// The configured `synchronous` level, and whether the connection runs below it right now.
+    synchronous: Synchronous,
+    relaxed: AtomicBool,
     // Keeps the database alive as long as the connection.
     _db: libsql::Database,
 }
@@ -154,6 +158,8 @@ impl Db {
         let this = Db {
             conn,
             statements: Mutex::new(HashMap::new()),
+            synchronous: config.synchronous,
+            relaxed: AtomicBool::new(false),
             _db: db,
         };
         this.migrate(&config.path).await?;
@@ -226,6 +232,24 @@ impl Db {
         let changed = statement.execute(params).await?;
         self.keep(sql, statement);
         Ok(changed as u64)
+    }
+
+    /// Opens the write transaction of a batch. With `durable` false its `COMMIT` skips the fsync
+    /// (SQLite `synchronous=NORMAL`; the WAL stays consistent, a power cut may undo it): only for
+    /// writes whose loss repeats work instead of losing it, such as deleting delivered outbox rows.
+    pub async fn begin(&self, durable: bool) -> Result<(), libsql::Error> {
+        // `synchronous` cannot change inside a transaction, so it is set here, and only on change.
+        if self.synchronous == Synchronous::Full && self.relaxed.load(Ordering::Relaxed) == durable
+        {
+            self.control(if durable {
+                "PRAGMA synchronous=FULL"
+            } else {
+                "PRAGMA synchronous=NORMAL"
+            })
+            .await?;
+            self.relaxed.store(!durable, Ordering::Relaxed);
+        }
+        self.control("BEGIN IMMEDIATE").await
     }
 
     /// Runs a transaction-control statement (`BEGIN`, `SAVEPOINT x`, `COMMIT`, ...).
@@ -435,5 +459,32 @@ mod tests {
             db.get("ns/pod/p2").await.expect("get").as_deref(),
             Some("v2")
         );
+    }
+
+    /// A batch that may skip its fsync must not leave the next, durable one without it.
+    #[tokio::test]
+    async fn a_relaxed_commit_does_not_outlive_its_batch() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("meta.db");
+        for (configured, durable_level) in [(Synchronous::Full, 2), (Synchronous::Normal, 1)] {
+            let config = StoreConfig {
+                path: path.clone(),
+                synchronous: configured,
+                ..StoreConfig::default()
+            };
+            let db = Db::open(&config).await.expect("open");
+            for (durable, level) in [
+                (true, durable_level),
+                (false, 1),
+                (false, 1),
+                (true, durable_level),
+            ] {
+                db.begin(durable).await.expect("begin");
+                db.upsert("ns/pod/p", "pod", "v").await.expect("upsert");
+                db.control("COMMIT").await.expect("commit");
+                let found = db.scalar_i64("PRAGMA synchronous").await.expect("pragma");
+                assert_eq!(found, level, "{configured:?}, durable {durable}");
+            }
+        }
     }
 }
