@@ -2,8 +2,11 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::{send, Node};
 use serde_json::json;
+use tokio::time::Instant;
 
 #[tokio::test]
 async fn an_inserted_pod_is_stored_handed_to_edged_and_acked_to_the_cloud() {
@@ -33,5 +36,61 @@ async fn an_inserted_pod_is_stored_handed_to_edged_and_acked_to_the_cloud() {
     assert_eq!(
         node.stored("default/pod/nginx").await.as_deref(),
         Some(r#"{"metadata":{"name":"nginx"}}"#)
+    );
+}
+
+/// Standalone mode: the outbox reaches `ke/cloud/...` whole, once, in order, and is emptied, so
+/// a restart sends nothing again. 600 answers span several relay rounds of 256 rows.
+#[tokio::test]
+async fn the_local_relay_delivers_every_cloud_message_once_in_order_and_empties_the_outbox() {
+    const COUNT: usize = 600;
+    let mut node = Node::start().await;
+    let mut watcher = node.client().await;
+    watcher.subscribe("ke/cloud/#").await;
+    let cloud = node.client().await;
+    let mut sent = Vec::with_capacity(COUNT);
+    for i in 0..COUNT {
+        let resource = format!("relay/pod/p{i}");
+        sent.push(
+            send(
+                &cloud,
+                "edgecontroller",
+                "insert",
+                &resource,
+                json!({"n": i}),
+            )
+            .await,
+        );
+    }
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut answered = Vec::with_capacity(COUNT);
+    while answered.len() < COUNT && Instant::now() < deadline {
+        for m in watcher.drain(Duration::from_millis(200)).await {
+            answered.push(m.parent_id().expect("an answer names its request"));
+        }
+    }
+    assert_eq!(
+        answered, sent,
+        "answers on ke/cloud: missing, repeated or out of order"
+    );
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while node.outbox_len().await > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "outbox not emptied after delivery"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    node.terminate();
+    node.restart().await;
+    let mut watcher = node.client().await;
+    watcher.subscribe("ke/cloud/#").await;
+    let again = watcher.drain(Duration::from_secs(1)).await;
+    assert!(
+        again.is_empty(),
+        "{} answers sent again after a restart",
+        again.len()
     );
 }

@@ -133,23 +133,31 @@ async fn main() -> anyhow::Result<()> {
     });
 
     // P2: latency against offered load.
-    let mut csv = String::from("system,offered,delivered,p50_us,p99_us,p999_us\n");
+    let mut csv = String::from("system,offered,delivered,p50_us,p99_us,p999_us,cpu_us_per_msg\n");
     for &rate in &sizes.rates {
+        let messages = (rate * sizes.rate_seconds) as f64;
+        let before = edgemeta.cpu()?;
         let (em, em_rate) = latency(edgemeta.port, "ke/edged/#", rate, sizes.rate_seconds).await?;
+        let em_cpu = (edgemeta.cpu()? - before).as_secs_f64() * 1e6 / messages;
+        let before = mosquitto.cpu()?;
         let (mq, mq_rate) = latency(mosquitto.port, "ke/meta/#", rate, sizes.rate_seconds).await?;
-        for (system, p, delivered) in [("edgemeta", &em, em_rate), ("mosquitto", &mq, mq_rate)] {
+        let mq_cpu = (mosquitto.cpu()? - before).as_secs_f64() * 1e6 / messages;
+        for (system, p, delivered, cpu) in [
+            ("edgemeta", &em, em_rate, em_cpu),
+            ("mosquitto", &mq, mq_rate, mq_cpu),
+        ] {
             csv.push_str(&format!(
-                "{system},{rate},{delivered:.0},{},{},{}\n",
+                "{system},{rate},{delivered:.0},{},{},{},{cpu:.0}\n",
                 p.p50, p.p99, p.p999
             ));
         }
         let met = rate != 10_000 || em.p99 <= 5_000;
         rows.push(Row {
             name: format!(
-                "P2 at {rate} msg/s offered: latency p50 / p99 / p999 (µs); delivered msg/s"
+                "P2 at {rate} msg/s offered: latency p50 / p99 / p999 (µs); delivered msg/s; broker CPU µs per message"
             ),
-            edgemeta: format!("{em}; {em_rate:.0}"),
-            mosquitto: format!("{mq}; {mq_rate:.0}"),
+            edgemeta: format!("{em}; {em_rate:.0}; {em_cpu:.0}"),
+            mosquitto: format!("{mq}; {mq_rate:.0}; {mq_cpu:.0}"),
             target: if rate == 10_000 {
                 "p99 ≤ 5 ms".into()
             } else {
@@ -628,6 +636,23 @@ impl Server {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
         Ok(server)
+    }
+
+    /// CPU time (user + system, all threads) the process has used so far.
+    fn cpu(&self) -> anyhow::Result<Duration> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id()))?;
+        // Fields after the command name, which may hold spaces; utime and stime are 14 and 15,
+        // in USER_HZ ticks, which Linux fixes at 100 per second for /proc.
+        let fields: Vec<&str> = stat
+            .rsplit_once(')')
+            .context("/proc stat")?
+            .1
+            .split_whitespace()
+            .collect();
+        let ticks = |i: usize| -> anyhow::Result<u64> {
+            Ok(fields.get(i).context("/proc stat field")?.parse()?)
+        };
+        Ok(Duration::from_millis((ticks(11)? + ticks(12)?) * 10))
     }
 
     fn rss_kib(&self) -> anyhow::Result<u64> {

@@ -88,6 +88,16 @@ pub fn subscription(root: &str) -> String {
     format!("{root}/{}/#", topic::META)
 }
 
+/// An outbox deletion handed to the store, whose outcome is read later.
+pub struct PendingAck(oneshot::Receiver<Result<(), Error>>);
+
+impl PendingAck {
+    /// Waits for the deletion's commit.
+    pub async fn finish(self) -> Result<(), Error> {
+        self.0.await.map_err(|_| Error::Closed)?
+    }
+}
+
 /// Access to the outbox for whoever delivers it (the local relay or the cloud bridge).
 #[derive(Clone)]
 pub struct OutboxHandle {
@@ -112,12 +122,18 @@ impl OutboxHandle {
 
     /// Deletes every entry up to and including `seq`, after it was delivered.
     pub async fn ack(&self, seq: i64) -> Result<(), Error> {
+        self.start_ack(seq).await?.finish().await
+    }
+
+    /// Queues the deletion of every entry up to `seq` without waiting for its commit; jobs run
+    /// in order, so a later [`OutboxHandle::peek`] already sees it.
+    pub async fn start_ack(&self, seq: i64) -> Result<PendingAck, Error> {
         let (reply, rx) = oneshot::channel();
         self.jobs
             .send(worker::Job::OutboxAck { seq, reply })
             .await
             .map_err(|_| Error::Closed)?;
-        rx.await.map_err(|_| Error::Closed)?
+        Ok(PendingAck(rx))
     }
 
     /// Queues a message another module published for the cloud; returns after the commit.
