@@ -159,8 +159,15 @@ struct Worker {
     state: State,
 }
 
+/// An outbox read: entries after `seq`, at most `limit`, and where to send them.
 type Peek = (i64, usize, oneshot::Sender<Result<Vec<OutboxEntry>, Error>>);
-type StatsReply = oneshot::Sender<Result<OutboxStats, Error>>;
+
+/// The outbox reads of a batch, answered after its writes.
+#[derive(Default)]
+struct Reads {
+    peeks: Vec<Peek>,
+    stats: Vec<oneshot::Sender<Result<OutboxStats, Error>>>,
+}
 
 /// One unit of a batch, in arrival order.
 enum Step {
@@ -203,16 +210,36 @@ impl Worker {
     }
 
     async fn run_batch(&mut self, steps: Vec<Step>, others: Vec<Job>) {
-        let writes_outbox = |job: &Job| matches!(job, Job::OutboxAppend { .. });
-        let acks = |job: &Job| matches!(job, Job::OutboxAck { .. });
-        if steps.is_empty() && !others.iter().any(|j| writes_outbox(j) || acks(j)) {
-            // Reads only (the relay or the bridge asking for rows): no transaction to open.
-            return self.answer_reads(others).await;
+        let mut reads = Reads::default();
+        let mut writes = Vec::new();
+        for job in others {
+            match job {
+                Job::OutboxPeek {
+                    after,
+                    limit,
+                    reply,
+                } => reads.peeks.push((after, limit, reply)),
+                Job::OutboxStats { reply } => reads.stats.push(reply),
+                other => writes.push(other),
+            }
         }
+        // Reads only (the relay or the bridge asking for rows) open no transaction.
+        if !steps.is_empty() || !writes.is_empty() {
+            self.write_batch(steps, writes).await;
+        }
+        // Reads see what is committed, whether or not this batch's writes were.
+        self.answer(reads).await;
+    }
+
+    /// Applies requests and outbox writes in one transaction; answers only after `COMMIT`.
+    async fn write_batch(&mut self, steps: Vec<Step>, others: Vec<Job>) {
         // A batch that only deletes delivered outbox rows needs no fsync: a power cut that undid
         // it would send those rows again, which the at-least-once contract allows. In standalone
-        // mode every batch of requests is followed by such a batch, so this halves the fsyncs.
-        let durable = !steps.is_empty() || others.iter().any(writes_outbox);
+        // mode every batch of requests is followed by such a batch, so this saves many fsyncs.
+        let durable = !steps.is_empty()
+            || others
+                .iter()
+                .any(|job| matches!(job, Job::OutboxAppend { .. }));
         if let Err(e) = self.db.begin(durable).await {
             let steps = steps.into_iter().map(|s| (s, Outcome::Retry)).collect();
             return self
@@ -264,7 +291,7 @@ impl Worker {
             self.state.outbox = outbox_before;
             return self.fail_batch(applied, others, error).await;
         }
-        let (mut replies, mut peeks, mut stats) = (Vec::new(), Vec::new(), Vec::new());
+        let mut replies = Vec::new();
         for job in others {
             match job {
                 Job::OutboxAck { seq, reply } => {
@@ -286,13 +313,9 @@ impl Worker {
                     outbox_written |= result.is_ok();
                     replies.push((reply, result));
                 }
-                Job::OutboxPeek {
-                    after,
-                    limit,
-                    reply,
-                } => peeks.push((after, limit, reply)),
-                Job::OutboxStats { reply } => stats.push(reply),
-                Job::Request(..) => unreachable!("requests are sorted into steps"),
+                Job::Request(..) | Job::OutboxPeek { .. } | Job::OutboxStats { .. } => {
+                    unreachable!("requests and reads are sorted out before")
+                }
             }
         }
         if let Err(e) = self.db.control("COMMIT").await {
@@ -321,36 +344,18 @@ impl Worker {
         for (reply, result) in replies {
             let _ = reply.send(result);
         }
-        self.answer(peeks, stats).await;
         if outbox_written {
             self.outbox_changed.notify_one();
         }
     }
 
-    /// Answers a batch that reads the outbox and writes nothing.
-    async fn answer_reads(&mut self, others: Vec<Job>) {
-        let (mut peeks, mut stats) = (Vec::new(), Vec::new());
-        for job in others {
-            match job {
-                Job::OutboxPeek {
-                    after,
-                    limit,
-                    reply,
-                } => peeks.push((after, limit, reply)),
-                Job::OutboxStats { reply } => stats.push(reply),
-                _ => unreachable!("only reads reach answer_reads"),
-            }
-        }
-        self.answer(peeks, stats).await;
-    }
-
     /// Outbox reads, answered from committed state.
-    async fn answer(&mut self, peeks: Vec<Peek>, stats: Vec<StatsReply>) {
-        for (after, limit, reply) in peeks {
+    async fn answer(&mut self, reads: Reads) {
+        for (after, limit, reply) in reads.peeks {
             let result = self.db.outbox_peek(after, limit).await;
             let _ = reply.send(result.map_err(Error::store("read outbox")));
         }
-        for reply in stats {
+        for reply in reads.stats {
             // Authoritative numbers, which also re-anchor the running counters.
             let result = self.db.outbox_stats().await;
             if let Ok(stats) = result {
