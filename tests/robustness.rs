@@ -5,97 +5,90 @@
 mod common;
 
 use common::{
-    envelope, mosquitto_pub, mosquitto_sub, send, sub_output, unique_id, Client, Node, Options,
-    WAIT,
+    envelope, mosquitto_pub, mosquitto_sub, send, sub_output, unique_id, Client, Msg, Node,
+    Options, WAIT,
 };
-use serde_json::json;
+use serde_json::{json, Value};
 use std::collections::HashSet;
-use std::process::{Command, Stdio};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-#[tokio::test]
-async fn state_survives_a_graceful_restart_and_a_kill_9_after_ok() {
-    let mut node = Node::start().await;
-    let mut client = node.client().await;
-    client.subscribe("ke/cloud/meta/response/#").await;
-    let id = send(
-        &client,
-        "edgecontroller",
-        "insert",
-        "default/pod/a",
-        json!({"v": 1}),
-    )
-    .await;
-    client
-        .expect_reply("ke/cloud/meta/response/default/pod/a", &id)
-        .await;
-    drop(client);
-    let (status, took) = node.terminate();
-    assert!(status.success(), "exit status {status}:\n{}", node.log());
-    assert!(took < Duration::from_secs(5), "took {took:?}");
-    node.restart().await;
+/// How many inserts a burst sends: enough that many are still in flight when the node stops.
+const BURST: usize = 2000;
 
+/// A client of `node` subscribed to `filter`.
+async fn watching(node: &Node, filter: &str) -> Client {
     let mut client = node.client().await;
-    client.subscribe("ke/cloud/meta/response/#").await;
-    let id = send(
-        &client,
-        "edgecontroller",
-        "insert",
-        "default/pod/b",
-        json!({"v": 2}),
-    )
-    .await;
+    client.subscribe(filter).await;
     client
-        .expect_reply("ke/cloud/meta/response/default/pod/b", &id)
-        .await;
-    // The OK has been seen: from here nothing may lose pod b, not even SIGKILL.
-    node.kill9();
-    node.restart().await;
-
-    let mut client = node.client().await;
-    client.subscribe("ke/edged/meta/response/#").await;
-    let id = send(&client, "edged", "query", "default/pod", json!(null)).await;
-    let reply = client
-        .expect_reply("ke/edged/meta/response/default/pod", &id)
-        .await;
-    assert_eq!(reply.content(), json!([r#"{"v":1}"#, r#"{"v":2}"#]));
 }
 
-#[tokio::test]
-async fn every_insert_acked_before_a_kill_9_is_stored_after_it() {
-    let mut node = Node::start().await;
-    let mut client = node.client().await;
-    client.subscribe("ke/cloud/meta/response/#").await;
-    let mut ids = Vec::new();
-    for i in 0..2000 {
+/// edgecontroller inserts `content` under `resource` and waits for the reply to the cloud.
+/// `client` must watch `ke/cloud/meta/response/#`.
+async fn insert_acked(client: &mut Client, resource: &str, content: Value) {
+    let id = send(client, "edgecontroller", "insert", resource, content).await;
+    client
+        .expect_reply(&format!("ke/cloud/meta/response/{resource}"), &id)
+        .await;
+}
+
+/// edged queries `resource`; returns the answer's content. `client` must watch
+/// `ke/edged/meta/response/#`.
+async fn query(client: &mut Client, resource: &str) -> Value {
+    let id = send(client, "edged", "query", resource, json!(null)).await;
+    client
+        .expect_reply(&format!("ke/edged/meta/response/{resource}"), &id)
+        .await
+        .content()
+}
+
+/// The text of an error reply.
+fn text(reply: &Msg) -> String {
+    reply.content().as_str().unwrap_or_default().to_owned()
+}
+
+/// Sends [`BURST`] edgecontroller inserts, `default/pod/p<i>`; returns their ids in order.
+async fn send_burst(client: &Client) -> Vec<String> {
+    let mut ids = Vec::with_capacity(BURST);
+    for i in 0..BURST {
+        let resource = format!("default/pod/p{i}");
         ids.push(
             send(
-                &client,
+                client,
                 "edgecontroller",
                 "insert",
-                &format!("default/pod/p{i}"),
+                &resource,
                 json!({"i": i}),
             )
             .await,
         );
     }
-    // Kill as soon as a few hundred are acknowledged: the rest are in flight.
+    ids
+}
+
+/// Reads replies until at least `count` distinct requests have been acknowledged.
+async fn acks(client: &mut Client, count: usize) -> HashSet<String> {
     let mut acked = HashSet::new();
-    while acked.len() < 300 {
-        let m = client.next().await;
-        if let Some(parent) = m.parent_id() {
+    while acked.len() < count {
+        if let Some(parent) = client.next().await.parent_id() {
             acked.insert(parent);
         }
     }
-    node.kill9();
-    acked.extend(
-        client
-            .drain(Duration::from_millis(50))
-            .await
-            .iter()
-            .filter_map(|m| m.parent_id()),
-    );
-    node.restart().await;
+    acked
+}
+
+/// Adds the acknowledgements still arriving within `window` (sent before the node stopped).
+async fn late_acks(client: &mut Client, acked: &mut HashSet<String>, window: Duration) {
+    acked.extend(client.drain(window).await.iter().filter_map(Msg::parent_id));
+}
+
+/// Asserts that every burst insert in `acked` is in the store; returns the stored keys.
+async fn assert_acked_stored(
+    node: &Node,
+    ids: &[String],
+    acked: &HashSet<String>,
+) -> HashSet<String> {
     let stored: HashSet<String> = node.meta_rows().await.into_iter().map(|r| r.0).collect();
     for (i, id) in ids.iter().enumerate() {
         if acked.contains(id) {
@@ -105,55 +98,64 @@ async fn every_insert_acked_before_a_kill_9_is_stored_after_it() {
             );
         }
     }
+    stored
+}
+
+/// Stops `node` with SIGTERM; it must exit successfully within five seconds.
+fn terminate_cleanly(node: &mut Node) {
+    let (status, took) = node.terminate();
+    assert!(status.success(), "exit status {status}:\n{}", node.log());
+    assert!(took < Duration::from_secs(5), "shutdown took {took:?}");
+}
+
+#[tokio::test]
+async fn state_survives_a_graceful_restart_and_a_kill_9_after_ok() {
+    let mut node = Node::start().await;
+    let mut client = watching(&node, "ke/cloud/meta/response/#").await;
+    insert_acked(&mut client, "default/pod/a", json!({"v": 1})).await;
+    drop(client);
+    terminate_cleanly(&mut node);
+    node.restart().await;
+
+    let mut client = watching(&node, "ke/cloud/meta/response/#").await;
+    insert_acked(&mut client, "default/pod/b", json!({"v": 2})).await;
+    // The OK has been seen: from here nothing may lose pod b, not even SIGKILL.
+    node.kill9();
+    node.restart().await;
+
+    let mut client = watching(&node, "ke/edged/meta/response/#").await;
+    assert_eq!(
+        query(&mut client, "default/pod").await,
+        json!([r#"{"v":1}"#, r#"{"v":2}"#])
+    );
+}
+
+#[tokio::test]
+async fn every_insert_acked_before_a_kill_9_is_stored_after_it() {
+    let mut node = Node::start().await;
+    let mut client = watching(&node, "ke/cloud/meta/response/#").await;
+    let ids = send_burst(&client).await;
+    // Kill as soon as a few hundred are acknowledged: the rest are in flight.
+    let mut acked = acks(&mut client, 300).await;
+    node.kill9();
+    late_acks(&mut client, &mut acked, Duration::from_millis(50)).await;
+    node.restart().await;
+    let stored = assert_acked_stored(&node, &ids, &acked).await;
     assert!(stored.len() >= acked.len());
 }
 
 #[tokio::test]
 async fn sigterm_during_a_burst_stops_within_five_seconds_with_every_ack_committed() {
     let mut node = Node::start().await;
-    let mut client = node.client().await;
-    client.subscribe("ke/cloud/meta/response/#").await;
-    let mut ids = Vec::new();
-    for i in 0..2000 {
-        ids.push(
-            send(
-                &client,
-                "edgecontroller",
-                "insert",
-                &format!("default/pod/p{i}"),
-                json!({"i": i}),
-            )
-            .await,
-        );
-    }
-    let mut acked = HashSet::new();
-    while acked.len() < 100 {
-        if let Some(parent) = client.next().await.parent_id() {
-            acked.insert(parent);
-        }
-    }
-    let (status, took) = node.terminate();
-    assert!(status.success(), "exit status {status}:\n{}", node.log());
-    assert!(took < Duration::from_secs(5), "shutdown took {took:?}");
-    acked.extend(
-        client
-            .drain(Duration::from_millis(100))
-            .await
-            .iter()
-            .filter_map(|m| m.parent_id()),
-    );
+    let mut client = watching(&node, "ke/cloud/meta/response/#").await;
+    let ids = send_burst(&client).await;
+    let mut acked = acks(&mut client, 100).await;
+    terminate_cleanly(&mut node);
+    late_acks(&mut client, &mut acked, Duration::from_millis(100)).await;
     let log = node.log();
     assert!(log.contains("every accepted message is committed"), "{log}");
     node.restart().await;
-    let stored: HashSet<String> = node.meta_rows().await.into_iter().map(|r| r.0).collect();
-    for (i, id) in ids.iter().enumerate() {
-        if acked.contains(id) {
-            assert!(
-                stored.contains(&format!("default/pod/p{i}")),
-                "acked p{i} lost"
-            );
-        }
-    }
+    assert_acked_stored(&node, &ids, &acked).await;
 }
 
 /// Each bad input gets an `error` reply naming the problem on the sender's error topic.
@@ -169,8 +171,7 @@ async fn bad_input_is_refused_with_a_clear_error_and_the_store_is_unchanged() {
     })
     .await;
     let before = node.meta_rows().await;
-    let mut client = node.client().await;
-    client.subscribe("ke/edged/meta/error/#").await;
+    let mut client = watching(&node, "ke/edged/meta/error/#").await;
 
     let cases: Vec<(&str, Vec<u8>, &str, &str)> = vec![
         (
@@ -216,23 +217,24 @@ async fn bad_input_is_refused_with_a_clear_error_and_the_store_is_unchanged() {
             "invalid envelope",
         ),
     ];
-    for (topic, payload, error_topic, text) in cases {
+    for (topic, payload, error_topic, expected) in cases {
         client.publish(topic, payload).await;
         let reply = client.expect(error_topic).await;
-        let content = reply.content();
-        let said = content.as_str().unwrap_or_default();
-        assert!(said.contains(text), "{topic}: {said:?} should say {text:?}");
+        let said = text(&reply);
+        assert!(
+            said.contains(expected),
+            "{topic}: {said:?} should say {expected:?}"
+        );
         assert_eq!(reply.operation(), "error");
     }
     assert_eq!(node.meta_rows().await, before);
 
     // And the node keeps answering.
     client.subscribe("ke/edged/meta/response/#").await;
-    let id = send(&client, "edged", "query", "default/pod/keep", json!(null)).await;
-    let reply = client
-        .expect_reply("ke/edged/meta/response/default/pod/keep", &id)
-        .await;
-    assert_eq!(reply.content(), json!([r#"{"keep":1}"#]));
+    assert_eq!(
+        query(&mut client, "default/pod/keep").await,
+        json!([r#"{"keep":1}"#])
+    );
 }
 
 #[tokio::test]
@@ -256,14 +258,19 @@ async fn a_client_id_with_a_slash_is_refused_twice_and_the_listener_keeps_servin
             "{stderr}"
         );
     }
-    let mut client = node.client().await;
-    client.subscribe("ke/edged/meta/response/#").await;
+    let mut client = watching(&node, "ke/edged/meta/response/#").await;
     let id = send(&client, "edged", "insert", "default/pod/x", json!({})).await;
     client
         .expect_reply("ke/edged/meta/response/default/pod/x", &id)
         .await;
     assert_eq!(node.stored("default/pod/x").await.as_deref(), Some("{}"));
     assert!(node.log().contains("EM-BROKER-CLIENT-ID"));
+}
+
+/// Publishes `payload` on `topic` at QoS 1 with `mosquitto_pub`, which must succeed.
+fn mosquitto_pub_qos1(port: u16, topic: &str, payload: &str) {
+    let (ok, stderr) = mosquitto_pub(port, &["-q", "1", "-t", topic, "-m", payload]);
+    assert!(ok, "{topic}: {stderr}");
 }
 
 #[tokio::test]
@@ -274,31 +281,13 @@ async fn mosquitto_clients_drive_the_node_with_bare_and_full_payloads() {
     // mosquitto_sub subscribes asynchronously; give it a moment before publishing.
     tokio::time::sleep(Duration::from_millis(300)).await;
 
-    let (ok, stderr) = mosquitto_pub(
+    mosquitto_pub_qos1(
         port,
-        &[
-            "-q",
-            "1",
-            "-t",
-            "ke/meta/edgecontroller/insert/default/configmap/app",
-            "-m",
-            r#"{"data":{"mode":"eco"}}"#,
-        ],
+        "ke/meta/edgecontroller/insert/default/configmap/app",
+        r#"{"data":{"mode":"eco"}}"#,
     );
-    assert!(ok, "{stderr}");
     let (_, full) = envelope("edged", "query", "default/configmap/app", json!(null));
-    let (ok, stderr) = mosquitto_pub(
-        port,
-        &[
-            "-q",
-            "1",
-            "-t",
-            "ke/meta/edged/query/default/configmap/app",
-            "-m",
-            &full,
-        ],
-    );
-    assert!(ok, "{stderr}");
+    mosquitto_pub_qos1(port, "ke/meta/edged/query/default/configmap/app", &full);
 
     let lines = sub_output(watcher);
     assert!(
@@ -320,19 +309,49 @@ async fn mosquitto_clients_drive_the_node_with_bare_and_full_payloads() {
     );
 }
 
+/// The README, whose walkthroughs the tests below run verbatim.
+fn readme() -> String {
+    std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).expect("README.md")
+}
+
+/// The README's `mosquitto_pub`/`mosquitto_sub` lines for port `documented`, aimed at `actual`.
+fn readme_commands(readme: &str, documented: u16, actual: u16) -> Vec<String> {
+    let documented = format!("-p {documented}");
+    readme
+        .lines()
+        .filter(|l| l.starts_with("mosquitto_pub ") || l.starts_with("mosquitto_sub "))
+        .filter(|l| l.contains(&documented))
+        .map(|l| l.replace(&documented, &format!("-p {actual}")))
+        .collect()
+}
+
+/// Starts `mosquitto_sub` with `args`, exiting after one message or the wait, and gives it
+/// time to subscribe.
+async fn mosquitto_sub_once(args: &[String]) -> Child {
+    let child = Command::new("mosquitto_sub")
+        .args(args)
+        .args(["-C", "1", "-W", &WAIT.as_secs().to_string()])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("mosquitto_sub");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    child
+}
+
+/// Runs `mosquitto_pub` with `args`; returns whether it succeeded.
+fn run_mosquitto_pub(args: &[String]) -> bool {
+    Command::new("mosquitto_pub")
+        .args(args)
+        .status()
+        .expect("mosquitto_pub")
+        .success()
+}
+
 #[tokio::test]
 async fn the_readme_walkthrough_works_verbatim() {
     // The README's commands, with the port the test picked instead of 1883.
     let node = Node::start().await;
-    let port = node.port.to_string();
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
-        .expect("README.md");
-    let commands: Vec<String> = readme
-        .lines()
-        .filter(|l| l.starts_with("mosquitto_pub ") || l.starts_with("mosquitto_sub "))
-        .filter(|l| l.contains("-p 1883"))
-        .map(|l| l.replace("-p 1883", &format!("-p {port}")))
-        .collect();
+    let commands = readme_commands(&readme(), 1883, node.port);
     assert!(
         commands.len() >= 3,
         "walkthrough commands in README: {commands:?}"
@@ -341,28 +360,9 @@ async fn the_readme_walkthrough_works_verbatim() {
     for command in &commands {
         let args = shell_words(command);
         if args[0] == "mosquitto_sub" {
-            let mut args = args[1..].to_vec();
-            args.extend([
-                "-C".into(),
-                "1".into(),
-                "-W".into(),
-                WAIT.as_secs().to_string(),
-            ]);
-            watchers.push((
-                command.clone(),
-                Command::new("mosquitto_sub")
-                    .args(&args)
-                    .stdout(Stdio::piped())
-                    .spawn()
-                    .expect("mosquitto_sub"),
-            ));
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            watchers.push((command, mosquitto_sub_once(&args[1..]).await));
         } else {
-            let status = Command::new("mosquitto_pub")
-                .args(&args[1..])
-                .status()
-                .expect("mosquitto_pub");
-            assert!(status.success(), "{command}");
+            assert!(run_mosquitto_pub(&args[1..]), "{command}");
         }
     }
     for (command, child) in watchers {
@@ -404,16 +404,39 @@ fn shell_words(line: &str) -> Vec<String> {
     words
 }
 
-/// Runs `edgemeta run` with `yaml` and `env`; it must exit on its own within the wait.
-fn run_expecting_exit(yaml: &str, env: &[(&str, &str)]) -> (bool, String) {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let config = dir.path().join("edge.yaml");
+/// A configuration whose one listener is `address`, with the store in the working directory.
+fn listening_on(address: &str) -> String {
+    format!(
+        "broker:\n  listeners:\n    mqtt:\n      address: {address}\nstore:\n  path: store.db\n"
+    )
+}
+
+/// `edgemeta run` working in `dir`, with `yaml` written there as its configuration file.
+fn edgemeta(dir: &Path, yaml: &str) -> Command {
+    let config = dir.join("edge.yaml");
     std::fs::write(&config, yaml).expect("config");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
+    let mut command = Command::new(env!("CARGO_BIN_EXE_edgemeta"));
+    command
         .arg("run")
         .arg("--config")
         .arg(&config)
-        .current_dir(dir.path())
+        .current_dir(dir);
+    command
+}
+
+/// Polls `ready` every 20 ms; fails with `what` unless it holds within the wait.
+async fn wait_until(what: &str, mut ready: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !ready() {
+        assert!(started.elapsed() < WAIT, "{what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Runs `edgemeta run` with `yaml` and `env`; it must exit on its own within the wait.
+fn run_expecting_exit(yaml: &str, env: &[(&str, &str)]) -> (bool, String) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut child = edgemeta(dir.path(), yaml)
         .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -447,10 +470,7 @@ async fn an_unknown_configuration_key_is_refused_by_name() {
 async fn a_listener_that_cannot_bind_stops_start_up_naming_the_address() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let address = taken.local_addr().expect("addr").to_string();
-    let yaml = format!(
-        "broker:\n  listeners:\n    mqtt:\n      address: {address}\nstore:\n  path: store.db\n"
-    );
-    let (ok, text) = run_expecting_exit(&yaml, &[]);
+    let (ok, text) = run_expecting_exit(&listening_on(&address), &[]);
     assert!(!ok);
     assert!(text.contains(&address), "{text}");
 }
@@ -459,40 +479,23 @@ async fn a_listener_that_cannot_bind_stops_start_up_naming_the_address() {
 async fn an_environment_variable_overrides_the_file() {
     let port = common::free_port();
     let dir = tempfile::tempdir().expect("temp dir");
-    let config = dir.path().join("edge.yaml");
-    std::fs::write(
-        &config,
-        format!("broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\nstore:\n  path: store.db\n"),
-    )
-    .expect("config");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
-        .arg("run")
-        .arg("--config")
-        .arg(&config)
-        .current_dir(dir.path())
+    let mut child = edgemeta(dir.path(), &listening_on(&format!("127.0.0.1:{port}")))
         .env("EDGEMETA_METAMANAGER__MAX_PAYLOAD_BYTES", "64")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .expect("start edgemeta");
-    let started = Instant::now();
-    let mut client = loop {
-        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            break Client::connect(port, &unique_id("env")).await;
-        }
-        assert!(started.elapsed() < WAIT, "node not serving");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    wait_until("node not serving", || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    })
+    .await;
+    let mut client = Client::connect(port, &unique_id("env")).await;
     client.subscribe("ke/edged/meta/error/#").await;
     client
         .publish("ke/meta/edged/insert/default/pod/x", "x".repeat(100))
         .await;
     let reply = client.expect("ke/edged/meta/error/default/pod/x").await;
-    assert!(reply
-        .content()
-        .as_str()
-        .unwrap_or_default()
-        .contains("exceeds the limit of 64 bytes"));
+    assert!(text(&reply).contains("exceeds the limit of 64 bytes"));
     let _ = child.kill();
     let _ = child.wait();
 }
@@ -501,8 +504,7 @@ async fn an_environment_variable_overrides_the_file() {
 async fn the_readme_cloud_walkthrough_works_verbatim() {
     // The README's cloud section, with the ports the test picked instead of 1883 and 1884.
     let cloud = common::CloudBroker::start().await;
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
-        .expect("README.md");
+    let readme = readme();
     let run = readme
         .lines()
         .find(|l| l.starts_with("EDGEMETA_CLOUD__ENABLED="))
@@ -518,19 +520,9 @@ async fn the_readme_cloud_walkthrough_works_verbatim() {
         .collect();
     let port = common::free_port();
     let dir = tempfile::tempdir().expect("temp dir");
-    let config = dir.path().join("edge.yaml");
-    std::fs::write(
-        &config,
-        format!("broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\nstore:\n  path: store.db\n"),
-    )
-    .expect("config");
     let log_path = dir.path().join("node.log");
     let log = std::fs::File::create(&log_path).expect("log");
-    let mut node = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
-        .arg("run")
-        .arg("--config")
-        .arg(&config)
-        .current_dir(dir.path())
+    let mut node = edgemeta(dir.path(), &listening_on(&format!("127.0.0.1:{port}")))
         .envs(env)
         .stdout(log.try_clone().expect("log"))
         .stderr(log)
@@ -538,41 +530,21 @@ async fn the_readme_cloud_walkthrough_works_verbatim() {
         .expect("start edgemeta");
     // As a person would, wait for the node to say it reached the cloud (its session, and with it
     // the down subscription, must exist before the cloud publishes).
-    let started = Instant::now();
-    while !std::fs::read_to_string(&log_path)
-        .unwrap_or_default()
-        .contains("cloud_connected")
-    {
-        assert!(started.elapsed() < WAIT, "the bridge never connected");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until("the bridge never connected", || {
+        std::fs::read_to_string(&log_path)
+            .unwrap_or_default()
+            .contains("cloud_connected")
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
 
-    let commands: Vec<Vec<String>> = readme
-        .lines()
-        .filter(|l| l.starts_with("mosquitto_pub ") || l.starts_with("mosquitto_sub "))
-        .filter(|l| l.contains("-p 1884"))
-        .map(|l| shell_words(&l.replace("-p 1884", &format!("-p {cloud_port}"))))
+    let commands: Vec<Vec<String>> = readme_commands(&readme, 1884, cloud.port)
+        .iter()
+        .map(|l| shell_words(l))
         .collect();
     assert_eq!(commands.len(), 2, "{commands:?}");
-    let mut sub_args = commands[0][1..].to_vec();
-    sub_args.extend([
-        "-C".into(),
-        "1".into(),
-        "-W".into(),
-        WAIT.as_secs().to_string(),
-    ]);
-    let watcher = Command::new("mosquitto_sub")
-        .args(&sub_args)
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("mosquitto_sub");
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let status = Command::new("mosquitto_pub")
-        .args(&commands[1][1..])
-        .status()
-        .expect("mosquitto_pub");
-    assert!(status.success());
+    let watcher = mosquitto_sub_once(&commands[0][1..]).await;
+    assert!(run_mosquitto_pub(&commands[1][1..]));
     let out = watcher.wait_with_output().expect("mosquitto_sub");
     let line = String::from_utf8_lossy(&out.stdout).into_owned();
     let _ = node.kill();
@@ -591,8 +563,7 @@ async fn a_full_store_refuses_writes_with_an_error_and_keeps_answering_queries()
         ..Options::default()
     })
     .await;
-    let mut client = node.client().await;
-    client.subscribe("ke/edged/meta/#").await;
+    let mut client = watching(&node, "ke/edged/meta/#").await;
     let big = "x".repeat(30_000);
     let mut refused = None;
     let mut stored = Vec::new();
@@ -606,7 +577,7 @@ async fn a_full_store_refuses_writes_with_an_error_and_keeps_answering_queries()
             }
         };
         if reply.operation() == "error" {
-            refused = Some(reply.content().as_str().unwrap_or_default().to_owned());
+            refused = Some(text(&reply));
             break;
         }
         stored.push(resource);
@@ -615,19 +586,15 @@ async fn a_full_store_refuses_writes_with_an_error_and_keeps_answering_queries()
     assert!(refused.contains("full"), "{refused}");
     assert!(!stored.is_empty());
     // What was acknowledged is there, and reads still work.
-    let id = send(&client, "edged", "query", &stored[0], json!(null)).await;
-    let reply = client
-        .expect_reply(&format!("ke/edged/meta/response/{}", stored[0]), &id)
-        .await;
-    assert_eq!(reply.content().as_array().map(Vec::len), Some(1));
+    let answer = query(&mut client, &stored[0]).await;
+    assert_eq!(answer.as_array().map(Vec::len), Some(1));
     assert_eq!(node.meta_rows().await.len(), stored.len());
 }
 
 #[tokio::test]
 async fn a_refused_full_envelope_is_answered_with_its_own_id() {
     let node = Node::start().await;
-    let mut client = node.client().await;
-    client.subscribe("ke/edged/meta/error/#").await;
+    let mut client = watching(&node, "ke/edged/meta/error/#").await;
     for (topic, error_topic) in [
         (
             "ke/meta/edged/frobnicate/default/pod/x",
@@ -641,6 +608,6 @@ async fn a_refused_full_envelope_is_answered_with_its_own_id() {
         let (id, payload) = envelope("edged", "insert", "default/pod/x", json!({}));
         client.publish(topic, payload).await;
         let reply = client.expect_reply(error_topic, &id).await;
-        assert_eq!(reply.operation(), "error");
+        assert_eq!(reply.operation(), "error", "{topic}");
     }
 }

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{send, unique_id, Client, Node, Options, QUIET, WAIT};
+use common::{send, unique_id, Client, Msg, Node, Options, QUIET, WAIT};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
@@ -19,6 +19,32 @@ CREATE TRIGGER fail_update BEFORE UPDATE ON meta WHEN NEW.key LIKE 'fail/%'
   BEGIN SELECT RAISE(ABORT, 'Failed DB Operation'); END;
 CREATE TRIGGER fail_delete BEFORE DELETE ON meta WHEN OLD.key LIKE 'fail/%'
   BEGIN SELECT RAISE(ABORT, 'Failed DB Operation'); END;";
+
+/// How a failed insert or update starts its error text.
+const WRITE_FAILED: &str = "insert or update meta failed:";
+
+/// SQL that stores one row, for [`seeded`]; `value` must not contain `'`.
+fn meta_row(key: &str, kind: &str, value: &str) -> String {
+    format!("INSERT INTO meta(key, type, value) VALUES ('{key}', '{kind}', '{value}');")
+}
+
+/// Options for a node whose store already holds `sql` (run after KubeEdge's table is created).
+fn seeded(sql: &str) -> Options {
+    Options {
+        store_setup: Some(sql.to_owned()),
+        ..Options::default()
+    }
+}
+
+/// The topic on which `from` gets its `kind` ("response" or "error") replies about `resource`:
+/// the cloud's modules share `ke/cloud/`, an edge module has its own `ke/<module>/`.
+fn reply_topic(from: &str, kind: &str, resource: &str) -> String {
+    let to = match from {
+        "edgecontroller" | "funcmgr" => "cloud",
+        module => module,
+    };
+    format!("ke/{to}/meta/{kind}/{resource}")
+}
 
 /// A node plus a client that sees everything under `ke/`.
 struct Scene {
@@ -38,13 +64,11 @@ impl Scene {
         Scene { node, bus }
     }
 
-    /// A node whose store already holds `sql` (run after KubeEdge's table is created).
-    async fn seeded(sql: &str) -> Scene {
-        Scene::with(Options {
-            store_setup: Some(sql.to_owned()),
-            ..Options::default()
-        })
-        .await
+    /// A node already told that the cloud link is up, so queries may go on to the cloud.
+    async fn connected(options: Options) -> Scene {
+        let mut s = Scene::with(options).await;
+        s.cloud("cloud_connected").await;
+        s
     }
 
     async fn send(&self, from: &str, op: &str, resource: &str, content: Value) -> String {
@@ -69,9 +93,56 @@ impl Scene {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
-    /// The error reply to `id` on `topic`, as text.
-    async fn error(&mut self, topic: &str, id: &str) -> String {
-        let reply = self.bus.expect_reply(topic, id).await;
+    /// Publishes `source`'s answer to message `parent`, as the cloud or edged would; returns the
+    /// answer's own id.
+    async fn answer(
+        &self,
+        source: &str,
+        op: &str,
+        resource: &str,
+        parent: &str,
+        content: Value,
+    ) -> String {
+        let id = unique_id("answer");
+        let payload = json!({
+            "header": {"msg_id": id, "parent_msg_id": parent, "timestamp": 0},
+            "route": {"source": source, "group": "resource", "operation": op, "resource": resource},
+            "content": content,
+        });
+        self.send_raw(source, op, resource, &payload.to_string())
+            .await;
+        id
+    }
+
+    /// Sends a request and expects the MetaManager to hand it on, with the same id, to module
+    /// `to` on `ke/<to>/<from>/<op>/<resource>`; returns the request id and what `to` got.
+    async fn handed_on(
+        &mut self,
+        from: &str,
+        op: &str,
+        resource: &str,
+        content: Value,
+        to: &str,
+    ) -> (String, Msg) {
+        let id = self.send(from, op, resource, content).await;
+        let handed = self
+            .bus
+            .expect(&format!("ke/{to}/{from}/{op}/{resource}"))
+            .await;
+        assert_eq!(handed.msg_id(), id, "on {}", handed.topic);
+        (id, handed)
+    }
+
+    /// The `kind` reply to request `id` that `from` sent about `resource`.
+    async fn reply(&mut self, from: &str, kind: &str, resource: &str, id: &str) -> Msg {
+        self.bus
+            .expect_reply(&reply_topic(from, kind, resource), id)
+            .await
+    }
+
+    /// The error `from` got for request `id` about `resource`, as text.
+    async fn error(&mut self, from: &str, resource: &str, id: &str) -> String {
+        let reply = self.reply(from, "error", resource, id).await;
         assert_eq!(reply.operation(), "error");
         reply
             .content()
@@ -80,53 +151,70 @@ impl Scene {
             .to_owned()
     }
 
-    async fn ok(&mut self, topic: &str, id: &str) {
-        let reply = self.bus.expect_reply(topic, id).await;
-        assert_eq!(reply.content(), json!("OK"), "on {topic}");
+    /// Asserts that `from` got "OK" for request `id` about `resource`.
+    async fn ok(&mut self, from: &str, resource: &str, id: &str) {
+        let reply = self.reply(from, "response", resource, id).await;
+        assert_eq!(reply.content(), json!("OK"), "on {}", reply.topic);
+    }
+
+    /// Sends a request the MetaManager must refuse; returns the error text its sender got.
+    async fn refused(&mut self, from: &str, op: &str, resource: &str, content: Value) -> String {
+        let id = self.send(from, op, resource, content).await;
+        self.error(from, resource, &id).await
+    }
+
+    /// Publishes a payload that is not JSON as `from`'s `op`; asserts that `from` is told so on
+    /// its error topic (no request id can be read from it, so none is matched).
+    async fn malformed_is_refused(&mut self, from: &str, op: &str, resource: &str) {
+        const MALFORMED: &str = r#"{"header": {"msg_id": "m1"}, "content": "#;
+        self.send_raw(from, op, resource, MALFORMED).await;
+        let reply = self.bus.expect(&reply_topic(from, "error", resource)).await;
+        let text = reply.content().as_str().unwrap_or_default().to_owned();
+        assert!(text.starts_with("malformed JSON"), "{op}: {text}");
+    }
+
+    /// edged queries `resource` and is answered at once; returns the answer's content.
+    async fn query(&mut self, resource: &str) -> Value {
+        let id = self.send("edged", "query", resource, json!(null)).await;
+        self.reply("edged", "response", resource, &id)
+            .await
+            .content()
+    }
+
+    /// edged queries `resource` and the query goes on to the cloud; returns edged's request id
+    /// and the id of the query the cloud got.
+    async fn query_sent_to_cloud(&mut self, resource: &str) -> (String, String) {
+        let id = self.send("edged", "query", resource, json!(null)).await;
+        let remote = self
+            .bus
+            .expect(&format!("ke/cloud/edged/query/{resource}"))
+            .await;
+        (id, remote.msg_id())
+    }
+
+    /// Asserts that the store holds `value` under `key`.
+    async fn assert_stored(&self, key: &str, value: &str) {
+        assert_eq!(
+            self.node.stored(key).await.as_deref(),
+            Some(value),
+            "stored under {key}"
+        );
     }
 }
-
-/// A reply envelope to `parent`, as the cloud or edged would send it.
-fn answer(source: &str, op: &str, resource: &str, parent: &str, content: Value) -> String {
-    json!({
-        "header": {"msg_id": unique_id("answer"), "parent_msg_id": parent, "timestamp": 0},
-        "route": {"source": source, "group": "resource", "operation": op, "resource": resource},
-        "content": content,
-    })
-    .to_string()
-}
-
-const MALFORMED: &str = r#"{"header": {"msg_id": "m1"}, "content": "#;
 
 // ---- insert -------------------------------------------------------------------------------
 
 #[tokio::test]
 async fn row01_02_a_failed_insert_is_an_error_to_the_requester_and_stores_nothing() {
-    let mut s = Scene::seeded(FAILING_WRITES).await;
-    let id = s
-        .send(
-            "edgecontroller",
-            "insert",
-            "fail/podstatus/p",
-            json!({"a": 1}),
-        )
-        .await;
-    let text = s.error("ke/cloud/meta/error/fail/podstatus/p", &id).await;
-    assert!(text.starts_with("insert or update meta failed:"), "{text}");
-    assert!(text.contains("Failed DB Operation"), "{text}");
-
-    let id = s
-        .send(
-            "edged",
-            "insert",
-            "fail/podstatus/secondRes",
-            json!({"a": 1}),
-        )
-        .await;
-    let text = s
-        .error("ke/edged/meta/error/fail/podstatus/secondRes", &id)
-        .await;
-    assert!(text.starts_with("insert or update meta failed:"), "{text}");
+    let mut s = Scene::with(seeded(FAILING_WRITES)).await;
+    for (from, resource) in [
+        ("edgecontroller", "fail/podstatus/p"),
+        ("edged", "fail/podstatus/secondRes"),
+    ] {
+        let text = s.refused(from, "insert", resource, json!({"a": 1})).await;
+        assert!(text.starts_with(WRITE_FAILED), "{from}: {text}");
+        assert!(text.contains("Failed DB Operation"), "{from}: {text}");
+    }
     s.bus
         .expect_silence("ke/edged/edged/insert/fail/podstatus/secondRes")
         .await;
@@ -137,14 +225,8 @@ async fn row01_02_a_failed_insert_is_an_error_to_the_requester_and_stores_nothin
 async fn row03_05_12_28_31_content_that_is_not_json_is_refused_for_every_operation() {
     let mut s = Scene::start().await;
     for op in ["insert", "update", "response", "action", "action_result"] {
-        s.send_raw("edged", op, "default/podstatus/p", MALFORMED)
+        s.malformed_is_refused("edged", op, "default/podstatus/p")
             .await;
-        let reply = s
-            .bus
-            .expect("ke/edged/meta/error/default/podstatus/p")
-            .await;
-        let text = reply.content().as_str().unwrap_or_default().to_owned();
-        assert!(text.starts_with("malformed JSON"), "{op}: {text}");
     }
     assert!(s.node.meta_rows().await.is_empty());
 }
@@ -152,29 +234,13 @@ async fn row03_05_12_28_31_content_that_is_not_json_is_refused_for_every_operati
 #[tokio::test]
 async fn row04_an_edged_insert_is_stored_handed_to_edged_and_acked() {
     let mut s = Scene::start().await;
-    let id = s
-        .send(
-            "edged",
-            "insert",
-            "podstatus/secondRes/thirdRes",
-            json!({"phase": "Running"}),
-        )
+    let key = "podstatus/secondRes/thirdRes";
+    let (id, handed) = s
+        .handed_on("edged", "insert", key, json!({"phase": "Running"}), "edged")
         .await;
-    let handed = s
-        .bus
-        .expect("ke/edged/edged/insert/podstatus/secondRes/thirdRes")
-        .await;
-    assert_eq!(handed.msg_id(), id);
     assert_eq!(handed.operation(), "insert");
-    s.ok("ke/edged/meta/response/podstatus/secondRes/thirdRes", &id)
-        .await;
-    assert_eq!(
-        s.node
-            .stored("podstatus/secondRes/thirdRes")
-            .await
-            .as_deref(),
-        Some(r#"{"phase":"Running"}"#)
-    );
+    s.ok("edged", key, &id).await;
+    s.assert_stored(key, r#"{"phase":"Running"}"#).await;
 }
 
 #[tokio::test]
@@ -189,7 +255,7 @@ async fn inserting_an_existing_key_updates_it() {
                 json!({"v": version}),
             )
             .await;
-        s.ok("ke/cloud/meta/response/default/pod/web", &id).await;
+        s.ok("edgecontroller", "default/pod/web", &id).await;
     }
     assert_eq!(
         s.node.meta_rows().await,
@@ -208,21 +274,17 @@ async fn a_servicelist_is_stored_item_by_item_and_handed_to_edgemesh() {
         {"metadata": {"namespace": "default", "name": "a"}},
         {"metadata": {"namespace": "kube-system", "name": "b"}},
     ]);
-    let id = s
-        .send(
+    let (id, handed) = s
+        .handed_on(
             "edgecontroller",
             "insert",
             "default/servicelist",
             list.clone(),
+            "edgemesh",
         )
         .await;
-    let handed = s
-        .bus
-        .expect("ke/edgemesh/edgecontroller/insert/default/servicelist")
-        .await;
     assert_eq!(handed.content(), list);
-    s.ok("ke/cloud/meta/response/default/servicelist", &id)
-        .await;
+    s.ok("edgecontroller", "default/servicelist", &id).await;
     let keys: Vec<String> = s.node.meta_rows().await.into_iter().map(|r| r.0).collect();
     assert_eq!(keys, ["default/service/a", "kube-system/service/b"]);
 }
@@ -231,16 +293,12 @@ async fn a_servicelist_is_stored_item_by_item_and_handed_to_edgemesh() {
 
 #[tokio::test]
 async fn row06_13_a_failed_update_or_response_is_an_error_to_edged() {
-    let mut s = Scene::seeded(FAILING_WRITES).await;
+    let mut s = Scene::with(seeded(FAILING_WRITES)).await;
     for op in ["update", "response"] {
-        let id = s
-            .send("edged", op, "fail/podstatus/p", json!({"phase": "x"}))
+        let text = s
+            .refused("edged", op, "fail/podstatus/p", json!({"phase": "x"}))
             .await;
-        let text = s.error("ke/edged/meta/error/fail/podstatus/p", &id).await;
-        assert!(
-            text.starts_with("insert or update meta failed:"),
-            "{op}: {text}"
-        );
+        assert!(text.starts_with(WRITE_FAILED), "{op}: {text}");
     }
     s.bus
         .expect_silence("ke/cloud/edged/update/fail/podstatus/p")
@@ -249,14 +307,11 @@ async fn row06_13_a_failed_update_or_response_is_an_error_to_edged() {
 
 #[tokio::test]
 async fn row07_an_unchanged_podstatus_is_acked_and_not_forwarded() {
-    let mut s = Scene::seeded(
-        "INSERT INTO meta(key, type, value) VALUES ('test/podstatus', 'podstatus', '\"test\"');",
-    )
-    .await;
+    let mut s = Scene::with(seeded(&meta_row("test/podstatus", "podstatus", "\"test\""))).await;
     let id = s
         .send("edged", "update", "test/podstatus", json!("test"))
         .await;
-    s.ok("ke/edged/meta/response/test/podstatus", &id).await;
+    s.ok("edged", "test/podstatus", &id).await;
     s.bus
         .expect_silence("ke/cloud/edged/update/test/podstatus")
         .await;
@@ -285,67 +340,38 @@ async fn row08_an_edged_update_goes_to_the_cloud_and_edged_gets_ok() {
     assert_eq!(up.source(), "edged");
     assert_eq!(ok.parent_id().as_deref(), Some(id.as_str()));
     assert_eq!(ok.content(), json!("OK"));
-    assert_eq!(
-        s.node.stored("default/podstatus/web").await.as_deref(),
-        Some(r#"{"phase":"Running"}"#)
-    );
+    s.assert_stored("default/podstatus/web", r#"{"phase":"Running"}"#)
+        .await;
 }
 
 #[tokio::test]
 async fn row09_an_edgecontroller_update_goes_to_edged_and_the_cloud_gets_ok() {
     let mut s = Scene::start().await;
-    let id = s
-        .send(
-            "edgecontroller",
-            "update",
-            "default/podstatus/web",
-            json!({"v": 1}),
-        )
-        .await;
-    let handed = s
-        .bus
-        .expect("ke/edged/edgecontroller/update/default/podstatus/web")
+    let key = "default/podstatus/web";
+    let (id, handed) = s
+        .handed_on("edgecontroller", "update", key, json!({"v": 1}), "edged")
         .await;
     assert_eq!(handed.source(), "edgecontroller");
-    s.ok("ke/cloud/meta/response/default/podstatus/web", &id)
-        .await;
+    s.ok("edgecontroller", key, &id).await;
 }
 
 #[tokio::test]
 async fn row10_11_function_updates_go_to_edgefunction_and_back_to_the_cloud() {
     let mut s = Scene::start().await;
-    let id = s
-        .send(
-            "funcmgr",
-            "update",
-            "default/function/f",
-            json!({"code": "x"}),
-        )
+    let key = "default/function/f";
+    s.handed_on(
+        "funcmgr",
+        "update",
+        key,
+        json!({"code": "x"}),
+        "edgefunction",
+    )
+    .await;
+    let (_, up) = s
+        .handed_on("edgefunction", "update", key, json!({"code": "y"}), "cloud")
         .await;
-    let handed = s
-        .bus
-        .expect("ke/edgefunction/funcmgr/update/default/function/f")
-        .await;
-    assert_eq!(handed.msg_id(), id);
-
-    let id = s
-        .send(
-            "edgefunction",
-            "update",
-            "default/function/f",
-            json!({"code": "y"}),
-        )
-        .await;
-    let up = s
-        .bus
-        .expect("ke/cloud/edgefunction/update/default/function/f")
-        .await;
-    assert_eq!(up.msg_id(), id);
     assert_eq!(up.source(), "edgefunction");
-    assert_eq!(
-        s.node.stored("default/function/f").await.as_deref(),
-        Some(r#"{"code":"y"}"#)
-    );
+    s.assert_stored(key, r#"{"code":"y"}"#).await;
 }
 
 // ---- response -----------------------------------------------------------------------------
@@ -353,92 +379,60 @@ async fn row10_11_function_updates_go_to_edgefunction_and_back_to_the_cloud() {
 #[tokio::test]
 async fn row14_15_responses_cross_between_edged_and_the_cloud() {
     let mut s = Scene::start().await;
-    let id = s
-        .send(
-            "edged",
-            "response",
-            "default/pod/web",
-            json!({"from": "edged"}),
-        )
+    let key = "default/pod/web";
+    s.handed_on("edged", "response", key, json!({"from": "edged"}), "cloud")
         .await;
-    let up = s
-        .bus
-        .expect("ke/cloud/edged/response/default/pod/web")
-        .await;
-    assert_eq!(up.msg_id(), id);
-
-    let id = s
-        .send(
-            "edgecontroller",
-            "response",
-            "default/pod/web",
-            json!({"from": "cloud"}),
-        )
-        .await;
-    let down = s
-        .bus
-        .expect("ke/edged/edgecontroller/response/default/pod/web")
-        .await;
-    assert_eq!(down.msg_id(), id);
-    assert_eq!(
-        s.node.stored("default/pod/web").await.as_deref(),
-        Some(r#"{"from":"cloud"}"#)
-    );
+    s.handed_on(
+        "edgecontroller",
+        "response",
+        key,
+        json!({"from": "cloud"}),
+        "edged",
+    )
+    .await;
+    s.assert_stored(key, r#"{"from":"cloud"}"#).await;
 }
 
 // ---- delete -------------------------------------------------------------------------------
 
 #[tokio::test]
 async fn row16_a_failed_delete_is_an_error_and_the_row_stays() {
-    let mut s = Scene::seeded(&format!(
-        "INSERT INTO meta(key, type, value) VALUES ('fail/podstatus/p', 'podstatus', '{{}}');{FAILING_WRITES}"
-    ))
+    let mut s = Scene::with(seeded(&format!(
+        "{}{FAILING_WRITES}",
+        meta_row("fail/podstatus/p", "podstatus", "{}")
+    )))
     .await;
-    let id = s
-        .send("edgecontroller", "delete", "fail/podstatus/p", json!(null))
+    let text = s
+        .refused("edgecontroller", "delete", "fail/podstatus/p", json!(null))
         .await;
-    let text = s.error("ke/cloud/meta/error/fail/podstatus/p", &id).await;
     assert!(text.starts_with("delete meta failed:"), "{text}");
-    assert_eq!(
-        s.node.stored("fail/podstatus/p").await.as_deref(),
-        Some("{}")
-    );
+    s.assert_stored("fail/podstatus/p", "{}").await;
 }
 
 #[tokio::test]
 async fn row17_a_cloud_delete_removes_the_row_goes_to_edged_and_is_acked() {
-    let mut s = Scene::seeded(
-        "INSERT INTO meta(key, type, value) VALUES ('default/pod/web', 'pod', '{}');",
-    )
-    .await;
-    let id = s
-        .send(
+    let key = "default/pod/web";
+    let mut s = Scene::with(seeded(&meta_row(key, "pod", "{}"))).await;
+    let (id, handed) = s
+        .handed_on(
             "edgecontroller",
             "delete",
-            "default/pod/web",
+            key,
             json!({"uid": "1"}),
+            "edged",
         )
         .await;
-    let handed = s
-        .bus
-        .expect("ke/edged/edgecontroller/delete/default/pod/web")
-        .await;
     assert_eq!(handed.operation(), "delete");
-    s.ok("ke/cloud/meta/response/default/pod/web", &id).await;
+    s.ok("edgecontroller", key, &id).await;
     assert!(s.node.meta_rows().await.is_empty());
 }
 
 #[tokio::test]
 async fn a_pod_deleted_by_edged_goes_to_the_cloud_only() {
-    let mut s = Scene::seeded(
-        "INSERT INTO meta(key, type, value) VALUES ('default/pod/web', 'pod', '{}');",
-    )
-    .await;
-    let id = s
-        .send("edged", "delete", "default/pod/web", json!(null))
+    let key = "default/pod/web";
+    let mut s = Scene::with(seeded(&meta_row(key, "pod", "{}"))).await;
+    s.handed_on("edged", "delete", key, json!(null), "cloud")
         .await;
-    let up = s.bus.expect("ke/cloud/edged/delete/default/pod/web").await;
-    assert_eq!(up.msg_id(), id);
     s.bus
         .expect_silence("ke/edged/edged/delete/default/pod/web")
         .await;
@@ -449,115 +443,61 @@ async fn a_pod_deleted_by_edged_goes_to_the_cloud_only() {
 
 #[tokio::test]
 async fn row18_19_20_connected_uncached_query_goes_to_the_cloud_and_its_answer_is_cached() {
-    let mut s = Scene::start().await;
-    s.cloud("cloud_connected").await;
-    let id = s
-        .send("edged", "query", "default/configmap/cm", json!(null))
-        .await;
-    let remote = s
-        .bus
-        .expect("ke/cloud/edged/query/default/configmap/cm")
-        .await;
-    let remote_id = remote.msg_id();
+    let mut s = Scene::connected(Options::default()).await;
+    let key = "default/configmap/cm";
+    let (id, remote_id) = s.query_sent_to_cloud(key).await;
     assert_ne!(remote_id, id, "the remote query carries a fresh id");
 
-    let payload = answer(
-        "edgecontroller",
-        "response",
-        "default/configmap/cm",
-        &remote_id,
-        json!({"data": {"k": "v"}}),
-    );
-    s.send_raw(
-        "edgecontroller",
-        "response",
-        "default/configmap/cm",
-        &payload,
-    )
-    .await;
-    let reply = s
-        .bus
-        .expect_reply("ke/edged/meta/response/default/configmap/cm", &id)
+    let content = json!({"data": {"k": "v"}});
+    let answer = s
+        .answer("edgecontroller", "response", key, &remote_id, content)
         .await;
+    let reply = s.reply("edged", "response", key, &id).await;
     assert_eq!(reply.content(), json!([r#"{"data":{"k":"v"}}"#]));
-    let ack = s
-        .bus
-        .expect("ke/cloud/meta/response/default/configmap/cm")
-        .await;
-    assert_eq!(ack.content(), json!("OK"));
-    assert_eq!(
-        s.node.stored("default/configmap/cm").await.as_deref(),
-        Some(r#"{"data":{"k":"v"}}"#)
-    );
+    s.ok("edgecontroller", key, &answer).await;
+    s.assert_stored(key, r#"{"data":{"k":"v"}}"#).await;
 }
 
 #[tokio::test]
 async fn row19_an_unparsable_cloud_answer_is_refused_and_the_query_times_out() {
-    let mut s = Scene::with(Options {
+    let mut s = Scene::connected(Options {
         remote_query_timeout_ms: 500,
         ..Options::default()
     })
     .await;
-    s.cloud("cloud_connected").await;
-    let id = s
-        .send("edged", "query", "default/secret/s", json!(null))
+    let key = "default/secret/s";
+    let (id, _) = s.query_sent_to_cloud(key).await;
+    s.malformed_is_refused("edgecontroller", "response", key)
         .await;
-    s.bus.expect("ke/cloud/edged/query/default/secret/s").await;
-    s.send_raw("edgecontroller", "response", "default/secret/s", MALFORMED)
-        .await;
-    let refused = s.bus.expect("ke/cloud/meta/error/default/secret/s").await;
-    assert!(refused
-        .content()
-        .as_str()
-        .unwrap_or_default()
-        .starts_with("malformed JSON"));
-    let text = s.error("ke/edged/meta/error/default/secret/s", &id).await;
+    let text = s.error("edged", key, &id).await;
     assert!(text.contains("no answer from the cloud"), "{text}");
 }
 
 #[tokio::test]
 async fn row20_the_answer_reaches_edged_even_when_caching_it_fails() {
-    let mut s = Scene::seeded(FAILING_WRITES).await;
-    s.cloud("cloud_connected").await;
-    let id = s
-        .send("edged", "query", "fail/configmap/cm", json!(null))
+    let mut s = Scene::connected(seeded(FAILING_WRITES)).await;
+    let key = "fail/configmap/cm";
+    let (id, remote_id) = s.query_sent_to_cloud(key).await;
+    let answer = s
+        .answer(
+            "edgecontroller",
+            "response",
+            key,
+            &remote_id,
+            json!("TestMessage"),
+        )
         .await;
-    let remote = s.bus.expect("ke/cloud/edged/query/fail/configmap/cm").await;
-    let payload = answer(
-        "edgecontroller",
-        "response",
-        "fail/configmap/cm",
-        &remote.msg_id(),
-        json!("TestMessage"),
-    );
-    s.send_raw("edgecontroller", "response", "fail/configmap/cm", &payload)
-        .await;
-    let reply = s
-        .bus
-        .expect_reply("ke/edged/meta/response/fail/configmap/cm", &id)
-        .await;
+    let reply = s.reply("edged", "response", key, &id).await;
     assert_eq!(reply.content(), json!([r#""TestMessage""#]));
-    s.bus
-        .expect("ke/cloud/meta/response/fail/configmap/cm")
-        .await;
+    s.ok("edgecontroller", key, &answer).await;
     assert!(s.node.meta_rows().await.is_empty());
 }
 
 #[tokio::test]
 async fn row21_a_cached_remote_type_is_answered_locally_while_connected() {
-    let mut s = Scene::seeded(
-        "INSERT INTO meta(key, type, value) VALUES ('test/configmap/cm', 'configmap', '\"Test\"');",
-    )
-    .await;
-    s.cloud("cloud_connected").await;
-    let id = s
-        .send("edged", "query", "test/configmap/cm", json!(null))
-        .await;
-    let reply = s
-        .bus
-        .expect_reply("ke/edged/meta/response/test/configmap/cm", &id)
-        .await;
-    assert_eq!(reply.content(), json!([r#""Test""#]));
+    let key = "test/configmap/cm";
+    let mut s = Scene::connected(seeded(&meta_row(key, "configmap", "\"Test\""))).await;
+    assert_eq!(s.query(key).await, json!([r#""Test""#]));
     s.bus
         .expect_silence("ke/cloud/edged/query/test/configmap/cm")
         .await;
@@ -566,69 +506,41 @@ async fn row21_a_cached_remote_type_is_answered_locally_while_connected() {
 #[tokio::test]
 async fn row22_23_a_failing_read_is_an_error_to_the_requester() {
     // A BLOB where KubeEdge stores text cannot be read back as a document.
-    let mut s = Scene::seeded(
+    let mut s = Scene::with(seeded(
         "INSERT INTO meta(key, type, value) VALUES ('test/test/configmap', 'test', X'00FF');",
-    )
+    ))
     .await;
-    let id = s
-        .send(
-            "edgecontroller",
-            "query",
-            "test/test/configmap",
-            json!(null),
-        )
-        .await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    eprintln!("LOG {}", s.node.log());
-    let text = s
-        .error("ke/cloud/meta/error/test/test/configmap", &id)
-        .await;
-    assert!(text.starts_with("query meta failed:"), "{text}");
-    let id = s.send("edged", "query", "test/test", json!(null)).await;
-    let text = s.error("ke/edged/meta/error/test/test", &id).await;
-    assert!(text.starts_with("query meta failed:"), "{text}");
+    for (from, resource) in [
+        ("edgecontroller", "test/test/configmap"),
+        ("edged", "test/test"),
+    ] {
+        let text = s.refused(from, "query", resource, json!(null)).await;
+        assert!(text.starts_with("query meta failed:"), "{from}: {text}");
+    }
 }
 
 #[tokio::test]
 async fn row24_queries_by_key_and_by_type_answer_from_the_store() {
-    let mut s = Scene::seeded(
+    let mut s = Scene::with(seeded(
         "INSERT INTO meta(key, type, value) VALUES
            ('default/pod/a', 'pod', '{\"n\":\"a\"}'),
            ('default/pod/b', 'pod', '{\"n\":\"b\"}'),
            ('default/configmap/c', 'configmap', '{}');",
-    )
+    ))
     .await;
-    let id = s.send("edged", "query", "default/pod/a", json!(null)).await;
-    let reply = s
-        .bus
-        .expect_reply("ke/edged/meta/response/default/pod/a", &id)
-        .await;
-    assert_eq!(reply.content(), json!([r#"{"n":"a"}"#]));
+    assert_eq!(s.query("default/pod/a").await, json!([r#"{"n":"a"}"#]));
 
-    let id = s.send("edged", "query", "default/pod", json!(null)).await;
-    let reply = s
-        .bus
-        .expect_reply("ke/edged/meta/response/default/pod", &id)
-        .await;
-    let mut pods: Vec<String> = serde_json::from_value(reply.content()).unwrap();
+    let mut pods: Vec<String> = serde_json::from_value(s.query("default/pod").await).unwrap();
     pods.sort();
     assert_eq!(pods, [r#"{"n":"a"}"#, r#"{"n":"b"}"#]);
 }
 
 #[tokio::test]
 async fn row25_26_disconnected_queries_answer_locally_at_once() {
-    let mut s = Scene::start().await;
-    s.cloud("cloud_connected").await;
+    let mut s = Scene::connected(Options::default()).await;
     s.cloud("cloud_disconnected").await;
     let started = Instant::now();
-    let id = s
-        .send("edged", "query", "default/configmap/absent", json!(null))
-        .await;
-    let reply = s
-        .bus
-        .expect_reply("ke/edged/meta/response/default/configmap/absent", &id)
-        .await;
-    assert_eq!(reply.content(), json!([]));
+    assert_eq!(s.query("default/configmap/absent").await, json!([]));
     assert!(started.elapsed() < Duration::from_secs(2));
     s.bus
         .expect_silence("ke/cloud/edged/query/default/configmap/absent")
@@ -637,71 +549,47 @@ async fn row25_26_disconnected_queries_answer_locally_at_once() {
 
 #[tokio::test]
 async fn a_disconnect_answers_waiting_remote_queries_from_the_store() {
-    let mut s = Scene::with(Options {
+    let mut s = Scene::connected(Options {
         remote_query_timeout_ms: 60_000,
         ..Options::default()
     })
     .await;
-    s.cloud("cloud_connected").await;
-    let id = s
-        .send("edged", "query", "default/secret/s", json!(null))
-        .await;
-    s.bus.expect("ke/cloud/edged/query/default/secret/s").await;
+    let key = "default/secret/s";
+    let (id, _) = s.query_sent_to_cloud(key).await;
     s.cloud("cloud_disconnected").await;
-    let reply = s
-        .bus
-        .expect_reply("ke/edged/meta/response/default/secret/s", &id)
-        .await;
+    let reply = s.reply("edged", "response", key, &id).await;
     assert_eq!(reply.content(), json!([]));
 }
 
 #[tokio::test]
 async fn a_silent_cloud_gets_the_stale_local_copy_of_an_always_remote_type() {
-    let mut s = Scene::with(Options {
+    let key = "default/node/edge1";
+    let mut s = Scene::connected(Options {
         remote_query_timeout_ms: 300,
-        store_setup: Some(
-            "INSERT INTO meta(key, type, value) VALUES ('default/node/edge1', 'node', '{\"old\":true}');"
-                .to_owned(),
-        ),
-        ..Options::default()
+        ..seeded(&meta_row(key, "node", r#"{"old":true}"#))
     })
     .await;
-    s.cloud("cloud_connected").await;
-    let id = s
-        .send("edged", "query", "default/node/edge1", json!(null))
-        .await;
-    s.bus
-        .expect("ke/cloud/edged/query/default/node/edge1")
-        .await;
-    let reply = s
-        .bus
-        .expect_reply("ke/edged/meta/response/default/node/edge1", &id)
-        .await;
+    let (id, _) = s.query_sent_to_cloud(key).await;
+    let reply = s.reply("edged", "response", key, &id).await;
     assert_eq!(reply.content(), json!([r#"{"old":true}"#]));
 }
 
 #[tokio::test]
 async fn a_cloud_error_answer_reaches_edged_and_is_acked() {
-    let mut s = Scene::start().await;
-    s.cloud("cloud_connected").await;
-    let id = s
-        .send("edged", "query", "default/secret/s", json!(null))
+    let mut s = Scene::connected(Options::default()).await;
+    let key = "default/secret/s";
+    let (id, remote_id) = s.query_sent_to_cloud(key).await;
+    let answer = s
+        .answer(
+            "edgecontroller",
+            "error",
+            key,
+            &remote_id,
+            json!("secret not found"),
+        )
         .await;
-    let remote = s.bus.expect("ke/cloud/edged/query/default/secret/s").await;
-    let payload = answer(
-        "edgecontroller",
-        "error",
-        "default/secret/s",
-        &remote.msg_id(),
-        json!("secret not found"),
-    );
-    s.send_raw("edgecontroller", "error", "default/secret/s", &payload)
-        .await;
-    let text = s.error("ke/edged/meta/error/default/secret/s", &id).await;
-    assert_eq!(text, "secret not found");
-    s.bus
-        .expect("ke/cloud/meta/response/default/secret/s")
-        .await;
+    assert_eq!(s.error("edged", key, &id).await, "secret not found");
+    s.ok("edgecontroller", key, &answer).await;
     assert!(s.node.meta_rows().await.is_empty());
 }
 
@@ -732,56 +620,33 @@ async fn row27_t1_the_sync_timer_sends_pod_statuses_and_drops_orphans() {
 
 #[tokio::test]
 async fn row28_33_actions_go_to_edgefunction_and_results_to_the_cloud() {
-    let mut s = Scene::seeded(FAILING_WRITES).await;
-    let id = s
-        .send(
-            "edgecontroller",
-            "action",
-            "default/function/f",
-            json!({"run": 1}),
-        )
-        .await;
-    let handed = s
-        .bus
-        .expect("ke/edgefunction/edgecontroller/action/default/function/f")
-        .await;
-    assert_eq!(handed.msg_id(), id);
+    let mut s = Scene::with(seeded(FAILING_WRITES)).await;
+    let key = "default/function/f";
+    s.handed_on(
+        "edgecontroller",
+        "action",
+        key,
+        json!({"run": 1}),
+        "edgefunction",
+    )
+    .await;
+    s.handed_on(
+        "edgefunction",
+        "action_result",
+        key,
+        json!({"out": 2}),
+        "cloud",
+    )
+    .await;
+    s.assert_stored(key, r#"{"out":2}"#).await;
 
-    let id = s
-        .send(
-            "edgefunction",
-            "action_result",
-            "default/function/f",
-            json!({"out": 2}),
-        )
-        .await;
-    let up = s
-        .bus
-        .expect("ke/cloud/edgefunction/action_result/default/function/f")
-        .await;
-    assert_eq!(up.msg_id(), id);
-    assert_eq!(
-        s.node.stored("default/function/f").await.as_deref(),
-        Some(r#"{"out":2}"#)
-    );
-
-    let id = s
-        .send("edgecontroller", "action", "fail/function/f", json!({}))
-        .await;
-    let text = s.error("ke/cloud/meta/error/fail/function/f", &id).await;
-    assert!(text.starts_with("insert or update meta failed:"), "{text}");
-    let id = s
-        .send(
-            "edgefunction",
-            "action_result",
-            "fail/function/f",
-            json!({}),
-        )
-        .await;
-    let text = s
-        .error("ke/edgefunction/meta/error/fail/function/f", &id)
-        .await;
-    assert!(text.starts_with("insert or update meta failed:"), "{text}");
+    for (from, op) in [
+        ("edgecontroller", "action"),
+        ("edgefunction", "action_result"),
+    ] {
+        let text = s.refused(from, op, "fail/function/f", json!({})).await;
+        assert!(text.starts_with(WRITE_FAILED), "{op}: {text}");
+    }
 }
 
 // ---- CSI volumes --------------------------------------------------------------------------
@@ -796,21 +661,19 @@ async fn a_volume_call_is_relayed_to_edged_and_its_answer_returned_to_the_cloud(
         "controllerunpublishvolume",
     ] {
         let resource = format!("default/volume/{op}");
-        let id = s
-            .send("edgecontroller", op, &resource, json!({"volume_id": "v1"}))
+        let (id, _) = s
+            .handed_on(
+                "edgecontroller",
+                op,
+                &resource,
+                json!({"volume_id": "v1"}),
+                "edged",
+            )
             .await;
-        let relayed = s
-            .bus
-            .expect(&format!("ke/edged/edgecontroller/{op}/{resource}"))
+        s.answer("edged", "response", &resource, &id, json!({"done": op}))
             .await;
-        assert_eq!(relayed.msg_id(), id);
-        let payload = answer("edged", "response", &resource, &id, json!({"done": op}));
-        s.send_raw("edged", "response", &resource, &payload).await;
-        let reply = s
-            .bus
-            .expect_reply(&format!("ke/cloud/meta/response/{resource}"), &id)
-            .await;
-        assert_eq!(reply.content(), json!({"done": op}));
+        let reply = s.reply("edgecontroller", "response", &resource, &id).await;
+        assert_eq!(reply.content(), json!({"done": op}), "{op}");
     }
 }
 
@@ -821,15 +684,14 @@ async fn a_volume_call_edged_does_not_answer_times_out_with_an_error() {
         ..Options::default()
     })
     .await;
-    let id = s
-        .send(
+    let text = s
+        .refused(
             "edgecontroller",
             "createvolume",
             "default/volume/v",
             json!({}),
         )
         .await;
-    let text = s.error("ke/cloud/meta/error/default/volume/v", &id).await;
     assert!(text.contains("edged did not answer createvolume"), "{text}");
 }
 
@@ -843,9 +705,7 @@ async fn a_v5_requester_gets_the_reply_on_its_response_topic_with_its_correlatio
 
     let node = Node::start_with(Options {
         v5: true,
-        store_setup: Some(
-            "INSERT INTO meta(key, type, value) VALUES ('default/pod/a', 'pod', '{}');".to_owned(),
-        ),
+        store_setup: Some(meta_row("default/pod/a", "pod", "{}")),
         ..Options::default()
     })
     .await;

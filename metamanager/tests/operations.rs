@@ -132,8 +132,80 @@ impl Meta {
             .unwrap()
             .map(|r| r.get::<String>(0).unwrap())
     }
+
+    /// Tells the MetaManager the cloud link is up or down, as the bridge does.
+    async fn connection(&self, state: &str) {
+        self.publish("ke/meta/edgehub/connect/node/connection", state)
+            .await;
+    }
+
+    /// The oldest publication on `topic`, which must be a reply to request `id`.
+    async fn expect_reply(&mut self, topic: &str, id: &str) -> Value {
+        let reply = self.expect(topic).await;
+        assert_eq!(parent(&reply), id, "reply on {topic}");
+        reply
+    }
+
+    /// Sends a request and expects it handed on, with the same id, to module `to` on
+    /// `ke/<to>/<from>/<op>/<resource>`; returns the request id and what `to` got.
+    async fn handed_on(
+        &mut self,
+        from: &str,
+        op: &str,
+        resource: &str,
+        content: Value,
+        to: &str,
+    ) -> (String, Value) {
+        let id = self.send(from, op, resource, content).await;
+        let handed = self
+            .expect(&format!("ke/{to}/{from}/{op}/{resource}"))
+            .await;
+        assert_eq!(handed["header"]["msg_id"], id, "handed to {to}");
+        (id, handed)
+    }
+
+    /// edgecontroller inserts `content` under `resource`: edged is handed it and the cloud is
+    /// answered "OK".
+    async fn insert_from_the_cloud(&mut self, resource: &str, content: Value) {
+        let (id, _) = self
+            .handed_on("edgecontroller", "insert", resource, content, "edged")
+            .await;
+        let ack = self
+            .expect_reply(&format!("ke/cloud/meta/response/{resource}"), &id)
+            .await;
+        assert_eq!(ack["content"], json!("OK"));
+    }
+
+    /// edged reports a changed `content` for `resource`: the cloud is handed it and edged is
+    /// answered.
+    async fn update_from_edged(&mut self, resource: &str, content: Value) {
+        let (id, _) = self
+            .handed_on("edged", "update", resource, content, "cloud")
+            .await;
+        self.expect_reply(&format!("ke/edged/meta/response/{resource}"), &id)
+            .await;
+    }
+
+    /// edged queries `resource`; returns the content of the answer.
+    async fn query(&mut self, resource: &str) -> Value {
+        let id = self.send("edged", "query", resource, json!(null)).await;
+        let answer = self
+            .expect_reply(&format!("ke/edged/meta/response/{resource}"), &id)
+            .await;
+        answer["content"].clone()
+    }
+
+    /// Stops the MetaManager and asserts what the store holds under `key`.
+    async fn assert_stored(&mut self, key: &str, value: Option<&str>) {
+        assert_eq!(
+            self.stored(key).await.as_deref(),
+            value,
+            "stored under {key}"
+        );
+    }
 }
 
+/// The request a reply answers.
 fn parent(json: &Value) -> &str {
     json["header"]["parent_msg_id"].as_str().unwrap_or_default()
 }
@@ -141,146 +213,98 @@ fn parent(json: &Value) -> &str {
 #[tokio::test]
 async fn insert_stores_forwards_to_edged_and_acks_the_cloud() {
     let mut m = start().await;
-    let id = m
-        .send("edgecontroller", "insert", "default/pod/p", json!({"a": 1}))
+    m.insert_from_the_cloud("default/pod/p", json!({"a": 1}))
         .await;
-    let fwd = m
-        .expect("ke/edged/edgecontroller/insert/default/pod/p")
-        .await;
-    assert_eq!(fwd["header"]["msg_id"], id);
-    let ack = m.expect("ke/cloud/meta/response/default/pod/p").await;
-    assert_eq!((parent(&ack), &ack["content"]), (id.as_str(), &json!("OK")));
-    assert_eq!(
-        m.stored("default/pod/p").await.as_deref(),
-        Some(r#"{"a":1}"#)
-    );
+    m.assert_stored("default/pod/p", Some(r#"{"a":1}"#)).await;
 }
 
 #[tokio::test]
 async fn insert_of_an_existing_key_replaces_it() {
     let mut m = start().await;
-    m.send("edgecontroller", "insert", "default/configmap/c", json!(1))
-        .await;
-    m.expect("ke/edged/edgecontroller/insert/default/configmap/c")
-        .await;
-    m.expect("ke/cloud/meta/response/default/configmap/c").await;
-    m.send("edgecontroller", "insert", "default/configmap/c", json!(2))
-        .await;
-    m.expect("ke/edged/edgecontroller/insert/default/configmap/c")
-        .await;
-    m.expect("ke/cloud/meta/response/default/configmap/c").await;
-    assert_eq!(m.stored("default/configmap/c").await.as_deref(), Some("2"));
+    for value in [1, 2] {
+        m.insert_from_the_cloud("default/configmap/c", json!(value))
+            .await;
+    }
+    m.assert_stored("default/configmap/c", Some("2")).await;
 }
 
 #[tokio::test]
 async fn update_from_edged_goes_to_the_cloud_and_is_acked_to_edged_unless_unchanged() {
     let mut m = start().await;
-    let id = m
-        .send(
-            "edged",
-            "update",
-            "default/podstatus/p",
-            json!({"phase": "Running"}),
-        )
+    let status = json!({"phase": "Running"});
+    m.update_from_edged("default/podstatus/p", status.clone())
         .await;
-    let up = m.expect("ke/cloud/edged/update/default/podstatus/p").await;
-    assert_eq!(up["header"]["msg_id"], id);
-    let ok = m.expect("ke/edged/meta/response/default/podstatus/p").await;
-    assert_eq!(parent(&ok), id);
     // Same status again: OK, nothing forwarded.
     let again = m
-        .send(
-            "edged",
-            "update",
-            "default/podstatus/p",
-            json!({"phase": "Running"}),
-        )
+        .send("edged", "update", "default/podstatus/p", status)
         .await;
-    let ok = m.expect("ke/edged/meta/response/default/podstatus/p").await;
-    assert_eq!(parent(&ok), again);
+    m.expect_reply("ke/edged/meta/response/default/podstatus/p", &again)
+        .await;
     m.expect_nothing().await;
 }
 
 #[tokio::test]
 async fn delete_removes_the_row_and_tells_edged() {
     let mut m = start().await;
-    m.send("edgecontroller", "insert", "default/secret/s", json!("x"))
+    m.insert_from_the_cloud("default/secret/s", json!("x"))
         .await;
-    m.expect("ke/edged/edgecontroller/insert/default/secret/s")
+    let (id, _) = m
+        .handed_on(
+            "edgecontroller",
+            "delete",
+            "default/secret/s",
+            json!(null),
+            "edged",
+        )
         .await;
-    m.expect("ke/cloud/meta/response/default/secret/s").await;
-    let id = m
-        .send("edgecontroller", "delete", "default/secret/s", json!(null))
+    m.expect_reply("ke/cloud/meta/response/default/secret/s", &id)
         .await;
-    m.expect("ke/edged/edgecontroller/delete/default/secret/s")
-        .await;
-    let ack = m.expect("ke/cloud/meta/response/default/secret/s").await;
-    assert_eq!(parent(&ack), id);
-    assert_eq!(m.stored("default/secret/s").await, None);
+    m.assert_stored("default/secret/s", None).await;
 }
 
 #[tokio::test]
 async fn query_answers_from_the_store_as_an_array_of_strings() {
     let mut m = start().await;
     for name in ["a", "b"] {
-        m.send(
-            "edgecontroller",
-            "insert",
-            &format!("ns/pod/{name}"),
-            json!({ "n": name }),
-        )
-        .await;
-        m.expect(&format!("ke/edged/edgecontroller/insert/ns/pod/{name}"))
-            .await;
-        m.expect(&format!("ke/cloud/meta/response/ns/pod/{name}"))
+        m.insert_from_the_cloud(&format!("ns/pod/{name}"), json!({ "n": name }))
             .await;
     }
-    let id = m.send("edged", "query", "ns/pod", json!(null)).await;
-    let answer = m.expect("ke/edged/meta/response/ns/pod").await;
-    assert_eq!(parent(&answer), id);
-    assert_eq!(answer["content"], json!([r#"{"n":"a"}"#, r#"{"n":"b"}"#]));
-    m.send("edged", "query", "ns/pod/zzz", json!(null)).await;
     assert_eq!(
-        m.expect("ke/edged/meta/response/ns/pod/zzz").await["content"],
-        json!([])
+        m.query("ns/pod").await,
+        json!([r#"{"n":"a"}"#, r#"{"n":"b"}"#])
     );
+    assert_eq!(m.query("ns/pod/zzz").await, json!([]));
 }
 
 #[tokio::test]
 async fn response_from_the_cloud_is_stored_and_handed_to_edged() {
     let mut m = start().await;
-    m.send(
-        "edgecontroller",
-        "response",
-        "default/configmap/r",
-        json!({"v": 1}),
-    )
-    .await;
-    m.expect("ke/edged/edgecontroller/response/default/configmap/r")
+    let key = "default/configmap/r";
+    m.handed_on("edgecontroller", "response", key, json!({"v": 1}), "edged")
         .await;
-    assert_eq!(
-        m.stored("default/configmap/r").await.as_deref(),
-        Some(r#"{"v":1}"#)
-    );
+    m.assert_stored(key, Some(r#"{"v":1}"#)).await;
 }
 
 #[tokio::test]
 async fn error_from_the_cloud_reaches_edged_and_stores_nothing() {
     let mut m = start().await;
-    m.send("edgecontroller", "error", "default/pod/e", json!("boom"))
-        .await;
-    let e = m
-        .expect("ke/edged/edgecontroller/error/default/pod/e")
+    let (_, e) = m
+        .handed_on(
+            "edgecontroller",
+            "error",
+            "default/pod/e",
+            json!("boom"),
+            "edged",
+        )
         .await;
     assert_eq!(e["content"], json!("boom"));
-    assert_eq!(m.stored("default/pod/e").await, None);
+    m.assert_stored("default/pod/e", None).await;
 }
 
 #[tokio::test]
 async fn connect_switches_remote_queries_on_and_off() {
     let mut m = start().await;
-    m.publish("ke/meta/edgehub/connect/node/connection", "cloud_connected")
-        .await;
+    m.connection("cloud_connected").await;
     let id = m
         .send("edged", "query", "default/secret/s", json!(null))
         .await;
@@ -289,23 +313,17 @@ async fn connect_switches_remote_queries_on_and_off() {
         remote["header"]["msg_id"], id,
         "the remote query gets a fresh id"
     );
-    m.publish(
-        "ke/meta/edgehub/connect/node/connection",
-        "cloud_disconnected",
-    )
-    .await;
-    let local = m.expect("ke/edged/meta/response/default/secret/s").await;
-    assert_eq!(
-        (parent(&local), &local["content"]),
-        (id.as_str(), &json!([]))
-    );
+    m.connection("cloud_disconnected").await;
+    let local = m
+        .expect_reply("ke/edged/meta/response/default/secret/s", &id)
+        .await;
+    assert_eq!(local["content"], json!([]));
 }
 
 #[tokio::test]
 async fn a_connect_message_with_other_content_is_an_error() {
     let mut m = start().await;
-    m.publish("ke/meta/edgehub/connect/node/connection", "maybe")
-        .await;
+    m.connection("maybe").await;
     let e = m.expect("ke/edgehub/meta/error/node/connection").await;
     assert!(e["content"].as_str().unwrap().contains("cloud_connected"));
 }
@@ -313,57 +331,39 @@ async fn a_connect_message_with_other_content_is_an_error() {
 #[tokio::test]
 async fn meta_internal_sync_reports_statuses_and_drops_orphans() {
     let mut m = start().await;
-    m.send("edgecontroller", "insert", "ns/pod/live", json!({}))
-        .await;
-    m.expect("ke/edged/edgecontroller/insert/ns/pod/live").await;
-    m.expect("ke/cloud/meta/response/ns/pod/live").await;
+    m.insert_from_the_cloud("ns/pod/live", json!({})).await;
     for name in ["live", "gone"] {
-        m.send(
-            "edged",
-            "update",
-            &format!("ns/podstatus/{name}"),
-            json!({ "Name": name }),
-        )
-        .await;
-        m.expect(&format!("ke/cloud/edged/update/ns/podstatus/{name}"))
-            .await;
-        m.expect(&format!("ke/edged/meta/response/ns/podstatus/{name}"))
+        m.update_from_edged(&format!("ns/podstatus/{name}"), json!({ "Name": name }))
             .await;
     }
     m.send("edged", "meta-internal-sync", "ns/podstatus", json!(null))
         .await;
     let sync = m.expect("ke/cloud/meta/update/ns/podstatus").await;
     assert_eq!(sync["content"], json!([{"Name": "live"}]));
-    assert_eq!(m.stored("ns/podstatus/gone").await, None);
+    m.assert_stored("ns/podstatus/gone", None).await;
 }
 
 #[tokio::test]
 async fn action_goes_to_edgefunction_and_action_result_to_the_cloud() {
     let mut m = start().await;
-    let id = m
-        .send("funcmgr", "action", "default/function/f", json!({"run": 1}))
+    let key = "default/function/f";
+    let (id, _) = m
+        .handed_on("funcmgr", "action", key, json!({"run": 1}), "edgefunction")
         .await;
-    m.expect("ke/edgefunction/funcmgr/action/default/function/f")
+    m.expect_reply("ke/cloud/meta/response/default/function/f", &id)
         .await;
-    assert_eq!(
-        parent(&m.expect("ke/cloud/meta/response/default/function/f").await),
-        id
-    );
-    m.send(
-        "edgefunction",
-        "action_result",
-        "default/function/f",
-        json!({"out": 2}),
-    )
-    .await;
-    m.expect("ke/cloud/edgefunction/action_result/default/function/f")
+    let (id, _) = m
+        .handed_on(
+            "edgefunction",
+            "action_result",
+            key,
+            json!({"out": 2}),
+            "cloud",
+        )
         .await;
-    m.expect("ke/edgefunction/meta/response/default/function/f")
+    m.expect_reply("ke/edgefunction/meta/response/default/function/f", &id)
         .await;
-    assert_eq!(
-        m.stored("default/function/f").await.as_deref(),
-        Some(r#"{"out":2}"#)
-    );
+    m.assert_stored(key, Some(r#"{"out":2}"#)).await;
 }
 
 #[tokio::test]
@@ -375,49 +375,45 @@ async fn every_volume_operation_is_relayed_to_edged_and_its_answer_returned() {
         "controllerpublishvolume",
         "controllerunpublishvolume",
     ] {
-        let id = m
-            .send(
+        let (id, _) = m
+            .handed_on(
                 "edgecontroller",
                 op,
                 "default/volume/v1",
                 json!({"size": 1}),
+                "edged",
             )
             .await;
-        let to_edged = m
-            .expect(&format!("ke/edged/edgecontroller/{op}/default/volume/v1"))
-            .await;
-        assert_eq!(to_edged["header"]["msg_id"], id);
         let answer = json!({"header": {"msg_id": "e", "parent_msg_id": id}, "route": {}, "content": {"done": op}});
         m.publish(
             "ke/meta/edged/response/default/volume/v1",
             answer.to_string(),
         )
         .await;
-        let reply = m.expect("ke/cloud/meta/response/default/volume/v1").await;
-        assert_eq!(
-            (parent(&reply), &reply["content"]),
-            (id.as_str(), &json!({"done": op}))
-        );
+        let reply = m
+            .expect_reply("ke/cloud/meta/response/default/volume/v1", &id)
+            .await;
+        assert_eq!(reply["content"], json!({"done": op}), "{op}");
     }
     // Volume answers are not metadata.
-    assert_eq!(m.stored("default/volume/v1").await, None);
+    m.assert_stored("default/volume/v1", None).await;
 }
 
 #[tokio::test]
 async fn a_volume_call_edged_does_not_answer_fails_after_the_timeout() {
     let mut m = start().await;
-    let id = m
-        .send(
+    let (id, _) = m
+        .handed_on(
             "edgecontroller",
             "createvolume",
             "default/volume/v2",
             json!({}),
+            "edged",
         )
         .await;
-    m.expect("ke/edged/edgecontroller/createvolume/default/volume/v2")
+    let e = m
+        .expect_reply("ke/cloud/meta/error/default/volume/v2", &id)
         .await;
-    let e = m.expect("ke/cloud/meta/error/default/volume/v2").await;
-    assert_eq!(parent(&e), id);
     assert!(e["content"]
         .as_str()
         .unwrap()
@@ -436,5 +432,5 @@ async fn accepted_messages_are_committed_when_stopped() {
         )
         .await;
     }
-    assert_eq!(m.stored("default/pod/p49").await.as_deref(), Some("49"));
+    m.assert_stored("default/pod/p49", Some("49")).await;
 }
