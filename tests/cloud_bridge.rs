@@ -2,44 +2,29 @@
 
 mod common;
 
-use common::{envelope, CloudBroker, CloudOptions, Node, Options};
+use common::cloud::{bridged, cloud_client, cloud_insert, expect_applied};
+use common::CloudBroker;
 use serde_json::json;
 
 #[tokio::test]
 async fn a_cloud_insert_is_committed_then_acked_up_and_handed_to_edged() {
     let cloud = CloudBroker::start().await;
-    let bridge = CloudOptions::to(&cloud);
-    let node = Node::start_with(Options {
-        cloud: Some(bridge.clone()),
-        ..Options::default()
-    })
-    .await;
-    let mut controller = cloud.client(&common::unique_id("controller")).await;
-    controller.subscribe(&bridge.up_filter()).await;
+    let (node, bridge) = bridged(&cloud).await;
+    let mut controller = cloud_client(&cloud, &bridge.up_filter()).await;
     let mut edged = node.client().await;
     edged.subscribe("ke/edged/#").await;
 
-    let (id, payload) = envelope(
-        "edgecontroller",
-        "insert",
-        "default/pod/web",
-        json!({"spec": 1}),
-    );
-    controller
-        .publish(
-            &bridge.down("edgecontroller/insert/default/pod/web"),
-            payload,
-        )
-        .await;
+    let id = cloud_insert(&controller, &bridge, "default/pod/web", json!({"spec": 1})).await;
 
-    let ack = controller
-        .expect_reply(&bridge.up("meta/response/default/pod/web"), &id)
-        .await;
-    assert_eq!(ack.content(), json!("OK"));
-    assert_eq!(
-        node.stored("default/pod/web").await.as_deref(),
-        Some(r#"{"spec":1}"#)
-    );
+    expect_applied(
+        &mut controller,
+        &bridge,
+        &node,
+        "default/pod/web",
+        &id,
+        r#"{"spec":1}"#,
+    )
+    .await;
     let handed = edged
         .expect("ke/edged/edgecontroller/insert/default/pod/web")
         .await;

@@ -2,6 +2,7 @@
 //! talks to it over real MQTT (rumqttc) or the real mosquitto command-line clients.
 #![allow(dead_code)] // each test file uses a different part of the harness
 
+pub mod cloud;
 pub mod pki;
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
