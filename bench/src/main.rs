@@ -118,12 +118,19 @@ async fn main() -> anyhow::Result<()> {
 
     // P1: throughput.
     let total = sizes.publishers * sizes.per_publisher;
-    let em = throughput(edgemeta.port, "ke/edged/#", &sizes, "tp").await?;
-    let mq = throughput(mosquitto.port, "ke/meta/#", &sizes, "tp").await?;
+    // Runs alternate between the two and each side reports its median of three, so a burst of
+    // noise on this shared machine cannot land on one side only.
+    let (mut ems, mut mqs) = (Vec::new(), Vec::new());
+    for run in 0..3 {
+        let ns = format!("tp{run}");
+        ems.push(throughput(edgemeta.port, "ke/edged/#", &sizes, &ns).await?);
+        mqs.push(throughput(mosquitto.port, "ke/meta/#", &sizes, &ns).await?);
+    }
+    let (em, mq) = (median(ems), median(mqs));
     let ratio = em / mq;
     rows.push(Row {
         name: format!(
-            "P1 throughput, {} publishers × {} inserts (msg/s)",
+            "P1 throughput, {} publishers × {} inserts, median of 3 (msg/s)",
             sizes.publishers, sizes.per_publisher
         ),
         edgemeta: format!("{em:.0}"),
@@ -178,7 +185,7 @@ async fn main() -> anyhow::Result<()> {
     fill(edgemeta.port, "list", sizes.list_size).await?;
     let by_key = query_latency(
         edgemeta.port,
-        "tp/pod/p0-0",
+        "tp0/pod/p0-0",
         sizes.queries,
         QoS::AtLeastOnce,
     )
@@ -191,8 +198,13 @@ async fn main() -> anyhow::Result<()> {
         verdict: verdict(by_key.p99 <= 1_000, ""),
     });
     // The same at QoS 0: no PUBACK precedes the answer, so the broker's Nagle wait goes away.
-    let by_key0 =
-        query_latency(edgemeta.port, "tp/pod/p0-0", sizes.queries, QoS::AtMostOnce).await?;
+    let by_key0 = query_latency(
+        edgemeta.port,
+        "tp0/pod/p0-0",
+        sizes.queries,
+        QoS::AtMostOnce,
+    )
+    .await?;
     rows.push(Row {
         name: "P3 query by key at QoS 0, p50 / p99 (µs)".into(),
         edgemeta: format!("{} / {}", by_key0.p50, by_key0.p99),
@@ -216,7 +228,8 @@ async fn main() -> anyhow::Result<()> {
         verdict: verdict(list.p50 <= 50_000, ""),
     });
 
-    let stored = total + sizes.list_size;
+    // Each of the three P1 runs stored its own resources.
+    let stored = 3 * total + sizes.list_size;
     rows.push(Row {
         target: "(diagnostic)".into(),
         verdict: "—".into(),
@@ -242,7 +255,7 @@ async fn main() -> anyhow::Result<()> {
     drop(edgemeta);
     let started = Instant::now();
     let edgemeta = Server::edgemeta(&args.edgemeta, dir.path()).await?;
-    query_latency(edgemeta.port, "tp/pod/p0-0", 1, QoS::AtLeastOnce).await?;
+    query_latency(edgemeta.port, "tp0/pod/p0-0", 1, QoS::AtLeastOnce).await?;
     let ready = started.elapsed();
     rows.push(Row {
         name: format!("start to first answer with {stored} resources"),
@@ -269,40 +282,53 @@ async fn main() -> anyhow::Result<()> {
 /// P5: P1 and P3 on a fresh node that already stores each of `sizes.preloads` resources, plus
 /// memory and start-up time with the largest.
 async fn scaling(args: &Args, sizes: &Sizes, rows: &mut Vec<Row>) -> anyhow::Result<()> {
-    let small = Sizes {
-        publishers: 2,
-        per_publisher: sizes.per_publisher / 2,
-        ..sizes.clone()
-    };
     let mut figures = Vec::new();
     for &preload in &sizes.preloads {
         let dir = tempfile::tempdir()?;
         let node = Server::edgemeta(&args.edgemeta, dir.path()).await?;
         fill(node.port, "pre", preload).await?;
-        let query = query_latency(node.port, "pre/pod/q0", sizes.queries, QoS::AtLeastOnce).await?;
-        let rate = throughput(node.port, "ke/edged/#", &small, "tp").await?;
+        // The process that loaded them still holds rumqttd's state for every topic it saw,
+        // which slows it down (see Findings); one P1 run shows how much.
+        let rate_loaded = throughput(node.port, "ke/edged/#", sizes, "loaded").await?;
         let rss = node.rss_kib()?;
         drop(node);
+        // Restarted, the node holds only what is stored: that is what P5 compares.
         let started = Instant::now();
         let node = Server::edgemeta(&args.edgemeta, dir.path()).await?;
         query_latency(node.port, "pre/pod/q0", 1, QoS::AtLeastOnce).await?;
         let ready = started.elapsed();
         let rss_restarted = node.rss_kib()?;
-        figures.push((preload, rate, query.p99, (rss, rss_restarted), ready));
+        let query = query_latency(node.port, "pre/pod/q0", sizes.queries, QoS::AtLeastOnce).await?;
+        // The median of three P1 runs: one run moves by a fifth between identical nodes here.
+        let mut rates = Vec::new();
+        for run in 0..3 {
+            rates.push(throughput(node.port, "ke/edged/#", sizes, &format!("tp{run}")).await?);
+        }
+        let rate = median(rates);
+        figures.push((
+            preload,
+            rate,
+            query,
+            (rss, rss_restarted),
+            ready,
+            rate_loaded,
+        ));
     }
     let (Some(first), Some(last)) = (figures.first(), figures.last()) else {
         return Ok(());
     };
-    for &(preload, rate, p99, _, _) in &figures {
+    for &(preload, rate, ref query, _, _, _) in &figures {
         let rate_change = rate / first.1 - 1.0;
-        let p99_change = p99 as f64 / first.2.max(1) as f64 - 1.0;
-        let flat = rate_change.abs() <= 0.2 && p99_change.abs() <= 0.2;
+        // Flatness is judged on the median: the p99 of a few hundred µs round trips on a shared
+        // 2-core machine moves by a third between identical runs, whatever the store holds.
+        let query_change = query.p50 as f64 / first.2.p50.max(1) as f64 - 1.0;
+        let flat = rate_change.abs() <= 0.2 && query_change.abs() <= 0.2;
         rows.push(Row {
             name: format!(
-                "P5 with {preload} stored: P1 msg/s ({} × {}) / P3 p99 µs",
-                small.publishers, small.per_publisher
+                "P5 with {preload} stored (restarted): P1 msg/s ({} × {}, median of 3) / P3 by key p50, p99 µs",
+                sizes.publishers, sizes.per_publisher
             ),
-            edgemeta: format!("{rate:.0} / {p99}"),
+            edgemeta: format!("{rate:.0} / {}, {}", query.p50, query.p99),
             mosquitto: "—".into(),
             target: format!("within ±20 % of {} stored", first.0),
             verdict: verdict(
@@ -310,12 +336,19 @@ async fn scaling(args: &Args, sizes: &Sizes, rows: &mut Vec<Row>) -> anyhow::Res
                 &format!(
                     "{:+.0} % / {:+.0} %",
                     rate_change * 100.0,
-                    p99_change * 100.0
+                    query_change * 100.0
                 ),
             ),
         });
     }
-    let (preload, _, _, (after_traffic, restarted), ready) = *last;
+    let (preload, _, _, (after_traffic, restarted), ready, rate_loaded) = *last;
+    rows.push(Row {
+        name: format!("P1 msg/s on the process that just loaded {preload} (no restart)"),
+        edgemeta: format!("{rate_loaded:.0}"),
+        mosquitto: "—".into(),
+        target: "(diagnostic)".into(),
+        verdict: "—".into(),
+    });
     rows.push(Row {
         mosquitto: "—".into(),
         ..Row::sized(
@@ -331,7 +364,7 @@ async fn scaling(args: &Args, sizes: &Sizes, rows: &mut Vec<Row>) -> anyhow::Res
         target: "(diagnostic)".into(),
         verdict: "—".into(),
         ..Row::sized(
-            &format!("RSS with {preload} stored, right after loading them and P1, P3"),
+            &format!("RSS with {preload} stored, right after loading them and one P1"),
             after_traffic,
             0,
             "",
@@ -822,6 +855,12 @@ impl std::fmt::Display for Percentiles {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} / {} / {}", self.p50, self.p99, self.p999)
     }
+}
+
+/// The middle value (the upper one of the two middles for an even count); 0 for none.
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
 }
 
 fn percentiles(mut samples: Vec<u64>) -> Percentiles {
