@@ -21,9 +21,16 @@ const LINK_CAPACITY: usize = 1024;
 pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
     let cancel = CancellationToken::new();
     let root = settings.broker.topic_root.clone();
-    let mut broker = Broker::new(&settings.broker).context("starting the MQTT broker")?;
+    let map = TopicMap::new(&root, &settings.cloud.root, &settings.cloud.node_id);
+    let meta_filter = subscription(&root);
+    let cloud_filter = map.local_cloud_filter();
+    let mut broker = Broker::new(
+        &settings.broker,
+        &[meta_filter.clone(), cloud_filter.clone()],
+    )
+    .context("starting the MQTT broker")?;
     let link = broker
-        .link("metamanager", &[subscription(&root)], LINK_CAPACITY)
+        .link("metamanager", &[meta_filter], LINK_CAPACITY)
         .await
         .context("linking the metamanager to the broker")?;
     let cloud = settings.cloud.enabled;
@@ -39,9 +46,8 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     .await
     .with_context(|| format!("opening the store {}", settings.store.path.display()))?;
     let bridge = if cloud {
-        let map = TopicMap::new(&root, &settings.cloud.root, &settings.cloud.node_id);
         let link = broker
-            .link("cloud-bridge", &[map.local_cloud_filter()], LINK_CAPACITY)
+            .link("cloud-bridge", &[cloud_filter], LINK_CAPACITY)
             .await
             .context("linking the cloud bridge to the broker")?;
         let bridge = CloudBridge::new(

@@ -24,12 +24,18 @@ pub struct BrokerConfig {
     /// How long a new TCP connection may take to send CONNECT, in milliseconds (at most 65535).
     #[serde(default = "default_connect_timeout_ms")]
     pub connect_timeout_ms: u16,
-    /// Size of one in-memory log segment per subscribed filter, in bytes.
+    /// Size of one in-memory log segment per subscribed filter, in bytes (topic + payload + 4
+    /// per message, as rumqttd counts; the memory it takes is about twice that).
     #[serde(default = "default_segment_bytes")]
     pub segment_bytes: usize,
-    /// Segments kept per filter: a subscriber further behind than bytes × count loses messages.
+    /// Segments kept per filter (at least 2): a QoS 1/2 subscriber owed more than
+    /// `(count - 1) × segment_bytes` is disconnected before rumqttd would skip messages.
     #[serde(default = "default_segment_count")]
     pub segment_count: usize,
+    /// Segment size of the filters our own links read (`<root>/meta/#`, `<root>/cloud/#`):
+    /// clients are paused while a link is owed half of `(count - 1) × link_segment_bytes`.
+    #[serde(default = "default_segment_bytes")]
+    pub link_segment_bytes: usize,
     /// Most subscriptions one client may hold; further SUBSCRIBEs get a failure return code.
     #[serde(default = "default_max_subscriptions_per_client")]
     pub max_subscriptions_per_client: usize,
@@ -106,10 +112,10 @@ const fn default_connect_timeout_ms() -> u16 {
     5_000
 }
 const fn default_segment_bytes() -> usize {
-    4 * 1024 * 1024
+    1024 * 1024
 }
 const fn default_segment_count() -> usize {
-    8
+    4
 }
 const fn default_max_subscriptions_per_client() -> usize {
     1_000
@@ -125,6 +131,7 @@ impl Default for BrokerConfig {
             connect_timeout_ms: default_connect_timeout_ms(),
             segment_bytes: default_segment_bytes(),
             segment_count: default_segment_count(),
+            link_segment_bytes: default_segment_bytes(),
             max_subscriptions_per_client: default_max_subscriptions_per_client(),
             low_latency: true,
             auth: AuthConfig::default(),
@@ -146,10 +153,13 @@ impl BrokerConfig {
         if self.listeners.is_empty() {
             return bad("broker.listeners must name at least one listener".into());
         }
-        // rumqttd's router panics on segments under 1 KiB.
-        if self.segment_bytes < 1024 || self.segment_count == 0 {
+        // rumqttd's router panics on segments under 1 KiB; with one segment, any subscriber
+        // that is behind at all can be skipped.
+        if self.segment_bytes < 1024 || self.link_segment_bytes < 1024 || self.segment_count < 2 {
             return bad(
-                "broker.segment_bytes must be >= 1024 and broker.segment_count >= 1".into(),
+                "broker.segment_bytes and broker.link_segment_bytes must be >= 1024 and \
+                 broker.segment_count >= 2"
+                    .into(),
             );
         }
         if self.max_packet_bytes < 1024 {
@@ -188,14 +198,39 @@ impl BrokerConfig {
         .map_err(crate::Error::Config)
     }
 
-    pub(crate) fn router_config(&self) -> rumqttd::RouterConfig {
+    /// How far behind a link may fall before clients are paused: half of what its log can
+    /// lose nothing of, leaving the other half for what is already on its way in.
+    pub fn link_pause_bytes(&self) -> usize {
+        self.link_segment_bytes
+            .saturating_mul(self.segment_count.saturating_sub(1))
+            / 2
+    }
+
+    /// The most a QoS 1/2 subscriber may be owed: rumqttd cannot drop the segment it reads
+    /// from before it is owed more.
+    pub fn subscriber_lag_limit(&self) -> usize {
+        self.segment_bytes
+            .saturating_mul(self.segment_count.saturating_sub(1))
+    }
+
+    /// rumqttd's settings; `link_filters` (and client filters below them) get the links' logs.
+    pub(crate) fn router_config(&self, link_filters: &[String]) -> rumqttd::RouterConfig {
+        let link_log = rumqttd::SegmentConfig {
+            max_segment_size: self.link_segment_bytes,
+            max_segment_count: self.segment_count,
+        };
+        let custom = link_filters
+            .iter()
+            .map(|filter| (filter.clone(), link_log.clone()))
+            .collect();
         // Every field is set on purpose: rumqttd's defaults (zero segments) panic its router.
         rumqttd::RouterConfig {
             max_connections: self.max_connections,
             max_outgoing_packet_count: 200,
-            max_segment_size: self.segment_bytes.max(self.max_packet_bytes),
+            // A larger packet fills a segment by itself; the limits above still hold.
+            max_segment_size: self.segment_bytes,
             max_segment_count: self.segment_count,
-            custom_segment: None,
+            custom_segment: Some(custom),
             initialized_filters: None,
             shared_subscriptions_strategy: Default::default(),
         }

@@ -10,9 +10,13 @@
 //! - rumqttd 0.20's connection races: it never lets rumqttd see a client's end of stream before
 //!   rumqttd is done with the connection (see `splice`).
 //!
-//! Every listener is served this way. Each connection is spliced to a loopback rumqttd listener, preceded by a one-line preamble with
-//! a per-process secret and the certificate name (if any). The guard on that back end takes the
-//! name from the preamble and refuses clients without it.
+//! - cutting off a client the guard decided to drop (a subscriber that lags, `lag.rs`): rumqttd
+//!   can only be made to drop a connection from the socket side.
+//!
+//! Every listener is served this way. Each connection is spliced to a loopback rumqttd listener,
+//! preceded by a one-line preamble with a per-process secret, the connection's session number and
+//! the certificate name (if any). The guard on that back end takes the session and the name from
+//! the preamble and refuses clients without it.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -30,6 +34,7 @@ use tracing::{debug, warn};
 
 use crate::backlog::Backlog;
 use crate::config::ListenerTls;
+use crate::session::{Session, Sessions};
 use crate::Error;
 
 /// Starts the preamble; an MQTT client starts with CONNECT (0x10), so a missing preamble shows
@@ -103,6 +108,8 @@ pub struct Backend {
     /// Time limit for the TLS handshake and for rumqttd's CONNACK.
     pub connect_timeout: Duration,
     pub backlog: Arc<Backlog>,
+    /// Where each connection is registered for the guard to claim.
+    pub sessions: Arc<Sessions>,
     /// TCP_NODELAY towards clients, TCP_QUICKACK on the loopback hop.
     pub low_latency: bool,
 }
@@ -193,8 +200,28 @@ enum BackendState {
 /// How long a back-end connection outlives its client when rumqttd does not close it first.
 const LINGER: Duration = Duration::from_millis(500);
 
-/// Copies both ways between the client and the back end until the back end closes.
+/// Copies both ways between the client and the back end until the back end closes, or until
+/// the guard cuts the connection off.
 async fn splice<S>(client: S, name: Option<&str>, backend: &Backend) -> Result<(), String>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let session = backend.sessions.open();
+    let result = tokio::select! {
+        result = relay(client, name, backend, &session) => result,
+        // Dropping both sockets ends rumqttd's side even while it is blocked writing.
+        () = session.cut_off() => Err("cut off by the broker".to_owned()),
+    };
+    backend.sessions.close(session.id());
+    result
+}
+
+async fn relay<S>(
+    client: S,
+    name: Option<&str>,
+    backend: &Backend,
+    session: &Session,
+) -> Result<(), String>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -205,7 +232,7 @@ where
     let _ = inner.set_nodelay(backend.low_latency);
     let (mut from_backend, mut to_backend) = inner.into_split();
     to_backend
-        .write_all(&preamble(&backend.secret, name))
+        .write_all(&preamble(&backend.secret, session.id(), name))
         .await
         .map_err(|e| format!("back end {address}: {e}"))?;
     let (mut from_client, mut to_client) = tokio::io::split(client);
@@ -287,10 +314,20 @@ pub fn common_name(der: &[u8]) -> Option<String> {
     usable.then(|| cn.to_owned())
 }
 
-/// `EMCERT1 <secret> <name>\n`; the name is empty without a client certificate.
-pub fn preamble(secret: &str, name: Option<&str>) -> Vec<u8> {
+/// `EMCERT1 <secret> <session> <name>\n`; the name is empty without a client certificate.
+pub fn preamble(secret: &str, session: u64, name: Option<&str>) -> Vec<u8> {
     let name = name.unwrap_or_default();
-    [MAGIC, secret.as_bytes(), b" ", name.as_bytes(), b"\n"].concat()
+    let session = session.to_string();
+    [
+        MAGIC,
+        secret.as_bytes(),
+        b" ",
+        session.as_bytes(),
+        b" ",
+        name.as_bytes(),
+        b"\n",
+    ]
+    .concat()
 }
 
 /// What a back-end connection started with.
@@ -298,8 +335,9 @@ pub fn preamble(secret: &str, name: Option<&str>) -> Vec<u8> {
 pub enum Preamble {
     /// Not all of it has arrived yet.
     Incomplete,
-    /// The connection came through the front, with this certificate name if it had one.
-    Vouched(Option<String>),
+    /// The connection came through the front as `session`, with this certificate name if it
+    /// had one.
+    Vouched { session: u64, name: Option<String> },
     /// No preamble, or one without the right secret: not a connection from the front.
     Absent,
 }
@@ -320,11 +358,14 @@ pub fn take_preamble(stream: &mut BytesMut, secret: &str) -> Preamble {
     let line = stream.split_to(end + 1);
     let fields = std::str::from_utf8(&line[MAGIC.len()..end])
         .ok()
-        .and_then(|text| text.split_once(' '));
+        .and_then(|text| text.split_once(' '))
+        .and_then(|(given, rest)| Some((given, rest.split_once(' ')?)))
+        .and_then(|(given, (session, name))| Some((given, session.parse().ok()?, name)));
     match fields {
-        Some((given, name)) if given == secret => {
-            Preamble::Vouched((!name.is_empty()).then(|| name.to_owned()))
-        }
+        Some((given, session, name)) if given == secret => Preamble::Vouched {
+            session,
+            name: (!name.is_empty()).then(|| name.to_owned()),
+        },
         _ => Preamble::Absent,
     }
 }
@@ -335,18 +376,29 @@ mod tests {
 
     #[test]
     fn a_preamble_round_trips_and_leaves_the_mqtt_bytes() {
-        let mut stream = BytesMut::from(&preamble("s3cret", Some("device 1"))[..]);
+        let mut stream = BytesMut::from(&preamble("s3cret", 42, Some("device 1"))[..]);
         stream.extend_from_slice(&[0x10, 0x0c]);
         assert_eq!(
             take_preamble(&mut stream, "s3cret"),
-            Preamble::Vouched(Some("device 1".into()))
+            Preamble::Vouched {
+                session: 42,
+                name: Some("device 1".into())
+            }
+        );
+        let mut plain = BytesMut::from(&preamble("s3cret", 7, None)[..]);
+        assert_eq!(
+            take_preamble(&mut plain, "s3cret"),
+            Preamble::Vouched {
+                session: 7,
+                name: None
+            }
         );
         assert_eq!(&stream[..], &[0x10, 0x0c]);
     }
 
     #[test]
     fn a_partial_preamble_waits_for_more() {
-        let full = preamble("s3cret", Some("dev"));
+        let full = preamble("s3cret", 1, Some("dev"));
         for cut in 0..full.len() {
             let mut stream = BytesMut::from(&full[..cut]);
             assert_eq!(
@@ -361,7 +413,7 @@ mod tests {
     fn plain_mqtt_or_a_wrong_secret_is_not_vouched_for() {
         let mut connect = BytesMut::from(&[0x10u8, 0x0c, 0x00, 0x04][..]);
         assert_eq!(take_preamble(&mut connect, "s3cret"), Preamble::Absent);
-        let mut forged = BytesMut::from(&preamble("guess", Some("edgecontroller"))[..]);
+        let mut forged = BytesMut::from(&preamble("guess", 1, Some("edgecontroller"))[..]);
         assert_eq!(take_preamble(&mut forged, "s3cret"), Preamble::Absent);
         let mut endless = BytesMut::from(MAGIC);
         endless.extend_from_slice(&[b'x'; MAX_PREAMBLE + 1]);

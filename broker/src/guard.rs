@@ -3,20 +3,30 @@
 //! rumqttd 0.20 clones the codec given to `Server::new` for every connection, so a wrapper sees
 //! that connection's CONNECT (identity) and every PUBLISH and SUBSCRIBE, and can keep
 //! per-connection state. It enforces what rumqttd cannot: client ids that would poison a
-//! listener (rumqttd #1062), anonymous access, the topic ACL and the subscription limit.
+//! listener (rumqttd #1062), anonymous access, the topic ACL and the subscription limit. It also
+//! contains rumqttd defects that only the codec can reach:
+//! - keep-alive 0 (allowed by MQTT, refused by rumqttd #943) becomes the longest keep-alive;
+//! - every stored publish is copied out of the connection's read buffer, which rumqttd would
+//!   otherwise keep alive whole for each message in its logs (rumqttd #1001);
+//! - a v5 client's topic aliases are resolved before the ACL sees the topic, and the broker never
+//!   sends aliases (rumqttd 0.20 keys them by subscription filter, not by topic);
+//! - what each QoS 1/2 subscriber is owed is counted, so one that lags is cut off ([`Lag`]).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use rumqttd::protocol::{
-    Error as CodecError, Login, Packet, Protocol, PubAckReason, SubscribeReasonCode,
+    Error as CodecError, Login, Packet, Protocol, PubAckReason, Publish, PublishProperties, QoS,
+    SubscribeReasonCode,
 };
 use tracing::warn;
 
 use crate::backlog::Backlog;
 use crate::front::{take_preamble, Preamble};
+use crate::lag::{log_size, Lag, Owed};
 use crate::security::{Grants, Identity, Policy};
+use crate::session::{Session, Sessions};
 use crate::RESERVED_CLIENT_PREFIX;
 
 /// Where refused publications go: rumqttd never matches a `$` topic against any filter.
@@ -24,6 +34,9 @@ const DENIED_TOPIC: &str = "$edgemeta/denied";
 /// Where refused subscriptions point: a plain topic (rumqttd drops a client that subscribes to
 /// a `$` filter) that the guard lets no client publish to, so nothing ever arrives there.
 const DENIED_FILTER: &str = "edgemeta-refused";
+/// Stands in for a keep-alive of 0: rumqttd then drops the client only after 1.5 × this many
+/// seconds of silence (27 h), and an MQTT 5 client is told to ping at least this often.
+pub const KEEP_ALIVE_FOR_ZERO: u16 = u16::MAX;
 
 /// Wraps rumqttd's codec to vet CONNECT, PUBLISH and SUBSCRIBE before rumqttd acts on them.
 pub struct ConnectGuard<P> {
@@ -31,10 +44,13 @@ pub struct ConnectGuard<P> {
     policy: Arc<Policy>,
     v5: bool,
     connection: Mutex<Connection>,
-    /// Set on the back end of a client-certificate listener: the secret its preamble must carry.
-    front: Option<Arc<str>>,
+    /// Set on a listener's back end: the secret its preamble must carry, and where the front
+    /// registered the connection's session.
+    front: Option<(Arc<str>, Arc<Sessions>)>,
     /// Counts publishes to our links' filters, so the front can pause clients in time.
     backlog: Option<Arc<Backlog>>,
+    /// Counts what QoS 1/2 subscribers are owed, so a lagging one is cut off.
+    lag: Option<Arc<Lag>>,
 }
 
 /// What one connection has been granted and refused.
@@ -53,6 +69,17 @@ struct Connection {
     preamble_read: bool,
     vouched: bool,
     certificate_name: Option<String>,
+    /// The front's handle on this connection.
+    session: Option<Arc<Session>>,
+    client_id: String,
+    /// The client asked for keep-alive 0: its CONNACK tells an MQTT 5 client the one in force.
+    keep_alive_zero: bool,
+    /// MQTT 5 topic aliases the client set up.
+    aliases: HashMap<u16, Bytes>,
+    /// The last topic stored, shared by the next publishes to it instead of copied again.
+    last_topic: Bytes,
+    /// QoS 1/2 subscriptions by filter, with what each is owed.
+    owed: HashMap<String, Arc<Owed>>,
 }
 
 impl<P> ConnectGuard<P> {
@@ -64,6 +91,7 @@ impl<P> ConnectGuard<P> {
             connection: Mutex::new(Connection::default()),
             front: None,
             backlog: None,
+            lag: None,
         }
     }
 
@@ -73,21 +101,39 @@ impl<P> ConnectGuard<P> {
         self
     }
 
-    /// The guard of a listener reachable only through our front (`front.rs`).
-    pub fn behind_front(mut self, secret: Arc<str>) -> Self {
-        self.front = Some(secret);
+    /// Counts what this listener's QoS 1/2 subscribers are owed in `lag`.
+    pub fn watching(mut self, lag: Arc<Lag>) -> Self {
+        self.lag = Some(lag);
         self
+    }
+
+    /// The guard of a listener reachable only through our front (`front.rs`).
+    pub fn behind_front(mut self, secret: Arc<str>, sessions: Arc<Sessions>) -> Self {
+        self.front = Some((secret, sessions));
+        self
+    }
+}
+
+/// A connection's subscriptions stop being counted when rumqttd drops its codec.
+impl<P> Drop for ConnectGuard<P> {
+    fn drop(&mut self) {
+        if let Some(lag) = &self.lag {
+            let connection = self.connection.get_mut().unwrap_or_else(|p| p.into_inner());
+            for owed in connection.owed.values() {
+                lag.unsubscribe(owed);
+            }
+        }
     }
 }
 
 /// Each clone serves one new connection, so it starts with no state.
 impl<P: Clone> Clone for ConnectGuard<P> {
     fn clone(&self) -> Self {
-        ConnectGuard {
-            front: self.front.clone(),
-            backlog: self.backlog.clone(),
-            ..ConnectGuard::new(self.inner.clone(), self.policy.clone(), self.v5)
-        }
+        let mut guard = ConnectGuard::new(self.inner.clone(), self.policy.clone(), self.v5);
+        guard.front = self.front.clone();
+        guard.backlog = self.backlog.clone();
+        guard.lag = self.lag.clone();
+        guard
     }
 }
 
@@ -106,6 +152,39 @@ pub fn refuse_client_id(client_id: &str) -> Option<&'static str> {
 /// the broker's own: a client publishing there could reach subscriptions the ACL refused.
 fn may_publish(grants: &Grants, topic: &str) -> bool {
     !topic.starts_with('$') && topic != DENIED_FILTER && grants.may_publish(topic)
+}
+
+/// The filter a subscription matches topics with: `$share/<group>/<filter>` shares `<filter>`.
+fn shared_filter(path: &str) -> Option<&str> {
+    let rest = path.strip_prefix("$share/")?;
+    let (group, filter) = rest.split_once('/')?;
+    (!group.is_empty() && !filter.is_empty()).then_some(filter)
+}
+
+/// Whether a client with `grants` may subscribe to `path` (a shared subscription is checked by
+/// the filter it shares; other `$` filters would make rumqttd drop the client).
+fn may_subscribe(grants: &Grants, path: &str) -> bool {
+    match shared_filter(path) {
+        Some(filter) => !filter.starts_with('$') && grants.may_subscribe(filter),
+        None => !path.starts_with('$') && grants.may_subscribe(path),
+    }
+}
+
+/// Copies what rumqttd will store out of the connection's read buffer, whose allocation each
+/// `Bytes` slice would otherwise keep alive (rumqttd #1001). A topic repeated from the last
+/// publish shares that one's copy.
+fn own(publish: &mut Publish, properties: &mut Option<PublishProperties>, last_topic: &mut Bytes) {
+    if publish.topic != *last_topic {
+        *last_topic = Bytes::copy_from_slice(&publish.topic);
+    }
+    publish.topic = last_topic.clone();
+    publish.payload = Bytes::copy_from_slice(&publish.payload);
+    if let Some(data) = properties
+        .as_mut()
+        .and_then(|p| p.correlation_data.as_mut())
+    {
+        *data = Bytes::copy_from_slice(data);
+    }
 }
 
 /// The packet id of a complete QoS 1/2 PUBLISH at the start of `stream`, read before rumqttd
@@ -137,7 +216,7 @@ impl<P: Protocol> ConnectGuard<P> {
     fn vet(&self, packet: &mut Packet, pkid: Option<u16>) {
         let mut connection = self.connection.lock().unwrap_or_else(|p| p.into_inner());
         match packet {
-            Packet::Connect(connect, _, will, _, login) => {
+            Packet::Connect(connect, properties, will, _, login) => {
                 let unvouched = self.front.is_some() && !connection.vouched;
                 let refusal = if unvouched {
                     Some("reached a listener's back end without its front")
@@ -152,8 +231,17 @@ impl<P: Protocol> ConnectGuard<P> {
                     connect.clean_session = false;
                     return;
                 }
+                connection.client_id = connect.client_id.clone();
+                if connect.keep_alive == 0 {
+                    connect.keep_alive = KEEP_ALIVE_FOR_ZERO;
+                    connection.keep_alive_zero = true;
+                }
+                if let Some(properties) = properties {
+                    properties.topic_alias_max = None;
+                }
                 // A verified certificate's name is the identity, whatever login was sent.
-                if let (Some(name), Some(secret)) = (&connection.certificate_name, &self.front) {
+                if let (Some(name), Some((secret, _))) = (&connection.certificate_name, &self.front)
+                {
                     *login = Some(Login {
                         username: name.clone(),
                         password: secret.to_string(),
@@ -182,6 +270,8 @@ impl<P: Protocol> ConnectGuard<P> {
                 // rumqttd publishes a will without asking anyone: its topic is vetted as a
                 // publish now, or a device could send as the cloud by dropping its connection.
                 if let Some(will) = will {
+                    will.topic = Bytes::copy_from_slice(&will.topic);
+                    will.message = Bytes::copy_from_slice(&will.message);
                     let topic = String::from_utf8_lossy(&will.topic).into_owned();
                     if !may_publish(&connection.grants, &topic) {
                         self.policy.count_denied_publish();
@@ -191,11 +281,27 @@ impl<P: Protocol> ConnectGuard<P> {
                 }
                 connection.identity = Some(identity);
             }
-            Packet::Publish(publish, _) => {
-                let topic = String::from_utf8_lossy(&publish.topic);
+            Packet::Publish(publish, properties) => {
+                let alias = properties.as_ref().and_then(|p| p.topic_alias);
+                if let Some(alias) = alias {
+                    if publish.topic.is_empty() {
+                        // Unknown aliases are rumqttd's to refuse (protocol error).
+                        if let Some(topic) = connection.aliases.get(&alias) {
+                            publish.topic = topic.clone();
+                        }
+                    } else {
+                        let topic = Bytes::copy_from_slice(&publish.topic);
+                        connection.aliases.insert(alias, topic);
+                    }
+                }
+                let topic = String::from_utf8_lossy(&publish.topic).into_owned();
                 if may_publish(&connection.grants, &topic) {
+                    own(publish, properties, &mut connection.last_topic);
                     if let Some(backlog) = &self.backlog {
                         backlog.published(&topic, publish.payload.len());
+                    }
+                    if let Some(lag) = &self.lag {
+                        lag.published(&topic, log_size(topic.len(), publish.payload.len()));
                     }
                     return;
                 }
@@ -216,12 +322,12 @@ impl<P: Protocol> ConnectGuard<P> {
             Packet::Subscribe(subscribe, _) => {
                 let mut refused = Vec::new();
                 for (index, filter) in subscribe.filters.iter_mut().enumerate() {
-                    let allowed = !filter.path.starts_with('$')
-                        && connection.grants.may_subscribe(&filter.path);
+                    let allowed = may_subscribe(&connection.grants, &filter.path);
                     let room = connection.held.contains(&filter.path)
                         || connection.held.len() < self.policy.max_subscriptions();
                     if allowed && room {
                         connection.held.insert(filter.path.clone());
+                        self.count_owed(&mut connection, &filter.path, filter.qos);
                         continue;
                     }
                     let denied = self.policy.count_denied_subscribe();
@@ -248,15 +354,67 @@ impl<P: Protocol> ConnectGuard<P> {
             Packet::Unsubscribe(unsubscribe, _) => {
                 for filter in &unsubscribe.filters {
                     connection.held.remove(filter);
+                    self.count_owed(&mut connection, filter, QoS::AtMostOnce);
                 }
             }
             _ => {}
         }
     }
 
-    fn answer(&self, packet: &mut Packet) {
+    /// Counts what a QoS 1/2 subscription to `path` is owed; stops for QoS 0 or unsubscribe.
+    /// Shared subscriptions are not counted: each member gets only some of the filter's messages.
+    fn count_owed(&self, connection: &mut Connection, path: &str, qos: QoS) {
+        let Some(lag) = &self.lag else { return };
+        if qos == QoS::AtMostOnce || shared_filter(path).is_some() {
+            if let Some(owed) = connection.owed.remove(path) {
+                lag.unsubscribe(&owed);
+            }
+            return;
+        }
+        let Some(session) = &connection.session else {
+            return;
+        };
+        if !connection.owed.contains_key(path) {
+            let owed = lag.subscribe(path, &connection.client_id, session);
+            connection.owed.insert(path.to_owned(), owed);
+        }
+    }
+
+    /// rumqttd is writing a publish to this subscriber: pay it off against the subscription it
+    /// came through (with overlapping filters, the one owed most).
+    fn paid(connection: &Connection, publish: &Publish) {
+        // Retained messages sent on subscribing come from the retained store, not the log.
+        if publish.retain || connection.owed.is_empty() {
+            return;
+        }
+        let topic = String::from_utf8_lossy(&publish.topic);
+        let owed = connection
+            .owed
+            .values()
+            .filter(|o| rumqttd::protocol::matches(&topic, o.filter()))
+            .max_by_key(|o| o.bytes());
+        if let Some(owed) = owed {
+            owed.delivered();
+        }
+    }
+
+    /// Adjusts what rumqttd sends; an error stops rumqttd writing to a client that was cut off.
+    fn answer(&self, packet: &mut Packet) -> Result<(), CodecError> {
         let mut connection = self.connection.lock().unwrap_or_else(|p| p.into_inner());
         match packet {
+            Packet::Publish(publish, _) => {
+                // Cut off for lagging: nothing after the gap rumqttd is about to skip may reach
+                // the client. The error ends rumqttd's side of the connection.
+                if connection.session.as_ref().is_some_and(|s| s.is_cut()) {
+                    return Err(CodecError::IncorrectPacketFormat);
+                }
+                Self::paid(&connection, publish);
+            }
+            Packet::ConnAck(_, properties) if self.v5 && connection.keep_alive_zero => {
+                properties
+                    .get_or_insert_with(Default::default)
+                    .server_keep_alive = Some(KEEP_ALIVE_FOR_ZERO);
+            }
             Packet::PubAck(ack, _) if connection.denied_publishes.remove(&ack.pkid) && self.v5 => {
                 ack.reason = PubAckReason::NotAuthorized;
             }
@@ -275,19 +433,21 @@ impl<P: Protocol> ConnectGuard<P> {
             }
             _ => {}
         }
+        Ok(())
     }
 }
 
 impl<P: Protocol> Protocol for ConnectGuard<P> {
     fn read_mut(&mut self, stream: &mut BytesMut, max_size: usize) -> Result<Packet, CodecError> {
-        if let Some(secret) = &self.front {
+        if let Some((secret, sessions)) = &self.front {
             let connection = self.connection.get_mut().unwrap_or_else(|p| p.into_inner());
             if !connection.preamble_read {
                 match take_preamble(stream, secret) {
                     Preamble::Incomplete => return Err(CodecError::InsufficientBytes(1)),
-                    Preamble::Vouched(name) => {
+                    Preamble::Vouched { session, name } => {
                         connection.vouched = true;
                         connection.certificate_name = name;
+                        connection.session = sessions.claim(session);
                     }
                     Preamble::Absent => {}
                 }
@@ -301,14 +461,22 @@ impl<P: Protocol> Protocol for ConnectGuard<P> {
     }
 
     fn write(&self, mut packet: Packet, write: &mut BytesMut) -> Result<usize, CodecError> {
-        self.answer(&mut packet);
+        self.answer(&mut packet)?;
         self.inner.write(packet, write)
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{publish_pkid, refuse_client_id};
+    use super::{publish_pkid, refuse_client_id, shared_filter};
+
+    #[test]
+    fn a_shared_subscription_is_judged_by_the_filter_it_shares() {
+        assert_eq!(shared_filter("$share/g/ke/edged/#"), Some("ke/edged/#"));
+        assert_eq!(shared_filter("$share/g/"), None);
+        assert_eq!(shared_filter("$share//a"), None);
+        assert_eq!(shared_filter("ke/edged/#"), None);
+    }
 
     #[test]
     fn ids_rumqttd_cannot_handle_are_refused() {

@@ -6,8 +6,11 @@
 //! - [`config`]: our YAML listener/limit settings, turned into rumqttd's settings.
 //! - [`guard`]: the codec wrapper that vets every CONNECT, PUBLISH and SUBSCRIBE.
 //! - [`security`]: authentication and the topic ACL the guard applies.
+//! - [`lag`]: what each QoS 1/2 subscriber is owed; one that falls behind is cut off.
 //! - [`server`]: starts the router and the listeners; a listener that cannot bind is fatal.
-//! - [`front`]: TLS listeners that take the identity from the client certificate.
+//! - [`front`]: our accept loop in front of every rumqttd listener (TLS, client certificates,
+//!   low latency, back-pressure, cutting clients off).
+//! - [`session`]: one connection as both the front and the guard know it.
 //! - [`link`]: an in-process client: subscribe, receive [`Message`]s, publish them.
 //! - [`message`]: the one value all crates exchange.
 
@@ -16,10 +19,12 @@ pub mod config;
 pub mod error;
 pub mod front;
 pub mod guard;
+pub mod lag;
 pub mod link;
 pub mod message;
 pub mod security;
 pub mod server;
+pub mod session;
 
 pub use config::{BrokerConfig, ListenerConfig, MqttVersion};
 pub use error::Error;

@@ -8,6 +8,7 @@ use tracing::{debug, error, warn};
 use std::sync::Arc;
 
 use crate::backlog::Backlog;
+use crate::lag::{log_size, Lag};
 use crate::{Error, Message};
 
 /// An in-process MQTT client: [`Link::inbox`] yields what its filters match, [`Publisher`] sends.
@@ -45,6 +46,7 @@ impl Link {
         link_rx: LinkRx,
         capacity: usize,
         backlog: Arc<Backlog>,
+        lag: Arc<Lag>,
     ) -> Result<Link, Error> {
         let (inbox_tx, inbox) = mpsc::channel(capacity);
         let (publisher, outgoing) = Publisher::channel(capacity);
@@ -56,7 +58,7 @@ impl Link {
         ));
         std::thread::Builder::new()
             .name(format!("{client_id}-tx"))
-            .spawn(move || send(client_id, link_tx, outgoing, &backlog))
+            .spawn(move || send(client_id, link_tx, outgoing, &backlog, &lag))
             .map_err(|e| Error::Link {
                 client_id: "publisher thread".into(),
                 reason: e.to_string(),
@@ -120,10 +122,15 @@ fn send(
     mut link_tx: LinkTx,
     mut outgoing: mpsc::Receiver<Message>,
     backlog: &Backlog,
+    lag: &Lag,
 ) {
     while let Some(message) = outgoing.blocking_recv() {
-        // Our own publishes to a link's filter count too, or the links' reads would not add up.
+        // Our own publishes count too, or the links' reads and subscribers' debts would not add up.
         backlog.published(&message.topic, message.payload.len());
+        lag.published(
+            &message.topic,
+            log_size(message.topic.len(), message.payload.len()),
+        );
         let result = match message.correlation {
             None => link_tx.publish(message.topic, message.payload),
             Some(correlation) => {

@@ -10,7 +10,9 @@ use tokio::task::JoinSet;
 use tracing::{info, warn};
 
 use crate::backlog::Backlog;
+use crate::lag::Lag;
 use crate::security::Policy;
+use crate::session::Sessions;
 
 use crate::config::{BrokerConfig, MqttVersion};
 use crate::guard::ConnectGuard;
@@ -42,23 +44,21 @@ macro_rules! spawn_listener {
 /// Spawns a listener speaking `protocol` behind a [`ConnectGuard`] (optionally behind the
 /// client-certificate front, whose secret it then requires).
 macro_rules! spawn_guarded {
-    ($set:expr, $settings:expr, $router_tx:expr, $protocol:expr, $policy:expr, $front:expr, $backlog:expr) => {{
-        let front: Option<Arc<str>> = $front;
+    ($set:expr, $settings:expr, $router_tx:expr, $protocol:expr, $policy:expr, $front:expr, $backlog:expr, $lag:expr) => {{
+        let (secret, sessions): (Arc<str>, Arc<Sessions>) = $front;
         match $protocol {
             MqttVersion::V4 => {
-                let mut guard =
-                    ConnectGuard::new(V4, $policy.clone(), false).counting($backlog.clone());
-                if let Some(secret) = front {
-                    guard = guard.behind_front(secret);
-                }
+                let guard = ConnectGuard::new(V4, $policy.clone(), false)
+                    .counting($backlog.clone())
+                    .watching($lag.clone())
+                    .behind_front(secret, sessions);
                 spawn_listener!($set, $settings, $router_tx, guard)
             }
             MqttVersion::V5 => {
-                let mut guard =
-                    ConnectGuard::new(V5, $policy.clone(), true).counting($backlog.clone());
-                if let Some(secret) = front {
-                    guard = guard.behind_front(secret);
-                }
+                let guard = ConnectGuard::new(V5, $policy.clone(), true)
+                    .counting($backlog.clone())
+                    .watching($lag.clone())
+                    .behind_front(secret, sessions);
                 spawn_listener!($set, $settings, $router_tx, guard)
             }
         }
@@ -106,6 +106,7 @@ pub struct Broker {
     addresses: Vec<(String, SocketAddr)>,
     policy: Arc<Policy>,
     backlog: Arc<Backlog>,
+    lag: Arc<Lag>,
 }
 
 /// Spawns the configured listeners; a closure because it captures rumqttd's unnameable sender.
@@ -114,16 +115,18 @@ type OpenListeners =
 
 impl Broker {
     /// Validates the config and starts rumqttd's router; listeners open with [`Broker::listen`],
-    /// so in-process links can subscribe before the first client arrives.
-    pub fn new(config: &BrokerConfig) -> Result<Broker, Error> {
+    /// so in-process links can subscribe before the first client arrives. `link_filters` are the
+    /// filters our links will read, whose logs are sized by `link_segment_bytes`.
+    pub fn new(config: &BrokerConfig, link_filters: &[String]) -> Result<Broker, Error> {
         config.validate()?;
         let policy = Arc::new(config.policy()?);
-        // Pause clients at half of what one filter's log holds, well before rumqttd would skip.
-        let log_bytes = config.segment_bytes.max(config.max_packet_bytes) * config.segment_count;
-        let backlog = Arc::new(Backlog::new(log_bytes as u64 / 2));
+        let backlog = Arc::new(Backlog::new(config.link_pause_bytes() as u64));
         let listener_backlog = backlog.clone();
+        let lag = Arc::new(Lag::new(config.subscriber_lag_limit() as u64));
+        let listener_lag = lag.clone();
+        let sessions = Arc::new(Sessions::default());
         let denials = policy.clone();
-        let router_tx = Router::new(0, config.router_config()).spawn();
+        let router_tx = Router::new(0, config.router_config(link_filters)).spawn();
         let listener_tx = router_tx.clone();
         let new_link: Arc<LinkFactory> = Arc::new(move |client_id: &str| {
             LinkBuilder::new(client_id, router_tx.clone())
@@ -168,8 +171,9 @@ impl Broker {
                     listener_tx.clone(),
                     listener.protocol,
                     &policy,
-                    Some(policy.cert_secret()),
-                    listener_backlog
+                    (policy.cert_secret(), sessions.clone()),
+                    listener_backlog,
+                    listener_lag
                 );
                 listeners.spawn(crate::front::serve(
                     name.clone(),
@@ -182,6 +186,7 @@ impl Broker {
                             config.connect_timeout_ms,
                         )),
                         backlog: listener_backlog.clone(),
+                        sessions: sessions.clone(),
                         low_latency: config.low_latency,
                     },
                 ));
@@ -197,6 +202,7 @@ impl Broker {
             addresses: Vec::new(),
             policy: denials,
             backlog,
+            lag,
         })
     }
 
@@ -223,6 +229,11 @@ impl Broker {
             d.publishes.load(Ordering::Relaxed),
             d.subscribes.load(Ordering::Relaxed),
         )
+    }
+
+    /// Subscribers cut off so far for falling behind their filter's log.
+    pub fn lagging_subscribers_cut(&self) -> u64 {
+        self.lag.cut_count()
     }
 
     /// The listeners' names and addresses.
@@ -255,7 +266,14 @@ impl Broker {
             client_id: client_id.clone(),
             reason: e.to_string(),
         })??;
-        Link::spawn(client_id, tx, rx, capacity, self.backlog.clone())
+        Link::spawn(
+            client_id,
+            tx,
+            rx,
+            capacity,
+            self.backlog.clone(),
+            self.lag.clone(),
+        )
     }
 
     /// Resolves when a listener stops after start-up; the node cannot serve without it.

@@ -1,0 +1,232 @@
+//! What the broker owes each QoS 1/2 subscriber, so that one that falls behind is cut off
+//! instead of losing messages without a word.
+//!
+//! rumqttd 0.20 keeps the recent messages of each subscribed filter in a log of
+//! `segment_count` segments; a reader whose segment is dropped is moved forward silently
+//! (`router/routing.rs:1510-1524` only logs), QoS 1 included. A segment can only be dropped
+//! under a reader that is owed more than `(segment_count - 1) × segment_bytes` beyond the message
+//! it is reading, so a subscriber owed that much is disconnected first: it reconnects and
+//! resyncs, and never sees a gap. The message being read does not count, so one answer larger
+//! than the log (a long pod list) does not cut off a reader that is keeping up.
+//!
+//! Counting errs on the side of owing more: a publish is counted when a guard (or our link)
+//! hands it to the router, and paid off when rumqttd writes it to the subscriber, after the
+//! router has moved its cursor.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use tracing::warn;
+
+use crate::session::Session;
+
+/// What rumqttd counts against a filter's log for one publish (`PublishData::size`).
+pub fn log_size(topic: usize, payload: usize) -> usize {
+    4 + topic + payload
+}
+
+/// Every QoS 1/2 subscription of a remote client, by filter.
+#[derive(Debug)]
+pub struct Lag {
+    limit: u64,
+    watched: RwLock<Vec<Watched>>,
+    cut: AtomicU64,
+}
+
+#[derive(Debug)]
+struct Watched {
+    filter: String,
+    subscriptions: Vec<Arc<Owed>>,
+}
+
+/// One QoS 1/2 subscription and what it is owed, in rumqttd's log bytes.
+#[derive(Debug)]
+pub struct Owed {
+    filter: String,
+    client_id: String,
+    unpaid: Mutex<Unpaid>,
+    session: Arc<Session>,
+}
+
+/// The sizes of the messages not yet written to the subscriber, oldest first, and their sum.
+#[derive(Debug, Default)]
+struct Unpaid {
+    bytes: u64,
+    sizes: VecDeque<u32>,
+}
+
+impl Owed {
+    pub fn filter(&self) -> &str {
+        &self.filter
+    }
+
+    /// Everything owed, in log bytes.
+    pub fn bytes(&self) -> u64 {
+        self.lock().bytes
+    }
+
+    /// rumqttd wrote the oldest message owed to the subscriber.
+    pub fn delivered(&self) {
+        let mut unpaid = self.lock();
+        if let Some(size) = unpaid.sizes.pop_front() {
+            unpaid.bytes -= u64::from(size);
+        }
+    }
+
+    /// Counts a message of `size`; returns what is owed beyond the oldest unpaid message.
+    fn owe(&self, size: usize) -> u64 {
+        let mut unpaid = self.lock();
+        let size = u32::try_from(size).unwrap_or(u32::MAX);
+        unpaid.sizes.push_back(size);
+        unpaid.bytes += u64::from(size);
+        unpaid.bytes - unpaid.sizes.front().map_or(0, |s| u64::from(*s))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Unpaid> {
+        self.unpaid.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Lag {
+    /// `limit`: the most a subscriber may be owed beyond the message it is reading,
+    /// `(segment_count - 1) × segment_bytes`.
+    pub fn new(limit: u64) -> Lag {
+        Lag {
+            limit,
+            watched: RwLock::new(Vec::new()),
+            cut: AtomicU64::new(0),
+        }
+    }
+
+    /// Starts counting for a new subscription of `session` to `filter`.
+    pub fn subscribe(&self, filter: &str, client_id: &str, session: &Arc<Session>) -> Arc<Owed> {
+        let owed = Arc::new(Owed {
+            filter: filter.to_owned(),
+            client_id: client_id.to_owned(),
+            unpaid: Mutex::new(Unpaid::default()),
+            session: session.clone(),
+        });
+        let mut watched = self.watched.write().unwrap_or_else(|p| p.into_inner());
+        match watched.iter_mut().find(|w| w.filter == filter) {
+            Some(w) => w.subscriptions.push(owed.clone()),
+            None => watched.push(Watched {
+                filter: filter.to_owned(),
+                subscriptions: vec![owed.clone()],
+            }),
+        }
+        owed
+    }
+
+    /// Stops counting for a subscription (unsubscribed, or its connection ended).
+    pub fn unsubscribe(&self, owed: &Arc<Owed>) {
+        let mut watched = self.watched.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(at) = watched.iter().position(|w| w.filter == owed.filter) {
+            let subscriptions = &mut watched[at].subscriptions;
+            subscriptions.retain(|s| !Arc::ptr_eq(s, owed));
+            if subscriptions.is_empty() {
+                watched.swap_remove(at);
+            }
+        }
+    }
+
+    /// A publish to `topic` of `size` log bytes is on its way into the router.
+    pub fn published(&self, topic: &str, size: usize) {
+        let watched = self.watched.read().unwrap_or_else(|p| p.into_inner());
+        for w in watched
+            .iter()
+            .filter(|w| rumqttd::protocol::matches(topic, &w.filter))
+        {
+            for owed in &w.subscriptions {
+                if owed.session.is_cut() {
+                    continue;
+                }
+                let beyond = owed.owe(size);
+                if beyond > self.limit {
+                    owed.session.cut();
+                    let cut = self.cut.fetch_add(1, Ordering::Relaxed) + 1;
+                    warn!(
+                        error_code = "EM-BROKER-SUBSCRIBER-LAG",
+                        client_id = %owed.client_id,
+                        filter = %owed.filter,
+                        owed_bytes = beyond,
+                        limit_bytes = self.limit,
+                        cut,
+                        "subscriber disconnected: it fell behind its filter's log and would \
+                         have lost messages; it must resubscribe and resync"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Subscribers cut off so far for falling behind.
+    pub fn cut_count(&self) -> u64 {
+        self.cut.load(Ordering::Relaxed)
+    }
+
+    /// Subscriptions being counted (for tests and diagnostics).
+    pub fn watched(&self) -> usize {
+        let watched = self.watched.read().unwrap_or_else(|p| p.into_inner());
+        watched.iter().map(|w| w.subscriptions.len()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::session::Sessions;
+
+    #[test]
+    fn a_subscriber_owed_more_than_the_limit_is_cut_once() {
+        let lag = Lag::new(1_000);
+        let sessions = Sessions::default();
+        let slow = sessions.open();
+        let fast = sessions.open();
+        let slow_sub = lag.subscribe("ke/edged/#", "edged", &slow);
+        let fast_sub = lag.subscribe("ke/edged/#", "mirror", &fast);
+        for _ in 0..10 {
+            lag.published("ke/edged/edgecontroller/insert/default/pod", 96);
+            fast_sub.delivered();
+        }
+        assert_eq!((slow_sub.bytes(), fast_sub.bytes()), (960, 0));
+        assert!(!slow.is_cut());
+        lag.published("ke/meta/edged/insert/default/pod", 500); // another filter
+        lag.published("ke/edged/edgecontroller/insert/default/pod", 96);
+        assert!(!slow.is_cut(), "owed 960 beyond the message being read");
+        lag.published("ke/edged/edgecontroller/insert/default/pod", 96);
+        assert!(slow.is_cut(), "owed 1056 beyond the message being read");
+        assert!(!fast.is_cut());
+        lag.published("ke/edged/edgecontroller/insert/default/pod", 96);
+        assert_eq!(lag.cut_count(), 1, "counted once");
+    }
+
+    #[test]
+    fn one_message_larger_than_the_log_does_not_cut_a_reader_that_keeps_up() {
+        let lag = Lag::new(1_000);
+        let sessions = Sessions::default();
+        let session = sessions.open();
+        let owed = lag.subscribe("ke/edged/#", "edged", &session);
+        lag.published("ke/edged/meta/response/default/pod", 50_000);
+        assert!(!session.is_cut());
+        owed.delivered();
+        lag.published("ke/edged/meta/response/default/pod", 50_000);
+        lag.published("ke/edged/edgecontroller/insert/default/pod", 96);
+        assert!(!session.is_cut(), "96 bytes beyond the list being read");
+        lag.published("ke/edged/meta/response/default/pod", 50_000);
+        assert!(session.is_cut(), "a second list behind the first");
+    }
+
+    #[test]
+    fn unsubscribing_stops_the_count() {
+        let lag = Lag::new(100);
+        let sessions = Sessions::default();
+        let session = sessions.open();
+        let owed = lag.subscribe("a/+", "c", &session);
+        assert_eq!(lag.watched(), 1);
+        lag.unsubscribe(&owed);
+        assert_eq!(lag.watched(), 0);
+        lag.published("a/b", 1_000);
+        assert!(!session.is_cut());
+    }
+}

@@ -1,0 +1,408 @@
+//! The broker layer as standard clients meet it: keep-alive 0, MQTT 5 shared subscriptions and
+//! request/response, and a QoS 1 subscriber that stops reading during a burst larger than its
+//! filter's log (cut off with an error code, never handed a gap, whole again after a re-list).
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use common::{unique_id, Client, Node, Options, WAIT};
+use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
+use serde_json::{json, Value};
+
+// ---- keep-alive 0 ---------------------------------------------------------------------------
+
+/// An MQTT string: two-byte length, then the bytes.
+fn mqtt_string(s: &str) -> Vec<u8> {
+    let mut out = (s.len() as u16).to_be_bytes().to_vec();
+    out.extend_from_slice(s.as_bytes());
+    out
+}
+
+/// A CONNECT with keep-alive 0 and a clean session, for protocol level 4 (3.1.1) or 5.
+fn connect_keep_alive_zero(level: u8, client_id: &str) -> Vec<u8> {
+    let mut body = mqtt_string("MQTT");
+    body.push(level);
+    body.push(0x02); // clean session / clean start
+    body.extend_from_slice(&[0, 0]); // keep-alive 0
+    if level == 5 {
+        body.push(0); // no properties
+    }
+    body.extend_from_slice(&mqtt_string(client_id));
+    let mut packet = vec![0x10, body.len() as u8];
+    packet.extend(body);
+    packet
+}
+
+/// Reads one whole MQTT packet (short packets only: one-byte remaining length).
+fn read_packet(stream: &mut TcpStream) -> Vec<u8> {
+    let mut header = [0_u8; 2];
+    stream
+        .read_exact(&mut header)
+        .expect("a packet from the node, not a closed socket");
+    let mut body = vec![0_u8; usize::from(header[1])];
+    stream.read_exact(&mut body).expect("the packet's body");
+    [header.to_vec(), body].concat()
+}
+
+fn open(port: u16) -> TcpStream {
+    let stream = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    stream.set_read_timeout(Some(WAIT)).expect("timeout");
+    stream
+}
+
+#[tokio::test]
+async fn a_311_client_with_keep_alive_0_is_accepted_and_served() {
+    let node = Node::start().await;
+    let mut stream = open(node.port);
+    stream
+        .write_all(&connect_keep_alive_zero(4, &unique_id("ka0")))
+        .expect("CONNECT");
+    assert_eq!(
+        read_packet(&mut stream),
+        [0x20, 0x02, 0x00, 0x00],
+        "CONNACK accepted"
+    );
+    stream.write_all(&[0xC0, 0x00]).expect("PINGREQ");
+    assert_eq!(read_packet(&mut stream), [0xD0, 0x00], "PINGRESP");
+
+    // The session works: a QoS 1 insert is acknowledged and stored.
+    let mut publish = mqtt_string("ke/meta/edgecontroller/insert/default/configmap/ka0");
+    publish.extend_from_slice(&[0x00, 0x01]); // packet id 1
+    publish.extend_from_slice(br#"{"metadata":{"name":"ka0"}}"#);
+    let mut packet = vec![0x32, publish.len() as u8];
+    packet.extend(publish);
+    stream.write_all(&packet).expect("PUBLISH");
+    assert_eq!(read_packet(&mut stream), [0x40, 0x02, 0x00, 0x01], "PUBACK");
+    let deadline = Instant::now() + WAIT;
+    while node.stored("default/configmap/ka0").await.is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "the keep-alive 0 publish was not stored"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_v5_client_with_keep_alive_0_is_accepted_and_told_the_keep_alive_in_force() {
+    let node = Node::start_with(Options {
+        v5: true,
+        ..Options::default()
+    })
+    .await;
+    let mut stream = open(node.v5_port.expect("v5 listener"));
+    stream
+        .write_all(&connect_keep_alive_zero(5, &unique_id("ka0")))
+        .expect("CONNECT");
+    let connack = read_packet(&mut stream);
+    assert_eq!(connack[0], 0x20, "CONNACK: {connack:02x?}");
+    assert_eq!(connack[3], 0x00, "reason code success: {connack:02x?}");
+    // Server Keep Alive (property 0x13) = 65535: the client pings at least that often.
+    assert!(
+        connack.windows(3).any(|w| w == [0x13, 0xFF, 0xFF]),
+        "no Server Keep Alive in {connack:02x?}"
+    );
+    stream.write_all(&[0xC0, 0x00]).expect("PINGREQ");
+    assert_eq!(read_packet(&mut stream), [0xD0, 0x00], "PINGRESP");
+}
+
+// ---- MQTT 5 ---------------------------------------------------------------------------------
+
+mod v5 {
+    use super::*;
+    use rumqttc::v5::mqttbytes::v5::{Packet, PublishProperties};
+    use rumqttc::v5::mqttbytes::QoS;
+    use rumqttc::v5::{AsyncClient, Event, EventLoop, MqttOptions};
+    use tokio::sync::mpsc;
+
+    /// A v5 client whose received publishes (topic, payload, properties) arrive on a channel.
+    pub struct V5 {
+        pub client: AsyncClient,
+        pub rx: mpsc::UnboundedReceiver<(String, Vec<u8>, Option<PublishProperties>)>,
+        subacks: mpsc::UnboundedReceiver<()>,
+        task: tokio::task::JoinHandle<()>,
+    }
+
+    impl V5 {
+        pub async fn connect(port: u16) -> V5 {
+            let (client, events) =
+                AsyncClient::new(MqttOptions::new(unique_id("v5"), "127.0.0.1", port), 100);
+            let (tx, rx) = mpsc::unbounded_channel();
+            let (sub_tx, subacks) = mpsc::unbounded_channel();
+            let task = tokio::spawn(drive(events, tx, sub_tx));
+            V5 {
+                client,
+                rx,
+                subacks,
+                task,
+            }
+        }
+
+        pub async fn subscribe(&mut self, filter: &str) {
+            self.client
+                .subscribe(filter, QoS::AtLeastOnce)
+                .await
+                .expect("subscribe");
+            tokio::time::timeout(WAIT, self.subacks.recv())
+                .await
+                .expect("SUBACK within the wait")
+                .expect("event loop alive");
+        }
+
+        pub async fn next(&mut self) -> (String, Vec<u8>, Option<PublishProperties>) {
+            tokio::time::timeout(WAIT, self.rx.recv())
+                .await
+                .expect("a message within the wait")
+                .expect("event loop alive")
+        }
+    }
+
+    impl Drop for V5 {
+        fn drop(&mut self) {
+            self.task.abort();
+        }
+    }
+
+    async fn drive(
+        mut events: EventLoop,
+        tx: mpsc::UnboundedSender<(String, Vec<u8>, Option<PublishProperties>)>,
+        subacks: mpsc::UnboundedSender<()>,
+    ) {
+        loop {
+            match events.poll().await {
+                Ok(Event::Incoming(Packet::Publish(p))) => {
+                    let topic = String::from_utf8_lossy(&p.topic).into_owned();
+                    let _ = tx.send((topic, p.payload.to_vec(), p.properties));
+                }
+                Ok(Event::Incoming(Packet::SubAck(_))) => {
+                    let _ = subacks.send(());
+                }
+                Ok(_) => {}
+                Err(e) => panic!("v5 connection failed: {e}"),
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_v5_shared_subscription_gives_each_message_to_one_member() {
+    let node = Node::start_with(Options {
+        v5: true,
+        ..Options::default()
+    })
+    .await;
+    let port = node.v5_port.expect("v5 listener");
+    let topic = format!("jobs/{}", unique_id("q"));
+    let shared = format!("$share/workers/{topic}");
+    let mut first = v5::V5::connect(port).await;
+    let mut second = v5::V5::connect(port).await;
+    first.subscribe(&shared).await;
+    second.subscribe(&shared).await;
+    let publisher = v5::V5::connect(port).await;
+    for i in 0..10 {
+        publisher
+            .client
+            .publish(
+                &topic,
+                rumqttc::v5::mqttbytes::QoS::AtLeastOnce,
+                false,
+                format!("job-{i}"),
+            )
+            .await
+            .expect("publish");
+    }
+    let mut got = Vec::new();
+    let (mut a, mut b) = (0, 0);
+    while got.len() < 10 {
+        tokio::select! {
+            m = first.next() => { a += 1; got.push(m.1) }
+            m = second.next() => { b += 1; got.push(m.1) }
+        }
+    }
+    got.sort();
+    let mut want: Vec<Vec<u8>> = (0..10).map(|i| format!("job-{i}").into_bytes()).collect();
+    want.sort();
+    assert_eq!(got, want, "every job exactly once across the group");
+    assert!(a > 0 && b > 0, "both members served: {a} and {b}");
+    let late = tokio::time::timeout(common::QUIET, async {
+        tokio::select! { m = first.next() => m, m = second.next() => m }
+    })
+    .await;
+    assert!(late.is_err(), "a job was delivered twice: {late:?}");
+}
+
+#[tokio::test]
+async fn v5_request_response_properties_pass_through_the_node() {
+    use rumqttc::v5::mqttbytes::v5::PublishProperties;
+    use rumqttc::v5::mqttbytes::QoS;
+    let node = Node::start_with(Options {
+        v5: true,
+        ..Options::default()
+    })
+    .await;
+    let port = node.v5_port.expect("v5 listener");
+    let request_topic = format!("svc/{}/request", unique_id("rr"));
+    let reply_topic = format!("svc/{}/reply", unique_id("rr"));
+    let mut requester = v5::V5::connect(port).await;
+    let mut responder = v5::V5::connect(port).await;
+    requester.subscribe(&reply_topic).await;
+    responder.subscribe(&request_topic).await;
+    let asked = PublishProperties {
+        response_topic: Some(reply_topic.clone()),
+        correlation_data: Some(bytes::Bytes::from_static(b"corr-7")),
+        ..PublishProperties::default()
+    };
+    requester
+        .client
+        .publish_with_properties(&request_topic, QoS::AtLeastOnce, false, "ask", asked)
+        .await
+        .expect("request");
+    let (topic, payload, properties) = responder.next().await;
+    assert_eq!(
+        (topic.as_str(), payload.as_slice()),
+        (request_topic.as_str(), &b"ask"[..])
+    );
+    let properties = properties.expect("request properties");
+    assert_eq!(
+        properties.response_topic.as_deref(),
+        Some(reply_topic.as_str())
+    );
+    let correlation = properties.correlation_data.expect("correlation data");
+    assert_eq!(&correlation[..], b"corr-7");
+    let answer = PublishProperties {
+        correlation_data: Some(correlation),
+        ..PublishProperties::default()
+    };
+    responder
+        .client
+        .publish_with_properties(&reply_topic, QoS::AtLeastOnce, false, "answer", answer)
+        .await
+        .expect("response");
+    let (topic, payload, properties) = requester.next().await;
+    assert_eq!(
+        (topic.as_str(), payload.as_slice()),
+        (reply_topic.as_str(), &b"answer"[..])
+    );
+    let correlation = properties.and_then(|p| p.correlation_data);
+    assert_eq!(correlation.as_deref(), Some(&b"corr-7"[..]));
+}
+
+// ---- a subscriber that lags ------------------------------------------------------------------
+
+/// The pod a hand-on to edged is about, from its envelope.
+fn pod_name(payload: &[u8]) -> String {
+    let body: Value = serde_json::from_slice(payload).expect("JSON hand-on");
+    let resource = body["route"]["resource"].as_str().expect("route.resource");
+    resource.rsplit('/').next().unwrap_or_default().to_owned()
+}
+
+#[tokio::test]
+async fn a_stalled_qos1_subscriber_is_cut_off_with_an_error_code_never_handed_a_gap() {
+    const PODS: usize = 600;
+    // A filter log of 2 × 64 KiB: a subscriber owed more than 64 KiB is cut off.
+    let node = Node::start_with(Options {
+        broker_yaml: "  segment_bytes: 65536\n  segment_count: 2\n".into(),
+        max_payload_bytes: 1024 * 1024,
+        max_packet_bytes: 8 * 1024 * 1024,
+        ..Options::default()
+    })
+    .await;
+
+    // edged subscribes at QoS 1, then stops reading its socket (its event loop is not polled).
+    let edged_id = unique_id("edged");
+    let mut options = MqttOptions::new(&edged_id, "127.0.0.1", node.port);
+    options.set_max_packet_size(16 * 1024 * 1024, 16 * 1024 * 1024);
+    options.set_keep_alive(Duration::from_secs(60));
+    let (edged, mut events) = AsyncClient::new(options, 100);
+    edged
+        .subscribe("ke/edged/#", QoS::AtLeastOnce)
+        .await
+        .expect("subscribe");
+    tokio::time::timeout(WAIT, async {
+        loop {
+            if let Event::Incoming(Packet::SubAck(_)) = events.poll().await.expect("connection") {
+                return;
+            }
+        }
+    })
+    .await
+    .expect("SUBACK within the wait");
+
+    // The cloud sends a burst: 600 pods of ~1 KiB, ten times the subscriber's allowance.
+    let cloud = node.client().await;
+    let pad = "x".repeat(1_000);
+    let names: Vec<String> = (0..PODS).map(|i| format!("p{i:04}")).collect();
+    for name in &names {
+        cloud
+            .publish(
+                &format!("ke/meta/edgecontroller/insert/default/pod/{name}"),
+                json!({"metadata": {"name": name}, "pad": pad}).to_string(),
+            )
+            .await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while node.meta_rows().await.len() < PODS {
+        assert!(
+            Instant::now() < deadline,
+            "the burst was not stored: {} rows\n{}",
+            node.meta_rows().await.len(),
+            node.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let log = node.log();
+    let cut = log
+        .lines()
+        .find(|l| l.contains("EM-BROKER-SUBSCRIBER-LAG"))
+        .unwrap_or_else(|| panic!("no EM-BROKER-SUBSCRIBER-LAG in the log:\n{log}"));
+    assert!(cut.contains(&edged_id), "the cut names the client: {cut}");
+
+    // edged reads again: what it gets is the burst's beginning, in order, then the connection
+    // ends; nothing after a gap.
+    let mut received = Vec::new();
+    tokio::time::timeout(WAIT, async {
+        loop {
+            match events.poll().await {
+                Ok(Event::Incoming(Packet::Publish(p))) => received.push(pod_name(&p.payload)),
+                Ok(_) => {}
+                Err(_) => return,
+            }
+        }
+    })
+    .await
+    .expect("the connection ends after what was written before the cut");
+    assert!(
+        received.len() < PODS,
+        "the stalled subscriber was not cut off"
+    );
+    assert_eq!(
+        received[..],
+        names[..received.len()],
+        "a gap was handed to the subscriber"
+    );
+
+    // It reconnects (a new session), lists its pods, and has every one of them.
+    let mut relisted = Client::connect(node.port, &unique_id("edged")).await;
+    relisted.subscribe("ke/edged/meta/response/#").await;
+    let asked = common::send(&relisted, "edged", "query", "default/pod", json!(null)).await;
+    let answer = relisted
+        .expect_reply("ke/edged/meta/response/default/pod", &asked)
+        .await;
+    let listed: Vec<String> = answer
+        .content()
+        .as_array()
+        .expect("a list")
+        .iter()
+        .map(|doc| {
+            let doc: Value = serde_json::from_str(doc.as_str().expect("a JSON string"))
+                .expect("a stored document");
+            doc["metadata"]["name"].as_str().expect("name").to_owned()
+        })
+        .collect();
+    let mut listed_sorted = listed.clone();
+    listed_sorted.sort();
+    assert_eq!(listed_sorted, names, "the re-list misses pods");
+}
