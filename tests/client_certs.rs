@@ -73,7 +73,7 @@ async fn a_device_certificate_is_the_device_identity_and_cannot_pose_as_a_module
         String::from_utf8_lossy(&out.stderr)
     );
     watch
-        .expect("ke/device/meta/response/default/sensor/t1")
+        .expect_about("ke/device/meta/response", "default/sensor/t1")
         .await;
     assert_eq!(
         node.stored("default/sensor/t1").await.as_deref(),
@@ -93,10 +93,13 @@ async fn a_device_certificate_is_the_device_identity_and_cannot_pose_as_a_module
         }
     }
     let seen = watch.drain(QUIET).await;
+    // Since v2 a forged name would travel in the payload's route, not in the topic.
     let through: Vec<&String> = seen
         .iter()
+        .filter(|m| {
+            m.topic.contains("evil") || String::from_utf8_lossy(&m.payload).contains("evil")
+        })
         .map(|m| &m.topic)
-        .filter(|t| t.contains("evil"))
         .collect();
     assert!(
         through.is_empty(),
@@ -126,7 +129,7 @@ async fn a_module_certificate_gets_the_module_rights() {
         String::from_utf8_lossy(&out.stderr)
     );
     let ok = watch
-        .expect("ke/edged/meta/response/default/podstatus/web")
+        .expect_about("ke/edged/meta/response", "default/podstatus/web")
         .await;
     assert_eq!(ok.content(), json!("OK"));
     assert_eq!(

@@ -26,7 +26,7 @@ async fn a_cloud_insert_is_committed_then_acked_up_and_handed_to_edged() {
     )
     .await;
     let handed = edged
-        .expect("ke/edged/edgecontroller/insert/default/pod/web")
+        .expect_about("ke/edged/edgecontroller/insert", "default/pod/web")
         .await;
     assert_eq!(handed.msg_id(), id);
 }

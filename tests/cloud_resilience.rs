@@ -9,7 +9,7 @@ use common::cloud::{
     cloud_client, cloud_insert, cut_off_node, expect_delivered, local_query, next_signal,
     spawn_status_stream, tail, CONNECTION,
 };
-use common::{send, CloudBroker, Msg};
+use common::{send, topic, CloudBroker, Msg};
 use serde_json::json;
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -130,7 +130,8 @@ async fn upward_stream_survives_ten_cloud_restarts() {
             .as_str()
             .unwrap_or_default()
             .to_owned();
-        assert_eq!(m.topic, bridge.up(&format!("edged/update/{resource}")));
+        assert_eq!(m.topic, bridge.up("edged/update/default/podstatus"));
+        assert!(resource.starts_with("default/podstatus/p"), "{resource}");
         assert_eq!(m.source(), "edged");
         assert_eq!(m.operation(), "update");
     }
@@ -159,7 +160,7 @@ async fn kill9_during_burst_loses_nothing_acked() {
     let cloud = CloudBroker::start().await;
     let (mut node, bridge) = bridged(&cloud).await;
     let mut cloud_side = cloud_client(&cloud, &bridge.up_filter()).await;
-    // edged is answered "OK" on ke/edged/meta/response/<resource>, after the commit that also
+    // edged is answered "OK" on ke/edged/meta/response/<ns>/<type>, after the commit that also
     // put the cloud-bound copy in the outbox.
     let mut edged = node.client().await;
     edged.subscribe("ke/edged/meta/response/#").await;
@@ -262,7 +263,8 @@ async fn cloud_message_in_flight_at_kill_is_redelivered() {
             if m.content() == json!("OK") {
                 let parent = m.parent_id().expect("ack names its request");
                 if let Some(resource) = want.get(&parent) {
-                    assert_eq!(m.topic, bridge.up(&format!("meta/response/{resource}")));
+                    assert_eq!(m.topic, topic(&bridge.up("meta/response"), resource));
+                    assert_eq!(&m.resource(), resource);
                 }
                 oks.insert(parent);
             }

@@ -24,13 +24,15 @@ async fn an_inserted_pod_is_stored_handed_to_edged_and_acked_to_the_cloud() {
     )
     .await;
 
+    // The topic names the type, the envelope the pod.
     let to_edged = watcher
-        .expect("ke/edged/edgecontroller/insert/default/pod/nginx")
+        .expect_about("ke/edged/edgecontroller/insert", "default/pod/nginx")
         .await;
+    assert_eq!(to_edged.topic, "ke/edged/edgecontroller/insert/default/pod");
     assert_eq!(to_edged.msg_id(), id);
     assert_eq!(to_edged.content(), json!({"metadata": {"name": "nginx"}}));
     let ack = watcher
-        .expect_reply("ke/cloud/meta/response/default/pod/nginx", &id)
+        .expect_reply_about("ke/cloud/meta/response", "default/pod/nginx", &id)
         .await;
     assert_eq!(ack.content(), json!("OK"));
     assert_eq!(
@@ -67,6 +69,10 @@ async fn the_local_relay_delivers_every_cloud_message_once_in_order_and_empties_
     let mut answered = Vec::with_capacity(COUNT);
     while answered.len() < COUNT && Instant::now() < deadline {
         for m in watcher.drain(Duration::from_millis(200)).await {
+            assert_eq!(
+                m.topic, "ke/cloud/meta/response/relay/pod",
+                "type-level topic"
+            );
             answered.push(m.parent_id().expect("an answer names its request"));
         }
     }

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{envelope, Node};
+use common::{envelope, topic, Node};
 use serde_json::json;
 use std::time::{Duration, Instant};
 
@@ -16,11 +16,9 @@ async fn a_burst_larger_than_the_brokers_buffers_is_stored_completely() {
     for i in 0..TOTAL {
         let resource = format!("default/pod/p{i}");
         let (_, payload) = envelope("edgecontroller", "insert", &resource, json!({"pad": pad}));
+        // One type-level topic for all of them (v2): the names are in the envelopes.
         client
-            .publish(
-                &format!("ke/meta/edgecontroller/insert/{resource}"),
-                payload,
-            )
+            .publish(&topic("ke/meta/edgecontroller/insert", &resource), payload)
             .await;
     }
     // Wait until the store stops growing.

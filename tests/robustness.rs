@@ -29,7 +29,7 @@ async fn watching(node: &Node, filter: &str) -> Client {
 async fn insert_acked(client: &mut Client, resource: &str, content: Value) {
     let id = send(client, "edgecontroller", "insert", resource, content).await;
     client
-        .expect_reply(&format!("ke/cloud/meta/response/{resource}"), &id)
+        .expect_reply_about("ke/cloud/meta/response", resource, &id)
         .await;
 }
 
@@ -38,7 +38,7 @@ async fn insert_acked(client: &mut Client, resource: &str, content: Value) {
 async fn query(client: &mut Client, resource: &str) -> Value {
     let id = send(client, "edged", "query", resource, json!(null)).await;
     client
-        .expect_reply(&format!("ke/edged/meta/response/{resource}"), &id)
+        .expect_reply_about("ke/edged/meta/response", resource, &id)
         .await
         .content()
 }
@@ -158,7 +158,8 @@ async fn sigterm_during_a_burst_stops_within_five_seconds_with_every_ack_committ
     assert_acked_stored(&node, &ids, &acked).await;
 }
 
-/// Each bad input gets an `error` reply naming the problem on the sender's error topic.
+/// Each bad input gets an `error` reply naming the problem on the sender's error topic (at
+/// most `<ns>/<type>` of what it sent), with all of what it sent in `route.resource`.
 #[tokio::test]
 async fn bad_input_is_refused_with_a_clear_error_and_the_store_is_unchanged() {
     let node = Node::start_with(Options {
@@ -173,51 +174,72 @@ async fn bad_input_is_refused_with_a_clear_error_and_the_store_is_unchanged() {
     let before = node.meta_rows().await;
     let mut client = watching(&node, "ke/edged/meta/error/#").await;
 
-    let cases: Vec<(&str, Vec<u8>, &str, &str)> = vec![
+    let cases: Vec<(&str, Vec<u8>, &str, &str, &str)> = vec![
         (
             "ke/meta/edged/insert/default/pod/x",
             br#"{"header": {"msg_id": "#.to_vec(),
-            "ke/edged/meta/error/default/pod/x",
+            "ke/edged/meta/error/default/pod",
+            "default/pod/x",
             "malformed JSON",
         ),
         (
             "ke/meta/edged/insert/default",
             b"{}".to_vec(),
             "ke/edged/meta/error/default",
+            "default",
             "invalid resource",
         ),
         (
             "ke/meta/edged/insert/a/b/c/d/e",
             b"{}".to_vec(),
-            "ke/edged/meta/error/a/b/c/d/e",
+            "ke/edged/meta/error/a/b",
+            "a/b/c/d/e",
             "invalid resource",
         ),
         (
             "ke/meta/edged/frobnicate/default/pod/x",
             b"{}".to_vec(),
-            "ke/edged/meta/error/default/pod/x",
+            "ke/edged/meta/error/default/pod",
+            "default/pod/x",
             "unsupported operation \"frobnicate\"",
         ),
         (
             "ke/meta/edged/insert/default/pod/big",
             format!("\"{}\"", "x".repeat(5000)).into_bytes(),
-            "ke/edged/meta/error/default/pod/big",
+            "ke/edged/meta/error/default/pod",
+            "default/pod/big",
             "exceeds the limit of 4096 bytes",
         ),
         (
             "ke/meta/edged/insert/default/pod/bin",
             vec![0xff, 0x00, 0xfe, 0x13, 0x37],
-            "ke/edged/meta/error/default/pod/bin",
+            "ke/edged/meta/error/default/pod",
+            "default/pod/bin",
             "neither JSON nor UTF-8 text",
         ),
         (
             "ke/meta/edged/insert/default/pod/arr",
             br#"{"header": [], "route": 1, "content": {}}"#.to_vec(),
-            "ke/edged/meta/error/default/pod/arr",
+            "ke/edged/meta/error/default/pod",
+            "default/pod/arr",
             "invalid envelope",
         ),
+        (
+            "ke/meta/edged/insert/default/pod",
+            br#"{"spec": {}}"#.to_vec(),
+            "ke/edged/meta/error/default/pod",
+            "default/pod",
+            "no resource name",
+        ),
+        (
+            "ke/meta/edged/insert/default/pod",
+            br#"{"metadata": {"name": "n", "namespace": "other"}}"#.to_vec(),
+            "ke/edged/meta/error/default/pod",
+            "default/pod/n",
+            "namespace mismatch",
+        ),
     ];
-    for (topic, payload, error_topic, expected) in cases {
+    for (topic, payload, error_topic, resource, expected) in cases {
         client.publish(topic, payload).await;
         let reply = client.expect(error_topic).await;
         let said = text(&reply);
@@ -226,6 +248,7 @@ async fn bad_input_is_refused_with_a_clear_error_and_the_store_is_unchanged() {
             "{topic}: {said:?} should say {expected:?}"
         );
         assert_eq!(reply.operation(), "error");
+        assert_eq!(reply.resource(), resource, "{topic}");
     }
     assert_eq!(node.meta_rows().await, before);
 
@@ -261,7 +284,7 @@ async fn a_client_id_with_a_slash_is_refused_twice_and_the_listener_keeps_servin
     let mut client = watching(&node, "ke/edged/meta/response/#").await;
     let id = send(&client, "edged", "insert", "default/pod/x", json!({})).await;
     client
-        .expect_reply("ke/edged/meta/response/default/pod/x", &id)
+        .expect_reply_about("ke/edged/meta/response", "default/pod/x", &id)
         .await;
     assert_eq!(node.stored("default/pod/x").await.as_deref(), Some("{}"));
     assert!(node.log().contains("EM-BROKER-CLIENT-ID"));
@@ -286,19 +309,23 @@ async fn mosquitto_clients_drive_the_node_with_bare_and_full_payloads() {
         "ke/meta/edgecontroller/insert/default/configmap/app",
         r#"{"data":{"mode":"eco"}}"#,
     );
+    // A full envelope names the object in its route, on the type-level topic.
     let (_, full) = envelope("edged", "query", "default/configmap/app", json!(null));
-    mosquitto_pub_qos1(port, "ke/meta/edged/query/default/configmap/app", &full);
+    mosquitto_pub_qos1(port, "ke/meta/edged/query/default/configmap", &full);
 
+    let about_app = r#""resource":"default/configmap/app""#;
     let lines = sub_output(watcher);
     assert!(
         lines.iter().any(|l| l
-            .starts_with(r#"ke/edged/edgecontroller/insert/default/configmap/app {"#)
+            .starts_with(r#"ke/edged/edgecontroller/insert/default/configmap {"#)
+            && l.contains(about_app)
             && l.contains(r#""content":{"data":{"mode":"eco"}}"#)),
         "{lines:#?}"
     );
     assert!(
         lines.iter().any(
-            |l| l.starts_with("ke/edged/meta/response/default/configmap/app ")
+            |l| l.starts_with("ke/edged/meta/response/default/configmap ")
+                && l.contains(about_app)
                 && l.contains(r#""content":["{\"data\":{\"mode\":\"eco\"}}"]"#)
         ),
         "{lines:#?}"
@@ -494,8 +521,9 @@ async fn an_environment_variable_overrides_the_file() {
     client
         .publish("ke/meta/edged/insert/default/pod/x", "x".repeat(100))
         .await;
-    let reply = client.expect("ke/edged/meta/error/default/pod/x").await;
+    let reply = client.expect("ke/edged/meta/error/default/pod").await;
     assert!(text(&reply).contains("exceeds the limit of 64 bytes"));
+    assert_eq!(reply.resource(), "default/pod/x");
     let _ = child.kill();
     let _ = child.wait();
 }
@@ -550,7 +578,8 @@ async fn the_readme_cloud_walkthrough_works_verbatim() {
     let _ = node.kill();
     let _ = node.wait();
     assert!(
-        line.starts_with("kubeedge/edge-1/up/meta/response/default/pod/web ")
+        line.starts_with("kubeedge/edge-1/up/meta/response/default/pod ")
+            && line.contains(r#""resource":"default/pod/web""#)
             && line.contains(r#""content":"OK""#),
         "{line}"
     );
@@ -595,19 +624,28 @@ async fn a_full_store_refuses_writes_with_an_error_and_keeps_answering_queries()
 async fn a_refused_full_envelope_is_answered_with_its_own_id() {
     let node = Node::start().await;
     let mut client = watching(&node, "ke/edged/meta/error/#").await;
-    for (topic, error_topic) in [
+    for (topic, error_topic, resource) in [
         (
             "ke/meta/edged/frobnicate/default/pod/x",
-            "ke/edged/meta/error/default/pod/x",
+            "ke/edged/meta/error/default/pod",
+            "default/pod/x",
         ),
         (
             "ke/meta/edged/insert/a/b/c/d/e",
-            "ke/edged/meta/error/a/b/c/d/e",
+            "ke/edged/meta/error/a/b",
+            "a/b/c/d/e",
+        ),
+        (
+            "ke/meta/edged/insert/default/pod",
+            "ke/edged/meta/error/default/pod",
+            "default/pod",
         ),
     ] {
-        let (id, payload) = envelope("edged", "insert", "default/pod/x", json!({}));
+        // The route names no object, so the type-level insert has no name either.
+        let (id, payload) = envelope("edged", "insert", "default/pod", json!({}));
         client.publish(topic, payload).await;
         let reply = client.expect_reply(error_topic, &id).await;
         assert_eq!(reply.operation(), "error", "{topic}");
+        assert_eq!(reply.resource(), resource, "{topic}");
     }
 }

@@ -287,8 +287,9 @@ async fn scaling(args: &Args, sizes: &Sizes, rows: &mut Vec<Row>) -> anyhow::Res
         let dir = tempfile::tempdir()?;
         let node = Server::edgemeta(&args.edgemeta, dir.path()).await?;
         fill(node.port, "pre", preload).await?;
-        // The process that loaded them still holds rumqttd's state for every topic it saw,
-        // which slows it down (see Findings); one P1 run shows how much.
+        // With names in topics (contract v1) the process that loaded them held rumqttd's state
+        // for every topic it saw, which slowed it down (see Findings); type-level topics (v2)
+        // should end that. One P1 run shows how much is left.
         let rate_loaded = throughput(node.port, "ke/edged/#", sizes, "loaded").await?;
         let rss = node.rss_kib()?;
         drop(node);
@@ -422,7 +423,7 @@ async fn backlog(args: &Args, sizes: &Sizes, rows: &mut Vec<Row>) -> anyhow::Res
         let resource = format!("default/podstatus/p{}", i % 1000);
         edged
             .publish(
-                format!("ke/meta/edged/update/{resource}"),
+                format!("ke/meta/edged/update/{}", type_level(&resource)),
                 QoS::AtLeastOnce,
                 false,
                 update(&resource, i),
@@ -478,7 +479,7 @@ async fn backlog(args: &Args, sizes: &Sizes, rows: &mut Vec<Row>) -> anyhow::Res
         let resource = format!("default/podstatus/p{}", i % 1000);
         publisher
             .publish(
-                format!("ke/cloud/edged/update/{resource}"),
+                format!("ke/cloud/edged/update/{}", type_level(&resource)),
                 QoS::AtLeastOnce,
                 false,
                 update(&resource, i),
@@ -566,6 +567,15 @@ async fn wait_for(
         }
     }
     Ok(first)
+}
+
+/// `<namespace>/<type>` of a resource: all of it that a topic carries (protocol §2, v2); the
+/// name travels in the envelope's `route.resource`.
+fn type_level(resource: &str) -> &str {
+    match resource.match_indices('/').nth(1) {
+        Some((end, _)) => &resource[..end],
+        None => resource,
+    }
 }
 
 /// An edged pod-status update envelope.
@@ -797,15 +807,37 @@ async fn subscribe(client: &AsyncClient, rx: &mut Inbox, filter: &str) -> anyhow
 
 type Inbox = mpsc::UnboundedReceiver<(String, bytes::Bytes)>;
 
-/// A KubeEdge envelope with ~300 bytes of content.
+/// A KubeEdge envelope with ~300 bytes of content, whose metadata agrees with `resource`
+/// (`<namespace>/<type>/<name>`): the node refuses a namespace that contradicts its topic.
 fn insert(resource: &str, sent_us: u64) -> Vec<u8> {
+    let namespace = resource.split('/').next().unwrap_or_default();
+    let name = resource.rsplit('/').next().unwrap_or_default();
     json!({
         "header": {"msg_id": uuid::Uuid::new_v4().to_string(), "timestamp": 0},
         "route": {"source": "edgecontroller", "group": "resource", "operation": "insert", "resource": resource},
-        "content": {"t": sent_us, "metadata": {"name": resource, "namespace": "default"}, "pad": "x".repeat(230)},
+        "content": {"t": sent_us, "metadata": {"name": name, "namespace": namespace}, "pad": "x".repeat(240)},
     })
     .to_string()
     .into_bytes()
+}
+
+/// An edged query of `resource` (a 2-level one lists the type); returns its id and payload.
+fn query(resource: &str) -> (String, Vec<u8>) {
+    let id = uuid::Uuid::new_v4().to_string();
+    let payload = json!({
+        "header": {"msg_id": id, "timestamp": 0},
+        "route": {"source": "edged", "group": "resource", "operation": "query", "resource": resource},
+        "content": null,
+    });
+    (id, payload.to_string().into_bytes())
+}
+
+/// Whether `payload` answers request `id`. The node writes `header` first, so only the head is
+/// searched: parsing a large list answer would add its own time to the measured round trip.
+fn answers(payload: &[u8], id: &str) -> bool {
+    let needle = format!("\"parent_msg_id\":\"{id}\"");
+    let head = &payload[..payload.len().min(256)];
+    head.windows(needle.len()).any(|w| w == needle.as_bytes())
 }
 
 /// Messages per second from the first publish to the last arrival at the subscriber.
@@ -819,11 +851,12 @@ async fn throughput(port: u16, watch: &str, sizes: &Sizes, ns: &str) -> anyhow::
         let per = sizes.per_publisher;
         let ns = ns.to_owned();
         tokio::spawn(async move {
+            // One type-level topic; each envelope names its pod.
+            let topic = format!("ke/meta/edgecontroller/insert/{ns}/pod");
             for i in 0..per {
                 let resource = format!("{ns}/pod/p{p}-{i}");
-                let topic = format!("ke/meta/edgecontroller/insert/{resource}");
                 if publisher
-                    .publish(topic, QoS::AtLeastOnce, false, insert(&resource, 0))
+                    .publish(&topic, QoS::AtLeastOnce, false, insert(&resource, 0))
                     .await
                     .is_err()
                 {
@@ -903,7 +936,7 @@ async fn latency(
             for _ in 0..per_tick {
                 let resource = format!("lat/pod/r{}", sent % 1000);
                 let now = epoch.elapsed().as_micros() as u64;
-                let topic = format!("ke/meta/edgecontroller/insert/{resource}");
+                let topic = "ke/meta/edgecontroller/insert/lat/pod";
                 if publisher
                     .publish(topic, QoS::AtLeastOnce, false, insert(&resource, now))
                     .await
@@ -953,7 +986,7 @@ async fn fill(port: u16, ns: &str, count: usize) -> anyhow::Result<()> {
         for i in start..end {
             let resource = format!("{ns}/pod/q{i}");
             c.publish(
-                format!("ke/meta/edgecontroller/insert/{resource}"),
+                format!("ke/meta/edgecontroller/insert/{ns}/pod"),
                 QoS::AtLeastOnce,
                 false,
                 insert(&resource, 0),
@@ -971,7 +1004,8 @@ async fn fill(port: u16, ns: &str, count: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Round trip of `n` sequential edged queries of `resource`.
+/// Round trip of `n` sequential edged queries of `resource`: full envelopes on the type-level
+/// topic, each answer matched to its query by `parent_msg_id` (answers share that topic).
 async fn query_latency(
     port: u16,
     resource: &str,
@@ -979,18 +1013,23 @@ async fn query_latency(
     qos: QoS,
 ) -> anyhow::Result<Percentiles> {
     let (c, mut rx) = client(port, "query").await?;
-    subscribe(&c, &mut rx, &format!("ke/edged/meta/response/{resource}")).await?;
+    let type_level = type_level(resource);
+    subscribe(&c, &mut rx, &format!("ke/edged/meta/response/{type_level}")).await?;
+    let topic = format!("ke/meta/edged/query/{type_level}");
     let mut samples = Vec::with_capacity(n);
     for _ in 0..n {
+        let (id, payload) = query(resource);
         let started = Instant::now();
-        c.publish(
-            format!("ke/meta/edged/query/{resource}"),
-            qos,
-            false,
-            Vec::new(),
-        )
-        .await?;
-        wait_for(&mut rx, 1, |topic| !topic.starts_with('$'), "query").await?;
+        c.publish(&topic, qos, false, payload).await?;
+        loop {
+            let (_, answer) = tokio::time::timeout(Duration::from_secs(60), rx.recv())
+                .await
+                .context("query: no answer")?
+                .context("query: connection gone")?;
+            if answers(&answer, &id) {
+                break;
+            }
+        }
         samples.push(started.elapsed().as_micros() as u64);
     }
     Ok(percentiles(samples))

@@ -1,6 +1,9 @@
 //! Topic rewriting between the node and the cloud broker (protocol §5):
-//! `<root>/cloud/<from>/<op>/<resource>` goes up as `<cloud_root>/<node_id>/up/<from>/<op>/<resource>`;
-//! `<cloud_root>/<node_id>/down/<from>/<op>/<resource>` comes in as `<root>/meta/<from>/<op>/<resource>`.
+//! `<root>/cloud/<rest>` goes up as `<cloud_root>/<node_id>/up/<rest>`;
+//! `<cloud_root>/<node_id>/down/<rest>` comes in as `<root>/meta/<rest>`.
+//! `<rest>` is `<from>/<op>/<namespace>/<type>[/<name>]`, passed through unchanged: up topics
+//! have no name because the node's `<root>/cloud/...` topics have none (v2), down topics may.
+//! Outbox rows a v1 node stored with a name level go up as they are.
 
 /// The mapping for one node.
 #[derive(Debug, Clone)]
@@ -57,6 +60,11 @@ mod tests {
     #[test]
     fn cloud_bound_topics_go_up_under_the_node() {
         assert_eq!(
+            map().up("ke/cloud/meta/response/default/pod").as_deref(),
+            Some("kubeedge/node-1/up/meta/response/default/pod")
+        );
+        // A row stored by a v1 node, with the name level, goes up as it is.
+        assert_eq!(
             map()
                 .up("ke/cloud/meta/response/default/pod/nginx")
                 .as_deref(),
@@ -68,6 +76,12 @@ mod tests {
 
     #[test]
     fn down_topics_become_metamanager_topics() {
+        assert_eq!(
+            map()
+                .down("kubeedge/node-1/down/edgecontroller/insert/default/pod")
+                .as_deref(),
+            Some("ke/meta/edgecontroller/insert/default/pod")
+        );
         assert_eq!(
             map()
                 .down("kubeedge/node-1/down/edgecontroller/insert/default/pod/nginx")

@@ -1,5 +1,6 @@
 //! The KubeEdge `model.Message` JSON envelope (protocol §1), full or bare.
 
+use std::borrow::Cow;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
@@ -94,6 +95,57 @@ pub fn sender_msg_id(payload: &[u8]) -> Option<String> {
         .ok()
         .map(|ids| ids.header.msg_id)
         .filter(|id| !id.is_empty())
+}
+
+/// `metadata.name` and `metadata.namespace` of a Kubernetes-style object in `content`, where
+/// they are JSON strings; borrowed from the content unless they contain escapes.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct ObjectMeta<'a> {
+    pub name: Option<Cow<'a, str>>,
+    pub namespace: Option<Cow<'a, str>>,
+}
+
+impl<'a> ObjectMeta<'a> {
+    /// Reads only these two fields, skipping the rest of the document without building it.
+    /// Anything that is not an object with an object `metadata` has neither.
+    pub fn of(content: &'a RawValue) -> ObjectMeta<'a> {
+        #[derive(Deserialize)]
+        struct Object<'a> {
+            #[serde(borrow)]
+            metadata: Option<&'a RawValue>,
+        }
+        #[derive(Deserialize)]
+        struct Fields<'a> {
+            #[serde(borrow)]
+            name: Option<&'a RawValue>,
+            #[serde(borrow)]
+            namespace: Option<&'a RawValue>,
+        }
+        // serde would also read a struct from a JSON array, by position.
+        fn object<'a, T: Deserialize<'a>>(raw: &'a RawValue) -> Option<T> {
+            let text = raw.get();
+            text.starts_with('{')
+                .then(|| serde_json::from_str(text).ok())
+                .flatten()
+        }
+        fn text(raw: Option<&RawValue>) -> Option<Cow<'_, str>> {
+            let raw = raw?.get();
+            match serde_json::from_str::<&str>(raw) {
+                Ok(text) => Some(Cow::Borrowed(text)),
+                Err(_) => serde_json::from_str::<String>(raw).ok().map(Cow::Owned),
+            }
+        }
+        let fields = object::<Object<'a>>(content)
+            .and_then(|o| o.metadata)
+            .and_then(object::<Fields<'a>>);
+        match fields {
+            Some(f) => ObjectMeta {
+                name: text(f.name),
+                namespace: text(f.namespace),
+            },
+            None => ObjectMeta::default(),
+        }
+    }
 }
 
 /// The only keys we look at to tell a full envelope from a bare payload.
@@ -296,6 +348,40 @@ mod tests {
             let err = Envelope::parse(payload.as_bytes()).unwrap_err();
             assert!(matches!(err, EnvelopeError::Invalid(_)), "{payload}");
             assert!(err.to_string().starts_with("invalid envelope: "));
+        }
+    }
+
+    #[test]
+    fn object_metadata_is_read_from_objects_only() {
+        let meta = |json: &str| {
+            let content = raw(json);
+            let m = ObjectMeta::of(&content);
+            (
+                m.name.map(Cow::into_owned),
+                m.namespace.map(Cow::into_owned),
+            )
+        };
+        let some = |s: &str| Some(s.to_owned());
+        assert_eq!(
+            meta(
+                r#"{"kind":"Pod","metadata":{"namespace":"ns","labels":{"a":"b"},"name":"web"},"spec":[1]}"#
+            ),
+            (some("web"), some("ns"))
+        );
+        assert_eq!(
+            meta(r#"{"metadata":{"name":"caf\u00e9"}}"#),
+            (some("café"), None)
+        );
+        for none in [
+            r#"{"metadata":{"name":5,"namespace":null}}"#,
+            r#"{"metadata":["web","ns"]}"#,
+            r#"[{"name":"web"}]"#,
+            r#"{"metadata":null}"#,
+            r#"{"spec":{"metadata":{"name":"inner"}}}"#,
+            r#""web""#,
+            "null",
+        ] {
+            assert_eq!(meta(none), (None, None), "{none}");
         }
     }
 

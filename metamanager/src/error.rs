@@ -10,6 +10,12 @@ pub enum Error {
     UnsupportedOperation(String),
     #[error(transparent)]
     InvalidResource(#[from] InvalidResource),
+    /// A type-level topic, and the content belongs to another namespace (protocol §2, v2).
+    #[error("namespace mismatch: the topic names namespace {topic:?}, content.metadata.namespace is {content:?}")]
+    NamespaceMismatch { topic: String, content: String },
+    /// A type-level topic for an operation on one object, and nothing names the object.
+    #[error("no resource name: the topic has no <name> level and neither route.resource nor content.metadata.name gives one{}", invalid_name(.metadata_name))]
+    NoName { metadata_name: Option<String> },
     #[error("payload of {size} bytes exceeds the limit of {limit} bytes")]
     PayloadTooLarge { size: usize, limit: usize },
     #[error(transparent)]
@@ -50,6 +56,8 @@ impl Error {
         match self {
             Error::UnsupportedOperation(_) => "EM-META-OPERATION",
             Error::InvalidResource(_) => "EM-META-RESOURCE",
+            Error::NamespaceMismatch { .. } => "EM-META-NAMESPACE",
+            Error::NoName { .. } => "EM-META-NO-NAME",
             Error::PayloadTooLarge { .. } => "EM-META-PAYLOAD-SIZE",
             Error::Envelope(EnvelopeError::NotText) => "EM-META-PAYLOAD-BINARY",
             Error::Envelope(EnvelopeError::Invalid(_)) => "EM-META-ENVELOPE",
@@ -71,9 +79,21 @@ impl Error {
             self,
             Error::UnsupportedOperation(_)
                 | Error::InvalidResource(_)
+                | Error::NamespaceMismatch { .. }
+                | Error::NoName { .. }
                 | Error::PayloadTooLarge { .. }
                 | Error::Envelope(_)
                 | Error::Content { .. }
         )
+    }
+}
+
+/// Why a `content.metadata.name` that was there did not count as a name.
+fn invalid_name(metadata_name: &Option<String>) -> String {
+    match metadata_name {
+        Some(name) => format!(
+            " (content.metadata.name {name:?} is not one topic level: empty, or has '/', '+' or '#')"
+        ),
+        None => String::new(),
     }
 }

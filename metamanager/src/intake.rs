@@ -2,14 +2,18 @@
 //! and hands the rest to the store worker. Parsing happens here, on the tokio side, so the
 //! store thread only sees well-formed work.
 
+use std::borrow::Cow;
+
 use edgemeta_broker::{Message, Publisher};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::envelope::Envelope;
+use crate::envelope::{Envelope, ObjectMeta};
 use crate::error::Error;
+use crate::operation::Operation;
 use crate::request::{Request, Requester};
+use crate::resource::{is_name, Resource};
 use crate::topic::{InboundTopic, META};
 use crate::worker::{Done, Job, Outcome};
 
@@ -145,14 +149,84 @@ pub fn parse(config: &IntakeConfig, message: &Message) -> Result<Option<Request>
         }
     };
     // Ids of a malformed envelope are unknown, so its error reply has no parent id.
-    match Envelope::parse(&message.payload) {
-        Ok(envelope) => Ok(Some(Request::new(
-            topic.from, operation, resource, envelope, message,
-        ))),
+    let envelope = match Envelope::parse(&message.payload) {
+        Ok(envelope) => envelope,
         Err(e) => {
             requester.resource = resource.key().to_owned();
-            Err(refuse(requester, Error::Envelope(e), topic.operation))
+            return Err(refuse(requester, Error::Envelope(e), topic.operation));
         }
+    };
+    match named(operation, resource, &envelope) {
+        Ok(resource) => Ok(Some(Request::new(
+            topic.from, operation, resource, envelope, message,
+        ))),
+        Err((error, about)) => {
+            // The envelope was read: the reply names the request, as a worker's error would.
+            requester.resource = about;
+            requester.msg_id = Some(envelope.header.msg_id);
+            if !envelope.route.group.is_empty() {
+                requester.group = envelope.route.group;
+            }
+            Err(refuse(requester, error, topic.operation))
+        }
+    }
+}
+
+/// The resource a message is about (protocol §2, v2). A topic with a `<name>` level wins whole,
+/// as in v1. A type-level topic gives namespace and type; the name comes from a full envelope's
+/// `route.resource`, else from `content.metadata.name`. A refusal also gives the resource its
+/// reply names: with the name, when one was found.
+fn named(
+    operation: Operation,
+    topic: Resource,
+    envelope: &Envelope,
+) -> Result<Resource, (Error, String)> {
+    if topic.id().is_some() {
+        return Ok(topic);
+    }
+    // One pass over the content for both fields, and only for type-level topics.
+    let meta = ObjectMeta::of(&envelope.content);
+    let from_route = Resource::parse(&envelope.route.resource)
+        .ok()
+        .and_then(|r| r.id().filter(|id| is_name(id)).map(str::to_owned));
+    let name = match (from_route, meta.name) {
+        (Some(name), _) => Some(Ok(Cow::Owned(name))),
+        (None, Some(name)) if is_name(&name) => Some(Ok(name)),
+        (None, Some(invalid)) => Some(Err(invalid)),
+        (None, None) => None,
+    };
+    let (resource, refusal) = match name {
+        Some(Ok(name)) => {
+            let named = Resource::from_parts(topic.namespace(), topic.res_type(), &name)
+                .map_err(|e| (Error::from(e), topic.key().to_owned()))?;
+            (named, None)
+        }
+        Some(Err(invalid)) => {
+            let metadata_name = Some(invalid.into_owned());
+            (topic, Some(Error::NoName { metadata_name }))
+        }
+        None if operation.needs_name() => (
+            topic,
+            Some(Error::NoName {
+                metadata_name: None,
+            }),
+        ),
+        // A list query, or an operation on the type (connection signal, sync, answers, volumes).
+        None => (topic, None),
+    };
+    // An empty namespace is Kubernetes' "not set" (cluster-scoped objects).
+    if let Some(namespace) = meta.namespace.filter(|ns| !ns.is_empty()) {
+        if namespace != resource.namespace() {
+            let error = Error::NamespaceMismatch {
+                topic: resource.namespace().to_owned(),
+                content: namespace.into_owned(),
+            };
+            return Err((error, resource.key().to_owned()));
+        }
+    }
+    match refusal {
+        Some(error) => Err((error, resource.key().to_owned())),
+        None => Ok(resource),
     }
 }
 
@@ -241,8 +315,9 @@ mod tests {
         assert_eq!(e.to_string(), "unsupported operation \"frobnicate\"");
         assert_eq!(
             who.topic("ke", crate::Operation::Error),
-            "ke/edged/meta/error/default/pod/x"
+            "ke/edged/meta/error/default/pod"
         );
+        assert_eq!(who.resource, "default/pod/x");
     }
 
     #[test]
@@ -252,12 +327,18 @@ mod tests {
             e.to_string(),
             "invalid resource \"a/b/c/d\": want <namespace>/<type>[/<id>]"
         );
+        // The topic keeps at most two levels of what the sender gave; the reply's route all.
         assert_eq!(
             who.topic("ke", crate::Operation::Error),
-            "ke/device/meta/error/a/b/c/d"
+            "ke/device/meta/error/a/b"
         );
-        let (_, e) = refused("ke/meta/device/insert/pod", b"{}");
+        assert_eq!(who.resource, "a/b/c/d");
+        let (who, e) = refused("ke/meta/device/insert/pod", b"{}");
         assert!(matches!(e, Error::InvalidResource(_)));
+        assert_eq!(
+            who.topic("ke", crate::Operation::Error),
+            "ke/device/meta/error/pod"
+        );
     }
 
     #[test]
@@ -285,7 +366,148 @@ mod tests {
         let (who, _) = refused("ke/meta/edgecontroller/nope/default/pod/x", b"");
         assert_eq!(
             who.topic("ke", crate::Operation::Error),
-            "ke/cloud/meta/error/default/pod/x"
+            "ke/cloud/meta/error/default/pod"
         );
+    }
+
+    fn request(topic: &str, payload: &str) -> Request {
+        let config = IntakeConfig {
+            max_payload_bytes: 1024,
+            ..config()
+        };
+        parse(&config, &Message::new(topic, payload.as_bytes().to_vec()))
+            .unwrap()
+            .unwrap()
+    }
+
+    fn refused_v2(topic: &str, payload: &str) -> (Requester, Error) {
+        let config = IntakeConfig {
+            max_payload_bytes: 1024,
+            ..config()
+        };
+        let refused =
+            parse(&config, &Message::new(topic, payload.as_bytes().to_vec())).unwrap_err();
+        (refused.requester, refused.error)
+    }
+
+    #[test]
+    fn a_bare_payload_on_a_type_level_topic_is_named_by_its_metadata() {
+        let r = request(
+            "ke/meta/edgecontroller/insert/default/pod",
+            r#"{"metadata":{"namespace":"default","name":"web"},"spec":{}}"#,
+        );
+        assert_eq!(r.resource.key(), "default/pod/web");
+        assert_eq!(r.envelope.route.resource, "default/pod/web");
+        assert_eq!(r.requester.resource, "default/pod/web");
+        assert_eq!(
+            r.requester.topic("ke", crate::Operation::Response),
+            "ke/cloud/meta/response/default/pod"
+        );
+    }
+
+    #[test]
+    fn a_full_envelope_on_a_type_level_topic_is_named_by_its_route() {
+        // The route's name wins over metadata.name; the topic wins for namespace and type.
+        let r = request(
+            "ke/meta/edgecontroller/update/default/pod",
+            r#"{"header":{"msg_id":"m"},"route":{"resource":"other/secret/a"},"content":{"metadata":{"name":"b"}}}"#,
+        );
+        assert_eq!(r.resource.key(), "default/pod/a");
+        assert_eq!(r.envelope.route.resource, "default/pod/a");
+        // A route without exactly three good levels gives no name: metadata.name does.
+        for route in ["default/pod", "a/b/c/d", "", "default/pod/x+y"] {
+            let payload = format!(
+                r#"{{"header":{{}},"route":{{"resource":"{route}"}},"content":{{"metadata":{{"name":"b"}}}}}}"#
+            );
+            let r = request("ke/meta/edged/update/default/pod", &payload);
+            assert_eq!(r.resource.key(), "default/pod/b", "{route:?}");
+        }
+    }
+
+    #[test]
+    fn a_name_level_in_the_topic_wins_over_the_envelope_and_the_metadata() {
+        let r = request(
+            "ke/meta/edgecontroller/insert/default/pod/t",
+            r#"{"header":{},"route":{"resource":"default/pod/r"},"content":{"metadata":{"name":"m","namespace":"elsewhere"}}}"#,
+        );
+        assert_eq!(r.resource.key(), "default/pod/t");
+    }
+
+    #[test]
+    fn a_namespace_the_topic_contradicts_is_refused() {
+        let payload = r#"{"header":{"msg_id":"m9"},"route":{"group":"g"},"content":{"metadata":{"name":"web","namespace":"kube-system"}}}"#;
+        let (who, e) = refused_v2("ke/meta/edged/insert/default/pod", payload);
+        assert_eq!(e.code(), "EM-META-NAMESPACE");
+        assert_eq!(
+            e.to_string(),
+            "namespace mismatch: the topic names namespace \"default\", content.metadata.namespace is \"kube-system\""
+        );
+        assert_eq!(
+            who.topic("ke", crate::Operation::Error),
+            "ke/edged/meta/error/default/pod"
+        );
+        assert_eq!(who.resource, "default/pod/web");
+        assert_eq!(who.msg_id.as_deref(), Some("m9"));
+        assert_eq!(who.group, "g");
+        // Also for operations that need no name; an empty namespace is no namespace.
+        let (_, e) = refused_v2(
+            "ke/meta/edged/query/default/pod",
+            r#"{"metadata":{"namespace":"x"}}"#,
+        );
+        assert_eq!(e.code(), "EM-META-NAMESPACE");
+        let r = request(
+            "ke/meta/edged/insert/default/node",
+            r#"{"metadata":{"name":"n1","namespace":""}}"#,
+        );
+        assert_eq!(r.resource.key(), "default/node/n1");
+    }
+
+    #[test]
+    fn operations_on_one_object_need_a_name() {
+        for op in ["insert", "update", "delete", "action", "action_result"] {
+            let (who, e) = refused_v2(&format!("ke/meta/edged/{op}/default/pod"), r#"{"spec":{}}"#);
+            assert_eq!(e.code(), "EM-META-NO-NAME", "{op}");
+            assert_eq!(
+                e.to_string(),
+                "no resource name: the topic has no <name> level and neither route.resource nor content.metadata.name gives one"
+            );
+            assert_eq!(who.resource, "default/pod");
+            assert!(who.msg_id.is_some(), "the generated id names the request");
+        }
+    }
+
+    #[test]
+    fn operations_on_a_type_keep_the_two_level_resource() {
+        for op in [
+            "query",
+            "connect",
+            "meta-internal-sync",
+            "response",
+            "error",
+            "createvolume",
+            "deletevolume",
+            "controllerpublishvolume",
+            "controllerunpublishvolume",
+        ] {
+            let r = request(&format!("ke/meta/edged/{op}/default/pod"), "null");
+            assert_eq!(r.resource.key(), "default/pod", "{op}");
+            assert_eq!(r.resource.id(), None, "{op}");
+        }
+    }
+
+    #[test]
+    fn a_metadata_name_that_is_not_one_level_is_refused() {
+        for name in ["", "a/b", "x#", "+"] {
+            let payload = format!(r#"{{"metadata":{{"name":"{name}"}}}}"#);
+            for op in ["insert", "query"] {
+                let (_, e) = refused_v2(&format!("ke/meta/device/{op}/default/pod"), &payload);
+                assert_eq!(e.code(), "EM-META-NO-NAME", "{op} {name:?}");
+                assert!(
+                    e.to_string()
+                        .contains(&format!("content.metadata.name {name:?}")),
+                    "{e}"
+                );
+            }
+        }
     }
 }

@@ -63,6 +63,20 @@ impl Operation {
         Operation::ALL.into_iter().find(|op| op.as_str() == name)
     }
 
+    /// Operations on one object, refused when nothing names it (protocol §2, v2). The others
+    /// work on a type: `query` lists it; `connect`, `meta-internal-sync`, `response`, `error`
+    /// and the volume calls keep the `<namespace>/<type>` resource.
+    pub const fn needs_name(self) -> bool {
+        matches!(
+            self,
+            Operation::Insert
+                | Operation::Update
+                | Operation::Delete
+                | Operation::Action
+                | Operation::ActionResult
+        )
+    }
+
     /// CSI volume operations are relayed to edged and answered synchronously (KubeEdge §3.10).
     pub const fn is_volume(self) -> bool {
         matches!(
@@ -90,6 +104,19 @@ mod tests {
         for op in Operation::ALL {
             assert_eq!(Operation::parse(op.as_str()), Some(op));
         }
+    }
+
+    #[test]
+    fn only_operations_on_one_object_need_a_name() {
+        let named: Vec<_> = Operation::ALL
+            .into_iter()
+            .filter(|op| op.needs_name())
+            .map(Operation::as_str)
+            .collect();
+        assert_eq!(
+            named,
+            ["insert", "update", "delete", "action", "action_result"]
+        );
     }
 
     #[test]

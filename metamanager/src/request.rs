@@ -25,7 +25,8 @@ pub struct Request {
 pub struct Requester {
     /// The sender module (`<from>` of the topic).
     pub from: String,
-    /// The resource exactly as the topic gave it, valid or not.
+    /// The request's resource, names included; for a request refused before it was known, the
+    /// text the sender's topic gave, valid or not. Replies carry it in `route.resource`.
     pub resource: String,
     /// The request's `msg_id`, copied to the reply's `parent_msg_id`.
     pub msg_id: Option<String>,
@@ -86,7 +87,7 @@ impl Requester {
         envelope
     }
 
-    /// `<root>/<requester>/meta/<operation>/<resource>`.
+    /// `<root>/<requester>/meta/<operation>/<namespace>/<type>`: no name level (protocol §2, v2).
     pub fn topic(&self, root: &str, operation: Operation) -> String {
         outbound(
             root,

@@ -57,6 +57,12 @@ impl Resource {
     }
 }
 
+/// Whether `name` can be the `<name>` level: non-empty, and no `/`, `+` or `#`, so that it also
+/// fits a v1 topic (`<namespace>/<type>/<name>`) and a store key of three levels.
+pub fn is_name(name: &str) -> bool {
+    !name.is_empty() && !name.contains(['/', '+', '#'])
+}
+
 impl fmt::Display for Resource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.key)
@@ -84,6 +90,14 @@ mod tests {
             (r.namespace(), r.res_type(), r.id()),
             ("default", "pod", None)
         );
+    }
+
+    #[test]
+    fn names_are_single_topic_levels() {
+        assert!(is_name("nginx-7d9f.x_y"));
+        for bad in ["", "a/b", "a+", "#", "/"] {
+            assert!(!is_name(bad), "{bad:?}");
+        }
     }
 
     #[test]

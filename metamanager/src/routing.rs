@@ -50,7 +50,7 @@ pub enum Store {
     Delete,
 }
 
-/// A module a message is forwarded to, as `<root>/<module>/<from>/<op>/<resource>`.
+/// A module a message is forwarded to, as `<root>/<module>/<from>/<op>/<namespace>/<type>`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Forward {
     Edged,

@@ -1,4 +1,5 @@
-//! Topic grammar `<root>/<to>/<from>/<operation>/<resource>` (protocol §2).
+//! Topic grammar `<root>/<to>/<from>/<operation>/<namespace>/<type>[/<name>]` (protocol §2, v2):
+//! requests may carry the name level, everything the node publishes leaves it out.
 
 use crate::operation::Operation;
 use crate::resource::{InvalidResource, Resource};
@@ -26,13 +27,14 @@ pub fn reply_module(source: &str) -> &str {
 pub struct InboundTopic<'a> {
     pub from: &'a str,
     pub operation: &'a str,
-    /// Everything after the operation, possibly empty or of the wrong shape.
+    /// Everything after the operation: `<namespace>/<type>[/<name>]`, or possibly empty or of
+    /// the wrong shape.
     pub resource: &'a str,
 }
 
 /// Why a topic cannot even be answered (no sender to reply to).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("topic {0:?} is not <root>/meta/<from>/<operation>/<resource>")]
+#[error("topic {0:?} is not <root>/meta/<from>/<operation>/<namespace>/<type>[/<name>]")]
 pub struct UnaddressableTopic(pub String);
 
 impl<'a> InboundTopic<'a> {
@@ -66,8 +68,20 @@ impl<'a> InboundTopic<'a> {
     }
 }
 
-/// Builds `<root>/<to>/<from>/<operation>/<resource>`.
+/// At most the first two levels of a resource string: `<namespace>/<type>` of a valid one.
+/// Malformed text is cut the same way, so an error reply's topic stays bounded too.
+pub fn type_level(resource: &str) -> &str {
+    match resource.match_indices('/').nth(1) {
+        Some((end, _)) => &resource[..end],
+        None => resource,
+    }
+}
+
+/// Builds `<root>/<to>/<from>/<operation>/<namespace>/<type>` for a message about `resource`.
+/// The name stays in the envelope's `route.resource`: every distinct topic costs the broker
+/// memory it never frees, so topics name types, not objects (protocol §2, v2).
 pub fn outbound(root: &str, to: &str, from: &str, operation: &str, resource: &str) -> String {
+    let resource = type_level(resource);
     if resource.is_empty() {
         format!("{root}/{to}/{from}/{operation}")
     } else {
@@ -144,14 +158,31 @@ mod tests {
     }
 
     #[test]
-    fn outbound_topics_follow_the_grammar() {
+    fn outbound_topics_name_the_type_not_the_object() {
         assert_eq!(
             outbound("ke", "cloud", "meta", "response", "default/pod/nginx"),
-            "ke/cloud/meta/response/default/pod/nginx"
+            "ke/cloud/meta/response/default/pod"
+        );
+        assert_eq!(
+            outbound("ke", "edged", "edged", "query", "default/pod"),
+            "ke/edged/edged/query/default/pod"
         );
         assert_eq!(
             outbound("ke", "edged", "meta", "error", ""),
             "ke/edged/meta/error"
         );
+    }
+
+    #[test]
+    fn malformed_resources_are_cut_to_two_levels_too() {
+        for (raw, cut) in [
+            ("a/b/c/d", "a/b"),
+            ("pod", "pod"),
+            ("", ""),
+            ("a//c", "a/"),
+            ("/pod/x", "/pod"),
+        ] {
+            assert_eq!(type_level(raw), cut, "{raw:?}");
+        }
     }
 }

@@ -21,6 +21,8 @@ fn topic() -> impl Strategy<Value = String> {
         any::<String>(),
         "(ke|kx)(/[a-z]{0,6}){0,8}",
         "ke/meta/[a-z]{0,8}/(insert|update|delete|query|response|error|connect|meta-internal-sync|action|action_result|createvolume|frob)(/[a-z0-9/]{0,4}){0,6}",
+        // Type-level topics, whose name must come from the payload.
+        "ke/meta/(edged|edgecontroller)/(insert|update|query|response)/[a-z]{1,3}/[a-z]{1,3}",
     ]
 }
 
@@ -37,6 +39,17 @@ fn payload() -> impl Strategy<Value = Vec<u8>> {
             .prop_map(
                 |(h, r, c)| format!(r#"{{"header":{h},"route":{r},"content":{c}}}"#).into_bytes()
             ),
+        // Objects with metadata and routes that may or may not name them.
+        (
+            "[a-z0-9/+#\"]{0,8}",
+            "[a-z0-9/+#\"]{0,8}",
+            "[a-z0-9/+#\"]{0,12}"
+        )
+            .prop_map(|(name, ns, resource)| format!(
+                r#"{{"header":{{}},"route":{{"resource":"{resource}"}},"content":{{"metadata":{{"name":"{name}","namespace":"{ns}"}}}}}}"#
+            ).into_bytes()),
+        ("[a-z0-9/+#]{0,8}", "[a-z0-9]{0,3}")
+            .prop_map(|(name, ns)| format!(r#"{{"metadata":{{"name":"{name}","namespace":"{ns}"}}}}"#).into_bytes()),
     ]
 }
 
@@ -80,12 +93,21 @@ proptest! {
     fn any_message_becomes_a_request_or_a_well_formed_error_reply(topic in topic(), bytes in payload()) {
         let message = Message::new(topic, bytes);
         match parse(&config(), &message) {
-            Ok(_) => {}
+            Ok(Some(request)) => {
+                // Operations on one object always end up with its name (protocol §2, v2).
+                if request.operation.needs_name() {
+                    prop_assert!(request.resource.id().is_some());
+                }
+                prop_assert_eq!(request.envelope.route.resource.as_str(), request.resource.key());
+            }
+            Ok(None) => {}
             Err(refused) => {
                 for reply in refused.requester.error_messages("ke", &refused.error) {
                     let envelope = Envelope::parse(&reply.payload).expect("error replies parse");
                     prop_assert_eq!(envelope.route.operation.as_str(), "error");
                     prop_assert!(reply.topic.starts_with("ke/"));
+                    // ke/<to>/meta/error and at most <namespace>/<type>: names stay out.
+                    prop_assert!(reply.topic.split('/').count() <= 6, "{}", reply.topic);
                 }
             }
         }

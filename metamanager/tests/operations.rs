@@ -63,13 +63,13 @@ impl Meta {
             .unwrap();
     }
 
-    /// Sends a full envelope from `from`; returns its id.
+    /// Sends a full envelope from `from` about `resource` on the type-level topic (the name in
+    /// `route.resource` only, as v2 senders do); returns its id.
     async fn send(&self, from: &str, op: &str, resource: &str, content: Value) -> String {
         let id = uuid::Uuid::new_v4().to_string();
-        let payload =
-            json!({"header": {"msg_id": id}, "route": {"source": from}, "content": content});
+        let payload = json!({"header": {"msg_id": id}, "route": {"source": from, "resource": resource}, "content": content});
         self.publish(
-            &format!("ke/meta/{from}/{op}/{resource}"),
+            &format!("ke/meta/{from}/{op}/{}", type_level(resource)),
             payload.to_string(),
         )
         .await;
@@ -85,14 +85,17 @@ impl Meta {
         (m.topic, json)
     }
 
-    /// The oldest publication on `topic`.
-    async fn expect(&mut self, topic: &str) -> Value {
-        if let Some(i) = self.held.iter().position(|(t, _)| t == topic) {
+    /// The oldest publication about `resource` (its `route.resource`) on its type-level topic
+    /// `<prefix>/<namespace>/<type>`: topics name the type, the envelope names the object.
+    async fn expect(&mut self, prefix: &str, resource: &str) -> Value {
+        let topic = format!("{prefix}/{}", type_level(resource));
+        let about = |t: &str, json: &Value| t == topic && json["route"]["resource"] == resource;
+        if let Some(i) = self.held.iter().position(|(t, json)| about(t, json)) {
             return self.held.remove(i).1;
         }
         loop {
             let (got, json) = self.next().await;
-            if got == topic {
+            if about(&got, &json) {
                 return json;
             }
             self.held.push((got, json));
@@ -139,15 +142,17 @@ impl Meta {
             .await;
     }
 
-    /// The oldest publication on `topic`, which must be a reply to request `id`.
-    async fn expect_reply(&mut self, topic: &str, id: &str) -> Value {
-        let reply = self.expect(topic).await;
-        assert_eq!(parent(&reply), id, "reply on {topic}");
+    /// The oldest publication about `resource` under `prefix`, which must be a reply to
+    /// request `id`.
+    async fn expect_reply(&mut self, prefix: &str, resource: &str, id: &str) -> Value {
+        let reply = self.expect(prefix, resource).await;
+        assert_eq!(parent(&reply), id, "reply on {prefix} about {resource}");
         reply
     }
 
     /// Sends a request and expects it handed on, with the same id, to module `to` on
-    /// `ke/<to>/<from>/<op>/<resource>`; returns the request id and what `to` got.
+    /// `ke/<to>/<from>/<op>/<namespace>/<type>`, about `resource`; returns the request id and
+    /// what `to` got.
     async fn handed_on(
         &mut self,
         from: &str,
@@ -157,9 +162,7 @@ impl Meta {
         to: &str,
     ) -> (String, Value) {
         let id = self.send(from, op, resource, content).await;
-        let handed = self
-            .expect(&format!("ke/{to}/{from}/{op}/{resource}"))
-            .await;
+        let handed = self.expect(&format!("ke/{to}/{from}/{op}"), resource).await;
         assert_eq!(handed["header"]["msg_id"], id, "handed to {to}");
         (id, handed)
     }
@@ -171,7 +174,7 @@ impl Meta {
             .handed_on("edgecontroller", "insert", resource, content, "edged")
             .await;
         let ack = self
-            .expect_reply(&format!("ke/cloud/meta/response/{resource}"), &id)
+            .expect_reply("ke/cloud/meta/response", resource, &id)
             .await;
         assert_eq!(ack["content"], json!("OK"));
     }
@@ -182,7 +185,7 @@ impl Meta {
         let (id, _) = self
             .handed_on("edged", "update", resource, content, "cloud")
             .await;
-        self.expect_reply(&format!("ke/edged/meta/response/{resource}"), &id)
+        self.expect_reply("ke/edged/meta/response", resource, &id)
             .await;
     }
 
@@ -190,7 +193,7 @@ impl Meta {
     async fn query(&mut self, resource: &str) -> Value {
         let id = self.send("edged", "query", resource, json!(null)).await;
         let answer = self
-            .expect_reply(&format!("ke/edged/meta/response/{resource}"), &id)
+            .expect_reply("ke/edged/meta/response", resource, &id)
             .await;
         answer["content"].clone()
     }
@@ -203,6 +206,11 @@ impl Meta {
             "stored under {key}"
         );
     }
+}
+
+/// `<namespace>/<type>` of a resource: all of it that v2 topics carry.
+fn type_level(resource: &str) -> String {
+    resource.split('/').take(2).collect::<Vec<_>>().join("/")
 }
 
 /// The request a reply answers.
@@ -238,7 +246,7 @@ async fn update_from_edged_goes_to_the_cloud_and_is_acked_to_edged_unless_unchan
     let again = m
         .send("edged", "update", "default/podstatus/p", status)
         .await;
-    m.expect_reply("ke/edged/meta/response/default/podstatus/p", &again)
+    m.expect_reply("ke/edged/meta/response", "default/podstatus/p", &again)
         .await;
     m.expect_nothing().await;
 }
@@ -257,7 +265,7 @@ async fn delete_removes_the_row_and_tells_edged() {
             "edged",
         )
         .await;
-    m.expect_reply("ke/cloud/meta/response/default/secret/s", &id)
+    m.expect_reply("ke/cloud/meta/response", "default/secret/s", &id)
         .await;
     m.assert_stored("default/secret/s", None).await;
 }
@@ -308,14 +316,14 @@ async fn connect_switches_remote_queries_on_and_off() {
     let id = m
         .send("edged", "query", "default/secret/s", json!(null))
         .await;
-    let remote = m.expect("ke/cloud/edged/query/default/secret/s").await;
+    let remote = m.expect("ke/cloud/edged/query", "default/secret/s").await;
     assert_ne!(
         remote["header"]["msg_id"], id,
         "the remote query gets a fresh id"
     );
     m.connection("cloud_disconnected").await;
     let local = m
-        .expect_reply("ke/edged/meta/response/default/secret/s", &id)
+        .expect_reply("ke/edged/meta/response", "default/secret/s", &id)
         .await;
     assert_eq!(local["content"], json!([]));
 }
@@ -324,7 +332,7 @@ async fn connect_switches_remote_queries_on_and_off() {
 async fn a_connect_message_with_other_content_is_an_error() {
     let mut m = start().await;
     m.connection("maybe").await;
-    let e = m.expect("ke/edgehub/meta/error/node/connection").await;
+    let e = m.expect("ke/edgehub/meta/error", "node/connection").await;
     assert!(e["content"].as_str().unwrap().contains("cloud_connected"));
 }
 
@@ -338,7 +346,7 @@ async fn meta_internal_sync_reports_statuses_and_drops_orphans() {
     }
     m.send("edged", "meta-internal-sync", "ns/podstatus", json!(null))
         .await;
-    let sync = m.expect("ke/cloud/meta/update/ns/podstatus").await;
+    let sync = m.expect("ke/cloud/meta/update", "ns/podstatus").await;
     assert_eq!(sync["content"], json!([{"Name": "live"}]));
     m.assert_stored("ns/podstatus/gone", None).await;
 }
@@ -350,7 +358,7 @@ async fn action_goes_to_edgefunction_and_action_result_to_the_cloud() {
     let (id, _) = m
         .handed_on("funcmgr", "action", key, json!({"run": 1}), "edgefunction")
         .await;
-    m.expect_reply("ke/cloud/meta/response/default/function/f", &id)
+    m.expect_reply("ke/cloud/meta/response", "default/function/f", &id)
         .await;
     let (id, _) = m
         .handed_on(
@@ -361,7 +369,7 @@ async fn action_goes_to_edgefunction_and_action_result_to_the_cloud() {
             "cloud",
         )
         .await;
-    m.expect_reply("ke/edgefunction/meta/response/default/function/f", &id)
+    m.expect_reply("ke/edgefunction/meta/response", "default/function/f", &id)
         .await;
     m.assert_stored(key, Some(r#"{"out":2}"#)).await;
 }
@@ -384,14 +392,12 @@ async fn every_volume_operation_is_relayed_to_edged_and_its_answer_returned() {
                 "edged",
             )
             .await;
+        // edged answers on the type-level topic; the parent id matches the call.
         let answer = json!({"header": {"msg_id": "e", "parent_msg_id": id}, "route": {}, "content": {"done": op}});
-        m.publish(
-            "ke/meta/edged/response/default/volume/v1",
-            answer.to_string(),
-        )
-        .await;
+        m.publish("ke/meta/edged/response/default/volume", answer.to_string())
+            .await;
         let reply = m
-            .expect_reply("ke/cloud/meta/response/default/volume/v1", &id)
+            .expect_reply("ke/cloud/meta/response", "default/volume/v1", &id)
             .await;
         assert_eq!(reply["content"], json!({"done": op}), "{op}");
     }
@@ -412,7 +418,7 @@ async fn a_volume_call_edged_does_not_answer_fails_after_the_timeout() {
         )
         .await;
     let e = m
-        .expect_reply("ke/cloud/meta/error/default/volume/v2", &id)
+        .expect_reply("ke/cloud/meta/error", "default/volume/v2", &id)
         .await;
     assert!(e["content"]
         .as_str()

@@ -8,8 +8,8 @@ use serde_json::{json, Value};
 use tokio::task::JoinHandle;
 
 use super::{
-    envelope, free_port, send, unique_id, Client, CloudBroker, CloudOptions, Msg, Node, Options,
-    WAIT,
+    envelope, free_port, send, topic, unique_id, Client, CloudBroker, CloudOptions, Msg, Node,
+    Options, WAIT,
 };
 
 /// Where the cloud bridge announces its session state on the local broker.
@@ -56,8 +56,8 @@ pub async fn cloud_client(cloud: &CloudBroker, filter: &str) -> Client {
     client
 }
 
-/// Publishes, as the cloud's edgecontroller, an `insert` of `resource` to the node's down
-/// topic; returns its msg_id.
+/// Publishes, as the cloud's edgecontroller, an `insert` of `resource` to the node's type-level
+/// down topic (the name in `route.resource`); returns its msg_id.
 pub async fn cloud_insert(
     controller: &Client,
     bridge: &CloudOptions,
@@ -67,15 +67,16 @@ pub async fn cloud_insert(
     let (id, payload) = envelope("edgecontroller", "insert", resource, content);
     controller
         .publish(
-            &bridge.down(&format!("edgecontroller/insert/{resource}")),
+            &bridge.down(&topic("edgecontroller/insert", resource)),
             payload,
         )
         .await;
     id
 }
 
-/// Waits for the node's "OK" to the cloud for insert `id` of `resource`, then checks that the
-/// store holds `value`: an ack must mean the change was committed.
+/// Waits for the node's "OK" to the cloud for insert `id` of `resource` (on the type-level up
+/// topic, about `resource`), then checks that the store holds `value`: an ack must mean the
+/// change was committed.
 pub async fn expect_applied(
     controller: &mut Client,
     bridge: &CloudOptions,
@@ -85,7 +86,7 @@ pub async fn expect_applied(
     value: &str,
 ) {
     let ack = controller
-        .expect_reply(&bridge.up(&format!("meta/response/{resource}")), id)
+        .expect_reply_about(&bridge.up("meta/response"), resource, id)
         .await;
     assert_eq!(ack.content(), json!("OK"));
     assert_eq!(node.stored(resource).await.as_deref(), Some(value));
@@ -106,7 +107,7 @@ pub fn spawn_status_stream(
             let resource = format!("default/podstatus/p{}", seq % resources);
             let (id, payload) = envelope("edged", "update", &resource, json!({"seq": seq}));
             edged
-                .publish(&format!("ke/meta/edged/update/{resource}"), payload)
+                .publish(&topic("ke/meta/edged/update", &resource), payload)
                 .await;
             ids.insert(id);
             if let Some((every, pause)) = pace {
@@ -250,7 +251,7 @@ pub async fn local_query(edged: &mut Client, resource: &str) -> Value {
     let started = Instant::now();
     let id = send(edged, "edged", "query", resource, Value::Null).await;
     let reply = edged
-        .expect_reply(&format!("ke/edged/meta/response/{resource}"), &id)
+        .expect_reply_about("ke/edged/meta/response", resource, &id)
         .await;
     let took = started.elapsed();
     assert!(took < Duration::from_secs(2), "{resource} took {took:?}");

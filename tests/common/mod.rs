@@ -458,6 +458,32 @@ impl Msg {
             .unwrap_or_default()
             .to_owned()
     }
+    /// `route.resource`: the object a message is about (v2 topics name only its type).
+    pub fn resource(&self) -> String {
+        self.json()["route"]["resource"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    }
+    /// Whether this is a message on `topic` about `resource`; a payload that is not JSON is
+    /// about nothing.
+    fn is_about(&self, topic: &str, resource: &str) -> bool {
+        self.topic == topic
+            && serde_json::from_slice::<Value>(&self.payload)
+                .is_ok_and(|json| json["route"]["resource"] == resource)
+    }
+}
+
+/// `<namespace>/<type>` of a resource, at most its first two levels: all of it that a v2 topic
+/// carries. The name travels in the envelope's `route.resource`.
+pub fn type_level(resource: &str) -> String {
+    resource.split('/').take(2).collect::<Vec<_>>().join("/")
+}
+
+/// The v2 topic under `prefix` (e.g. `ke/edged/meta/response`) for a message about `resource`:
+/// `<prefix>/<namespace>/<type>`.
+pub fn topic(prefix: &str, resource: &str) -> String {
+    format!("{prefix}/{}", type_level(resource))
 }
 
 /// A rumqttc (MQTT 3.1.1) client whose event loop runs in its own task.
@@ -550,6 +576,35 @@ impl Client {
         }
     }
 
+    /// The next message about `resource` (its `route.resource`) on the v2 topic under `prefix`,
+    /// skipping others: what `expect` on the topic with the name level used to be.
+    pub async fn expect_about(&mut self, prefix: &str, resource: &str) -> Msg {
+        let topic = topic(prefix, resource);
+        let deadline = Instant::now() + WAIT;
+        let mut seen = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, self.rx.recv()).await {
+                Ok(Some(m)) if m.is_about(&topic, resource) => return m,
+                Ok(Some(m)) => seen.push(m.topic),
+                _ => panic!("nothing about {resource} on {topic} within {WAIT:?}; saw {seen:?}"),
+            }
+        }
+    }
+
+    /// The next reply to `parent` on the v2 topic under `prefix` for `resource`; the reply must
+    /// name `resource` in `route.resource`.
+    pub async fn expect_reply_about(&mut self, prefix: &str, resource: &str, parent: &str) -> Msg {
+        let reply = self.expect_reply(&topic(prefix, resource), parent).await;
+        assert_eq!(
+            reply.resource(),
+            resource,
+            "route.resource of the reply on {}",
+            reply.topic
+        );
+        reply
+    }
+
     /// The next message on `topic` whose `parent_msg_id` is `parent`.
     pub async fn expect_reply(&mut self, topic: &str, parent: &str) -> Msg {
         let deadline = Instant::now() + WAIT;
@@ -582,6 +637,49 @@ impl Client {
             }
         }
         found.map(|m| m.expect("found"))
+    }
+
+    /// One message about each `(prefix, resource)` on its v2 topic, in whatever order they
+    /// arrive.
+    pub async fn expect_each_about<const N: usize>(
+        &mut self,
+        wanted: [(&str, &str); N],
+    ) -> [Msg; N] {
+        let topics = wanted.map(|(prefix, resource)| (topic(prefix, resource), resource));
+        let deadline = Instant::now() + WAIT;
+        let mut found: [Option<Msg>; N] = std::array::from_fn(|_| None);
+        let mut seen = Vec::new();
+        while found.iter().any(Option::is_none) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, self.rx.recv()).await {
+                Ok(Some(m)) => match topics.iter().position(|(t, r)| m.is_about(t, r)) {
+                    Some(i) if found[i].is_none() => found[i] = Some(m),
+                    _ => seen.push(m.topic),
+                },
+                _ => panic!("not all of {topics:?} within {WAIT:?}; saw {seen:?}"),
+            }
+        }
+        found.map(|m| m.expect("found"))
+    }
+
+    /// Asserts that nothing about `resource` arrives on its v2 topic under `prefix` for
+    /// [`QUIET`]; other messages are discarded.
+    pub async fn expect_silence_about(&mut self, prefix: &str, resource: &str) {
+        let topic = topic(prefix, resource);
+        let deadline = Instant::now() + QUIET;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, self.rx.recv()).await {
+                Ok(Some(m)) if m.is_about(&topic, resource) => {
+                    panic!(
+                        "unexpected message about {resource} on {topic}: {:?}",
+                        m.payload
+                    )
+                }
+                Ok(Some(_)) => continue,
+                _ => return,
+            }
+        }
     }
 
     /// Asserts that nothing arrives on `topic` for [`QUIET`]; other messages are discarded.
@@ -663,7 +761,8 @@ pub fn envelope(source: &str, operation: &str, resource: &str, content: Value) -
     (id, payload.to_string())
 }
 
-/// Publishes a full envelope on `<root>/meta/<from>/<op>/<resource>`; returns its id.
+/// Publishes a full envelope about `resource` as a v2 sender does: on the type-level topic
+/// `<root>/meta/<from>/<op>/<namespace>/<type>`, the name in `route.resource`; returns its id.
 pub async fn send(
     client: &Client,
     from: &str,
@@ -673,7 +772,10 @@ pub async fn send(
 ) -> String {
     let (id, payload) = envelope(from, operation, resource, content);
     client
-        .publish(&format!("ke/meta/{from}/{operation}/{resource}"), payload)
+        .publish(
+            &topic(&format!("ke/meta/{from}/{operation}"), resource),
+            payload,
+        )
         .await;
     id
 }
