@@ -316,6 +316,7 @@ async fn a_stalled_qos1_subscriber_is_cut_off_with_an_error_code_never_handed_a_
     let mut options = MqttOptions::new(&edged_id, "127.0.0.1", node.port);
     options.set_max_packet_size(16 * 1024 * 1024, 16 * 1024 * 1024);
     options.set_keep_alive(Duration::from_secs(60));
+    options.set_clean_session(false);
     let (edged, mut events) = AsyncClient::new(options, 100);
     edged
         .subscribe("ke/edged/#", QoS::AtLeastOnce)
@@ -384,7 +385,23 @@ async fn a_stalled_qos1_subscriber_is_cut_off_with_an_error_code_never_handed_a_
         "a gap was handed to the subscriber"
     );
 
-    // It reconnects (a new session), lists its pods, and has every one of them.
+    // It reconnects asking for its persistent session, and is told there is none: the messages
+    // it missed are gone from the broker, so it must resync.
+    let ack = tokio::time::timeout(WAIT, async {
+        loop {
+            match events.poll().await {
+                Ok(Event::Incoming(Packet::ConnAck(ack))) => return ack,
+                Ok(_) => {}
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    })
+    .await
+    .expect("reconnected");
+    assert!(!ack.session_present, "a session past the gap was resumed");
+    drop(edged);
+
+    // It lists its pods, and has every one of them.
     let mut relisted = Client::connect(node.port, &unique_id("edged")).await;
     relisted.subscribe("ke/edged/meta/response/#").await;
     let asked = common::send(&relisted, "edged", "query", "default/pod", json!(null)).await;

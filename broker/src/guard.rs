@@ -232,6 +232,11 @@ impl<P: Protocol> ConnectGuard<P> {
                     return;
                 }
                 connection.client_id = connect.client_id.clone();
+                if let Some(lag) = &self.lag {
+                    if lag.take_cut_client(&connect.client_id) {
+                        connect.clean_session = true;
+                    }
+                }
                 if connect.keep_alive == 0 {
                     connect.keep_alive = KEEP_ALIVE_FOR_ZERO;
                     connection.keep_alive_zero = true;

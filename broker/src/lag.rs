@@ -13,7 +13,7 @@
 //! hands it to the router, and paid off when rumqttd writes it to the subscriber, after the
 //! router has moved its cursor.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
@@ -32,6 +32,9 @@ pub struct Lag {
     limit: u64,
     watched: RwLock<Vec<Watched>>,
     cut: AtomicU64,
+    /// Clients cut off whose next CONNECT must start a clean session: rumqttd would resume a
+    /// persistent one at a cursor that is gone, skipping silently.
+    to_clean: Mutex<HashSet<String>>,
 }
 
 #[derive(Debug)]
@@ -96,6 +99,7 @@ impl Lag {
             limit,
             watched: RwLock::new(Vec::new()),
             cut: AtomicU64::new(0),
+            to_clean: Mutex::new(HashSet::new()),
         }
     }
 
@@ -144,6 +148,7 @@ impl Lag {
                 let beyond = owed.owe(size);
                 if beyond > self.limit {
                     owed.session.cut();
+                    self.clean_set().insert(owed.client_id.clone());
                     let cut = self.cut.fetch_add(1, Ordering::Relaxed) + 1;
                     warn!(
                         error_code = "EM-BROKER-SUBSCRIBER-LAG",
@@ -158,6 +163,16 @@ impl Lag {
                 }
             }
         }
+    }
+
+    /// Whether `client_id` was cut off since it last connected (then it must start clean, and its
+    /// CONNACK says no session is present, so it resubscribes and resyncs).
+    pub fn take_cut_client(&self, client_id: &str) -> bool {
+        self.clean_set().remove(client_id)
+    }
+
+    fn clean_set(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.to_clean.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Subscribers cut off so far for falling behind.
@@ -199,6 +214,12 @@ mod tests {
         assert!(!fast.is_cut());
         lag.published("ke/edged/edgecontroller/insert/default/pod", 96);
         assert_eq!(lag.cut_count(), 1, "counted once");
+        assert!(
+            lag.take_cut_client("edged"),
+            "its next session starts clean"
+        );
+        assert!(!lag.take_cut_client("edged"), "only the next one");
+        assert!(!lag.take_cut_client("mirror"));
     }
 
     #[test]
