@@ -623,20 +623,9 @@ impl Client {
 
     /// One message on each of `topics`, in whatever order they arrive.
     pub async fn expect_each<const N: usize>(&mut self, topics: [&str; N]) -> [Msg; N] {
-        let deadline = Instant::now() + WAIT;
-        let mut found: [Option<Msg>; N] = std::array::from_fn(|_| None);
-        let mut seen = Vec::new();
-        while found.iter().any(Option::is_none) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match tokio::time::timeout(left, self.rx.recv()).await {
-                Ok(Some(m)) => match topics.iter().position(|t| *t == m.topic) {
-                    Some(i) if found[i].is_none() => found[i] = Some(m),
-                    _ => seen.push(m.topic),
-                },
-                _ => panic!("not all of {topics:?} within {WAIT:?}; saw {seen:?}"),
-            }
-        }
-        found.map(|m| m.expect("found"))
+        let what = topics.map(|t| t.to_owned());
+        self.expect_each_matching(&what, |i, m| m.topic == topics[i])
+            .await
     }
 
     /// One message about each `(prefix, resource)` on its v2 topic, in whatever order they
@@ -646,17 +635,28 @@ impl Client {
         wanted: [(&str, &str); N],
     ) -> [Msg; N] {
         let topics = wanted.map(|(prefix, resource)| (topic(prefix, resource), resource));
+        let what = topics.clone().map(|(t, r)| format!("{r} on {t}"));
+        self.expect_each_matching(&what, |i, m| m.is_about(&topics[i].0, topics[i].1))
+            .await
+    }
+
+    /// One message for each of `N` wants (`matches(i, msg)`), in whatever order they arrive.
+    async fn expect_each_matching<const N: usize>(
+        &mut self,
+        what: &[String; N],
+        matches: impl Fn(usize, &Msg) -> bool,
+    ) -> [Msg; N] {
         let deadline = Instant::now() + WAIT;
         let mut found: [Option<Msg>; N] = std::array::from_fn(|_| None);
         let mut seen = Vec::new();
         while found.iter().any(Option::is_none) {
             let left = deadline.saturating_duration_since(Instant::now());
             match tokio::time::timeout(left, self.rx.recv()).await {
-                Ok(Some(m)) => match topics.iter().position(|(t, r)| m.is_about(t, r)) {
-                    Some(i) if found[i].is_none() => found[i] = Some(m),
-                    _ => seen.push(m.topic),
+                Ok(Some(m)) => match (0..N).find(|&i| found[i].is_none() && matches(i, &m)) {
+                    Some(i) => found[i] = Some(m),
+                    None => seen.push(m.topic),
                 },
-                _ => panic!("not all of {topics:?} within {WAIT:?}; saw {seen:?}"),
+                _ => panic!("not all of {what:?} within {WAIT:?}; saw {seen:?}"),
             }
         }
         found.map(|m| m.expect("found"))
