@@ -6,7 +6,8 @@ use std::path::Path;
 use anyhow::Context as _;
 use config::{Config, Environment, File, FileFormat};
 use edgemeta_bridges::CloudConfig;
-use edgemeta_broker::BrokerConfig;
+use edgemeta_broker::{BrokerConfig, MqttVersion};
+use edgemeta_edged::EdgedConfig;
 use edgemeta_metamanager::{MetaConfig, StoreConfig};
 use serde::Deserialize;
 
@@ -27,6 +28,9 @@ pub struct Settings {
     pub metamanager: MetaConfig,
     #[serde(default)]
     pub cloud: CloudConfig,
+    /// `edgemeta edged`: the reference edge agent (a separate process, an MQTT client).
+    #[serde(default)]
+    pub edged: EdgedConfig,
     /// How long SIGINT/SIGTERM may take to commit accepted work and stop, in milliseconds.
     #[serde(default = "default_shutdown_grace_ms")]
     pub shutdown_grace_ms: u64,
@@ -83,7 +87,28 @@ impl Settings {
         if settings.cloud.enabled {
             settings.cloud.mqtt_options()?;
         }
+        settings.edged.validate()?;
         Ok(settings)
+    }
+
+    /// `edged:` with `broker_url` filled in: when empty, the first plain MQTT 3.1.1 listener of
+    /// this configuration (an unspecified address is reached on loopback).
+    pub fn edged(&self) -> anyhow::Result<EdgedConfig> {
+        let mut edged = self.edged.clone();
+        if edged.broker_url.is_empty() {
+            let listener = self
+                .broker
+                .listeners
+                .values()
+                .find(|l| l.tls.is_none() && l.protocol == MqttVersion::V4)
+                .context("edged.broker_url is empty and no plain MQTT 3.1.1 listener is configured")?;
+            let mut address = listener.address;
+            if address.ip().is_unspecified() {
+                address.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+            }
+            edged.broker_url = format!("mqtt://{address}");
+        }
+        Ok(edged)
     }
 }
 

@@ -34,6 +34,13 @@ enum Command {
         #[arg(long, short)]
         config: Option<PathBuf>,
     },
+    /// Run edged, the reference edge agent: it runs the pods the MetaManager hands to
+    /// `ke/edged/...` as local processes and reports their status (section `edged:`).
+    Edged {
+        /// YAML configuration file (default: the embedded conf/edge.yaml).
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+    },
     /// Print the embedded default configuration.
     DefaultConfig,
     /// Read a password from standard input and print its argon2 hash for
@@ -56,6 +63,26 @@ fn main() -> anyhow::Result<()> {
             let hash =
                 edgemeta_broker::security::hash_password(password).map_err(anyhow::Error::msg)?;
             println!("{hash}");
+            Ok(())
+        }
+        Command::Edged { config } => {
+            let settings = config::Settings::load(config.as_deref())?;
+            telemetry::init(&settings.log.level);
+            let edged = settings.edged()?;
+            let root = settings.broker.topic_root.clone();
+            tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .thread_name("edgemeta-edged")
+                .build()?
+                .block_on(async move {
+                    let cancel = tokio_util::sync::CancellationToken::new();
+                    let stop = cancel.clone();
+                    tokio::spawn(async move {
+                        shutdown::signal().await;
+                        stop.cancel();
+                    });
+                    edgemeta_edged::run(edged, &root, cancel).await
+                })?;
             Ok(())
         }
         Command::Run { config } => {

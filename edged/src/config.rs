@@ -1,0 +1,202 @@
+//! `edged:` in the YAML configuration: how the agent reaches the node's broker, which
+//! namespaces it runs, where pods live on disk, and its timings.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::Error;
+
+/// Settings of `edgemeta edged`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct EdgedConfig {
+    /// The node's broker, `mqtt://host:port`. Empty: the first plain MQTT 3.1.1 listener of the
+    /// same configuration file (`0.0.0.0` is reached as `127.0.0.1`).
+    #[serde(default)]
+    pub broker_url: String,
+    /// MQTT client id (ids starting with `edgemeta-` are reserved for the node's own links).
+    #[serde(default = "default_client_id")]
+    pub client_id: String,
+    /// Login at the node's broker; with the ACL on, the username must be a module (`edged`).
+    #[serde(default)]
+    pub username: Option<String>,
+    #[serde(default)]
+    pub password: Option<String>,
+    /// Namespaces whose pods this agent runs.
+    #[serde(default = "default_namespaces")]
+    pub namespaces: Vec<String>,
+    /// Pod directories (volume files, logs, pid files) go under `<root_dir>/pods/`.
+    #[serde(default = "default_root_dir")]
+    pub root_dir: PathBuf,
+    /// Reported as the pods' `hostIP` and `podIP` (processes share the host's network).
+    #[serde(default = "default_node_ip")]
+    pub node_ip: String,
+    /// At most one `podstatus` per pod this often; changes in between are coalesced.
+    #[serde(default = "default_status_interval_ms")]
+    pub status_interval_ms: u64,
+    /// Restart back-off of a failed container: `base`, doubling up to `max` (kubelet: 10 s, 5 min).
+    #[serde(default = "default_restart_backoff_base_ms")]
+    pub restart_backoff_base_ms: u64,
+    #[serde(default = "default_restart_backoff_max_ms")]
+    pub restart_backoff_max_ms: u64,
+    /// A container that ran this long starts its back-off over (kubelet: 10 min).
+    #[serde(default = "default_restart_backoff_reset_ms")]
+    pub restart_backoff_reset_ms: u64,
+    /// Reconnect delay to the node's broker: doubling from min to max.
+    #[serde(default = "default_reconnect_min_ms")]
+    pub reconnect_min_ms: u64,
+    #[serde(default = "default_reconnect_max_ms")]
+    pub reconnect_max_ms: u64,
+    /// How long a query to the MetaManager may take before it is asked again (longer than
+    /// the MetaManager's remote query timeout).
+    #[serde(default = "default_query_timeout_ms")]
+    pub query_timeout_ms: u64,
+    /// A container log is rotated when it reaches this size ...
+    #[serde(default = "default_log_max_bytes")]
+    pub log_max_bytes: u64,
+    /// ... keeping this many rotated files (`<container>.log.1` is the newest).
+    #[serde(default = "default_log_max_files")]
+    pub log_max_files: u32,
+    #[serde(default = "default_keep_alive_s")]
+    pub keep_alive_s: u64,
+}
+
+fn default_client_id() -> String {
+    "edged".to_owned()
+}
+fn default_namespaces() -> Vec<String> {
+    vec!["default".to_owned()]
+}
+fn default_root_dir() -> PathBuf {
+    PathBuf::from("edged")
+}
+fn default_node_ip() -> String {
+    "127.0.0.1".to_owned()
+}
+const fn default_status_interval_ms() -> u64 {
+    1_000
+}
+const fn default_restart_backoff_base_ms() -> u64 {
+    10_000
+}
+const fn default_restart_backoff_max_ms() -> u64 {
+    300_000
+}
+const fn default_restart_backoff_reset_ms() -> u64 {
+    600_000
+}
+const fn default_reconnect_min_ms() -> u64 {
+    200
+}
+const fn default_reconnect_max_ms() -> u64 {
+    30_000
+}
+const fn default_query_timeout_ms() -> u64 {
+    70_000
+}
+const fn default_log_max_bytes() -> u64 {
+    10 * 1024 * 1024
+}
+const fn default_log_max_files() -> u32 {
+    5
+}
+const fn default_keep_alive_s() -> u64 {
+    30
+}
+
+impl Default for EdgedConfig {
+    fn default() -> Self {
+        EdgedConfig {
+            broker_url: String::new(),
+            client_id: default_client_id(),
+            username: None,
+            password: None,
+            namespaces: default_namespaces(),
+            root_dir: default_root_dir(),
+            node_ip: default_node_ip(),
+            status_interval_ms: default_status_interval_ms(),
+            restart_backoff_base_ms: default_restart_backoff_base_ms(),
+            restart_backoff_max_ms: default_restart_backoff_max_ms(),
+            restart_backoff_reset_ms: default_restart_backoff_reset_ms(),
+            reconnect_min_ms: default_reconnect_min_ms(),
+            reconnect_max_ms: default_reconnect_max_ms(),
+            query_timeout_ms: default_query_timeout_ms(),
+            log_max_bytes: default_log_max_bytes(),
+            log_max_files: default_log_max_files(),
+            keep_alive_s: default_keep_alive_s(),
+        }
+    }
+}
+
+impl EdgedConfig {
+    /// `(host, port)` of `broker_url`.
+    pub fn broker_address(&self) -> Result<(String, u16), Error> {
+        parse_url(&self.broker_url)
+    }
+
+    /// Refuses settings the agent cannot run with, naming the key.
+    pub fn validate(&self) -> Result<(), Error> {
+        if !self.broker_url.is_empty() {
+            parse_url(&self.broker_url)?;
+        }
+        if self.client_id.is_empty() || self.client_id.contains(['/', '+', '#', '$']) {
+            return Err(Error::Config(format!(
+                "edged.client_id {:?} must be non-empty without / + # $",
+                self.client_id
+            )));
+        }
+        if self.namespaces.is_empty() {
+            return Err(Error::Config("edged.namespaces is empty".to_owned()));
+        }
+        if let Some(bad) = self.namespaces.iter().find(|n| !crate::spec::is_name(n)) {
+            return Err(Error::Config(format!(
+                "edged.namespaces: {bad:?} is not a namespace name"
+            )));
+        }
+        if self.restart_backoff_base_ms == 0 || self.status_interval_ms == 0 {
+            return Err(Error::Config(
+                "edged.restart_backoff_base_ms and edged.status_interval_ms must be > 0"
+                    .to_owned(),
+            ));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn ms(value: u64) -> Duration {
+        Duration::from_millis(value)
+    }
+}
+
+fn parse_url(url: &str) -> Result<(String, u16), Error> {
+    let bad = || Error::Config(format!("edged.broker_url {url:?}: want mqtt://host:port"));
+    let rest = url.strip_prefix("mqtt://").ok_or_else(bad)?;
+    let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
+    let port: u16 = port.trim_end_matches('/').parse().map_err(|_| bad())?;
+    if host.is_empty() {
+        return Err(bad());
+    }
+    Ok((host.trim_matches(['[', ']']).to_owned(), port))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_broker_url_gives_host_and_port() {
+        assert_eq!(
+            parse_url("mqtt://127.0.0.1:1883").ok(),
+            Some(("127.0.0.1".to_owned(), 1883))
+        );
+        assert!(parse_url("tcp://x:1").is_err());
+        assert!(parse_url("mqtt://x").is_err());
+        assert!(parse_url("mqtt://:1").is_err());
+    }
+
+    #[test]
+    fn the_defaults_validate() {
+        EdgedConfig::default().validate().expect("defaults are valid");
+    }
+}
