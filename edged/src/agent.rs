@@ -159,16 +159,20 @@ impl Agent {
     async fn resync(&mut self) {
         self.connected = true;
         let _ = self.reports.send(Report::Resync).await;
-        self.configs.retain(|_, lookup| matches!(lookup, Lookup::Found(_)));
+        self.configs
+            .retain(|_, lookup| matches!(lookup, Lookup::Found(_)));
         self.pending.clear();
         self.listing = Some(Listing {
             waiting: self.namespaces.clone(),
             pods: HashMap::new(),
         });
         for namespace in self.namespaces.clone() {
-            self.query(Query::Pods {
-                namespace: namespace.clone(),
-            }, &format!("{namespace}/pod"));
+            self.query(
+                Query::Pods {
+                    namespace: namespace.clone(),
+                },
+                &format!("{namespace}/pod"),
+            );
         }
         // Pods that wait on a lookup ask again (the answers of the old session are lost).
         let waiting: Vec<Key> = self
@@ -189,7 +193,10 @@ impl Agent {
         };
         let (id, payload) = message::envelope(None, "query", resource, Value::Null);
         let topic = message::topic(&self.root, "query", namespace, resource_type);
-        match self.client.try_publish(topic, QoS::AtLeastOnce, false, payload) {
+        match self
+            .client
+            .try_publish(topic, QoS::AtLeastOnce, false, payload)
+        {
             Ok(()) => {
                 self.pending.insert(
                     id,
@@ -200,7 +207,9 @@ impl Agent {
                 );
             }
             // The next session asks again.
-            Err(e) => warn!(error_code = "EM-EDGED-MQTT", resource = %resource, error = %e, "query not sent"),
+            Err(e) => {
+                warn!(error_code = "EM-EDGED-MQTT", resource = %resource, error = %e, "query not sent")
+            }
         }
     }
 
@@ -234,7 +243,11 @@ impl Agent {
 
     async fn handle(&mut self, m: Incoming) {
         if m.operation == "response" || m.operation == "error" {
-            if let Some(p) = m.parent_msg_id.as_ref().and_then(|id| self.pending.remove(id)) {
+            if let Some(p) = m
+                .parent_msg_id
+                .as_ref()
+                .and_then(|id| self.pending.remove(id))
+            {
                 self.answer(p.query, &m).await;
                 return;
             }
@@ -254,7 +267,10 @@ impl Agent {
                     return;
                 };
                 let mut document = m.content;
-                if let Some(meta) = document.as_object_mut().map(|o| o.entry("metadata").or_insert_with(|| json!({}))) {
+                if let Some(meta) = document
+                    .as_object_mut()
+                    .map(|o| o.entry("metadata").or_insert_with(|| json!({})))
+                {
                     if let Some(meta) = meta.as_object_mut() {
                         meta.entry("name").or_insert_with(|| json!(name));
                     }
@@ -266,16 +282,20 @@ impl Agent {
                     self.remove_pod(&format!("{}/{name}", m.namespace), true);
                 }
             }
-            ("insert" | "update", t) | ("response", t) if ConfigKind::from_resource_type(t).is_some() => {
+            ("insert" | "update", t) | ("response", t)
+                if ConfigKind::from_resource_type(t).is_some() =>
+            {
                 if let (Some(kind), Some(name)) = (ConfigKind::from_resource_type(t), &m.name) {
                     if !m.content.is_null() && !m.content.is_string() {
-                        self.set_config(kind, format!("{}/{name}", m.namespace), &m.content).await;
+                        self.set_config(kind, format!("{}/{name}", m.namespace), &m.content)
+                            .await;
                     }
                 }
             }
             ("delete", t) if ConfigKind::from_resource_type(t).is_some() => {
                 if let (Some(kind), Some(name)) = (ConfigKind::from_resource_type(t), &m.name) {
-                    self.configs.insert((kind, format!("{}/{name}", m.namespace)), Lookup::Missing);
+                    self.configs
+                        .insert((kind, format!("{}/{name}", m.namespace)), Lookup::Missing);
                 }
             }
             _ => debug!(operation = %m.operation, resource = %m.resource, "ignored"),
@@ -308,7 +328,8 @@ impl Agent {
                         .and_then(Value::as_str)
                         .unwrap_or(&namespace)
                         .to_owned();
-                    let Some(name) = document.pointer("/metadata/name").and_then(Value::as_str) else {
+                    let Some(name) = document.pointer("/metadata/name").and_then(Value::as_str)
+                    else {
                         continue;
                     };
                     if self.namespaces.contains(&pod_namespace) && spec::is_name(name) {
@@ -324,15 +345,13 @@ impl Agent {
                     }
                 }
             }
-            Query::Config { kind, key } => {
-                match documents.into_iter().next() {
-                    Some(document) => self.set_config(kind, key, &document).await,
-                    None => {
-                        self.configs.insert((kind, key), Lookup::Missing);
-                        self.retry_waiting().await;
-                    }
+            Query::Config { kind, key } => match documents.into_iter().next() {
+                Some(document) => self.set_config(kind, key, &document).await,
+                None => {
+                    self.configs.insert((kind, key), Lookup::Missing);
+                    self.retry_waiting().await;
                 }
-            }
+            },
         }
     }
 
@@ -349,7 +368,11 @@ impl Agent {
             self.remove_pod(&key, true);
         }
         for (_, (namespace, document)) in listed {
-            if let Some(name) = document.pointer("/metadata/name").and_then(Value::as_str).map(str::to_owned) {
+            if let Some(name) = document
+                .pointer("/metadata/name")
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+            {
                 self.apply_pod(&namespace, &name, document).await;
             }
         }
@@ -417,7 +440,8 @@ impl Agent {
                         run: Run::Blocked,
                     },
                 );
-                self.report(&key, uid, status::invalid_status(&self.node_ip, &reason)).await;
+                self.report(&key, uid, status::invalid_status(&self.node_ip, &reason))
+                    .await;
             }
             Ok(pod) => {
                 self.pods.insert(
@@ -446,14 +470,25 @@ impl Agent {
         };
         let namespace = entry.namespace.clone();
         let configs = &self.configs;
-        let planned = plan::plan(&pod, &namespace, &self.pods_dir, &self.node_ip, |kind, name| {
-            configs
-                .get(&(kind, format!("{namespace}/{name}")))
-                .cloned()
-                .unwrap_or(Lookup::Unknown)
-        });
+        let planned = plan::plan(
+            &pod,
+            &namespace,
+            &self.pods_dir,
+            &self.node_ip,
+            |kind, name| {
+                configs
+                    .get(&(kind, format!("{namespace}/{name}")))
+                    .cloned()
+                    .unwrap_or(Lookup::Unknown)
+            },
+        );
         let uid = pod.metadata.uid.clone().unwrap_or_default();
-        let images: Vec<String> = pod.spec.containers.iter().map(|c| c.image.clone()).collect();
+        let images: Vec<String> = pod
+            .spec
+            .containers
+            .iter()
+            .map(|c| c.image.clone())
+            .collect();
         match planned {
             Ok(plan) => {
                 let worker = PodWorker::spawn(
@@ -477,7 +512,13 @@ impl Agent {
                     });
                     if !asked {
                         let resource = config_resource(kind, &config_key);
-                        self.query(Query::Config { kind, key: config_key }, &resource);
+                        self.query(
+                            Query::Config {
+                                kind,
+                                key: config_key,
+                            },
+                            &resource,
+                        );
                     }
                 }
                 if let Some(entry) = self.pods.get_mut(key) {
@@ -570,7 +611,10 @@ impl Agent {
         );
         let (_, payload) = message::envelope(Some(&m.msg_id), "error", &m.resource, json!(text));
         let topic = message::topic(&self.root, "error", &m.namespace, &m.resource_type);
-        if let Err(e) = self.client.try_publish(topic, QoS::AtLeastOnce, false, payload) {
+        if let Err(e) = self
+            .client
+            .try_publish(topic, QoS::AtLeastOnce, false, payload)
+        {
             warn!(error_code = "EM-EDGED-MQTT", resource = %m.resource, error = %e, "volume refusal not sent");
         }
     }

@@ -157,8 +157,7 @@ impl EdgedConfig {
         }
         if self.restart_backoff_base_ms == 0 || self.status_interval_ms == 0 {
             return Err(Error::Config(
-                "edged.restart_backoff_base_ms and edged.status_interval_ms must be > 0"
-                    .to_owned(),
+                "edged.restart_backoff_base_ms and edged.status_interval_ms must be > 0".to_owned(),
             ));
         }
         Ok(())
@@ -197,6 +196,8 @@ mod tests {
 
     #[test]
     fn the_defaults_validate() {
-        EdgedConfig::default().validate().expect("defaults are valid");
+        EdgedConfig::default()
+            .validate()
+            .expect("defaults are valid");
     }
 }

@@ -48,9 +48,10 @@ pub async fn run(config: EdgedConfig, root: &str, cancel: CancellationToken) -> 
     let pods_dir = config.root_dir.join("pods");
     std::fs::create_dir_all(&pods_dir).map_err(|e| Error::io("creating", &pods_dir, e))?;
     let leftovers = pods_dir.clone();
-    let killed = tokio::task::spawn_blocking(move || runtime::ProcessRuntime::kill_leftovers(&leftovers))
-        .await
-        .unwrap_or(0);
+    let killed =
+        tokio::task::spawn_blocking(move || runtime::ProcessRuntime::kill_leftovers(&leftovers))
+            .await
+            .unwrap_or(0);
     if killed > 0 {
         info!(killed, "stopped containers a previous run left behind");
     }
@@ -79,8 +80,12 @@ pub async fn run(config: EdgedConfig, root: &str, cancel: CancellationToken) -> 
     ));
     let reporter_cancel = CancellationToken::new();
     let reporter = tokio::spawn(
-        status::Reporter::new(client.clone(), root, EdgedConfig::ms(config.status_interval_ms))
-            .run(report_rx, reporter_cancel.clone()),
+        status::Reporter::new(
+            client.clone(),
+            root,
+            EdgedConfig::ms(config.status_interval_ms),
+        )
+        .run(report_rx, reporter_cancel.clone()),
     );
     let timing = Arc::new(pod::Timing {
         backoff_base: EdgedConfig::ms(config.restart_backoff_base_ms),

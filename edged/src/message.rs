@@ -72,7 +72,9 @@ pub fn parse(root: &str, topic: &str, payload: &[u8]) -> Result<Incoming, Error>
         .ok_or_else(|| bad("not under <root>/edged/"))?;
     let levels: Vec<&str> = rest.split('/').collect();
     if !(4..=5).contains(&levels.len()) || levels.iter().any(|l| l.is_empty()) {
-        return Err(bad("want <root>/edged/<from>/<op>/<namespace>/<type>[/<name>]"));
+        return Err(bad(
+            "want <root>/edged/<from>/<op>/<namespace>/<type>[/<name>]",
+        ));
     }
     let value: Value = if payload.is_empty() {
         Value::Null
@@ -92,7 +94,12 @@ pub fn parse(root: &str, topic: &str, payload: &[u8]) -> Result<Incoming, Error>
         .get(4)
         .map(|n| (*n).to_owned())
         .or_else(|| resource.split('/').nth(2).map(str::to_owned))
-        .or_else(|| content.pointer("/metadata/name").and_then(Value::as_str).map(str::to_owned))
+        .or_else(|| {
+            content
+                .pointer("/metadata/name")
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+        })
         .filter(|n| !n.is_empty());
     Ok(Incoming {
         from: levels[0].to_owned(),
@@ -102,7 +109,11 @@ pub fn parse(root: &str, topic: &str, payload: &[u8]) -> Result<Incoming, Error>
         name,
         msg_id: header["msg_id"].as_str().map_or_else(new_id, str::to_owned),
         parent_msg_id: header["parent_msg_id"].as_str().map(str::to_owned),
-        resource: if resource.is_empty() { levels[2..].join("/") } else { resource },
+        resource: if resource.is_empty() {
+            levels[2..].join("/")
+        } else {
+            resource
+        },
         content,
     })
 }
@@ -114,9 +125,15 @@ mod tests {
     #[test]
     fn the_topic_names_the_type_and_the_envelope_the_object() {
         let (_, payload) = envelope(Some("p1"), "insert", "default/pod/web", json!({"spec": {}}));
-        let m = parse("ke", "ke/edged/edgecontroller/insert/default/pod", &payload).expect("parses");
+        let m =
+            parse("ke", "ke/edged/edgecontroller/insert/default/pod", &payload).expect("parses");
         assert_eq!(
-            (m.from.as_str(), m.operation.as_str(), m.namespace.as_str(), m.resource_type.as_str()),
+            (
+                m.from.as_str(),
+                m.operation.as_str(),
+                m.namespace.as_str(),
+                m.resource_type.as_str()
+            ),
             ("edgecontroller", "insert", "default", "pod")
         );
         assert_eq!(m.name.as_deref(), Some("web"));
@@ -125,7 +142,12 @@ mod tests {
 
     #[test]
     fn a_bare_payload_takes_its_name_from_metadata() {
-        let m = parse("ke", "ke/edged/x/insert/ns/pod", br#"{"metadata":{"name":"a"}}"#).expect("parses");
+        let m = parse(
+            "ke",
+            "ke/edged/x/insert/ns/pod",
+            br#"{"metadata":{"name":"a"}}"#,
+        )
+        .expect("parses");
         assert_eq!(m.name.as_deref(), Some("a"));
         assert!(parse("ke", "ke/edged/x/insert/ns", b"{}").is_err());
         assert!(parse("ke", "ke/edged/x/insert/ns/pod", b"{oops").is_err());

@@ -107,18 +107,25 @@ pub fn plan(
     for v in &pod.spec.volumes {
         let vdir = dir.join("volumes").join(&v.name);
         let (data, items, secret) = if let Some(cm) = &v.config_map {
-            (get(ConfigKind::ConfigMap, &cm.name, cm.optional)?, &cm.items, false)
+            (
+                get(ConfigKind::ConfigMap, &cm.name, cm.optional)?,
+                &cm.items,
+                false,
+            )
         } else if let Some(s) = &v.secret {
-            (get(ConfigKind::Secret, &s.secret_name, s.optional)?, &s.items, true)
+            (
+                get(ConfigKind::Secret, &s.secret_name, s.optional)?,
+                &s.items,
+                true,
+            )
         } else {
             (None, &Vec::new(), false)
         };
         let files = match data {
             None => Vec::new(),
-            Some(data) if items.is_empty() => data
-                .into_iter()
-                .filter(|(k, _)| spec::is_name(k))
-                .collect(),
+            Some(data) if items.is_empty() => {
+                data.into_iter().filter(|(k, _)| spec::is_name(k)).collect()
+            }
             Some(data) => {
                 let mut files = Vec::new();
                 for item in items {
@@ -165,7 +172,11 @@ pub fn plan(
                     c.name, m.name
                 )));
             };
-            set(&mut env, &volume_variable(&m.name), vdir.display().to_string());
+            set(
+                &mut env,
+                &volume_variable(&m.name),
+                vdir.display().to_string(),
+            );
         }
         for from in &c.env_from {
             let (kind, r) = match (&from.config_map_ref, &from.secret_ref) {
@@ -187,9 +198,19 @@ pub fn plan(
                 (Some(v), _) => Some(expand(v, &env)),
                 (None, Some(from)) => {
                     if let Some(r) = &from.config_map_key_ref {
-                        key_value(get(ConfigKind::ConfigMap, &r.name, r.optional)?, r, "ConfigMap", namespace)?
+                        key_value(
+                            get(ConfigKind::ConfigMap, &r.name, r.optional)?,
+                            r,
+                            "ConfigMap",
+                            namespace,
+                        )?
                     } else if let Some(r) = &from.secret_key_ref {
-                        key_value(get(ConfigKind::Secret, &r.name, r.optional)?, r, "Secret", namespace)?
+                        key_value(
+                            get(ConfigKind::Secret, &r.name, r.optional)?,
+                            r,
+                            "Secret",
+                            namespace,
+                        )?
                     } else if let Some(f) = &from.field_ref {
                         Some(match f.field_path.as_str() {
                             "metadata.name" => name.clone(),
@@ -378,13 +399,17 @@ mod tests {
                         {"name": "ME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
                 "volumeMounts": [{"name": "conf", "mountPath": "/etc/conf"}]}],
             "volumes": [{"name": "conf", "configMap": {"name": "cfg"}}]}}));
-        let plan = plan(&p, "default", Path::new("/r/pods"), "10.0.0.1", |kind, name| {
-            match (kind, name) {
+        let plan = plan(
+            &p,
+            "default",
+            Path::new("/r/pods"),
+            "10.0.0.1",
+            |kind, name| match (kind, name) {
                 (ConfigKind::ConfigMap, "cfg") => Lookup::Found(data(&[("mode", "eco")])),
                 (ConfigKind::Secret, "s") => Lookup::Found(data(&[("pw", "hunter2")])),
                 _ => Lookup::Missing,
-            }
-        })
+            },
+        )
         .expect("plans");
         assert_eq!(plan.containers[0].argv, ["sh", "-c", "echo hi eco"]);
         assert_eq!(env_of(&plan, "PW").as_deref(), Some("hunter2"));
@@ -393,37 +418,58 @@ mod tests {
             env_of(&plan, "EDGED_VOLUME_CONF").as_deref(),
             Some("/r/pods/default_web/volumes/conf")
         );
-        assert_eq!(plan.volumes[0].files, vec![("mode".to_owned(), b"eco".to_vec())]);
+        assert_eq!(
+            plan.volumes[0].files,
+            vec![("mode".to_owned(), b"eco".to_vec())]
+        );
         assert_eq!(plan.grace, Duration::from_secs(30));
-        assert_eq!(plan.containers[0].working_dir, Path::new("/r/pods/default_web"));
+        assert_eq!(
+            plan.containers[0].working_dir,
+            Path::new("/r/pods/default_web")
+        );
     }
 
     #[test]
     fn unknown_references_are_looked_up_first_and_missing_ones_are_config_errors() {
-        let p = pod(json!({"metadata": {"name": "web"}, "spec": {"containers": [{"name": "c",
-            "envFrom": [{"configMapRef": {"name": "nope"}}]}]}}));
+        let p = pod(
+            json!({"metadata": {"name": "web"}, "spec": {"containers": [{"name": "c",
+            "envFrom": [{"configMapRef": {"name": "nope"}}]}]}}),
+        );
         let pods = Path::new("/r");
         assert_eq!(
             plan(&p, "default", pods, "", |_, _| Lookup::Unknown),
-            Err(Blocked::Unknown(vec![(ConfigKind::ConfigMap, "nope".to_owned())]))
+            Err(Blocked::Unknown(vec![(
+                ConfigKind::ConfigMap,
+                "nope".to_owned()
+            )]))
         );
         assert_eq!(
             plan(&p, "default", pods, "", |_, _| Lookup::Missing),
-            Err(Blocked::ConfigError("configmap \"nope\" not found".to_owned()))
+            Err(Blocked::ConfigError(
+                "configmap \"nope\" not found".to_owned()
+            ))
         );
-        let optional = pod(json!({"metadata": {"name": "web"}, "spec": {"containers": [{"name": "c",
-            "envFrom": [{"configMapRef": {"name": "nope", "optional": true}}]}]}}));
+        let optional = pod(
+            json!({"metadata": {"name": "web"}, "spec": {"containers": [{"name": "c",
+            "envFrom": [{"configMapRef": {"name": "nope", "optional": true}}]}]}}),
+        );
         assert!(plan(&optional, "default", pods, "", |_, _| Lookup::Missing).is_ok());
     }
 
     #[test]
     fn a_missing_key_is_a_config_error() {
-        let p = pod(json!({"metadata": {"name": "web"}, "spec": {"containers": [{"name": "c",
-            "env": [{"name": "A", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "k"}}}]}]}}));
-        let err = plan(&p, "ns", Path::new("/r"), "", |_, _| Lookup::Found(Data::new()));
+        let p = pod(
+            json!({"metadata": {"name": "web"}, "spec": {"containers": [{"name": "c",
+            "env": [{"name": "A", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "k"}}}]}]}}),
+        );
+        let err = plan(&p, "ns", Path::new("/r"), "", |_, _| {
+            Lookup::Found(Data::new())
+        });
         assert_eq!(
             err,
-            Err(Blocked::ConfigError("couldn't find key k in ConfigMap ns/cm".to_owned()))
+            Err(Blocked::ConfigError(
+                "couldn't find key k in ConfigMap ns/cm".to_owned()
+            ))
         );
     }
 

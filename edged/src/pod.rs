@@ -84,7 +84,9 @@ async fn run_pod(
         .containers
         .iter()
         .zip(&images)
-        .map(|(c, image)| ContainerStatus::new(&c.name, image, State::waiting("ContainerCreating", "")))
+        .map(|(c, image)| {
+            ContainerStatus::new(&c.name, image, State::waiting("ContainerCreating", ""))
+        })
         .collect();
     let report = |statuses: &[ContainerStatus]| Report::Status {
         key: key.clone(),
@@ -390,7 +392,8 @@ impl Prober {
 
     /// Records one result; `Some(verdict)` once a threshold is reached.
     fn record(&mut self, ok: bool) -> Option<bool> {
-        self.next = tokio::time::Instant::now() + Duration::from_secs(self.probe.period_seconds.max(1));
+        self.next =
+            tokio::time::Instant::now() + Duration::from_secs(self.probe.period_seconds.max(1));
         if ok {
             self.failures = 0;
             self.successes += 1;

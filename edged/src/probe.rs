@@ -34,7 +34,9 @@ pub async fn check(probe: &Probe, plan: &ContainerPlan, default_host: &str) -> b
             true
         }
     };
-    tokio::time::timeout(timeout, attempt).await.unwrap_or(false)
+    tokio::time::timeout(timeout, attempt)
+        .await
+        .unwrap_or(false)
 }
 
 /// A numeric port (named ports need a container port list this runtime does not have).
@@ -121,21 +123,46 @@ mod tests {
     async fn exec_probes_pass_on_exit_zero_and_time_out() {
         let dir = tempfile::tempdir().expect("dir");
         let p = plan(dir.path());
-        assert!(check(&probe(json!({"exec": {"command": ["true"]}})), &p, "127.0.0.1").await);
-        assert!(!check(&probe(json!({"exec": {"command": ["false"]}})), &p, "127.0.0.1").await);
-        assert!(!check(&probe(json!({"exec": {"command": ["sleep", "5"]}, "timeoutSeconds": 1})), &p, "127.0.0.1").await);
+        assert!(
+            check(
+                &probe(json!({"exec": {"command": ["true"]}})),
+                &p,
+                "127.0.0.1"
+            )
+            .await
+        );
+        assert!(
+            !check(
+                &probe(json!({"exec": {"command": ["false"]}})),
+                &p,
+                "127.0.0.1"
+            )
+            .await
+        );
+        assert!(
+            !check(
+                &probe(json!({"exec": {"command": ["sleep", "5"]}, "timeoutSeconds": 1})),
+                &p,
+                "127.0.0.1"
+            )
+            .await
+        );
     }
 
     #[tokio::test]
     async fn http_probes_read_the_status_code() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
         let port = listener.local_addr().expect("addr").port();
         tokio::spawn(async move {
             for code in [200, 500] {
                 let (mut s, _) = listener.accept().await.expect("accept");
                 let mut buf = [0u8; 256];
                 let _ = s.read(&mut buf).await;
-                let _ = s.write_all(format!("HTTP/1.1 {code} X\r\n\r\n").as_bytes()).await;
+                let _ = s
+                    .write_all(format!("HTTP/1.1 {code} X\r\n\r\n").as_bytes())
+                    .await;
             }
         });
         let dir = tempfile::tempdir().expect("dir");

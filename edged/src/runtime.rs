@@ -353,9 +353,18 @@ mod tests {
         let dir = tempfile::tempdir().expect("dir");
         let runtime = ProcessRuntime::new(1024 * 1024, 2);
         let mut c = runtime
-            .start(&plan(dir.path(), &["sh", "-c", "echo out; echo err >&2; exit 3"]))
+            .start(&plan(
+                dir.path(),
+                &["sh", "-c", "echo out; echo err >&2; exit 3"],
+            ))
             .expect("starts");
-        assert_eq!(c.wait().await, Exit { code: 3, signal: None });
+        assert_eq!(
+            c.wait().await,
+            Exit {
+                code: 3,
+                signal: None
+            }
+        );
         let log = std::fs::read_to_string(dir.path().join("logs/c.log")).expect("log");
         assert!(log.contains("out") && log.contains("err"), "{log}");
         assert!(!dir.path().join("c.pid").exists());
@@ -403,7 +412,9 @@ mod tests {
         assert!(logs.join("c.log.1").exists() && logs.join("c.log.2").exists());
         assert!(!logs.join("c.log.3").exists());
         for name in ["c.log", "c.log.1", "c.log.2"] {
-            let len = std::fs::metadata(logs.join(name)).map(|m| m.len()).unwrap_or(0);
+            let len = std::fs::metadata(logs.join(name))
+                .map(|m| m.len())
+                .unwrap_or(0);
             assert!(len <= 1024, "{name} is {len} bytes");
         }
         let last = std::fs::read_to_string(logs.join("c.log")).expect("log");

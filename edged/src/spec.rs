@@ -361,7 +361,10 @@ mod tests {
         }))
         .expect("parses");
         assert_eq!(pod.spec.restart_policy, RestartPolicy::Always);
-        let probe = pod.spec.containers[0].liveness_probe.clone().expect("probe");
+        let probe = pod.spec.containers[0]
+            .liveness_probe
+            .clone()
+            .expect("probe");
         assert_eq!((probe.period_seconds, probe.failure_threshold), (10, 3));
         assert!(pod.invalid().is_none());
     }
@@ -369,7 +372,10 @@ mod tests {
     #[test]
     fn no_containers_and_bad_names_are_invalid() {
         let empty = Pod::parse(&json!({"metadata": {"name": "p"}, "spec": {}})).expect("parses");
-        assert_eq!(empty.invalid().as_deref(), Some("pod spec has no containers"));
+        assert_eq!(
+            empty.invalid().as_deref(),
+            Some("pod spec has no containers")
+        );
         let bad = Pod::parse(&json!({"spec": {"containers": [{"name": "../x"}]}})).expect("parses");
         assert!(bad.invalid().is_some());
         assert!(Pod::parse(&json!({"spec": {"containers": "x"}})).is_err());

@@ -51,7 +51,9 @@ impl State {
                 }
                 json!({"waiting": w})
             }
-            State::Running { started_at } => json!({"running": {"startedAt": rfc3339(*started_at)}}),
+            State::Running { started_at } => {
+                json!({"running": {"startedAt": rfc3339(*started_at)}})
+            }
             State::Terminated {
                 exit_code,
                 signal,
@@ -173,7 +175,8 @@ pub fn phase(policy: RestartPolicy, containers: &[ContainerStatus]) -> &'static 
 pub fn pod_status(facts: &PodFacts<'_>, containers: &[ContainerStatus]) -> Value {
     let ready = !containers.is_empty() && containers.iter().all(|c| c.ready);
     let started = !containers.is_empty();
-    let condition = |kind: &str, ok: bool| json!({"type": kind, "status": if ok { "True" } else { "False" }});
+    let condition =
+        |kind: &str, ok: bool| json!({"type": kind, "status": if ok { "True" } else { "False" }});
     json!({
         "phase": phase(facts.policy, containers),
         "conditions": [
@@ -320,7 +323,10 @@ impl Reporter {
                         json!({"metadata": {"name": entry.name, "namespace": entry.namespace, "uid": entry.uid}}),
                     );
                     let topic = message::topic(&self.root, "delete", &entry.namespace, "pod");
-                    if let Err(e) = self.client.try_publish(topic, QoS::AtLeastOnce, false, payload) {
+                    if let Err(e) = self
+                        .client
+                        .try_publish(topic, QoS::AtLeastOnce, false, payload)
+                    {
                         warn!(error_code = "EM-EDGED-MQTT", pod = %key, msg_id = %id, error = %e, "pod removal not reported");
                     }
                 }
@@ -369,7 +375,10 @@ impl Reporter {
         let (_, payload) = message::envelope(None, "update", &resource, content);
         let topic = message::topic(&self.root, "update", &entry.namespace, "podstatus");
         entry.last_sent = Some(now);
-        match self.client.try_publish(topic, QoS::AtLeastOnce, false, payload) {
+        match self
+            .client
+            .try_publish(topic, QoS::AtLeastOnce, false, payload)
+        {
             Ok(()) => entry.sent = Some(entry.latest.clone()),
             // Kept dirty: sent again at the next interval, and after a reconnect anyway.
             Err(e) => debug!(resource = %resource, error = %e, "status not queued"),
@@ -422,9 +431,18 @@ mod tests {
         assert_eq!(phase(RestartPolicy::Always, &[creating]), "Pending");
         assert_eq!(phase(RestartPolicy::Always, &[running.clone()]), "Running");
         assert_eq!(phase(RestartPolicy::Always, &[backoff]), "Running");
-        assert_eq!(phase(RestartPolicy::Never, &[c(terminated(1), None)]), "Failed");
-        assert_eq!(phase(RestartPolicy::Never, &[c(terminated(0), None)]), "Succeeded");
-        assert_eq!(phase(RestartPolicy::OnFailure, &[c(terminated(0), None), running]), "Running");
+        assert_eq!(
+            phase(RestartPolicy::Never, &[c(terminated(1), None)]),
+            "Failed"
+        );
+        assert_eq!(
+            phase(RestartPolicy::Never, &[c(terminated(0), None)]),
+            "Succeeded"
+        );
+        assert_eq!(
+            phase(RestartPolicy::OnFailure, &[c(terminated(0), None), running]),
+            "Running"
+        );
     }
 
     #[test]
@@ -438,8 +456,14 @@ mod tests {
         c.ready = true;
         let s = pod_status(&facts, &[c]);
         assert_eq!(s["phase"], "Running");
-        assert_eq!(s["conditions"][3], json!({"type": "Ready", "status": "True"}));
-        assert_eq!(s["containerStatuses"][0]["state"]["running"]["startedAt"], "1970-01-01T00:00:00Z");
+        assert_eq!(
+            s["conditions"][3],
+            json!({"type": "Ready", "status": "True"})
+        );
+        assert_eq!(
+            s["containerStatuses"][0]["state"]["running"]["startedAt"],
+            "1970-01-01T00:00:00Z"
+        );
         assert_eq!(s["containerStatuses"][0]["restartCount"], 0);
     }
 }

@@ -1,0 +1,659 @@
+//! edged end to end: the real `edgemeta run` node, the real `edgemeta edged` agent running real
+//! processes (`sh` scripts the tests write), real MQTT, and a real mosquitto as the cloud.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::cloud::{bridged, cloud_client, cloud_insert};
+use common::{envelope, send, topic, unique_id, Client, CloudBroker, Node, WAIT};
+use serde_json::{json, Value};
+
+/// Pod statuses may take a few restarts and the rate limit to arrive.
+const STATUS_WAIT: Duration = Duration::from_secs(20);
+
+/// A running `edgemeta edged` with its own directory, aimed at `node`.
+struct Edged {
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+}
+
+impl Edged {
+    /// Starts edged with quick timings plus `extra` (YAML lines under `edged:`, 2-space indent).
+    fn start(node: &Node, extra: &str) -> Edged {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let yaml = format!(
+            "log:\n  level: info,rumqttd=off\n\
+             broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\n\
+             edged:\n  client_id: {id}\n  root_dir: {root}\n  status_interval_ms: 100\n  restart_backoff_base_ms: 300\n  restart_backoff_max_ms: 2000\n  reconnect_min_ms: 50\n  reconnect_max_ms: 500\n  query_timeout_ms: 5000\n{extra}",
+            port = node.port,
+            id = unique_id("edged"),
+            root = dir.path().join("root").display(),
+        );
+        std::fs::write(dir.path().join("edged.yaml"), yaml).expect("edged config");
+        let mut edged = Edged { child: None, dir };
+        edged.spawn();
+        edged
+    }
+
+    fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .expect("log");
+        let child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
+            .arg("edged")
+            .arg("--config")
+            .arg(self.dir.path().join("edged.yaml"))
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("start edgemeta edged");
+        self.child = Some(child);
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.path().join("edged.log")
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    /// `<root_dir>/pods/<namespace>_<name>`.
+    fn pod_dir(&self, name: &str) -> PathBuf {
+        self.dir
+            .path()
+            .join("root/pods")
+            .join(format!("default_{name}"))
+    }
+
+    fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn is_running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| c.try_wait().ok().flatten().is_none())
+    }
+
+    /// SIGTERM; returns how long edged took to stop its pods and exit.
+    fn terminate(&mut self) -> Duration {
+        let mut child = self.child.take().expect("edged runs");
+        let started = Instant::now();
+        Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .expect("kill");
+        while child.try_wait().expect("wait").is_none() {
+            assert!(
+                started.elapsed() < WAIT,
+                "edged ignored SIGTERM:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        started.elapsed()
+    }
+}
+
+impl Drop for Edged {
+    fn drop(&mut self) {
+        // Its pods are process groups of their own: stop them the way edged does at shutdown.
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+            let started = Instant::now();
+            while child.try_wait().ok().flatten().is_none() && started.elapsed() < WAIT {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A pod running `script` under `sh -c`, with `spec` merged into its spec.
+fn pod(name: &str, script: &str, spec: Value) -> Value {
+    let mut pod = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default", "uid": format!("uid-{name}")},
+        "spec": {"containers": [{"name": "main", "image": "busybox", "command": ["sh", "-c", script]}]},
+    });
+    if let (Some(base), Value::Object(extra)) = (pod["spec"].as_object_mut(), spec) {
+        for (k, v) in extra {
+            base.insert(k, v);
+        }
+    }
+    pod
+}
+
+/// The next `podstatus` of pod `name` (on the topic under `prefix`) whose `Status` satisfies
+/// `ok`; fails with the last one seen.
+async fn await_status(
+    client: &mut Client,
+    prefix: &str,
+    name: &str,
+    ok: impl Fn(&Value) -> bool,
+) -> Value {
+    let resource = format!("default/podstatus/{name}");
+    let topic = topic(prefix, &resource);
+    let deadline = Instant::now() + STATUS_WAIT;
+    let mut last = Value::Null;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        // `next` itself fails after the harness's wait without any message at all.
+        let Ok(m) = tokio::time::timeout(left, client.next()).await else {
+            panic!("no matching status of {name} on {topic} within {STATUS_WAIT:?}; last: {last}");
+        };
+        if m.topic == topic && m.resource() == resource {
+            let status = m.content()["Status"].clone();
+            if ok(&status) {
+                return status;
+            }
+            last = status;
+        }
+    }
+}
+
+/// Waits until every pod of `names` has reported Running on the topic under `prefix`.
+async fn await_all_running(client: &mut Client, prefix: &str, names: &[&str]) {
+    let mut waiting: std::collections::BTreeSet<String> = names
+        .iter()
+        .map(|n| format!("default/podstatus/{n}"))
+        .collect();
+    let topic = format!("{prefix}/default/podstatus");
+    let deadline = Instant::now() + STATUS_WAIT;
+    while !waiting.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let Ok(m) = tokio::time::timeout(left, client.next()).await else {
+            panic!("not Running within {STATUS_WAIT:?}: {waiting:?}");
+        };
+        if m.topic == topic && phase(&m.content()["Status"]) == "Running" {
+            waiting.remove(&m.resource());
+        }
+    }
+}
+
+fn phase(status: &Value) -> &str {
+    status["phase"].as_str().unwrap_or_default()
+}
+
+fn container(status: &Value) -> &Value {
+    &status["containerStatuses"][0]
+}
+
+/// Waits until `path` exists and holds text; returns it.
+async fn await_file(path: &Path) -> String {
+    let started = Instant::now();
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path) {
+            if !text.trim().is_empty() {
+                return text;
+            }
+        }
+        assert!(
+            started.elapsed() < STATUS_WAIT,
+            "{} never written",
+            path.display()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| !stat.contains(") Z "))
+}
+
+async fn await_dead(pid: u32, limit: Duration) -> Duration {
+    let started = Instant::now();
+    while alive(pid) {
+        assert!(
+            started.elapsed() < limit,
+            "process {pid} still alive after {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    started.elapsed()
+}
+
+/// Where a pod script records its pid: in `dir`, one file per start. (`$$$$`: Kubernetes'
+/// `$(VAR)` expansion of commands reduces `$$` to `$`.)
+fn pid_script(dir: &Path, name: &str, then: &str) -> String {
+    format!("echo $$$$ > {}/{name}.pid; {then}", dir.display())
+}
+
+fn read_pid(text: &str) -> u32 {
+    text.trim().parse().expect("a pid")
+}
+
+#[tokio::test]
+async fn a_pod_from_the_cloud_runs_with_its_config_and_reports_running_to_the_cloud() {
+    let cloud = CloudBroker::start().await;
+    let (node, bridge) = bridged(&cloud).await;
+    let mut controller = cloud_client(&cloud, &bridge.up_filter()).await;
+    let marks = tempfile::tempdir().expect("dir");
+    let edged = Edged::start(&node, "");
+    // Configuration first, as the cloud's edgecontroller sends it.
+    cloud_insert(
+        &controller,
+        &bridge,
+        "default/configmap/app",
+        json!({"metadata": {"name": "app"}, "data": {"mode": "eco", "level": "3"}}),
+    )
+    .await;
+    cloud_insert(
+        &controller,
+        &bridge,
+        "default/secret/creds",
+        json!({"metadata": {"name": "creds"}, "data": {"password": "aHVudGVyMg=="}}),
+    )
+    .await;
+    let script = pid_script(
+        marks.path(),
+        "web",
+        "echo MODE=$MODE LEVEL=$APP_level PW=$PW; cat $EDGED_VOLUME_CONF/mode; echo; cat $EDGED_VOLUME_CREDS/password; echo; pwd; trap '' TERM; while true; do sleep 0.1; done",
+    );
+    let web = pod(
+        "web",
+        &script,
+        json!({
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{"name": "main", "image": "busybox", "command": ["sh", "-c", script],
+                "workingDir": "work",
+                "env": [{"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "app", "key": "mode"}}},
+                        {"name": "PW", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "password"}}}],
+                "envFrom": [{"configMapRef": {"name": "app"}, "prefix": "APP_"}],
+                "volumeMounts": [{"name": "conf", "mountPath": "/etc/app"}, {"name": "creds", "mountPath": "/etc/creds"}]}],
+            "volumes": [{"name": "conf", "configMap": {"name": "app"}}, {"name": "creds", "secret": {"secretName": "creds"}}],
+        }),
+    );
+    cloud_insert(&controller, &bridge, "default/pod/web", web).await;
+
+    let up = bridge.up("edged/update");
+    let running = await_status(&mut controller, &up, "web", |s| phase(s) == "Running").await;
+    assert_eq!(container(&running)["ready"], true, "{running}");
+    assert!(
+        container(&running)["state"]["running"]["startedAt"].is_string(),
+        "{running}"
+    );
+    assert_eq!(
+        running["conditions"][3],
+        json!({"type": "Ready", "status": "True"})
+    );
+    let pid = read_pid(&await_file(&marks.path().join("web.pid")).await);
+    let log_path = edged.pod_dir("web").join("logs/main.log");
+    let log = await_file(&log_path).await;
+    let started = Instant::now();
+    while !std::fs::read_to_string(&log_path)
+        .unwrap_or_default()
+        .contains("/work")
+    {
+        assert!(started.elapsed() < WAIT, "log: {log}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let log = std::fs::read_to_string(&log_path).expect("log");
+    assert!(log.contains("MODE=eco LEVEL=3 PW=hunter2"), "{log}");
+    assert!(log.contains("eco\nhunter2\n"), "{log}");
+    assert!(
+        log.contains(&format!("{}/work", edged.pod_dir("web").display())),
+        "{log}"
+    );
+
+    // Delete: SIGTERM is ignored by the script, so SIGKILL after the 1 s grace period.
+    let (_, payload) = envelope("edgecontroller", "delete", "default/pod/web", Value::Null);
+    controller
+        .publish(&bridge.down("edgecontroller/delete/default/pod"), payload)
+        .await;
+    let took = await_dead(pid, Duration::from_secs(5)).await;
+    assert!(
+        took >= Duration::from_millis(700),
+        "killed before its grace period: {took:?}"
+    );
+    // edged reports the removal up, as KubeEdge's edged does.
+    let removed = controller
+        .expect_about(&bridge.up("edged/delete"), "default/pod/web")
+        .await;
+    assert_eq!(removed.source(), "edged");
+}
+
+#[tokio::test]
+async fn a_crashing_container_restarts_with_back_off_and_its_restart_count_reaches_the_cloud() {
+    let cloud = CloudBroker::start().await;
+    let (node, bridge) = bridged(&cloud).await;
+    let mut controller = cloud_client(&cloud, &bridge.up_filter()).await;
+    let marks = tempfile::tempdir().expect("dir");
+    let _edged = Edged::start(&node, "");
+    let script = format!("date +%s%N >> {}/starts; exit 3", marks.path().display());
+    cloud_insert(
+        &controller,
+        &bridge,
+        "default/pod/crash",
+        pod("crash", &script, json!({})),
+    )
+    .await;
+    let status = await_status(&mut controller, &bridge.up("edged/update"), "crash", |s| {
+        container(s)["restartCount"].as_u64() >= Some(3)
+    })
+    .await;
+    let c = container(&status);
+    assert_eq!(c["lastState"]["terminated"]["exitCode"], 3, "{status}");
+    assert_eq!(phase(&status), "Running", "restartPolicy Always: {status}");
+    // Starts at t0, +300 ms, +600 ms, +1200 ms: each gap at least the back-off.
+    let starts: Vec<u128> = std::fs::read_to_string(marks.path().join("starts"))
+        .expect("starts")
+        .lines()
+        .map(|l| l.trim().parse().expect("nanoseconds"))
+        .collect();
+    assert!(starts.len() >= 4, "{starts:?}");
+    let gaps: Vec<u128> = starts
+        .windows(2)
+        .map(|w| (w[1] - w[0]) / 1_000_000)
+        .collect();
+    for (i, want) in [300u128, 600, 1200].iter().enumerate() {
+        assert!(
+            gaps[i] >= want - 50,
+            "gap {i} is {} ms, want ≥ {want}: {gaps:?}",
+            gaps[i]
+        );
+    }
+}
+
+#[tokio::test]
+async fn bad_pods_get_a_reason_and_edged_keeps_running() {
+    let node = Node::start().await;
+    let mut watcher = node.client().await;
+    watcher.subscribe("ke/meta/edged/update/+/podstatus").await;
+    let mut edged = Edged::start(&node, "");
+    let client = node.client().await;
+    let prefix = "ke/meta/edged/update";
+    let insert = |name: &str, pod: Value| {
+        let resource = format!("default/pod/{name}");
+        let client = &client;
+        async move { send(client, "edgecontroller", "insert", &resource, pod).await }
+    };
+
+    insert(
+        "empty",
+        json!({"metadata": {"name": "empty"}, "spec": {"containers": []}}),
+    )
+    .await;
+    let s = await_status(&mut watcher, prefix, "empty", |s| phase(s) == "Failed").await;
+    assert_eq!(s["reason"], "InvalidPodSpec");
+    assert!(
+        s["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("no containers"),
+        "{s}"
+    );
+
+    let needs = json!({"containers": [{"name": "main", "command": ["sh", "-c", "echo $X; sleep 60"],
+        "env": [{"name": "X", "valueFrom": {"configMapKeyRef": {"name": "later", "key": "x"}}}]}]});
+    insert("needs", pod("needs", "", needs)).await;
+    let s = await_status(&mut watcher, prefix, "needs", |s| {
+        container(s)["state"]["waiting"]["reason"] == "CreateContainerConfigError"
+    })
+    .await;
+    assert_eq!(phase(&s), "Pending");
+    assert!(
+        container(&s)["state"]["waiting"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("configmap \"later\" not found"),
+        "{s}"
+    );
+
+    insert(
+        "nocmd",
+        json!({"metadata": {"name": "nocmd"}, "spec": {"restartPolicy": "Never",
+        "containers": [{"name": "main", "command": ["/nonexistent/program"]}]}}),
+    )
+    .await;
+    let s = await_status(&mut watcher, prefix, "nocmd", |s| phase(s) == "Failed").await;
+    let terminated = &container(&s)["state"]["terminated"];
+    assert_eq!(terminated["reason"], "ContainerCannotRun", "{s}");
+    assert_eq!(terminated["exitCode"], 127, "{s}");
+
+    // Not JSON of a pod at all, and a name that is not a path component.
+    client
+        .publish(
+            "ke/meta/edgecontroller/insert/default/pod/junk",
+            r#"{"spec":{"containers":"x"}}"#,
+        )
+        .await;
+    let s = await_status(&mut watcher, prefix, "junk", |s| phase(s) == "Failed").await;
+    assert_eq!(s["reason"], "InvalidPodSpec");
+
+    // The configmap arrives: the waiting pod starts.
+    send(
+        &client,
+        "edgecontroller",
+        "insert",
+        "default/configmap/later",
+        json!({"metadata": {"name": "later"}, "data": {"x": "1"}}),
+    )
+    .await;
+    await_status(&mut watcher, prefix, "needs", |s| phase(s) == "Running").await;
+    assert!(edged.is_running(), "edged crashed:\n{}", edged.log());
+}
+
+#[tokio::test]
+async fn csi_volume_calls_are_refused_at_once() {
+    let node = Node::start().await;
+    let _edged = Edged::start(&node, "");
+    let mut cloud_side = node.client().await;
+    cloud_side.subscribe("ke/cloud/#").await;
+    // edged is subscribed once it has listed its pods; give it that moment.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for operation in [
+        "createvolume",
+        "deletevolume",
+        "controllerpublishvolume",
+        "controllerunpublishvolume",
+    ] {
+        let started = Instant::now();
+        let id = send(
+            &cloud_side,
+            "edgecontroller",
+            operation,
+            "default/volume/vol-1",
+            json!({"name": "vol-1"}),
+        )
+        .await;
+        let reply = cloud_side
+            .expect_reply("ke/cloud/meta/error/default/volume", &id)
+            .await;
+        let text = reply.content();
+        assert!(
+            text.as_str()
+                .unwrap_or_default()
+                .contains("not supported by this runtime"),
+            "{text}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "{operation} took {:?}",
+            started.elapsed()
+        );
+    }
+}
+
+#[tokio::test]
+async fn after_a_node_restart_edged_converges_without_restarting_unchanged_pods() {
+    let mut node = Node::start().await;
+    let marks = tempfile::tempdir().expect("dir");
+    let edged = Edged::start(&node, "");
+    let client = node.client().await;
+    for name in ["keep", "drop"] {
+        let script = pid_script(marks.path(), name, "exec sleep 600");
+        send(
+            &client,
+            "edgecontroller",
+            "insert",
+            &format!("default/pod/{name}"),
+            pod(name, &script, json!({})),
+        )
+        .await;
+    }
+    let keep = read_pid(&await_file(&marks.path().join("keep.pid")).await);
+    let drop_pid = read_pid(&await_file(&marks.path().join("drop.pid")).await);
+    drop(client);
+
+    // While the node is down, its store changes: `drop` is deleted, `add` is stored.
+    node.kill9();
+    let add_script = pid_script(marks.path(), "add", "exec sleep 600");
+    let add = pod("add", &add_script, json!({}))
+        .to_string()
+        .replace('\'', "''");
+    let db = libsql::Builder::new_local(node.db_path())
+        .build()
+        .await
+        .expect("open store");
+    let conn = db.connect().expect("connect");
+    conn.execute_batch(&format!(
+        "DELETE FROM meta WHERE key = 'default/pod/drop';\
+         INSERT INTO meta (key, type, value) VALUES ('default/pod/add', 'pod', '{add}');"
+    ))
+    .await
+    .expect("change the store");
+    drop(conn);
+    drop(db);
+    node.restart().await;
+
+    let added = read_pid(&await_file(&marks.path().join("add.pid")).await);
+    await_dead(drop_pid, STATUS_WAIT).await;
+    assert!(alive(added));
+    assert!(alive(keep), "an unchanged pod was restarted");
+    assert_eq!(
+        read_pid(&std::fs::read_to_string(marks.path().join("keep.pid")).expect("pid")),
+        keep
+    );
+    assert!(edged.log().contains("pod list synced"), "{}", edged.log());
+}
+
+#[tokio::test]
+async fn offline_reboot_brings_every_stored_pod_back() {
+    let mut cloud = CloudBroker::start().await;
+    let (mut node, bridge) = bridged(&cloud).await;
+    let mut controller = cloud_client(&cloud, &bridge.up_filter()).await;
+    let marks = tempfile::tempdir().expect("dir");
+    let mut edged = Edged::start(&node, "");
+    let names = ["a", "b", "c"];
+    for name in names {
+        let script = pid_script(marks.path(), name, "exec sleep 600");
+        cloud_insert(
+            &controller,
+            &bridge,
+            &format!("default/pod/{name}"),
+            pod(name, &script, json!({})),
+        )
+        .await;
+    }
+    await_all_running(&mut controller, &bridge.up("edged/update"), &names).await;
+    let before: Vec<u32> = {
+        let mut pids = Vec::new();
+        for name in names {
+            pids.push(read_pid(
+                &await_file(&marks.path().join(format!("{name}.pid"))).await,
+            ));
+        }
+        pids
+    };
+    for name in names {
+        std::fs::remove_file(marks.path().join(format!("{name}.pid"))).expect("rm");
+    }
+
+    // The cloud goes away, then the node and edged die without a word.
+    cloud.stop();
+    edged.kill9();
+    node.kill9();
+    node.restart().await;
+    let restarted = Instant::now();
+    edged.spawn();
+    for (name, old) in names.iter().zip(&before) {
+        let pid = read_pid(&await_file(&marks.path().join(format!("{name}.pid"))).await);
+        assert_ne!(pid, *old);
+        assert!(alive(pid), "{name} is not running");
+        // What the killed edged left behind was stopped, not run twice.
+        await_dead(*old, WAIT).await;
+    }
+    let took = restarted.elapsed();
+    assert!(took < WAIT, "pods back after {took:?}");
+    assert!(edged.is_running());
+    assert!(node.is_running());
+}
+
+#[tokio::test]
+async fn a_liveness_probe_failure_restarts_the_container_and_readiness_gates_ready() {
+    let node = Node::start().await;
+    let mut watcher = node.client().await;
+    watcher.subscribe("ke/meta/edged/update/+/podstatus").await;
+    let _edged = Edged::start(&node, "");
+    let client = node.client().await;
+    // Ready once `ready` exists (after ~1 s); alive while `healthy` exists (removed after ~2 s).
+    let spec = json!({"containers": [{"name": "main", "command": ["sh", "-c",
+            "rm -f ready; touch healthy; sleep 1; touch ready; sleep 1; rm healthy; sleep 600"],
+        "readinessProbe": {"exec": {"command": ["test", "-f", "ready"]}, "periodSeconds": 1},
+        "livenessProbe": {"exec": {"command": ["test", "-f", "healthy"]}, "periodSeconds": 1, "failureThreshold": 1},
+    }], "terminationGracePeriodSeconds": 1});
+    send(
+        &client,
+        "edgecontroller",
+        "insert",
+        "default/pod/probed",
+        pod("probed", "", spec),
+    )
+    .await;
+    let prefix = "ke/meta/edged/update";
+    let s = await_status(&mut watcher, prefix, "probed", |s| phase(s) == "Running").await;
+    assert_eq!(
+        container(&s)["ready"],
+        false,
+        "not ready before its readiness probe passed: {s}"
+    );
+    await_status(&mut watcher, prefix, "probed", |s| {
+        container(s)["ready"] == true
+    })
+    .await;
+    let s = await_status(&mut watcher, prefix, "probed", |s| {
+        container(s)["restartCount"] == 1
+    })
+    .await;
+    assert_eq!(
+        container(&s)["lastState"]["terminated"]["message"],
+        "liveness probe failed",
+        "{s}"
+    );
+}
+
+#[tokio::test]
+async fn edged_stops_its_pods_on_sigterm_and_reports_nothing_it_did_not_see() {
+    let node = Node::start().await;
+    let marks = tempfile::tempdir().expect("dir");
+    let mut edged = Edged::start(&node, "");
+    let client = node.client().await;
+    let script = pid_script(marks.path(), "t", "exec sleep 600");
+    send(
+        &client,
+        "edgecontroller",
+        "insert",
+        "default/pod/t",
+        pod("t", &script, json!({})),
+    )
+    .await;
+    let pid = read_pid(&await_file(&marks.path().join("t.pid")).await);
+    let took = edged.terminate();
+    assert!(took < Duration::from_secs(5), "edged took {took:?} to stop");
+    assert!(!alive(pid), "the pod outlived edged");
+}
