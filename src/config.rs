@@ -101,7 +101,9 @@ impl Settings {
                 .listeners
                 .values()
                 .find(|l| l.tls.is_none() && l.protocol == MqttVersion::V4)
-                .context("edged.broker_url is empty and no plain MQTT 3.1.1 listener is configured")?;
+                .context(
+                    "edged.broker_url is empty and no plain MQTT 3.1.1 listener is configured",
+                )?;
             let mut address = listener.address;
             if address.ip().is_unspecified() {
                 address.set_ip(std::net::Ipv4Addr::LOCALHOST.into());

@@ -46,6 +46,9 @@ struct Args {
     /// Only the long-running row (1M distinct resources into one process; 20k with --quick).
     #[arg(long)]
     long_running: bool,
+    /// Only the edged rows: start of `edgemeta edged` to 1, 10 and 100 stored pods Running.
+    #[arg(long)]
+    edged: bool,
     /// Most P1 and long-running messages between publish and arrival at the subscriber; 0 = no
     /// limit (open loop, as before 2026-11-23: the node then cuts the P1 subscriber off).
     #[arg(long, default_value_t = WINDOW)]
@@ -140,6 +143,10 @@ async fn main() -> anyhow::Result<()> {
     let mut rows = Vec::new();
     if args.long_running {
         long_running(&args, &sizes, &mut rows).await?;
+        return print_rows(rows);
+    }
+    if args.edged {
+        edged_start(&args, &mut rows).await?;
         return print_rows(rows);
     }
 
@@ -306,11 +313,109 @@ async fn main() -> anyhow::Result<()> {
     scaling(&args, &sizes, &mut rows).await?;
     long_running(&args, &sizes, &mut rows).await?;
     backlog(&args, &sizes, &mut rows).await?;
+    edged_start(&args, &mut rows).await?;
     drop(mosquitto);
     print_rows(rows)
 }
 
 /// Prints the table; fails the run if a node cut off one of the bench's subscribers.
+/// edged's start-up: with `n` pods (`sleep` processes) stored in the node, the time from
+/// starting `edgemeta edged` to a `podstatus` of Running for every one of them (its start-up
+/// list, the processes, and the reports back through the broker), with edged's defaults.
+async fn edged_start(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+    for n in [1usize, 10, 100] {
+        let dir = tempfile::tempdir()?;
+        let node = Server::edgemeta(&args.edgemeta, dir.path()).await?;
+        let (c, mut rx) = client(node.port, "edged-bench").await?;
+        subscribe(&c, &mut rx, "ke/edged/edgecontroller/insert/default/pod").await?;
+        for i in 0..n {
+            let pod = json!({
+                "metadata": {"name": format!("p{i}"), "namespace": "default", "uid": format!("u{i}")},
+                "spec": {"containers": [{"name": "main", "command": ["sleep", "600"]}],
+                         "terminationGracePeriodSeconds": 1},
+            });
+            c.publish(
+                "ke/meta/edgecontroller/insert/default/pod",
+                QoS::AtLeastOnce,
+                false,
+                pod.to_string(),
+            )
+            .await?;
+        }
+        wait_for(&mut rx, n, |_| true, "storing pods").await?;
+        subscribe(&c, &mut rx, "ke/meta/edged/update/default/podstatus").await?;
+        let conf = dir.path().join("edge.yaml");
+        std::fs::write(
+            &conf,
+            format!(
+                "broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{}\nedged:\n  root_dir: {}\n",
+                node.port,
+                dir.path().join("edged").display()
+            ),
+        )?;
+        let started = Instant::now();
+        let edged = EdgedProcess(
+            Command::new(&args.edgemeta)
+                .arg("edged")
+                .arg("--config")
+                .arg(&conf)
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(dir.path().join("edged.log"))?)
+                .spawn()
+                .context("start edgemeta edged")?,
+        );
+        let mut running = std::collections::HashSet::new();
+        while running.len() < n {
+            let (_, payload) = tokio::time::timeout(Duration::from_secs(60), rx.recv())
+                .await
+                .with_context(|| format!("edged: {} of {n} pods Running", running.len()))?
+                .context("connection gone")?;
+            let message: serde_json::Value = serde_json::from_slice(&payload)?;
+            if message["content"]["Status"]["phase"] == "Running" {
+                if let Some(resource) = message["route"]["resource"].as_str() {
+                    running.insert(resource.to_owned());
+                }
+            }
+        }
+        let took = started.elapsed();
+        drop(edged);
+        drop(node);
+        let target = if n == 100 { "≤ 2 s" } else { "" };
+        rows.push(Row {
+            name: format!(
+                "edged: start to {n} stored pod{} Running",
+                if n == 1 { "" } else { "s" }
+            ),
+            edgemeta: format!("{} ms", took.as_millis()),
+            mosquitto: "—".into(),
+            target: if target.is_empty() {
+                "(diagnostic)".into()
+            } else {
+                target.into()
+            },
+            verdict: if n == 100 {
+                verdict(took <= Duration::from_secs(2), "")
+            } else {
+                "—".into()
+            },
+        });
+    }
+    Ok(())
+}
+
+/// `edgemeta edged`, stopped with SIGTERM (it stops its pods) when dropped.
+struct EdgedProcess(Child);
+
+impl Drop for EdgedProcess {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.0.id().to_string())
+            .status();
+        let _ = self.0.wait();
+    }
+}
+
 fn print_rows(rows: Vec<Row>) -> anyhow::Result<()> {
     println!("| measure | edgemeta | mosquitto | target | met |\n|---|---|---|---|---|");
     for r in rows {

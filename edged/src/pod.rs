@@ -113,7 +113,8 @@ async fn run_pod(
         let _ = stop_requested(&mut stop, &cancel).await;
         return;
     }
-    let _ = reports.send(report(&statuses)).await;
+    // The first report comes from the containers themselves (Running at once, usually): a
+    // ContainerCreating in between would only spend the pod's first slot of the rate limit.
     let (tx, mut rx) = mpsc::channel::<(usize, ContainerStatus)>(64);
     let mut tasks = JoinSet::new();
     for (index, (container, status)) in plan.containers.iter().zip(&statuses).enumerate() {
