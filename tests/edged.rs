@@ -657,3 +657,179 @@ async fn edged_stops_its_pods_on_sigterm_and_reports_nothing_it_did_not_see() {
     assert!(took < Duration::from_secs(5), "edged took {took:?} to stop");
     assert!(!alive(pid), "the pod outlived edged");
 }
+
+/// Splits a README command line on spaces, honouring single quotes.
+fn shell_words(line: &str) -> Vec<String> {
+    let mut words = Vec::new();
+    let mut word = String::new();
+    let (mut quoted, mut started) = (false, false);
+    for c in line.chars() {
+        match c {
+            '\'' => {
+                quoted = !quoted;
+                started = true;
+            }
+            ' ' if !quoted => {
+                if started {
+                    words.push(std::mem::take(&mut word));
+                    started = false;
+                }
+            }
+            c => {
+                word.push(c);
+                started = true;
+            }
+        }
+    }
+    if started {
+        words.push(word);
+    }
+    words
+}
+
+/// Kills a README process at the end of the test, edged with SIGTERM so it stops its pods.
+struct Spawned(Vec<Child>);
+
+impl Drop for Spawned {
+    fn drop(&mut self) {
+        for child in self.0.iter_mut().rev() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+            let started = Instant::now();
+            while child.try_wait().ok().flatten().is_none() && started.elapsed() < WAIT {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_readme_edged_walkthrough_works_verbatim() {
+    // The README's section, run in a fresh directory, with a free port for the default 1883:
+    // the node and edged through the environment, the mosquitto clients through `-p`.
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+        .expect("README.md");
+    let section = readme
+        .split("\n## ")
+        .find(|s| s.starts_with("Run pods at the edge"))
+        .expect("README section \"Run pods at the edge\"");
+    let commands: Vec<&str> = section
+        .lines()
+        .filter(|l| {
+            ["cargo run ", "mosquitto_sub ", "mosquitto_pub ", "cat "]
+                .iter()
+                .any(|p| l.starts_with(p))
+        })
+        .collect();
+    assert!(commands.len() >= 7, "{commands:?}");
+    let port = common::free_port();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let address = format!("127.0.0.1:{port}");
+    let mut spawned = Spawned(Vec::new());
+    let (lines_tx, mut lines) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let mut pod_log = None;
+    for command in &commands {
+        let words = shell_words(command);
+        if let Some(args) = command.strip_prefix("cargo run --release -- ") {
+            let log = std::fs::File::create(dir.path().join(format!("{args}.log"))).expect("log");
+            let child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
+                .args(args.split(' '))
+                .env("EDGEMETA_BROKER__LISTENERS__MQTT__ADDRESS", &address)
+                .env_remove("RUST_LOG")
+                .current_dir(dir.path())
+                .stdin(Stdio::null())
+                .stdout(log.try_clone().expect("log"))
+                .stderr(log)
+                .spawn()
+                .expect("start edgemeta");
+            spawned.0.push(child);
+            if args == "run" {
+                let started = Instant::now();
+                while std::net::TcpStream::connect(&address).is_err() {
+                    assert!(started.elapsed() < WAIT, "the node is not serving");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        } else if words[0] == "mosquitto_sub" {
+            let mut child = Command::new("mosquitto_sub")
+                .args(["-p", &port.to_string()])
+                .args(&words[1..])
+                .stdout(Stdio::piped())
+                .spawn()
+                .expect("mosquitto_sub");
+            let stdout = child.stdout.take().expect("stdout");
+            let tx = lines_tx.clone();
+            std::thread::spawn(move || {
+                use std::io::BufRead as _;
+                for line in std::io::BufReader::new(stdout)
+                    .lines()
+                    .map_while(Result::ok)
+                {
+                    let _ = tx.send(line);
+                }
+            });
+            spawned.0.insert(0, child);
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        } else if words[0] == "mosquitto_pub" {
+            if command.contains("/delete/") {
+                // The pod must be running before it is deleted.
+                let started = Instant::now();
+                loop {
+                    let left = STATUS_WAIT.saturating_sub(started.elapsed());
+                    let line = tokio::time::timeout(left, lines.recv())
+                        .await
+                        .expect("a Running status on the watcher")
+                        .expect("watcher alive");
+                    if line.starts_with("ke/meta/edged/update/default/podstatus ")
+                        && line.contains(r#""resource":"default/podstatus/hello""#)
+                        && line.contains(r#""phase":"Running""#)
+                    {
+                        break;
+                    }
+                }
+            }
+            let ok = Command::new("mosquitto_pub")
+                .args(["-p", &port.to_string()])
+                .args(&words[1..])
+                .status()
+                .expect("mosquitto_pub")
+                .success();
+            assert!(ok, "{command}");
+        } else if words[0] == "cat" {
+            let path = dir.path().join(&words[1]);
+            let started = Instant::now();
+            while std::fs::read_to_string(&path)
+                .unwrap_or_default()
+                .matches("hello from the edge")
+                .count()
+                < 2
+            {
+                assert!(
+                    started.elapsed() < STATUS_WAIT,
+                    "{} never said hello twice",
+                    path.display()
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            pod_log = Some(path);
+        }
+    }
+    // After the delete the process is gone: its pid file goes with it.
+    let pod_dir = pod_log
+        .expect("the cat line")
+        .parent()
+        .and_then(Path::parent)
+        .map(Path::to_path_buf)
+        .expect("pod dir");
+    let started = Instant::now();
+    while pod_dir.join("main.pid").exists() {
+        assert!(
+            started.elapsed() < WAIT,
+            "the pod still runs after its delete"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -47,6 +47,10 @@ pub async fn run(config: EdgedConfig, root: &str, cancel: CancellationToken) -> 
     let (host, port) = config.broker_address()?;
     let pods_dir = config.root_dir.join("pods");
     std::fs::create_dir_all(&pods_dir).map_err(|e| Error::io("creating", &pods_dir, e))?;
+    // Absolute: containers run in their pod's directory, and read paths handed to them.
+    let pods_dir = pods_dir
+        .canonicalize()
+        .map_err(|e| Error::io("resolving", &pods_dir, e))?;
     let leftovers = pods_dir.clone();
     let killed =
         tokio::task::spawn_blocking(move || runtime::ProcessRuntime::kill_leftovers(&leftovers))
