@@ -638,7 +638,7 @@ async fn a_liveness_probe_failure_restarts_the_container_and_readiness_gates_rea
 }
 
 #[tokio::test]
-async fn edged_stops_its_pods_on_sigterm_and_reports_nothing_it_did_not_see() {
+async fn edged_stops_its_pods_on_sigterm() {
     let node = Node::start().await;
     let marks = tempfile::tempdir().expect("dir");
     let mut edged = Edged::start(&node, "");

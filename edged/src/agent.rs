@@ -136,7 +136,7 @@ impl Agent {
                 event = inbound.recv() => match event {
                     Some(Inbound::Connected) => self.resync().await,
                     Some(Inbound::Disconnected) => self.connected = false,
-                    Some(Inbound::Message(m)) => self.handle(m).await,
+                    Some(Inbound::Message(m)) => self.handle(*m).await,
                     None => break,
                 },
                 _ = tick.tick() => self.expire_queries().await,

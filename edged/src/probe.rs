@@ -79,7 +79,7 @@ async fn http_ok(host: &str, port: u16, path: &str) -> bool {
     if stream.write_all(request.as_bytes()).await.is_err() {
         return false;
     }
-    let mut head = vec![0u8; 64];
+    let mut head = [0u8; 64];
     let mut filled = 0;
     while filled < head.len() {
         match stream.read(&mut head[filled..]).await {

@@ -18,7 +18,7 @@ pub enum Inbound {
     Connected,
     /// The session was lost.
     Disconnected,
-    Message(Incoming),
+    Message(Box<Incoming>),
 }
 
 /// Capped exponential reconnect delay with jitter (each delay drawn from its upper half).
@@ -86,7 +86,7 @@ pub async fn run(
             Ok(Event::Incoming(Packet::Publish(p))) => {
                 match message::parse(&root, &p.topic, &p.payload) {
                     Ok(m) => {
-                        if inbound.send(Inbound::Message(m)).await.is_err() {
+                        if inbound.send(Inbound::Message(Box::new(m))).await.is_err() {
                             break;
                         }
                     }

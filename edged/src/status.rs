@@ -356,7 +356,7 @@ impl Reporter {
             .filter(|(_, e)| {
                 e.sent.as_ref() != Some(&e.latest)
                     && !e.latest.is_null()
-                    && (all || e.last_sent.map_or(true, |t| t + interval <= now))
+                    && (all || e.last_sent.is_none_or(|t| t + interval <= now))
             })
             .map(|(k, _)| k.clone())
             .collect();
@@ -429,7 +429,10 @@ mod tests {
         let running = c(State::Running { started_at: t(0) }, None);
         let backoff = c(State::waiting("CrashLoopBackOff", ""), Some(terminated(1)));
         assert_eq!(phase(RestartPolicy::Always, &[creating]), "Pending");
-        assert_eq!(phase(RestartPolicy::Always, &[running.clone()]), "Running");
+        assert_eq!(
+            phase(RestartPolicy::Always, std::slice::from_ref(&running)),
+            "Running"
+        );
         assert_eq!(phase(RestartPolicy::Always, &[backoff]), "Running");
         assert_eq!(
             phase(RestartPolicy::Never, &[c(terminated(1), None)]),
