@@ -21,16 +21,33 @@ struct Edged {
 }
 
 impl Edged {
-    /// Starts edged with quick timings plus `extra` (YAML lines under `edged:`, 2-space indent).
-    fn start(node: &Node, extra: &str) -> Edged {
+    /// Starts edged with quick timings, `overrides` replacing keys of the `edged:` section.
+    fn start(node: &Node, overrides: &[(&str, &str)]) -> Edged {
         let dir = tempfile::tempdir().expect("temp dir");
+        let root = dir.path().join("root").display().to_string();
+        let client_id = unique_id("edged");
+        let mut keys: Vec<(&str, &str)> = vec![
+            ("client_id", &client_id),
+            ("root_dir", &root),
+            ("status_interval_ms", "100"),
+            ("restart_backoff_base_ms", "300"),
+            ("restart_backoff_max_ms", "2000"),
+            ("reconnect_min_ms", "50"),
+            ("reconnect_max_ms", "500"),
+            ("query_timeout_ms", "5000"),
+        ];
+        for (key, value) in overrides {
+            match keys.iter_mut().find(|(k, _)| k == key) {
+                Some(slot) => slot.1 = value,
+                None => keys.push((key, value)),
+            }
+        }
+        let section: String = keys.iter().map(|(k, v)| format!("  {k}: {v}\n")).collect();
         let yaml = format!(
             "log:\n  level: info,rumqttd=off\n\
              broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\n\
-             edged:\n  client_id: {id}\n  root_dir: {root}\n  status_interval_ms: 100\n  restart_backoff_base_ms: 300\n  restart_backoff_max_ms: 2000\n  reconnect_min_ms: 50\n  reconnect_max_ms: 500\n  query_timeout_ms: 5000\n{extra}",
+             edged:\n{section}",
             port = node.port,
-            id = unique_id("edged"),
-            root = dir.path().join("root").display(),
         );
         std::fs::write(dir.path().join("edged.yaml"), yaml).expect("edged config");
         let mut edged = Edged { child: None, dir };
@@ -243,7 +260,7 @@ async fn a_pod_from_the_cloud_runs_with_its_config_and_reports_running_to_the_cl
     let (node, bridge) = bridged(&cloud).await;
     let mut controller = cloud_client(&cloud, &bridge.up_filter()).await;
     let marks = tempfile::tempdir().expect("dir");
-    let edged = Edged::start(&node, "");
+    let edged = Edged::start(&node, &[]);
     // Configuration first, as the cloud's edgecontroller sends it.
     cloud_insert(
         &controller,
@@ -333,7 +350,7 @@ async fn a_crashing_container_restarts_with_back_off_and_its_restart_count_reach
     let (node, bridge) = bridged(&cloud).await;
     let mut controller = cloud_client(&cloud, &bridge.up_filter()).await;
     let marks = tempfile::tempdir().expect("dir");
-    let _edged = Edged::start(&node, "");
+    let _edged = Edged::start(&node, &[]);
     let script = format!("date +%s%N >> {}/starts; exit 3", marks.path().display());
     cloud_insert(
         &controller,
@@ -374,7 +391,7 @@ async fn bad_pods_get_a_reason_and_edged_keeps_running() {
     let node = Node::start().await;
     let mut watcher = node.client().await;
     watcher.subscribe("ke/meta/edged/update/+/podstatus").await;
-    let mut edged = Edged::start(&node, "");
+    let mut edged = Edged::start(&node, &[]);
     let client = node.client().await;
     let prefix = "ke/meta/edged/update";
     let insert = |name: &str, pod: Value| {
@@ -451,7 +468,7 @@ async fn bad_pods_get_a_reason_and_edged_keeps_running() {
 #[tokio::test]
 async fn csi_volume_calls_are_refused_at_once() {
     let node = Node::start().await;
-    let _edged = Edged::start(&node, "");
+    let _edged = Edged::start(&node, &[]);
     let mut cloud_side = node.client().await;
     cloud_side.subscribe("ke/cloud/#").await;
     // edged is subscribed once it has listed its pods; give it that moment.
@@ -493,7 +510,7 @@ async fn csi_volume_calls_are_refused_at_once() {
 async fn after_a_node_restart_edged_converges_without_restarting_unchanged_pods() {
     let mut node = Node::start().await;
     let marks = tempfile::tempdir().expect("dir");
-    let edged = Edged::start(&node, "");
+    let edged = Edged::start(&node, &[]);
     let client = node.client().await;
     for name in ["keep", "drop"] {
         let script = pid_script(marks.path(), name, "exec sleep 600");
@@ -548,7 +565,7 @@ async fn offline_reboot_brings_every_stored_pod_back() {
     let (mut node, bridge) = bridged(&cloud).await;
     let mut controller = cloud_client(&cloud, &bridge.up_filter()).await;
     let marks = tempfile::tempdir().expect("dir");
-    let mut edged = Edged::start(&node, "");
+    let mut edged = Edged::start(&node, &[]);
     let names = ["a", "b", "c"];
     for name in names {
         let script = pid_script(marks.path(), name, "exec sleep 600");
@@ -599,7 +616,7 @@ async fn a_liveness_probe_failure_restarts_the_container_and_readiness_gates_rea
     let node = Node::start().await;
     let mut watcher = node.client().await;
     watcher.subscribe("ke/meta/edged/update/+/podstatus").await;
-    let _edged = Edged::start(&node, "");
+    let _edged = Edged::start(&node, &[]);
     let client = node.client().await;
     // Ready once `ready` exists (after ~1 s); alive while `healthy` exists (removed after ~2 s).
     let spec = json!({"containers": [{"name": "main", "command": ["sh", "-c",
@@ -641,7 +658,7 @@ async fn a_liveness_probe_failure_restarts_the_container_and_readiness_gates_rea
 async fn edged_stops_its_pods_on_sigterm() {
     let node = Node::start().await;
     let marks = tempfile::tempdir().expect("dir");
-    let mut edged = Edged::start(&node, "");
+    let mut edged = Edged::start(&node, &[]);
     let client = node.client().await;
     let script = pid_script(marks.path(), "t", "exec sleep 600");
     send(
@@ -832,4 +849,110 @@ async fn the_readme_edged_walkthrough_works_verbatim() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// An argon2 hash made by `edgemeta passwd`, as an operator would.
+fn hash(password: &str) -> String {
+    use std::io::Write as _;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
+        .arg("passwd")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("edgemeta passwd");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(format!("{password}\n").as_bytes())
+        .expect("write password");
+    let out = child.wait_with_output().expect("passwd output");
+    String::from_utf8(out.stdout)
+        .expect("utf-8")
+        .trim()
+        .to_owned()
+}
+
+#[tokio::test]
+async fn with_the_acl_on_edged_works_as_the_module_edged_and_a_wrong_password_only_retries() {
+    let users: String = ["edged", "operator"]
+        .iter()
+        .map(|u| {
+            format!(
+                "      {u}: {{ password_hash: \"{}\" }}\n",
+                hash(&format!("{u}-pw"))
+            )
+        })
+        .collect();
+    let node = Node::start_with(common::Options {
+        broker_yaml: format!(
+            "  auth:\n    allow_anonymous: false\n    users:\n{users}  acl:\n    enabled: true\n    rules:\n      - identity: operator\n        publish: ['ke/meta/edgecontroller/#']\n        subscribe: ['ke/#']\n"
+        ),
+        ..common::Options::default()
+    })
+    .await;
+    let mut operator =
+        Client::connect_as(node.port, &unique_id("op"), "operator", "operator-pw").await;
+    operator.subscribe("ke/meta/edged/update/+/podstatus").await;
+    let mut intruder = Edged::start(&node, &[("username", "edged"), ("password", "wrong")]);
+    let _edged = Edged::start(&node, &[("username", "edged"), ("password", "edged-pw")]);
+    send(
+        &operator,
+        "edgecontroller",
+        "insert",
+        "default/pod/guarded",
+        pod("guarded", "exec sleep 600", json!({})),
+    )
+    .await;
+    await_status(&mut operator, "ke/meta/edged/update", "guarded", |s| {
+        phase(s) == "Running"
+    })
+    .await;
+    let started = Instant::now();
+    while !intruder.log().contains("EM-EDGED-CONNECT") {
+        assert!(started.elapsed() < WAIT, "{}", intruder.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(intruder.is_running(), "a refused login stopped edged");
+}
+
+#[tokio::test]
+async fn statuses_are_coalesced_to_the_configured_rate_per_pod() {
+    let node = Node::start().await;
+    let mut watcher = node.client().await;
+    watcher.subscribe("ke/meta/edged/update/+/podstatus").await;
+    let _edged = Edged::start(
+        &node,
+        &[
+            ("status_interval_ms", "500"),
+            ("restart_backoff_base_ms", "10"),
+            ("restart_backoff_max_ms", "10"),
+        ],
+    );
+    let client = node.client().await;
+    send(
+        &client,
+        "edgecontroller",
+        "insert",
+        "default/pod/flappy",
+        pod("flappy", "exit 1", json!({})),
+    )
+    .await;
+    // Dozens of restarts, three state changes each, in 3 s: at most one status per 500 ms.
+    let window = Duration::from_secs(3);
+    let messages = watcher.drain(window).await;
+    let statuses: Vec<Value> = messages
+        .iter()
+        .filter(|m| m.resource() == "default/podstatus/flappy")
+        .map(|m| m.content()["Status"].clone())
+        .collect();
+    assert!(!statuses.is_empty());
+    assert!(
+        statuses.len() <= 7,
+        "{} statuses in {window:?}",
+        statuses.len()
+    );
+    let last = statuses.last().expect("a status");
+    let restarts = container(last)["restartCount"].as_u64().unwrap_or_default();
+    assert!(restarts >= 10, "only {restarts} restarts: {last}");
 }
