@@ -956,3 +956,91 @@ async fn statuses_are_coalesced_to_the_configured_rate_per_pod() {
     let restarts = container(last)["restartCount"].as_u64().unwrap_or_default();
     assert!(restarts >= 10, "only {restarts} restarts: {last}");
 }
+
+#[tokio::test]
+async fn a_configmap_update_rewrites_the_volume_files_of_a_running_pod() {
+    let node = Node::start().await;
+    let edged = Edged::start(&node, &[]);
+    let client = node.client().await;
+    send(
+        &client,
+        "edgecontroller",
+        "insert",
+        "default/configmap/tune",
+        json!({"metadata": {"name": "tune"}, "data": {"mode": "eco"}}),
+    )
+    .await;
+    let spec = json!({"containers": [{"name": "main", "command": ["sh", "-c", "exec sleep 600"],
+            "volumeMounts": [{"name": "tune", "mountPath": "/etc/tune"}]}],
+        "volumes": [{"name": "tune", "configMap": {"name": "tune"}}]});
+    send(
+        &client,
+        "edgecontroller",
+        "insert",
+        "default/pod/tuned",
+        pod("tuned", "", spec),
+    )
+    .await;
+    let file = edged.pod_dir("tuned").join("volumes/tune/mode");
+    assert_eq!(await_file(&file).await, "eco");
+    let pid = read_pid(
+        &await_file(&edged.pod_dir("tuned").join("main.pid"))
+            .await
+            .split_whitespace()
+            .next()
+            .unwrap_or_default()
+            .to_owned(),
+    );
+    send(
+        &client,
+        "edgecontroller",
+        "update",
+        "default/configmap/tune",
+        json!({"metadata": {"name": "tune"}, "data": {"mode": "turbo"}}),
+    )
+    .await;
+    let started = Instant::now();
+    while std::fs::read_to_string(&file).unwrap_or_default() != "turbo" {
+        assert!(
+            started.elapsed() < WAIT,
+            "the volume file was not rewritten"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(alive(pid), "the pod was restarted for a configmap change");
+}
+
+#[tokio::test]
+async fn run_to_completion_pods_end_succeeded_or_failed() {
+    let node = Node::start().await;
+    let mut watcher = node.client().await;
+    watcher.subscribe("ke/meta/edged/update/+/podstatus").await;
+    let _edged = Edged::start(&node, &[]);
+    let client = node.client().await;
+    let prefix = "ke/meta/edged/update";
+    send(
+        &client,
+        "edgecontroller",
+        "insert",
+        "default/pod/job",
+        pod("job", "exit 0", json!({"restartPolicy": "OnFailure"})),
+    )
+    .await;
+    let s = await_status(&mut watcher, prefix, "job", |s| phase(s) == "Succeeded").await;
+    assert_eq!(
+        container(&s)["state"]["terminated"]["reason"],
+        "Completed",
+        "{s}"
+    );
+    assert_eq!(container(&s)["restartCount"], 0, "{s}");
+    send(
+        &client,
+        "edgecontroller",
+        "insert",
+        "default/pod/once",
+        pod("once", "exit 4", json!({"restartPolicy": "Never"})),
+    )
+    .await;
+    let s = await_status(&mut watcher, prefix, "once", |s| phase(s) == "Failed").await;
+    assert_eq!(container(&s)["state"]["terminated"]["exitCode"], 4, "{s}");
+}

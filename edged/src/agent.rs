@@ -381,7 +381,16 @@ impl Agent {
     async fn set_config(&mut self, kind: ConfigKind, key: Key, document: &Value) {
         match spec::read_data(kind, document) {
             Ok(data) => {
-                self.configs.insert((kind, key), Lookup::Found(data));
+                let found = Lookup::Found(data);
+                let changed = self.configs.get(&(kind, key.clone())) != Some(&found);
+                let known = matches!(
+                    self.configs.get(&(kind, key.clone())),
+                    Some(Lookup::Found(_))
+                );
+                self.configs.insert((kind, key.clone()), found);
+                if changed && known {
+                    self.refresh_volumes(kind, &key);
+                }
             }
             Err(e) => {
                 warn!(error_code = "EM-EDGED-CONFIG-DATA", object = %key, error = %e, "unreadable {}", kind.resource_type());
@@ -389,6 +398,45 @@ impl Agent {
             }
         }
         self.retry_waiting().await;
+    }
+
+    /// Rewrites the volume files of running pods that use configmap/secret `key`, as kubelet
+    /// updates projected volumes (environment variables keep the values they started with).
+    fn refresh_volumes(&self, kind: ConfigKind, key: &Key) {
+        let Some((namespace, name)) = key.split_once('/') else {
+            return;
+        };
+        for (pod_key, entry) in &self.pods {
+            let (Run::Running(_), Some(pod)) = (&entry.run, &entry.pod) else {
+                continue;
+            };
+            let uses = entry.namespace == namespace
+                && pod.spec.volumes.iter().any(|v| match kind {
+                    ConfigKind::ConfigMap => v.config_map.as_ref().is_some_and(|c| c.name == name),
+                    ConfigKind::Secret => v.secret.as_ref().is_some_and(|s| s.secret_name == name),
+                });
+            if !uses {
+                continue;
+            }
+            let configs = &self.configs;
+            let planned = plan::plan(pod, namespace, &self.pods_dir, &self.node_ip, |k, n| {
+                configs
+                    .get(&(k, format!("{namespace}/{n}")))
+                    .cloned()
+                    .unwrap_or(Lookup::Unknown)
+            });
+            let Ok(planned) = planned else {
+                // Now incomplete (a key gone): the files stay as they were.
+                continue;
+            };
+            let pod_key = pod_key.clone();
+            tokio::task::spawn_blocking(move || {
+                let logs = planned.dir.join("logs");
+                if let Err(e) = crate::pod::write_volumes(&planned.dir, &logs, &planned.volumes) {
+                    warn!(error_code = "EM-EDGED-IO", pod = %pod_key, error = %e, "cannot refresh volume files");
+                }
+            });
+        }
     }
 
     async fn retry_waiting(&mut self) {

@@ -150,7 +150,11 @@ async fn run_pod(
 }
 
 /// Writes configmap/secret volume files (secrets 0600) and creates the log directory.
-fn write_volumes(dir: &Path, logs: &Path, volumes: &[VolumeFiles]) -> Result<(), String> {
+pub(crate) fn write_volumes(
+    dir: &Path,
+    logs: &Path,
+    volumes: &[VolumeFiles],
+) -> Result<(), String> {
     use std::os::unix::fs::PermissionsExt as _;
     let io = |what: &str, path: &Path, e: std::io::Error| format!("{what} {}: {e}", path.display());
     std::fs::create_dir_all(logs).map_err(|e| io("creating", logs, e))?;
