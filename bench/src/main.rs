@@ -319,9 +319,10 @@ async fn main() -> anyhow::Result<()> {
 }
 
 /// Prints the table; fails the run if a node cut off one of the bench's subscribers.
-/// edged's start-up: with `n` pods (`sleep` processes) stored in the node, the time from
-/// starting `edgemeta edged` to a `podstatus` of Running for every one of them (its start-up
-/// list, the processes, and the reports back through the broker), with edged's defaults.
+/// A reboot with `n` pods (`sleep` processes) stored and no cloud: the time from starting the
+/// node and `edgemeta edged` to a `podstatus` of Running for every pod (the node's start, edged's
+/// start-up list from the store, the processes, the reports back through the broker), with
+/// the default configuration.
 async fn edged_start(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     for n in [1usize, 10, 100] {
         let dir = tempfile::tempdir()?;
@@ -343,17 +344,22 @@ async fn edged_start(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             .await?;
         }
         wait_for(&mut rx, n, |_| true, "storing pods").await?;
-        subscribe(&c, &mut rx, "ke/meta/edged/update/default/podstatus").await?;
-        let conf = dir.path().join("edge.yaml");
-        std::fs::write(
-            &conf,
-            format!(
-                "broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{}\nedged:\n  root_dir: {}\n",
-                node.port,
+        drop(c);
+        drop(node);
+        // The reboot: the node and edged start together.
+        let started = Instant::now();
+        let node = Server::edgemeta_with(
+            &args.edgemeta,
+            dir.path(),
+            &format!(
+                "edged:\n  root_dir: {}\n",
                 dir.path().join("edged").display()
             ),
-        )?;
-        let started = Instant::now();
+        )
+        .await?;
+        let conf = dir.path().join("edge.yaml");
+        let (c, mut rx) = client(node.port, "edged-bench").await?;
+        subscribe(&c, &mut rx, "ke/meta/edged/update/default/podstatus").await?;
         let edged = EdgedProcess(
             Command::new(&args.edgemeta)
                 .arg("edged")
@@ -383,7 +389,7 @@ async fn edged_start(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         let target = if n == 100 { "≤ 2 s" } else { "" };
         rows.push(Row {
             name: format!(
-                "edged: start to {n} stored pod{} Running",
+                "reboot, no cloud: node + edged start to {n} stored pod{} Running",
                 if n == 1 { "" } else { "s" }
             ),
             edgemeta: format!("{} ms", took.as_millis()),
