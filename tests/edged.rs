@@ -983,14 +983,9 @@ async fn a_configmap_update_rewrites_the_volume_files_of_a_running_pod() {
     .await;
     let file = edged.pod_dir("tuned").join("volumes/tune/mode");
     assert_eq!(await_file(&file).await, "eco");
-    let pid = read_pid(
-        &await_file(&edged.pod_dir("tuned").join("main.pid"))
-            .await
-            .split_whitespace()
-            .next()
-            .unwrap_or_default()
-            .to_owned(),
-    );
+    // edged's pid file: `<pid> <start time>`.
+    let recorded = await_file(&edged.pod_dir("tuned").join("main.pid")).await;
+    let pid = read_pid(recorded.split_whitespace().next().unwrap_or_default());
     send(
         &client,
         "edgecontroller",
