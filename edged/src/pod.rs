@@ -386,7 +386,7 @@ struct Prober {
 
 impl Prober {
     fn new(probe: crate::spec::Probe, start: tokio::time::Instant) -> Prober {
-        let next = start + Duration::from_secs(probe.initial_delay_seconds);
+        let next = start + probe_seconds(probe.initial_delay_seconds);
         Prober {
             probe,
             next,
@@ -397,8 +397,7 @@ impl Prober {
 
     /// Records one result; `Some(verdict)` once a threshold is reached.
     fn record(&mut self, ok: bool) -> Option<bool> {
-        self.next =
-            tokio::time::Instant::now() + Duration::from_secs(self.probe.period_seconds.max(1));
+        self.next = tokio::time::Instant::now() + probe_seconds(self.probe.period_seconds.max(1));
         if ok {
             self.failures = 0;
             self.successes += 1;
@@ -409,6 +408,12 @@ impl Prober {
             (self.failures >= self.probe.failure_threshold.max(1)).then_some(false)
         }
     }
+}
+
+/// A probe's seconds field, held to Kubernetes' int32 range so that adding it to a clock
+/// reading cannot overflow.
+fn probe_seconds(seconds: u64) -> Duration {
+    Duration::from_secs(seconds.min(i32::MAX as u64))
 }
 
 async fn sleep_until_opt(at: Option<tokio::time::Instant>) {

@@ -13,7 +13,7 @@ use crate::spec::Probe;
 
 /// Runs `probe` once against the container planned as `plan`; `true` is success.
 pub async fn check(probe: &Probe, plan: &ContainerPlan, default_host: &str) -> bool {
-    let timeout = Duration::from_secs(probe.timeout_seconds.max(1));
+    let timeout = Duration::from_secs(probe.timeout_seconds.clamp(1, i32::MAX as u64));
     let attempt = async {
         if let Some(exec) = &probe.exec {
             exec_ok(&exec.command, plan).await
