@@ -60,7 +60,7 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Run { config } => {
             let settings = config::Settings::load(config.as_deref())?;
-            telemetry::init(&settings.log.level);
+            telemetry::init(&settings.log);
             let served = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .thread_name("edgemeta")
