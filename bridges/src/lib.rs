@@ -3,6 +3,7 @@
 //!
 //! # Layout
 //! - [`config`]: the `cloud:` settings and the MQTT options built from them.
+//! - [`tls`]: `mqtts://`: server verification, client certificates, ALPN; files re-read per session.
 //! - [`topic_map`]: local `<root>/cloud/...` ↔ cloud `<cloud_root>/<node_id>/up|down/...` topics.
 //! - [`backoff`]: capped exponential reconnect delay with jitter.
 //! - [`cloud`]: the session loop: ingress (cloud → MetaManager, acknowledged after commit),
@@ -12,6 +13,7 @@ pub mod backoff;
 pub mod cloud;
 pub mod config;
 pub mod error;
+pub mod tls;
 pub mod topic_map;
 
 pub use cloud::CloudBridge;

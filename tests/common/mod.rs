@@ -43,6 +43,10 @@ pub struct Options {
     pub broker_yaml: String,
     /// YAML lines inserted in the `store:` section (2-space indent).
     pub store_yaml: String,
+    /// `cloud.url` instead of `mqtt://127.0.0.1:<cloud port>` (e.g. `mqtts://localhost:<port>`).
+    pub cloud_url: Option<String>,
+    /// Extra `cloud:` settings (e.g. `tls:`), as YAML lines indented 2 spaces.
+    pub cloud_yaml: String,
 }
 
 /// The `cloud:` section for a node under test.
@@ -97,6 +101,8 @@ impl Default for Options {
             extra_listeners: String::new(),
             broker_yaml: String::new(),
             store_yaml: String::new(),
+            cloud_url: None,
+            cloud_yaml: String::new(),
         }
     }
 }
@@ -219,8 +225,14 @@ impl Node {
             sync = o.podstatus_sync_interval_s,
             cloud = match &o.cloud {
                 Some(c) => format!(
-                    "cloud:\n  enabled: true\n  url: mqtt://127.0.0.1:{}\n  node_id: {}\n  backoff_min_ms: {}\n  backoff_max_ms: {}\n  keep_alive_s: 5\n",
-                    c.port, c.node_id, c.backoff_min_ms, c.backoff_max_ms
+                    "cloud:\n  enabled: true\n  url: {}\n  node_id: {}\n  backoff_min_ms: {}\n  backoff_max_ms: {}\n  keep_alive_s: 5\n{}",
+                    o.cloud_url
+                        .clone()
+                        .unwrap_or_else(|| format!("mqtt://127.0.0.1:{}", c.port)),
+                    c.node_id,
+                    c.backoff_min_ms,
+                    c.backoff_max_ms,
+                    o.cloud_yaml
                 ),
                 None => String::new(),
             },
@@ -825,24 +837,49 @@ pub fn sub_output(child: Child) -> Vec<String> {
 pub struct CloudBroker {
     child: Option<Child>,
     pub port: u16,
+    /// A second, TLS listener (see [`CloudBroker::start_tls`]).
+    pub tls_port: Option<u16>,
     dir: tempfile::TempDir,
 }
 
 impl CloudBroker {
     pub async fn start() -> CloudBroker {
+        CloudBroker::start_with(None).await
+    }
+
+    /// A cloud broker that also listens with TLS on [`CloudBroker::tls_port`]; `tls` writes the
+    /// files it needs into the broker's directory (which mosquitto can read) and returns that
+    /// listener's settings.
+    pub async fn start_tls(tls: impl FnOnce(&Path) -> String) -> CloudBroker {
+        CloudBroker::start_with(Some(Box::new(tls))).await
+    }
+
+    async fn start_with(tls: Option<Box<dyn FnOnce(&Path) -> String + '_>>) -> CloudBroker {
         let dir = tempfile::tempdir().expect("temp dir");
         // Started as root, mosquitto drops to its own user and must still write its persistence.
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777))
             .expect("chmod the cloud broker's directory");
+        let tls_listener = match tls {
+            Some(settings) => {
+                let port = free_port();
+                Some((
+                    port,
+                    format!("listener {port} 127.0.0.1\n{}", settings(dir.path())),
+                ))
+            }
+            None => None,
+        };
         let mut cloud = CloudBroker {
             child: None,
             port: free_port(),
+            tls_port: tls_listener.as_ref().map(|(port, _)| *port),
             dir,
         };
         let config = format!(
-            "listener {} 127.0.0.1\nallow_anonymous true\npersistence true\npersistence_location {}/\nautosave_interval 1\nmax_queued_messages 0\nmax_inflight_messages 100\n",
+            "listener {} 127.0.0.1\n{}allow_anonymous true\npersistence true\npersistence_location {}/\nautosave_interval 1\nmax_queued_messages 0\nmax_inflight_messages 100\n",
             cloud.port,
+            tls_listener.map(|(_, l)| l).unwrap_or_default(),
             cloud.dir.path().display()
         );
         std::fs::write(cloud.dir.path().join("mosquitto.conf"), config).expect("mosquitto.conf");
@@ -865,14 +902,17 @@ impl CloudBroker {
             .spawn()
             .expect("mosquitto is installed (scripts/test installs it)");
         self.child = Some(child);
-        let address = SocketAddr::from(([127, 0, 0, 1], self.port));
         let started = Instant::now();
-        while TcpStream::connect_timeout(&address, Duration::from_millis(100)).is_err() {
-            assert!(
-                started.elapsed() < WAIT,
-                "mosquitto not listening after {WAIT:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        for port in std::iter::once(self.port).chain(self.tls_port) {
+            let address = SocketAddr::from(([127, 0, 0, 1], port));
+            while TcpStream::connect_timeout(&address, Duration::from_millis(100)).is_err() {
+                assert!(
+                    started.elapsed() < WAIT,
+                    "mosquitto not listening on {port} after {WAIT:?}:\n{}",
+                    self.log()
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
         }
     }
 
@@ -898,6 +938,11 @@ impl CloudBroker {
     pub async fn restart(&mut self) {
         assert!(self.child.is_none(), "stop the cloud broker first");
         self.spawn().await;
+    }
+
+    /// The broker's own directory (its config, persistence and log, files for TLS).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
     }
 
     /// What mosquitto logged so far.
