@@ -9,6 +9,7 @@ use edgemeta_bridges::topic_map::TopicMap;
 use edgemeta_bridges::CloudBridge;
 use edgemeta_broker::Broker;
 use edgemeta_metamanager::{subscription, MetaManager};
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
@@ -45,7 +46,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     )
     .await
     .with_context(|| format!("opening the store {}", settings.store.path.display()))?;
-    let bridge = if cloud {
+    let mut bridge = if cloud {
         let link = broker
             .link("cloud-bridge", &[cloud_filter], LINK_CAPACITY)
             .await
@@ -68,22 +69,29 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         .context("starting the MQTT listeners")?;
     info!(store = %settings.store.path.display(), "edgemeta serving");
 
+    let mut bridge_failure = None;
     let failure = tokio::select! {
         _ = shutdown => None,
         e = broker.failed() => Some(e),
+        Err(e) = bridge_stopped(&mut bridge), if bridge.is_some() => {
+            bridge_failure = Some(e);
+            None
+        }
     };
     cancel.cancel();
     // No new connections from here on; rumqttd cannot close the ones it has (rumqttd #771).
     drop(broker);
     let grace = Duration::from_millis(settings.shutdown_grace_ms);
     let stopped = async {
-        if let Some(bridge) = bridge {
-            let _ = bridge.await;
-        }
+        let bridge = bridge_stopped(&mut bridge).await;
         meta.stopped().await;
+        bridge
     };
     match tokio::time::timeout(grace, stopped).await {
-        Ok(()) => info!("stopped; every accepted message is committed"),
+        Ok(bridge) => {
+            info!("stopped; every accepted message is committed");
+            bridge_failure = bridge_failure.or(bridge.err());
+        }
         Err(_) => warn!(
             error_code = "EM-SHUTDOWN-GRACE",
             grace_ms = settings.shutdown_grace_ms,
@@ -94,5 +102,22 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         error!(error_code = "EM-BROKER-LISTENER", error = %e, "listener failed");
         return Err(e).context("an MQTT listener stopped");
     }
-    Ok(())
+    bridge_failure.map_or(Ok(()), Err)
+}
+
+/// Waits for the cloud bridge's task, if it is still running, and returns how it ended. The
+/// bridge ends on its own only on a panic (already logged by it); the node then stops, non-zero.
+async fn bridge_stopped(
+    bridge: &mut Option<JoinHandle<Result<(), edgemeta_bridges::Error>>>,
+) -> anyhow::Result<()> {
+    let Some(task) = bridge.as_mut() else {
+        return Ok(());
+    };
+    let ended = task.await;
+    // A finished JoinHandle must not be polled again.
+    *bridge = None;
+    match ended {
+        Ok(result) => result.context("the cloud bridge failed"),
+        Err(join) => Err(join).context("the cloud bridge task panicked"),
+    }
 }
