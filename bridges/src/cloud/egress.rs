@@ -251,16 +251,18 @@ mod tests {
         window
     }
 
+    /// Acknowledges `pkid`; returns up to where the outbox may now be deleted.
+    fn ack(window: &mut Window, pkid: u16) -> Option<i64> {
+        window.acked(pkid);
+        window.take_acknowledged()
+    }
+
     #[test]
     fn an_ack_out_of_order_deletes_nothing_until_the_prefix_is_acknowledged() {
         let mut window = window_with(10, &[(1, 1), (2, 2), (3, 3)]);
-        window.acked(2);
-        assert_eq!(window.take_acknowledged(), None);
-        window.acked(1);
-        assert_eq!(window.take_acknowledged(), Some(2));
-        window.acked(3);
-        assert_eq!(window.take_acknowledged(), Some(3));
-        assert_eq!(window.take_acknowledged(), None);
+        assert_eq!(ack(&mut window, 2), None);
+        assert_eq!(ack(&mut window, 1), Some(2));
+        assert_eq!(ack(&mut window, 3), Some(3));
     }
 
     #[test]
@@ -269,36 +271,27 @@ mod tests {
         window.push_queued(1);
         window.push_done(2);
         window.push_queued(3);
-        // Packet ids go to the sent entries only, in order.
         window.sent(7);
         window.sent(8);
-        window.acked(7);
-        assert_eq!(window.take_acknowledged(), Some(2));
-        window.acked(8);
-        assert_eq!(window.take_acknowledged(), Some(3));
+        assert_eq!(ack(&mut window, 7), Some(2));
+        assert_eq!(ack(&mut window, 8), Some(3));
     }
 
     #[test]
     fn a_packet_id_reused_after_its_ack_names_the_newer_entry() {
         let mut window = window_with(10, &[(1, 5), (2, 6)]);
-        window.acked(5);
+        assert_eq!(ack(&mut window, 5), Some(1));
         window.push_queued(3);
         window.sent(5);
-        window.acked(5);
-        // Entry 2 is still unacknowledged: the second ack of 5 was for entry 3.
-        assert_eq!(window.take_acknowledged(), Some(1));
-        window.acked(6);
-        assert_eq!(window.take_acknowledged(), Some(3));
+        // Entry 2 is still in flight: this ack of 5 is for entry 3.
+        assert_eq!(ack(&mut window, 5), None);
+        assert_eq!(ack(&mut window, 6), Some(3));
     }
 
     #[test]
     fn the_window_refills_once_half_of_it_is_free() {
-        let mut window = Window::new(4);
-        assert_eq!(window.room(), 4);
-        for (seq, pkid) in [(1, 1), (2, 2), (3, 3)] {
-            window.push_queued(seq);
-            window.sent(pkid);
-        }
+        assert_eq!(Window::new(4).room(), 4);
+        let mut window = window_with(4, &[(1, 1), (2, 2), (3, 3)]);
         assert_eq!(window.room(), 0);
         window.acked(1);
         assert_eq!(window.room(), 2);
