@@ -171,3 +171,29 @@ impl Tasks {
         result
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_panic_in_a_task_is_its_owners_error() {
+        let mut tasks = Tasks::default();
+        tasks.spawn(async {});
+        tasks.spawn(async { panic!("boom") });
+        assert!(matches!(tasks.panicked().await, Error::Panicked(e) if e.contains("boom")));
+
+        let mut tasks = Tasks::default();
+        tasks.spawn(async { panic!("boom") });
+        assert!(matches!(tasks.join().await, Err(Error::Panicked(_))));
+    }
+
+    #[tokio::test]
+    async fn tasks_that_end_normally_join_cleanly() {
+        let mut tasks = Tasks::default();
+        let cancel = CancellationToken::new();
+        tasks.spawn(cancel.clone().cancelled_owned());
+        cancel.cancel();
+        assert!(tasks.join().await.is_ok());
+    }
+}
