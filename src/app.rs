@@ -36,7 +36,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         .context("linking the metamanager to the broker")?;
     let cloud = settings.cloud.enabled;
     // Without a cloud bridge the outbox is relayed to the local `<root>/cloud/...` topics.
-    let meta = MetaManager::start(
+    let mut meta = MetaManager::start(
         &settings.metamanager,
         &settings.store,
         &root,
@@ -69,44 +69,70 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         .context("starting the MQTT listeners")?;
     info!(store = %settings.store.path.display(), "edgemeta serving");
 
-    let mut bridge_failure = None;
-    let failure = tokio::select! {
+    let failure: Option<anyhow::Error> = tokio::select! {
         _ = shutdown => None,
-        e = broker.failed() => Some(e),
-        Err(e) = bridge_stopped(&mut bridge), if bridge.is_some() => {
-            bridge_failure = Some(e);
-            None
+        e = broker.failed() => {
+            error!(error_code = "EM-BROKER-LISTENER", error = %e, "listener failed");
+            Some(anyhow::Error::new(e).context("an MQTT listener stopped"))
         }
+        e = meta.failed() => {
+            error!(error_code = e.code(), error = %e, "the metamanager stopped");
+            Some(from_meta(e).context("the metamanager stopped"))
+        }
+        Err(e) = bridge_stopped(&mut bridge), if bridge.is_some() => Some(e),
     };
     cancel.cancel();
-    // No new connections from here on; rumqttd cannot close the ones it has (rumqttd #771).
-    drop(broker);
+    // No new connections from here on.
+    let links = broker.close();
     let grace = Duration::from_millis(settings.shutdown_grace_ms);
     let stopped = async {
-        let bridge = bridge_stopped(&mut bridge).await;
-        meta.stopped().await;
-        bridge
-    };
-    match tokio::time::timeout(grace, stopped).await {
-        Ok(bridge) => {
-            info!("stopped; every accepted message is committed");
-            bridge_failure = bridge_failure.or(bridge.err());
+        let mut errors = Vec::new();
+        if let Err(e) = bridge_stopped(&mut bridge).await {
+            errors.push(e);
         }
-        Err(_) => warn!(
-            error_code = "EM-SHUTDOWN-GRACE",
-            grace_ms = settings.shutdown_grace_ms,
-            "stopped before the store worker finished"
-        ),
+        if let Err(e) = meta.stopped().await {
+            errors.push(from_meta(e).context("the metamanager did not stop cleanly"));
+        }
+        // Every publisher is gone now, so the links' threads finish what was queued and end.
+        if let Err(e) = links.join().await {
+            errors.push(anyhow::Error::new(e).context("a broker link did not stop cleanly"));
+        }
+        errors
+    };
+    let errors = match tokio::time::timeout(grace, stopped).await {
+        Ok(errors) => {
+            info!("stopped; every accepted message is committed");
+            errors
+        }
+        Err(_) => {
+            warn!(
+                error_code = "EM-SHUTDOWN-GRACE",
+                grace_ms = settings.shutdown_grace_ms,
+                "stopped before the store worker finished"
+            );
+            Vec::new()
+        }
+    };
+    match failure.into_iter().chain(errors).next() {
+        Some(e) => Err(e),
+        None => Ok(()),
     }
-    if let Some(e) = failure {
-        error!(error_code = "EM-BROKER-LISTENER", error = %e, "listener failed");
-        return Err(e).context("an MQTT listener stopped");
-    }
-    bridge_failure.map_or(Ok(()), Err)
 }
 
+/// A part of the node panicked: a bug, not a configuration or environment problem.
+#[derive(Debug)]
+struct Panicked(&'static str);
+
+impl std::fmt::Display for Panicked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the {} panicked", self.0)
+    }
+}
+
+impl std::error::Error for Panicked {}
+
 /// Waits for the cloud bridge's task, if it is still running, and returns how it ended. The
-/// bridge ends on its own only on a panic (already logged by it); the node then stops, non-zero.
+/// bridge ends on its own only when one of its tasks panicked (it logs `EM-BRIDGE-PANIC`).
 async fn bridge_stopped(
     bridge: &mut Option<JoinHandle<Result<(), edgemeta_bridges::Error>>>,
 ) -> anyhow::Result<()> {
@@ -117,7 +143,28 @@ async fn bridge_stopped(
     // A finished JoinHandle must not be polled again.
     *bridge = None;
     match ended {
-        Ok(result) => result.context("the cloud bridge failed"),
-        Err(join) => Err(join).context("the cloud bridge task panicked"),
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(edgemeta_bridges::Error::Panicked(reason))) => {
+            Err(anyhow::Error::new(Panicked("cloud bridge")).context(reason))
+        }
+        Ok(Err(other)) => Err(anyhow::Error::new(other).context("the cloud bridge stopped")),
+        Err(_) => Err(anyhow::Error::new(Panicked("cloud bridge"))),
+    }
+}
+
+fn from_meta(error: edgemeta_metamanager::Error) -> anyhow::Error {
+    match error {
+        edgemeta_metamanager::Error::Panicked { task } => anyhow::Error::new(Panicked(task)),
+        other => anyhow::Error::new(other),
+    }
+}
+
+/// The process exit code for an error [`run`] returned: 70 (EX_SOFTWARE) when a part of the node
+/// panicked, so a supervisor can tell a bug from a configuration or bind failure (1).
+pub fn exit_code(error: &anyhow::Error) -> u8 {
+    if error.chain().any(|cause| cause.is::<Panicked>()) {
+        70
+    } else {
+        1
     }
 }
