@@ -9,6 +9,7 @@ use edgemeta_bridges::topic_map::TopicMap;
 use edgemeta_bridges::CloudBridge;
 use edgemeta_broker::Broker;
 use edgemeta_metamanager::{subscription, MetaManager};
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
@@ -45,7 +46,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     )
     .await
     .with_context(|| format!("opening the store {}", settings.store.path.display()))?;
-    let bridge = if cloud {
+    let mut bridge = if cloud {
         let link = broker
             .link("cloud-bridge", &[cloud_filter], LINK_CAPACITY)
             .await
@@ -78,6 +79,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
             error!(error_code = e.code(), error = %e, "the metamanager stopped");
             Some(from_meta(e).context("the metamanager stopped"))
         }
+        Err(e) = bridge_stopped(&mut bridge), if bridge.is_some() => Some(e),
     };
     cancel.cancel();
     // No new connections from here on.
@@ -85,10 +87,8 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     let grace = Duration::from_millis(settings.shutdown_grace_ms);
     let stopped = async {
         let mut errors = Vec::new();
-        if let Some(bridge) = bridge {
-            if bridge.await.is_err() {
-                errors.push(anyhow::Error::new(Panicked("cloud bridge")));
-            }
+        if let Err(e) = bridge_stopped(&mut bridge).await {
+            errors.push(e);
         }
         if let Err(e) = meta.stopped().await {
             errors.push(from_meta(e).context("the metamanager did not stop cleanly"));
@@ -130,6 +130,27 @@ impl std::fmt::Display for Panicked {
 }
 
 impl std::error::Error for Panicked {}
+
+/// Waits for the cloud bridge's task, if it is still running, and returns how it ended. The
+/// bridge ends on its own only when one of its tasks panicked (it logs `EM-BRIDGE-PANIC`).
+async fn bridge_stopped(
+    bridge: &mut Option<JoinHandle<Result<(), edgemeta_bridges::Error>>>,
+) -> anyhow::Result<()> {
+    let Some(task) = bridge.as_mut() else {
+        return Ok(());
+    };
+    let ended = task.await;
+    // A finished JoinHandle must not be polled again.
+    *bridge = None;
+    match ended {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(edgemeta_bridges::Error::Panicked(reason))) => {
+            Err(anyhow::Error::new(Panicked("cloud bridge")).context(reason))
+        }
+        Ok(Err(other)) => Err(anyhow::Error::new(other).context("the cloud bridge stopped")),
+        Err(_) => Err(anyhow::Error::new(Panicked("cloud bridge"))),
+    }
+}
 
 fn from_meta(error: edgemeta_metamanager::Error) -> anyhow::Error {
     match error {
