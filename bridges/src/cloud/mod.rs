@@ -83,7 +83,18 @@ impl CloudBridge {
         let mut reconnects: u64 = 0;
         info!(url = %config.url, node_id = %config.node_id, client_id = %config.client_id(), "cloud bridge starting");
         let sessions = async {
+            let mut options = options;
             loop {
+                // Rebuilt per session so rotated TLS certificates are read again; files that are
+                // unreadable right now (mid-rotation) leave the last good options in use.
+                if config.uses_tls() {
+                    match config.mqtt_options() {
+                        Ok(fresh) => options = fresh,
+                        Err(e) => {
+                            error!(error_code = "EM-BRIDGE-TLS", error = %e, "cannot reload the TLS settings; reconnecting with the previous ones");
+                        }
+                    }
+                }
                 let session = Session {
                     options: options.clone(),
                     window: usize::from(config.inflight),
