@@ -6,7 +6,6 @@ mod common;
 use common::pki::Pki;
 use common::{Client, Node, Options, QUIET};
 use serde_json::json;
-use std::process::{Command, Output};
 
 /// A node with ACL on and a client-certificate listener; anonymous plain-TCP clients may watch
 /// everything (so the test can see what gets through) but publish only as devices.
@@ -26,26 +25,6 @@ async fn node(pki: &Pki) -> (Node, u16) {
     (node, port)
 }
 
-/// `mosquitto_pub` over TLS with the client certificate `cert` (or none).
-fn tls_pub(pki: &Pki, port: u16, cert: Option<&str>, topic: &str, message: &str) -> Output {
-    let mut command = Command::new("mosquitto_pub");
-    command
-        .args(["-h", "localhost", "-p", &port.to_string(), "-q", "1"])
-        .arg("--cafile")
-        .arg(pki.path("ca.pem"));
-    if let Some(cert) = cert {
-        command
-            .arg("--cert")
-            .arg(pki.path(&format!("{cert}.pem")))
-            .arg("--key")
-            .arg(pki.path(&format!("{cert}.key")));
-    }
-    command
-        .args(["-t", topic, "-m", message])
-        .output()
-        .expect("mosquitto_pub is installed")
-}
-
 async fn watcher(node: &Node) -> Client {
     let mut watcher = node.client().await;
     watcher.subscribe("ke/#").await;
@@ -60,18 +39,18 @@ async fn a_device_certificate_is_the_device_identity_and_cannot_pose_as_a_module
     let mut watch = watcher(&node).await;
 
     // Permitted: a device reports under ke/meta/device/...
-    let out = tls_pub(
-        &pki,
+    let (ok, stderr) = pki.tls_pub(
         port,
+        "ca",
         Some(&device),
-        "ke/meta/device/insert/default/sensor/t1",
-        r#"{"celsius":21}"#,
+        &[
+            "-t",
+            "ke/meta/device/insert/default/sensor/t1",
+            "-m",
+            r#"{"celsius":21}"#,
+        ],
     );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(ok, "{stderr}");
     watch
         .expect_about("ke/device/meta/response", "default/sensor/t1")
         .await;
@@ -88,7 +67,7 @@ async fn a_device_certificate_is_the_device_identity_and_cannot_pose_as_a_module
             format!("ke/meta/edgecontroller/insert/default/pod/evil{i}"),
             format!("ke/meta/edged/update/default/podstatus/evil{i}"),
         ] {
-            tls_pub(&pki, port, Some(&device), &topic, "{}");
+            pki.tls_pub(port, "ca", Some(&device), &["-t", &topic, "-m", "{}"]);
             attempts += 1;
         }
     }
@@ -116,18 +95,18 @@ async fn a_module_certificate_gets_the_module_rights() {
     let edged = pki.client("edged", "ca");
     let (node, port) = node(&pki).await;
     let mut watch = watcher(&node).await;
-    let out = tls_pub(
-        &pki,
+    let (ok, stderr) = pki.tls_pub(
         port,
+        "ca",
         Some(&edged),
-        "ke/meta/edged/update/default/podstatus/web",
-        r#"{"phase":"Running"}"#,
+        &[
+            "-t",
+            "ke/meta/edged/update/default/podstatus/web",
+            "-m",
+            r#"{"phase":"Running"}"#,
+        ],
     );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(ok, "{stderr}");
     let ok = watch
         .expect_about("ke/edged/meta/response", "default/podstatus/web")
         .await;
@@ -146,21 +125,14 @@ async fn no_certificate_or_a_foreign_one_is_refused_and_the_back_end_cannot_be_r
     let (node, port) = node(&pki).await;
 
     for cert in [None, Some(forged.as_str())] {
-        let out = tls_pub(
-            &pki,
+        let (ok, _) = pki.tls_pub(
             port,
+            "ca",
             cert,
-            "ke/meta/edged/update/default/podstatus/x",
-            "{}",
+            &["-t", "ke/meta/edged/update/default/podstatus/x", "-m", "{}"],
         );
-        assert!(!out.status.success(), "{cert:?} was let in");
+        assert!(!ok, "{cert:?} was let in");
     }
-    // Plain MQTT on the TLS port is refused too.
-    let (ok, _) = common::mosquitto_pub(
-        port,
-        &["-t", "ke/meta/device/insert/default/sensor/x", "-m", "{}"],
-    );
-    assert!(!ok);
 
     // The loopback back end is named in the log; a client that finds it is still refused.
     let log = node.log();
@@ -228,7 +200,7 @@ async fn acl_rules_match_the_certificate_name() {
         (&sensor, "site/sensor-8/temp"),
         (&device, "site/device1/temp"),
     ] {
-        tls_pub(&pki, port, Some(cert), topic, "21");
+        pki.tls_pub(port, "ca", Some(cert), &["-t", topic, "-m", "21"]);
     }
     let seen: Vec<String> = watch
         .drain(QUIET)
