@@ -4,7 +4,7 @@
 mod common;
 
 use common::pki::Pki;
-use common::{Client, Node, Options, QUIET};
+use common::{Node, Options, QUIET};
 use serde_json::json;
 
 /// A node with ACL on and a client-certificate listener; anonymous plain-TCP clients may watch
@@ -25,39 +25,41 @@ async fn node(pki: &Pki) -> (Node, u16) {
     (node, port)
 }
 
-async fn watcher(node: &Node) -> Client {
-    let mut watcher = node.client().await;
-    watcher.subscribe("ke/#").await;
-    watcher
-}
-
 #[tokio::test]
-async fn a_device_certificate_is_the_device_identity_and_cannot_pose_as_a_module() {
+async fn a_certificate_gets_the_rights_of_its_name_and_a_device_cannot_pose_as_a_module() {
     let pki = Pki::new();
     let device = pki.client("device1", "ca");
+    let edged = pki.client("edged", "ca");
     let (node, port) = node(&pki).await;
-    let mut watch = watcher(&node).await;
+    let mut watch = node.client().await;
+    watch.subscribe("ke/#").await;
 
-    // Permitted: a device reports under ke/meta/device/...
-    let (ok, stderr) = pki.tls_pub(
-        port,
-        "ca",
-        Some(&device),
-        &[
-            "-t",
-            "ke/meta/device/insert/default/sensor/t1",
-            "-m",
+    // Permitted: a device reports under ke/meta/device/..., edged under ke/meta/edged/...
+    for (cert, from, operation, resource, content) in [
+        (
+            &device,
+            "device",
+            "insert",
+            "default/sensor/t1",
             r#"{"celsius":21}"#,
-        ],
-    );
-    assert!(ok, "{stderr}");
-    watch
-        .expect_about("ke/device/meta/response", "default/sensor/t1")
-        .await;
-    assert_eq!(
-        node.stored("default/sensor/t1").await.as_deref(),
-        Some(r#"{"celsius":21}"#)
-    );
+        ),
+        (
+            &edged,
+            "edged",
+            "update",
+            "default/podstatus/web",
+            r#"{"phase":"Running"}"#,
+        ),
+    ] {
+        let topic = format!("ke/meta/{from}/{operation}/{resource}");
+        let (ok, stderr) = pki.tls_pub(port, "ca", Some(cert), &["-t", &topic, "-m", content]);
+        assert!(ok, "{from}: {stderr}");
+        let reply = watch
+            .expect_about(&format!("ke/{from}/meta/response"), resource)
+            .await;
+        assert_eq!(reply.content(), json!("OK"), "{from}");
+        assert_eq!(node.stored(resource).await.as_deref(), Some(content));
+    }
 
     // Refused: 40 attempts to speak as the cloud or as edged; none may reach the store or edged.
     let before = node.meta_rows().await;
@@ -87,34 +89,6 @@ async fn a_device_certificate_is_the_device_identity_and_cannot_pose_as_a_module
     );
     assert_eq!(node.meta_rows().await, before);
     assert!(node.log().contains("EM-ACL-PUBLISH-DENIED"));
-}
-
-#[tokio::test]
-async fn a_module_certificate_gets_the_module_rights() {
-    let pki = Pki::new();
-    let edged = pki.client("edged", "ca");
-    let (node, port) = node(&pki).await;
-    let mut watch = watcher(&node).await;
-    let (ok, stderr) = pki.tls_pub(
-        port,
-        "ca",
-        Some(&edged),
-        &[
-            "-t",
-            "ke/meta/edged/update/default/podstatus/web",
-            "-m",
-            r#"{"phase":"Running"}"#,
-        ],
-    );
-    assert!(ok, "{stderr}");
-    let ok = watch
-        .expect_about("ke/edged/meta/response", "default/podstatus/web")
-        .await;
-    assert_eq!(ok.content(), json!("OK"));
-    assert_eq!(
-        node.stored("default/podstatus/web").await.as_deref(),
-        Some(r#"{"phase":"Running"}"#)
-    );
 }
 
 #[tokio::test]
