@@ -139,6 +139,21 @@ impl Raw {
     }
 }
 
+/// A fresh client's insert of `default/sensor/<name>` is answered and stored: the node serves.
+async fn assert_serves(node: &Node, name: &str) {
+    let resource = format!("default/sensor/{name}");
+    let mut client = node.client().await;
+    client.subscribe("ke/device/meta/response/#").await;
+    let id = send(&client, "device", "insert", &resource, json!({"ok": true})).await;
+    client
+        .expect_reply_about("ke/device/meta/response", &resource, &id)
+        .await;
+    assert_eq!(
+        node.stored(&resource).await.as_deref(),
+        Some(r#"{"ok":true}"#)
+    );
+}
+
 fn refused(result: Result<Raw, String>) -> String {
     match result {
         Ok(_) => panic!("the connection was admitted"),
@@ -152,11 +167,7 @@ fn refused(result: Result<Raw, String>) -> String {
 
 #[tokio::test]
 async fn only_the_right_password_is_admitted_when_anonymous_access_is_off() {
-    let node = Node::start_with(Options {
-        broker_yaml: auth_yaml(false, &["device1"]),
-        ..Options::default()
-    })
-    .await;
+    let node = Node::start_with_broker(auth_yaml(false, &["device1"])).await;
     let attempt = |key: &str| {
         [
             "-q".to_owned(),
@@ -236,11 +247,7 @@ async fn only_the_right_password_is_admitted_when_anonymous_access_is_off() {
 
 #[tokio::test]
 async fn with_users_and_anonymous_access_on_anonymous_gets_in_but_unknown_names_do_not() {
-    let node = Node::start_with(Options {
-        broker_yaml: auth_yaml(true, &["device1"]),
-        ..Options::default()
-    })
-    .await;
+    let node = Node::start_with_broker(auth_yaml(true, &["device1"])).await;
     Raw::connect(node.port, &unique_id("anon"), None)
         .await
         .expect("anonymous admitted");
@@ -559,11 +566,7 @@ async fn a_device_gets_nothing_through_as_edgecontroller_or_edged_and_reads_no_c
 #[tokio::test]
 async fn a_module_name_claimed_without_a_password_check_gets_no_module_rights() {
     // ACL on, but no users configured and anonymous access on: nothing verifies a username.
-    let node = Node::start_with(Options {
-        broker_yaml: "  acl:\n    enabled: true\n    rules:\n      - identity: anonymous\n        subscribe: ['ke/#']\n".into(),
-        ..Options::default()
-    })
-    .await;
+    let node = Node::start_with_broker("  acl:\n    enabled: true\n    rules:\n      - identity: anonymous\n        subscribe: ['ke/#']\n").await;
     let mut watcher = node.client().await;
     watcher.subscribe("ke/#").await;
     let mut claimant = Raw::connect(node.port, &unique_id("c"), Some(("edged", "anything")))
@@ -666,24 +669,7 @@ async fn hostile_client_ids_and_floods_leave_the_listener_accepting() {
         let _ = s.write_all(&[0xff, 0xff, 0xff, 0xff, 0x7f, 0x00, 0x13]);
     }
 
-    // A fresh client connects and an insert round trip works.
-    let mut client = node.client().await;
-    client.subscribe("ke/device/meta/response/#").await;
-    let id = send(
-        &client,
-        "device",
-        "insert",
-        "default/sensor/after-flood",
-        json!({"ok": true}),
-    )
-    .await;
-    client
-        .expect_reply_about("ke/device/meta/response", "default/sensor/after-flood", &id)
-        .await;
-    assert_eq!(
-        node.stored("default/sensor/after-flood").await.as_deref(),
-        Some(r#"{"ok":true}"#)
-    );
+    assert_serves(&node, "after-flood").await;
     drop(idle);
 }
 
@@ -693,11 +679,7 @@ async fn hostile_client_ids_and_floods_leave_the_listener_accepting() {
 
 #[tokio::test]
 async fn the_subscription_limit_holds_and_a_refused_filter_delivers_nothing() {
-    let node = Node::start_with(Options {
-        broker_yaml: "  max_subscriptions_per_client: 3\n".into(),
-        ..Options::default()
-    })
-    .await;
+    let node = Node::start_with_broker("  max_subscriptions_per_client: 3\n").await;
     let mut client = Raw::connect(node.port, &unique_id("subs"), None)
         .await
         .expect("connect");
@@ -797,19 +779,7 @@ async fn oversized_packets_and_payloads_are_refused_and_the_node_keeps_serving()
         ],
     );
     assert!(!ok, "a packet over max_packet_bytes was accepted");
-    let mut fresh = node.client().await;
-    fresh.subscribe("ke/device/meta/response/#").await;
-    let id = send(
-        &fresh,
-        "device",
-        "insert",
-        "default/sensor/small",
-        json!({"ok": 1}),
-    )
-    .await;
-    fresh
-        .expect_reply_about("ke/device/meta/response", "default/sensor/small", &id)
-        .await;
+    assert_serves(&node, "small").await;
     assert_eq!(node.stored("default/sensor/huge").await, None);
 }
 
@@ -854,11 +824,7 @@ fn connect_with_will(port: u16, user: &str, topic: &str, will: &str) -> std::net
 
 #[tokio::test]
 async fn a_will_is_held_to_the_publish_rights_of_its_client() {
-    let node = Node::start_with(Options {
-        broker_yaml: acl_yaml(&["device1", "watcher"]),
-        ..Options::default()
-    })
-    .await;
+    let node = Node::start_with_broker(acl_yaml(&["device1", "watcher"])).await;
     let mut watcher =
         Client::connect_as(node.port, &unique_id("watch"), "watcher", "watcher-pw").await;
     watcher.subscribe("ke/#").await;

@@ -980,3 +980,14 @@ pub fn auth_yaml(allow_anonymous: bool, users: &[&str]) -> String {
         .collect();
     format!("  auth:\n    allow_anonymous: {allow_anonymous}\n    users:\n{users}")
 }
+
+impl Node {
+    /// A node with these extra `broker:` settings ([`Options::broker_yaml`]) and defaults otherwise.
+    pub async fn start_with_broker(broker_yaml: impl Into<String>) -> Node {
+        Node::start_with(Options {
+            broker_yaml: broker_yaml.into(),
+            ..Options::default()
+        })
+        .await
+    }
+}
