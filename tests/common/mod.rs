@@ -969,3 +969,70 @@ fn mosquitto_binary() -> &'static str {
         "mosquitto"
     }
 }
+
+/// An argon2 hash of `password` made by `edgemeta passwd`, as an operator would. Made once per
+/// password and test binary: a debug build takes a while over each.
+pub fn hash(password: &str) -> String {
+    use std::collections::HashMap;
+    use std::io::Write;
+    use std::sync::{Mutex, OnceLock};
+    static MADE: OnceLock<Mutex<HashMap<String, String>>> = OnceLock::new();
+    let made = MADE.get_or_init(Mutex::default);
+    if let Some(hash) = made.lock().expect("hashes").get(password) {
+        return hash.clone();
+    }
+    let mut child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
+        .arg("passwd")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("edgemeta passwd");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(format!("{password}\n").as_bytes())
+        .expect("write password");
+    let out = child.wait_with_output().expect("passwd output");
+    assert!(
+        out.status.success(),
+        "edgemeta passwd: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let hash = String::from_utf8(out.stdout)
+        .expect("utf-8")
+        .trim()
+        .to_owned();
+    assert!(hash.starts_with("$argon2id$"), "{hash}");
+    made.lock()
+        .expect("hashes")
+        .insert(password.to_owned(), hash.clone());
+    hash
+}
+
+/// `broker.auth` YAML (for [`Options::broker_yaml`]) with `users`, each with the password
+/// `<user>-pw`.
+pub fn auth_yaml(allow_anonymous: bool, users: &[&str]) -> String {
+    let users: String = users
+        .iter()
+        .map(|u| {
+            format!(
+                "      {u}: {{ password_hash: \"{}\" }}\n",
+                hash(&format!("{u}-pw"))
+            )
+        })
+        .collect();
+    format!("  auth:\n    allow_anonymous: {allow_anonymous}\n    users:\n{users}")
+}
+
+impl Node {
+    /// A node with these extra `broker:` settings ([`Options::broker_yaml`]) and defaults otherwise.
+    pub async fn start_with_broker(broker_yaml: impl Into<String>) -> Node {
+        Node::start_with(Options {
+            broker_yaml: broker_yaml.into(),
+            ..Options::default()
+        })
+        .await
+    }
+}
