@@ -832,6 +832,9 @@ pub fn sub_output(child: Child) -> Vec<String> {
         .collect()
 }
 
+/// Writes what a TLS listener needs into the broker's directory; returns its settings.
+type ListenerSetup<'a> = Box<dyn FnOnce(&Path) -> String + 'a>;
+
 /// A real mosquitto broker standing in for the cloud, on a free port, with persistence in its
 /// own directory so sessions and queued messages survive a graceful restart.
 pub struct CloudBroker {
@@ -854,7 +857,7 @@ impl CloudBroker {
         CloudBroker::start_with(Some(Box::new(tls))).await
     }
 
-    async fn start_with(tls: Option<Box<dyn FnOnce(&Path) -> String + '_>>) -> CloudBroker {
+    async fn start_with(tls: Option<ListenerSetup<'_>>) -> CloudBroker {
         let dir = tempfile::tempdir().expect("temp dir");
         // Started as root, mosquitto drops to its own user and must still write its persistence.
         use std::os::unix::fs::PermissionsExt;
