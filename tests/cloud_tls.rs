@@ -4,12 +4,11 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::cloud::{await_log, cloud_client, cloud_insert, expect_applied};
 use common::pki::Pki;
-use common::{CloudBroker, CloudOptions, Node, Options, WAIT};
+use common::{run_expecting_exit, CloudBroker, CloudOptions, Node, Options, WAIT};
 use serde_json::json;
 
 /// The TLS listener: the server certificate for `localhost` and the CA that client certificates
@@ -274,35 +273,15 @@ async fn a_wrong_ca_an_expired_certificate_or_a_wrong_host_name_never_connect() 
 
 /// Runs `edgemeta run` with a cloud over TLS configured by `tls` lines; it must refuse to start.
 fn refused_start(tls: &str) -> String {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let config = dir.path().join("edge.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{}\nstore:\n  path: {}\ncloud:\n  enabled: true\n  url: mqtts://localhost:8883\n{tls}",
-            common::free_port(),
-            dir.path().join("store.db").display()
+    let (ok, text) = run_expecting_exit(
+        &format!(
+            "broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{}\nstore:\n  path: store.db\ncloud:\n  enabled: true\n  url: mqtts://localhost:8883\n{tls}",
+            common::free_port()
         ),
-    )
-    .expect("config");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
-        .args(["run", "--config"])
-        .arg(&config)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start edgemeta");
-    let started = Instant::now();
-    while child.try_wait().expect("wait").is_none() {
-        if started.elapsed() > WAIT {
-            let _ = child.kill();
-            panic!("edgemeta started with bad TLS settings: {tls}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().expect("output");
-    assert!(!out.status.success(), "{tls}");
-    String::from_utf8_lossy(&out.stderr).into_owned()
+        &[],
+    );
+    assert!(!ok, "{tls}");
+    text
 }
 
 #[tokio::test]
@@ -350,4 +329,65 @@ async fn bad_certificate_files_stop_start_up_naming_the_file_and_the_fault() {
         let stderr = refused_start(&tls);
         assert!(stderr.contains(&wanted), "want {wanted:?} in:\n{stderr}");
     }
+}
+
+#[tokio::test]
+async fn the_readme_tls_section_connects_verbatim() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+        .expect("README.md");
+    let run = readme
+        .lines()
+        .find(|l| l.starts_with("EDGEMETA_CLOUD__ENABLED=true EDGEMETA_CLOUD__URL=mqtts://"))
+        .expect("the TLS run command in README");
+    let pki = Pki::new();
+    let node_cert = pki.client("edge-1", "ca");
+    let cloud = CloudBroker::start_tls(tls_listener(&pki)).await;
+    // The files the README names, in the node's working directory.
+    let dir = tempfile::tempdir().expect("temp dir");
+    for (from, to) in [
+        ("ca.pem".to_owned(), "ca.pem"),
+        (format!("{node_cert}.pem"), "edge-1.pem"),
+        (format!("{node_cert}.key"), "edge-1.key"),
+    ] {
+        std::fs::copy(pki.path(&from), dir.path().join(to)).expect("copy");
+    }
+    let tls_port = cloud.tls_port.expect("a TLS listener");
+    let env: Vec<(String, String)> = run
+        .split(' ')
+        .take_while(|w| w.starts_with("EDGEMETA_"))
+        .map(|w| {
+            let (k, v) = w.split_once('=').expect("KEY=value");
+            (k.to_owned(), v.replace(":8883", &format!(":{tls_port}")))
+        })
+        .collect();
+    let log_path = dir.path().join("node.log");
+    let log = std::fs::File::create(&log_path).expect("log");
+    let port = common::free_port();
+    let mut node = common::edgemeta(
+        dir.path(),
+        &format!("broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\nstore:\n  path: store.db\n"),
+    )
+    .envs(env)
+    .stdout(log.try_clone().expect("log"))
+    .stderr(log)
+    .spawn()
+    .expect("start edgemeta");
+    let started = Instant::now();
+    while !std::fs::read_to_string(&log_path)
+        .unwrap_or_default()
+        .contains("cloud_connected")
+    {
+        if started.elapsed() > WAIT {
+            let _ = node.kill();
+            panic!(
+                "the README's TLS settings never connected:\n{}\ncloud:\n{}",
+                std::fs::read_to_string(&log_path).unwrap_or_default(),
+                cloud.log()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = node.kill();
+    let _ = node.wait();
+    assert!(connected_as(&cloud, "edge-1"), "{}", cloud.log());
 }

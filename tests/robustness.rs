@@ -5,12 +5,11 @@
 mod common;
 
 use common::{
-    envelope, mosquitto_pub, mosquitto_sub, send, sub_output, unique_id, Client, Msg, Node,
-    Options, WAIT,
+    edgemeta, envelope, mosquitto_pub, mosquitto_sub, run_expecting_exit, send, sub_output,
+    unique_id, Client, Msg, Node, Options, WAIT,
 };
 use serde_json::{json, Value};
 use std::collections::HashSet;
-use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -438,19 +437,6 @@ fn listening_on(address: &str) -> String {
     )
 }
 
-/// `edgemeta run` working in `dir`, with `yaml` written there as its configuration file.
-fn edgemeta(dir: &Path, yaml: &str) -> Command {
-    let config = dir.join("edge.yaml");
-    std::fs::write(&config, yaml).expect("config");
-    let mut command = Command::new(env!("CARGO_BIN_EXE_edgemeta"));
-    command
-        .arg("run")
-        .arg("--config")
-        .arg(&config)
-        .current_dir(dir);
-    command
-}
-
 /// Polls `ready` every 20 ms; fails with `what` unless it holds within the wait.
 async fn wait_until(what: &str, mut ready: impl FnMut() -> bool) {
     let started = Instant::now();
@@ -458,32 +444,6 @@ async fn wait_until(what: &str, mut ready: impl FnMut() -> bool) {
         assert!(started.elapsed() < WAIT, "{what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-}
-
-/// Runs `edgemeta run` with `yaml` and `env`; it must exit on its own within the wait.
-fn run_expecting_exit(yaml: &str, env: &[(&str, &str)]) -> (bool, String) {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let mut child = edgemeta(dir.path(), yaml)
-        .envs(env.iter().copied())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start edgemeta");
-    let started = Instant::now();
-    while child.try_wait().expect("wait").is_none() {
-        if started.elapsed() > WAIT {
-            let _ = child.kill();
-            panic!("edgemeta kept running with a bad configuration");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().expect("output");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
 }
 
 #[tokio::test]

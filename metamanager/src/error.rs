@@ -45,6 +45,8 @@ pub enum Error {
     Closed,
     #[error("the {task} task panicked")]
     Panicked { task: &'static str },
+    #[error("the {task} task ended while the node was running")]
+    Ended { task: &'static str },
 }
 
 impl Error {
@@ -74,6 +76,7 @@ impl Error {
             Error::Closed => "EM-META-CLOSED",
             Error::Panicked { task: "store" } => "EM-STORE-PANIC",
             Error::Panicked { .. } => "EM-META-PANIC",
+            Error::Ended { .. } => "EM-META-ENDED",
         }
     }
 

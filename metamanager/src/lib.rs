@@ -117,7 +117,7 @@ impl Ingress {
 pub struct MetaManager {
     outbox: OutboxHandle,
     ingress: Ingress,
-    intake: JoinHandle<()>,
+    intake: Option<JoinHandle<()>>,
     relay: Option<JoinHandle<()>>,
     store_done: oneshot::Receiver<Stopped>,
     /// How the store thread ended, once [`MetaManager::failed`] saw it end.
@@ -185,7 +185,7 @@ impl MetaManager {
         Ok(MetaManager {
             outbox,
             ingress: Ingress { tx: submit_tx },
-            intake,
+            intake: Some(intake),
             relay,
             store_done,
             store_stopped: None,
@@ -202,14 +202,22 @@ impl MetaManager {
         self.outbox.clone()
     }
 
-    /// Resolves if the store thread ends while the node runs (it panicked): nobody would
-    /// answer the node's clients any more, so the binary stops it.
+    /// Resolves if the store thread, intake or the relay ends while the node runs (a panic, or a
+    /// link that closed): nobody would answer the node's clients any more, so the binary stops it.
     pub async fn failed(&mut self) -> Error {
-        let stopped = (&mut self.store_done).await.unwrap_or(Stopped::Panicked);
-        self.store_stopped = Some(stopped);
-        match stopped {
-            Stopped::Panicked => Error::Panicked { task: "store" },
-            Stopped::Finished => Error::Closed,
+        let (task, panicked) = tokio::select! {
+            stopped = &mut self.store_done => {
+                let stopped = stopped.unwrap_or(Stopped::Panicked);
+                self.store_stopped = Some(stopped);
+                ("store", stopped == Stopped::Panicked)
+            }
+            joined = join(&mut self.intake) => ("intake", joined.is_err()),
+            joined = join(&mut self.relay) => ("relay", joined.is_err()),
+        };
+        if panicked {
+            Error::Panicked { task }
+        } else {
+            Error::Ended { task }
         }
     }
 
@@ -227,12 +235,11 @@ impl MetaManager {
         } = self;
         drop(ingress);
         let mut result = Ok(());
-        if intake.await.is_err() {
-            result = Err(Error::Panicked { task: "intake" });
-        }
-        if let Some(relay) = relay {
-            if relay.await.is_err() {
-                result = Err(Error::Panicked { task: "relay" });
+        for (task, handle) in [("intake", intake), ("relay", relay)] {
+            if let Some(handle) = handle {
+                if handle.await.is_err() {
+                    result = Err(Error::Panicked { task });
+                }
             }
         }
         drop(outbox);
@@ -244,5 +251,18 @@ impl MetaManager {
             result = Err(Error::Panicked { task: "store" });
         }
         result
+    }
+}
+
+/// Waits for the task in `handle`, taking it, so a finished handle is never polled again; never
+/// resolves when there is none.
+async fn join(handle: &mut Option<JoinHandle<()>>) -> Result<(), tokio::task::JoinError> {
+    match handle {
+        Some(task) => {
+            let joined = task.await;
+            *handle = None;
+            joined
+        }
+        None => std::future::pending().await,
     }
 }

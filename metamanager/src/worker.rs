@@ -17,7 +17,7 @@ use crate::error::Error;
 use crate::outbox::{self, OutboxLimit, Read, Write};
 use crate::process::{self, Context, State, Waits};
 use crate::request::Request;
-use crate::store::{Db, StoreConfig};
+use crate::store::{Db, StoreConfig, StoreError};
 
 /// Fired once a request has been dealt with.
 pub type Done = oneshot::Sender<Outcome>;
@@ -90,10 +90,7 @@ pub async fn spawn(
             {
                 Ok(rt) => rt,
                 Err(e) => {
-                    let _ = opened_tx.send(Err(Error::Content {
-                        what: "runtime",
-                        reason: e.to_string(),
-                    }));
+                    let _ = opened_tx.send(Err(Error::Open(StoreError::Thread(e))));
                     return;
                 }
             };
@@ -137,10 +134,7 @@ pub async fn spawn(
             };
             let _ = done_tx.send(stopped);
         })
-        .map_err(|e| Error::Content {
-            what: "store thread",
-            reason: e.to_string(),
-        })?;
+        .map_err(|e| Error::Open(StoreError::Thread(e)))?;
     opened_rx.await.map_err(|_| Error::Closed)??;
     Ok(done_rx)
 }

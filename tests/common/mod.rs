@@ -1039,3 +1039,42 @@ impl Node {
         .await
     }
 }
+
+/// `edgemeta run` working in `dir`, with `yaml` written there as its configuration file.
+pub fn edgemeta(dir: &Path, yaml: &str) -> Command {
+    let config = dir.join("edge.yaml");
+    std::fs::write(&config, yaml).expect("config");
+    let mut command = Command::new(env!("CARGO_BIN_EXE_edgemeta"));
+    command
+        .arg("run")
+        .arg("--config")
+        .arg(&config)
+        .current_dir(dir);
+    command
+}
+
+/// Runs `edgemeta run` with `yaml` and `env`; it must exit on its own within the wait.
+pub fn run_expecting_exit(yaml: &str, env: &[(&str, &str)]) -> (bool, String) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut child = edgemeta(dir.path(), yaml)
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start edgemeta");
+    let started = Instant::now();
+    while child.try_wait().expect("wait").is_none() {
+        if started.elapsed() > WAIT {
+            let _ = child.kill();
+            panic!("edgemeta kept running with a bad configuration:\n{yaml}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().expect("output");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}

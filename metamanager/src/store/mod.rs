@@ -107,6 +107,8 @@ pub enum StoreError {
     },
     #[error("{0}")]
     Sql(#[from] libsql::Error),
+    #[error("cannot start the store thread: {0}")]
+    Thread(std::io::Error),
 }
 
 /// One row of the cloud outbox.
