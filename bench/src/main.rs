@@ -622,17 +622,7 @@ async fn backlog(args: &Args, sizes: &Sizes, rows: &mut Vec<Row>) -> anyhow::Res
     // subscriber of its answers, and one owed more than 3 MiB is cut off.
     for start in (0..n).step_by(WINDOW / 2) {
         let end = (start + WINDOW / 2).min(n);
-        for i in start..end {
-            let resource = format!("default/podstatus/p{}", i % 1000);
-            edged
-                .publish(
-                    format!("ke/meta/edged/update/{}", type_level(&resource)),
-                    QoS::AtLeastOnce,
-                    false,
-                    update(&resource, i),
-                )
-                .await?;
-        }
+        podstatus_updates(&edged, "ke/meta/edged/update", start..end).await?;
         wait_for(
             &mut acks,
             end - start,
@@ -663,17 +653,7 @@ async fn backlog(args: &Args, sizes: &Sizes, rows: &mut Vec<Row>) -> anyhow::Res
     let edge =
         Server::mosquitto_with(&args.mosquitto, dir.path(), "edge", free_port()?, &bridge).await?;
     let (publisher, mut pubacks) = client(edge.port, "p4-pub").await?;
-    for i in 0..n {
-        let resource = format!("default/podstatus/p{}", i % 1000);
-        publisher
-            .publish(
-                format!("ke/cloud/edged/update/{}", type_level(&resource)),
-                QoS::AtLeastOnce,
-                false,
-                update(&resource, i),
-            )
-            .await?;
-    }
+    podstatus_updates(&publisher, "ke/cloud/edged/update", 0..n).await?;
     wait_for(
         &mut pubacks,
         n,
@@ -713,6 +693,26 @@ async fn prepare_subscriber(port: u16, id: &str, filter: &str) -> anyhow::Result
     subscribe(&client, &mut rx, filter).await?;
     client.disconnect().await?;
     tokio::time::sleep(Duration::from_millis(100)).await;
+    Ok(())
+}
+
+/// Publishes edged's pod-status updates number `range` (over 1,000 pods) on `<prefix>/<ns>/<type>`.
+async fn podstatus_updates(
+    client: &AsyncClient,
+    prefix: &str,
+    range: std::ops::Range<usize>,
+) -> anyhow::Result<()> {
+    for i in range {
+        let resource = format!("default/podstatus/p{}", i % 1000);
+        client
+            .publish(
+                format!("{prefix}/{}", type_level(&resource)),
+                QoS::AtLeastOnce,
+                false,
+                update(&resource, i),
+            )
+            .await?;
+    }
     Ok(())
 }
 
