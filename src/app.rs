@@ -9,6 +9,7 @@ use edgemeta_bridges::topic_map::TopicMap;
 use edgemeta_bridges::CloudBridge;
 use edgemeta_broker::Broker;
 use edgemeta_metamanager::{subscription, MetaManager};
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
@@ -35,7 +36,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         .context("linking the metamanager to the broker")?;
     let cloud = settings.cloud.enabled;
     // Without a cloud bridge the outbox is relayed to the local `<root>/cloud/...` topics.
-    let meta = MetaManager::start(
+    let mut meta = MetaManager::start(
         &settings.metamanager,
         &settings.store,
         &root,
@@ -45,7 +46,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     )
     .await
     .with_context(|| format!("opening the store {}", settings.store.path.display()))?;
-    let bridge = if cloud {
+    let mut bridge = if cloud {
         let link = broker
             .link("cloud-bridge", &[cloud_filter], LINK_CAPACITY)
             .await
@@ -68,31 +69,102 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         .context("starting the MQTT listeners")?;
     info!(store = %settings.store.path.display(), "edgemeta serving");
 
-    let failure = tokio::select! {
+    let failure: Option<anyhow::Error> = tokio::select! {
         _ = shutdown => None,
-        e = broker.failed() => Some(e),
+        e = broker.failed() => {
+            error!(error_code = "EM-BROKER-LISTENER", error = %e, "listener failed");
+            Some(anyhow::Error::new(e).context("an MQTT listener stopped"))
+        }
+        e = meta.failed() => {
+            error!(error_code = e.code(), error = %e, "the metamanager stopped");
+            Some(from_meta(e).context("the metamanager stopped"))
+        }
+        Err(e) = bridge_stopped(&mut bridge), if bridge.is_some() => Some(e),
     };
     cancel.cancel();
-    // No new connections from here on; rumqttd cannot close the ones it has (rumqttd #771).
-    drop(broker);
+    // No new connections from here on.
+    let links = broker.close();
     let grace = Duration::from_millis(settings.shutdown_grace_ms);
     let stopped = async {
-        if let Some(bridge) = bridge {
-            let _ = bridge.await;
+        let mut errors = Vec::new();
+        if let Err(e) = bridge_stopped(&mut bridge).await {
+            errors.push(e);
         }
-        meta.stopped().await;
+        if let Err(e) = meta.stopped().await {
+            errors.push(from_meta(e).context("the metamanager did not stop cleanly"));
+        }
+        // Every publisher is gone now, so the links' threads finish what was queued and end.
+        if let Err(e) = links.join().await {
+            errors.push(anyhow::Error::new(e).context("a broker link did not stop cleanly"));
+        }
+        errors
     };
-    match tokio::time::timeout(grace, stopped).await {
-        Ok(()) => info!("stopped; every accepted message is committed"),
-        Err(_) => warn!(
-            error_code = "EM-SHUTDOWN-GRACE",
-            grace_ms = settings.shutdown_grace_ms,
-            "stopped before the store worker finished"
-        ),
+    let errors = match tokio::time::timeout(grace, stopped).await {
+        Ok(errors) => {
+            info!("stopped; every accepted message is committed");
+            errors
+        }
+        Err(_) => {
+            warn!(
+                error_code = "EM-SHUTDOWN-GRACE",
+                grace_ms = settings.shutdown_grace_ms,
+                "stopped before the store worker finished"
+            );
+            Vec::new()
+        }
+    };
+    match failure.into_iter().chain(errors).next() {
+        Some(e) => Err(e),
+        None => Ok(()),
     }
-    if let Some(e) = failure {
-        error!(error_code = "EM-BROKER-LISTENER", error = %e, "listener failed");
-        return Err(e).context("an MQTT listener stopped");
+}
+
+/// A part of the node panicked: a bug, not a configuration or environment problem.
+#[derive(Debug)]
+struct Panicked(&'static str);
+
+impl std::fmt::Display for Panicked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the {} panicked", self.0)
     }
-    Ok(())
+}
+
+impl std::error::Error for Panicked {}
+
+/// Waits for the cloud bridge's task, if it is still running, and returns how it ended. The
+/// bridge ends on its own only when one of its tasks panicked (it logs `EM-BRIDGE-PANIC`).
+async fn bridge_stopped(
+    bridge: &mut Option<JoinHandle<Result<(), edgemeta_bridges::Error>>>,
+) -> anyhow::Result<()> {
+    let Some(task) = bridge.as_mut() else {
+        return Ok(());
+    };
+    let ended = task.await;
+    // A finished JoinHandle must not be polled again.
+    *bridge = None;
+    match ended {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(edgemeta_bridges::Error::Panicked(reason))) => {
+            Err(anyhow::Error::new(Panicked("cloud bridge")).context(reason))
+        }
+        Ok(Err(other)) => Err(anyhow::Error::new(other).context("the cloud bridge stopped")),
+        Err(_) => Err(anyhow::Error::new(Panicked("cloud bridge"))),
+    }
+}
+
+fn from_meta(error: edgemeta_metamanager::Error) -> anyhow::Error {
+    match error {
+        edgemeta_metamanager::Error::Panicked { task } => anyhow::Error::new(Panicked(task)),
+        other => anyhow::Error::new(other),
+    }
+}
+
+/// The process exit code for an error [`run`] returned: 70 (EX_SOFTWARE) when a part of the node
+/// panicked, so a supervisor can tell a bug from a configuration or bind failure (1).
+pub fn exit_code(error: &anyhow::Error) -> u8 {
+    if error.chain().any(|cause| cause.is::<Panicked>()) {
+        70
+    } else {
+        1
+    }
 }

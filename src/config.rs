@@ -43,6 +43,18 @@ pub struct LogConfig {
     /// A tracing filter (`info`, `edgemeta=debug,rumqttd=warn`); `RUST_LOG` wins over it.
     #[serde(default = "default_level")]
     pub level: String,
+    /// `text` for people (coloured only on a terminal), `json` (one object a line) for shippers.
+    #[serde(default)]
+    pub format: LogFormat,
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
 }
 
 fn default_level() -> String {
@@ -56,6 +68,7 @@ impl Default for LogConfig {
     fn default() -> Self {
         LogConfig {
             level: default_level(),
+            format: LogFormat::default(),
         }
     }
 }

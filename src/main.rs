@@ -67,7 +67,7 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Edged { config } => {
             let settings = config::Settings::load(config.as_deref())?;
-            telemetry::init(&settings.log.level);
+            telemetry::init(&settings.log);
             let edged = settings.edged()?;
             let root = settings.broker.topic_root.clone();
             tokio::runtime::Builder::new_multi_thread()
@@ -87,12 +87,17 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Run { config } => {
             let settings = config::Settings::load(config.as_deref())?;
-            telemetry::init(&settings.log.level);
-            tokio::runtime::Builder::new_multi_thread()
+            telemetry::init(&settings.log);
+            let served = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .thread_name("edgemeta")
                 .build()?
-                .block_on(app::run(settings, shutdown::signal()))
+                .block_on(app::run(settings, shutdown::signal()));
+            if let Err(e) = served {
+                eprintln!("Error: {e:?}");
+                std::process::exit(i32::from(app::exit_code(&e)));
+            }
+            Ok(())
         }
     }
 }

@@ -4,9 +4,8 @@
 mod common;
 
 use common::pki::Pki;
-use common::{Client, Node, Options, QUIET};
+use common::{Node, Options, QUIET};
 use serde_json::json;
-use std::process::{Command, Output};
 
 /// A node with ACL on and a client-certificate listener; anonymous plain-TCP clients may watch
 /// everything (so the test can see what gets through) but publish only as devices.
@@ -26,59 +25,41 @@ async fn node(pki: &Pki) -> (Node, u16) {
     (node, port)
 }
 
-/// `mosquitto_pub` over TLS with the client certificate `cert` (or none).
-fn tls_pub(pki: &Pki, port: u16, cert: Option<&str>, topic: &str, message: &str) -> Output {
-    let mut command = Command::new("mosquitto_pub");
-    command
-        .args(["-h", "localhost", "-p", &port.to_string(), "-q", "1"])
-        .arg("--cafile")
-        .arg(pki.path("ca.pem"));
-    if let Some(cert) = cert {
-        command
-            .arg("--cert")
-            .arg(pki.path(&format!("{cert}.pem")))
-            .arg("--key")
-            .arg(pki.path(&format!("{cert}.key")));
-    }
-    command
-        .args(["-t", topic, "-m", message])
-        .output()
-        .expect("mosquitto_pub is installed")
-}
-
-async fn watcher(node: &Node) -> Client {
-    let mut watcher = node.client().await;
-    watcher.subscribe("ke/#").await;
-    watcher
-}
-
 #[tokio::test]
-async fn a_device_certificate_is_the_device_identity_and_cannot_pose_as_a_module() {
+async fn a_certificate_gets_the_rights_of_its_name_and_a_device_cannot_pose_as_a_module() {
     let pki = Pki::new();
     let device = pki.client("device1", "ca");
+    let edged = pki.client("edged", "ca");
     let (node, port) = node(&pki).await;
-    let mut watch = watcher(&node).await;
+    let mut watch = node.client().await;
+    watch.subscribe("ke/#").await;
 
-    // Permitted: a device reports under ke/meta/device/...
-    let out = tls_pub(
-        &pki,
-        port,
-        Some(&device),
-        "ke/meta/device/insert/default/sensor/t1",
-        r#"{"celsius":21}"#,
-    );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    watch
-        .expect_about("ke/device/meta/response", "default/sensor/t1")
-        .await;
-    assert_eq!(
-        node.stored("default/sensor/t1").await.as_deref(),
-        Some(r#"{"celsius":21}"#)
-    );
+    // Permitted: a device reports under ke/meta/device/..., edged under ke/meta/edged/...
+    for (cert, from, operation, resource, content) in [
+        (
+            &device,
+            "device",
+            "insert",
+            "default/sensor/t1",
+            r#"{"celsius":21}"#,
+        ),
+        (
+            &edged,
+            "edged",
+            "update",
+            "default/podstatus/web",
+            r#"{"phase":"Running"}"#,
+        ),
+    ] {
+        let topic = format!("ke/meta/{from}/{operation}/{resource}");
+        let (ok, stderr) = pki.tls_pub(port, "ca", Some(cert), &["-t", &topic, "-m", content]);
+        assert!(ok, "{from}: {stderr}");
+        let reply = watch
+            .expect_about(&format!("ke/{from}/meta/response"), resource)
+            .await;
+        assert_eq!(reply.content(), json!("OK"), "{from}");
+        assert_eq!(node.stored(resource).await.as_deref(), Some(content));
+    }
 
     // Refused: 40 attempts to speak as the cloud or as edged; none may reach the store or edged.
     let before = node.meta_rows().await;
@@ -88,7 +69,7 @@ async fn a_device_certificate_is_the_device_identity_and_cannot_pose_as_a_module
             format!("ke/meta/edgecontroller/insert/default/pod/evil{i}"),
             format!("ke/meta/edged/update/default/podstatus/evil{i}"),
         ] {
-            tls_pub(&pki, port, Some(&device), &topic, "{}");
+            pki.tls_pub(port, "ca", Some(&device), &["-t", &topic, "-m", "{}"]);
             attempts += 1;
         }
     }
@@ -111,34 +92,6 @@ async fn a_device_certificate_is_the_device_identity_and_cannot_pose_as_a_module
 }
 
 #[tokio::test]
-async fn a_module_certificate_gets_the_module_rights() {
-    let pki = Pki::new();
-    let edged = pki.client("edged", "ca");
-    let (node, port) = node(&pki).await;
-    let mut watch = watcher(&node).await;
-    let out = tls_pub(
-        &pki,
-        port,
-        Some(&edged),
-        "ke/meta/edged/update/default/podstatus/web",
-        r#"{"phase":"Running"}"#,
-    );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let ok = watch
-        .expect_about("ke/edged/meta/response", "default/podstatus/web")
-        .await;
-    assert_eq!(ok.content(), json!("OK"));
-    assert_eq!(
-        node.stored("default/podstatus/web").await.as_deref(),
-        Some(r#"{"phase":"Running"}"#)
-    );
-}
-
-#[tokio::test]
 async fn no_certificate_or_a_foreign_one_is_refused_and_the_back_end_cannot_be_reached_directly() {
     let pki = Pki::new();
     pki.authority("rogue");
@@ -146,21 +99,14 @@ async fn no_certificate_or_a_foreign_one_is_refused_and_the_back_end_cannot_be_r
     let (node, port) = node(&pki).await;
 
     for cert in [None, Some(forged.as_str())] {
-        let out = tls_pub(
-            &pki,
+        let (ok, _) = pki.tls_pub(
             port,
+            "ca",
             cert,
-            "ke/meta/edged/update/default/podstatus/x",
-            "{}",
+            &["-t", "ke/meta/edged/update/default/podstatus/x", "-m", "{}"],
         );
-        assert!(!out.status.success(), "{cert:?} was let in");
+        assert!(!ok, "{cert:?} was let in");
     }
-    // Plain MQTT on the TLS port is refused too.
-    let (ok, _) = common::mosquitto_pub(
-        port,
-        &["-t", "ke/meta/device/insert/default/sensor/x", "-m", "{}"],
-    );
-    assert!(!ok);
 
     // The loopback back end is named in the log; a client that finds it is still refused.
     let log = node.log();
@@ -228,7 +174,7 @@ async fn acl_rules_match_the_certificate_name() {
         (&sensor, "site/sensor-8/temp"),
         (&device, "site/device1/temp"),
     ] {
-        tls_pub(&pki, port, Some(cert), topic, "21");
+        pki.tls_pub(port, "ca", Some(cert), &["-t", topic, "-m", "21"]);
     }
     let seen: Vec<String> = watch
         .drain(QUIET)

@@ -5,12 +5,11 @@
 mod common;
 
 use common::{
-    envelope, mosquitto_pub, mosquitto_sub, send, sub_output, unique_id, Client, Msg, Node,
-    Options, WAIT,
+    edgemeta, envelope, mosquitto_pub, mosquitto_sub, run_expecting_exit, send, sub_output,
+    unique_id, Client, Msg, Node, Options, WAIT,
 };
 use serde_json::{json, Value};
 use std::collections::HashSet;
-use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -438,19 +437,6 @@ fn listening_on(address: &str) -> String {
     )
 }
 
-/// `edgemeta run` working in `dir`, with `yaml` written there as its configuration file.
-fn edgemeta(dir: &Path, yaml: &str) -> Command {
-    let config = dir.join("edge.yaml");
-    std::fs::write(&config, yaml).expect("config");
-    let mut command = Command::new(env!("CARGO_BIN_EXE_edgemeta"));
-    command
-        .arg("run")
-        .arg("--config")
-        .arg(&config)
-        .current_dir(dir);
-    command
-}
-
 /// Polls `ready` every 20 ms; fails with `what` unless it holds within the wait.
 async fn wait_until(what: &str, mut ready: impl FnMut() -> bool) {
     let started = Instant::now();
@@ -458,32 +444,6 @@ async fn wait_until(what: &str, mut ready: impl FnMut() -> bool) {
         assert!(started.elapsed() < WAIT, "{what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-}
-
-/// Runs `edgemeta run` with `yaml` and `env`; it must exit on its own within the wait.
-fn run_expecting_exit(yaml: &str, env: &[(&str, &str)]) -> (bool, String) {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let mut child = edgemeta(dir.path(), yaml)
-        .envs(env.iter().copied())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start edgemeta");
-    let started = Instant::now();
-    while child.try_wait().expect("wait").is_none() {
-        if started.elapsed() > WAIT {
-            let _ = child.kill();
-            panic!("edgemeta kept running with a bad configuration");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().expect("output");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
 }
 
 #[tokio::test]
@@ -648,4 +608,53 @@ async fn a_refused_full_envelope_is_answered_with_its_own_id() {
         assert_eq!(reply.operation(), "error", "{topic}");
         assert_eq!(reply.resource(), resource, "{topic}");
     }
+}
+
+/// Starts `edgemeta` with `log_yaml`, stderr to a file, sends one malformed message, waits for
+/// its error reply and returns the log once the node has stopped.
+async fn log_of_a_refused_message(log_yaml: &str) -> String {
+    let port = common::free_port();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let log_path = dir.path().join("node.log");
+    let log = std::fs::File::create(&log_path).expect("log");
+    let yaml = format!("{log_yaml}{}", listening_on(&format!("127.0.0.1:{port}")));
+    let mut node = edgemeta(dir.path(), &yaml)
+        .stdout(log.try_clone().expect("log"))
+        .stderr(log)
+        .spawn()
+        .expect("start edgemeta");
+    wait_until("node not serving", || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    })
+    .await;
+    let mut client = Client::connect(port, &unique_id("log")).await;
+    client.subscribe("ke/edged/meta/error/#").await;
+    client
+        .publish("ke/meta/edged/insert/default/pod/x", "{not json")
+        .await;
+    client.expect("ke/edged/meta/error/default/pod").await;
+    let _ = node.kill();
+    let _ = node.wait();
+    std::fs::read_to_string(&log_path).expect("read log")
+}
+
+#[tokio::test]
+async fn logs_written_to_a_file_carry_no_colour_codes_and_json_lines_parse() {
+    let text = log_of_a_refused_message("").await;
+    assert!(text.contains("EM-META-JSON"), "{text}");
+    assert!(!text.contains('\u{1b}'), "colour codes in a file:\n{text}");
+
+    let json = log_of_a_refused_message("log:\n  format: json\n").await;
+    let lines: Vec<Value> = json
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    let refused = lines
+        .iter()
+        .find(|l| l["error_code"] == "EM-META-JSON")
+        .unwrap_or_else(|| panic!("no EM-META-JSON line:\n{json}"));
+    assert_eq!(refused["level"], "WARN", "{refused}");
+    assert_eq!(refused["resource"], "default/pod/x", "{refused}");
+    assert!(refused["timestamp"].is_string(), "{refused}");
 }

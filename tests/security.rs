@@ -1,62 +1,21 @@
 //! Security end to end against the real binary: password logins, a server-only TLS listener with
 //! certificates made by `openssl` at test time (none committed), the topic ACL for a device
-//! identity, hostile client ids and connection floods, and the per-client limits.
+//! identity, hostile client ids and connection floods, and the per-client limits. Client
+//! certificates are in `client_certs.rs`.
 
 mod common;
 
 use std::io::Write;
-use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{mosquitto_pub, send, unique_id, Client, Node, Options, QUIET, WAIT};
+use common::pki::{Key, Pki};
+use common::{auth_yaml, mosquitto_pub, send, unique_id, Client, Node, Options, QUIET, WAIT};
 use rumqttc::{
     AsyncClient, ConnectionError, Event, EventLoop, MqttOptions, Packet, QoS, SubscribeReasonCode,
 };
 use serde_json::json;
-
-/// An argon2 hash made by `edgemeta passwd`, as an operator would.
-fn hash(password: &str) -> String {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
-        .arg("passwd")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("edgemeta passwd");
-    child
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(format!("{password}\n").as_bytes())
-        .expect("write password");
-    let out = child.wait_with_output().expect("passwd output");
-    assert!(
-        out.status.success(),
-        "edgemeta passwd: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let hash = String::from_utf8(out.stdout)
-        .expect("utf-8")
-        .trim()
-        .to_owned();
-    assert!(hash.starts_with("$argon2id$"), "{hash}");
-    hash
-}
-
-/// `broker.auth.users` lines for `users`, each with the password `<user>-pw`.
-fn users_yaml(users: &[&str]) -> String {
-    users
-        .iter()
-        .map(|u| {
-            format!(
-                "      {u}: {{ password_hash: \"{}\" }}\n",
-                hash(&format!("{u}-pw"))
-            )
-        })
-        .collect()
-}
 
 /// Polls the store until `key` has a value, at most [`WAIT`].
 async fn stored_soon(node: &Node, key: &str) -> Option<String> {
@@ -68,25 +27,6 @@ async fn stored_soon(node: &Node, key: &str) -> Option<String> {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-}
-
-/// Runs `command`, killing it if it has not finished within `limit`; `None` if it was killed.
-fn run_for(mut command: Command, limit: Duration) -> Option<Output> {
-    let mut child = command
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn");
-    let deadline = Instant::now() + limit;
-    while child.try_wait().expect("wait").is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Some(child.wait_with_output().expect("output"))
 }
 
 /// A bare MQTT 3.1.1 connection that reports CONNACK, SUBACK and PUBACK outcomes exactly.
@@ -199,6 +139,21 @@ impl Raw {
     }
 }
 
+/// A fresh client's insert of `default/sensor/<name>` is answered and stored: the node serves.
+async fn assert_serves(node: &Node, name: &str) {
+    let resource = format!("default/sensor/{name}");
+    let mut client = node.client().await;
+    client.subscribe("ke/device/meta/response/#").await;
+    let id = send(&client, "device", "insert", &resource, json!({"ok": true})).await;
+    client
+        .expect_reply_about("ke/device/meta/response", &resource, &id)
+        .await;
+    assert_eq!(
+        node.stored(&resource).await.as_deref(),
+        Some(r#"{"ok":true}"#)
+    );
+}
+
 fn refused(result: Result<Raw, String>) -> String {
     match result {
         Ok(_) => panic!("the connection was admitted"),
@@ -212,14 +167,7 @@ fn refused(result: Result<Raw, String>) -> String {
 
 #[tokio::test]
 async fn only_the_right_password_is_admitted_when_anonymous_access_is_off() {
-    let node = Node::start_with(Options {
-        broker_yaml: format!(
-            "  auth:\n    allow_anonymous: false\n    users:\n{}",
-            users_yaml(&["device1"])
-        ),
-        ..Options::default()
-    })
-    .await;
+    let node = Node::start_with_broker(auth_yaml(false, &["device1"])).await;
     let attempt = |key: &str| {
         [
             "-q".to_owned(),
@@ -274,6 +222,19 @@ async fn only_the_right_password_is_admitted_when_anonymous_access_is_off() {
         device.subscribe("ke/device/#").await,
         SubscribeReasonCode::Success(QoS::AtLeastOnce)
     );
+    // The admitted device reads the answer to its own query.
+    let (id, query) = common::envelope("device", "query", "default/sensor/right", json!(null));
+    device
+        .publish("ke/meta/device/query/default/sensor", query)
+        .await;
+    device
+        .until("the reply to the query", |p| match p {
+            Packet::Publish(p) => (p.topic == "ke/device/meta/response/default/sensor"
+                && String::from_utf8_lossy(&p.payload).contains(&id))
+            .then_some(()),
+            _ => None,
+        })
+        .await;
 
     let keys: Vec<String> = node.meta_rows().await.into_iter().map(|r| r.0).collect();
     assert_eq!(
@@ -286,14 +247,7 @@ async fn only_the_right_password_is_admitted_when_anonymous_access_is_off() {
 
 #[tokio::test]
 async fn with_users_and_anonymous_access_on_anonymous_gets_in_but_unknown_names_do_not() {
-    let node = Node::start_with(Options {
-        broker_yaml: format!(
-            "  auth:\n    allow_anonymous: true\n    users:\n{}",
-            users_yaml(&["device1"])
-        ),
-        ..Options::default()
-    })
-    .await;
+    let node = Node::start_with_broker(auth_yaml(true, &["device1"])).await;
     Raw::connect(node.port, &unique_id("anon"), None)
         .await
         .expect("anonymous admitted");
@@ -308,118 +262,13 @@ async fn with_users_and_anonymous_access_on_anonymous_gets_in_but_unknown_names_
 // 2. TLS
 // ---------------------------------------------------------------------------------------------
 
-/// Runs `openssl` in `dir`.
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("openssl is installed");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// An RSA CA (`<ca>.pem`) and a server certificate for DNS:localhost signed by it
-/// (`server.pem`, key in `server.key` as a traditional PKCS#1 "RSA PRIVATE KEY").
-fn make_pki(dir: &Path, ca: &str) {
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            &format!("{ca}.key"),
-            "-out",
-            &format!("{ca}.pem"),
-            "-days",
-            "2",
-            "-subj",
-            &format!("/CN=edgemeta security test {ca}"),
-            "-addext",
-            "basicConstraints=critical,CA:TRUE",
-            "-addext",
-            "keyUsage=critical,keyCertSign,cRLSign",
-        ],
-    );
-    if dir.join("server.pem").exists() {
-        return;
-    }
-    std::fs::write(
-        dir.join("server.ext"),
-        "subjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n",
-    )
-    .expect("server.ext");
-    openssl(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "server-pkcs8.key",
-            "-out",
-            "server.csr",
-            "-subj",
-            "/CN=localhost",
-        ],
-    );
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            &format!("{ca}.pem"),
-            "-CAkey",
-            &format!("{ca}.key"),
-            "-CAcreateserial",
-            "-out",
-            "server.pem",
-            "-days",
-            "2",
-            "-extfile",
-            "server.ext",
-        ],
-    );
-    openssl(
-        dir,
-        &[
-            "rsa",
-            "-in",
-            "server-pkcs8.key",
-            "-out",
-            "server.key",
-            "-traditional",
-        ],
-    );
-}
-
-/// `mosquitto_pub` over TLS to `localhost:<port>`, trusting `cafile`.
-fn tls_pub(port: u16, cafile: &Path, host: &str, extra: &[&str]) -> Command {
-    let mut command = Command::new("mosquitto_pub");
-    command
-        .args(["-h", host, "-p", &port.to_string(), "-q", "1", "--cafile"])
-        .arg(cafile)
-        .args(extra);
-    command
-}
-
-/// A node with an extra server-only TLS listener on `tls_port` using certificates in `pki`.
-async fn tls_node(pki: &Path, tls_port: u16, broker_yaml: String) -> Node {
+/// A node with an extra server-only TLS listener on `tls_port` using the server certificate of `pki`.
+async fn tls_node(pki: &Pki, tls_port: u16, broker_yaml: String) -> Node {
     Node::start_with(Options {
         extra_listeners: format!(
             "    mqtts:\n      address: 127.0.0.1:{tls_port}\n      tls:\n        cert_file: {}\n        key_file: {}\n",
-            pki.join("server.pem").display(),
-            pki.join("server.key").display(),
+            pki.path("server.pem").display(),
+            pki.path("server.key").display(),
         ),
         broker_yaml,
         ..Options::default()
@@ -429,115 +278,47 @@ async fn tls_node(pki: &Path, tls_port: u16, broker_yaml: String) -> Node {
 
 #[tokio::test]
 async fn a_tls_listener_serves_clients_that_trust_its_ca_and_nobody_else() {
-    let pki = tempfile::tempdir().expect("temp dir");
-    make_pki(pki.path(), "ca");
-    make_pki(pki.path(), "other-ca");
-    assert!(std::fs::read_to_string(pki.path().join("server.key"))
+    // The server key in the traditional PKCS#1 form (client_certs.rs covers PKCS#8).
+    let pki = Pki::with_server_key(Key::RsaPkcs1);
+    pki.authority("other-ca");
+    assert!(std::fs::read_to_string(pki.path("server.key"))
         .unwrap()
         .contains("BEGIN RSA PRIVATE KEY"));
     let tls_port = common::free_port();
-    let node = tls_node(
-        pki.path(),
-        tls_port,
-        format!(
-            "  auth:\n    allow_anonymous: false\n    users:\n{}",
-            users_yaml(&["device1"])
-        ),
-    )
-    .await;
-    let ca = pki.path().join("ca.pem");
+    let node = tls_node(&pki, tls_port, auth_yaml(false, &["device1"])).await;
     let login = ["-u", "device1", "-P", "device1-pw"];
-    let insert = |key: &str| {
-        vec![
-            "-t".to_owned(),
-            format!("ke/meta/edgecontroller/insert/default/pod/{key}"),
-            "-m".to_owned(),
-            format!("{{\"over\":\"{key}\"}}"),
-        ]
-    };
-    let with = |login: &[&str], key: &str| -> Vec<String> {
-        login
-            .iter()
-            .map(|s| s.to_string())
-            .chain(insert(key))
-            .collect()
+    // `mosquitto_pub` inserting pod `key`, over TLS trusting the CA `trust` (or plain MQTT).
+    let insert = |trust: Option<&str>, login: &[&str], key: &str| {
+        let topic = format!("ke/meta/edgecontroller/insert/default/pod/{key}");
+        let message = format!("{{\"over\":\"{key}\"}}");
+        let args = [login, &["-t", &topic, "-m", &message]].concat();
+        match trust {
+            Some(trust) => pki.tls_pub(tls_port, trust, None, &args),
+            None => mosquitto_pub(tls_port, &args),
+        }
     };
 
     // Trusted CA, host name, right password: served, and the insert is stored.
-    let args = with(&login, "secure");
-    let out = run_for(
-        tls_pub(
-            tls_port,
-            &ca,
-            "localhost",
-            &args.iter().map(String::as_str).collect::<Vec<_>>(),
-        ),
-        WAIT,
-    )
-    .expect("mosquitto_pub over TLS finished");
-    assert!(
-        out.status.success(),
-        "TLS publish failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (ok, stderr) = insert(Some("ca"), &login, "secure");
+    assert!(ok, "TLS publish failed: {stderr}");
     assert_eq!(
         stored_soon(&node, "default/pod/secure").await.as_deref(),
         Some(r#"{"over":"secure"}"#)
     );
 
-    // Plain MQTT on the TLS port.
-    let (ok, _) = mosquitto_pub(
-        tls_port,
-        &with(&login, "plain")
-            .iter()
-            .map(String::as_str)
-            .collect::<Vec<_>>(),
-    );
+    let (ok, _) = insert(None, &login, "plain");
     assert!(!ok, "plain MQTT was served on the TLS port");
-    // A client that trusts another CA refuses the server.
-    let args = with(&login, "foreign");
-    let out = run_for(
-        tls_pub(
-            tls_port,
-            &pki.path().join("other-ca.pem"),
-            "localhost",
-            &args.iter().map(String::as_str).collect::<Vec<_>>(),
-        ),
-        WAIT,
-    )
-    .expect("mosquitto_pub finished");
-    assert!(!out.status.success(), "a foreign CA accepted the server");
-    // TLS does not replace the password check.
-    let args = with(&[], "nopassword");
-    let out = run_for(
-        tls_pub(
-            tls_port,
-            &ca,
-            "localhost",
-            &args.iter().map(String::as_str).collect::<Vec<_>>(),
-        ),
-        WAIT,
-    )
-    .expect("mosquitto_pub finished");
-    assert!(!out.status.success(), "anonymous TLS client admitted");
+    let (ok, _) = insert(Some("other-ca"), &login, "foreign");
+    assert!(!ok, "a client that trusts another CA accepted the server");
+    let (ok, _) = insert(Some("ca"), &[], "nopassword");
+    assert!(
+        !ok,
+        "TLS replaced the password check: anonymous TLS client admitted"
+    );
 
     // After all those failed handshakes the listener still serves.
-    let args = with(&login, "after");
-    let out = run_for(
-        tls_pub(
-            tls_port,
-            &ca,
-            "localhost",
-            &args.iter().map(String::as_str).collect::<Vec<_>>(),
-        ),
-        WAIT,
-    )
-    .expect("mosquitto_pub over TLS finished");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (ok, stderr) = insert(Some("ca"), &login, "after");
+    assert!(ok, "{stderr}");
     assert!(stored_soon(&node, "default/pod/after").await.is_some());
     for key in ["plain", "foreign", "nopassword"] {
         assert_eq!(
@@ -550,37 +331,30 @@ async fn a_tls_listener_serves_clients_that_trust_its_ca_and_nobody_else() {
 
 #[tokio::test]
 async fn a_silent_tcp_connection_does_not_block_the_tls_listener() {
-    let pki = tempfile::tempdir().expect("temp dir");
-    make_pki(pki.path(), "ca");
+    let pki = Pki::new();
     let tls_port = common::free_port();
     // connect_timeout_ms is documented to cover a connection that sends no TLS handshake.
-    let node = tls_node(pki.path(), tls_port, "  connect_timeout_ms: 1000\n".into()).await;
-    let ca = pki.path().join("ca.pem");
+    let node = tls_node(&pki, tls_port, "  connect_timeout_ms: 1000\n".into()).await;
     // One client that connects and never says hello.
     let silent = std::net::TcpStream::connect(("127.0.0.1", tls_port)).expect("connect");
     let started = Instant::now();
-    let out = run_for(
-        tls_pub(
-            tls_port,
-            &ca,
-            "localhost",
-            &[
-                "-t",
-                "ke/meta/edgecontroller/insert/default/pod/behind",
-                "-m",
-                "{}",
-            ],
-        ),
-        WAIT,
+    let (served, stderr) = pki.tls_pub(
+        tls_port,
+        "ca",
+        None,
+        &[
+            "-t",
+            "ke/meta/edgecontroller/insert/default/pod/behind",
+            "-m",
+            "{}",
+        ],
     );
-    let served = out.as_ref().is_some_and(|o| o.status.success());
     drop(silent);
     assert!(
         served,
         "a TLS client waited {:?} behind one silent TCP connection and was not served \
-         (rumqttd performs the TLS handshake inline in its accept loop, without a timeout): {:?}",
+         (rumqttd performs the TLS handshake inline in its accept loop, without a timeout): {stderr}",
         started.elapsed(),
-        out.map(|o| String::from_utf8_lossy(&o.stderr).into_owned())
     );
     assert!(stored_soon(&node, "default/pod/behind").await.is_some());
 }
@@ -589,15 +363,16 @@ async fn a_silent_tcp_connection_does_not_block_the_tls_listener() {
 // 3. The ACL
 // ---------------------------------------------------------------------------------------------
 
-/// Users `device1`, `edged`, `watcher`; ACL on with:
+/// Password logins for `users` only (see [`auth_yaml`]); ACL on with:
 /// - `watcher` may read `ke/#` and `site/#` and publish `site/#`;
 /// - every `device*` may publish `site/%u/#` and read `site/%c/#`.
-fn acl_yaml(users: &str) -> String {
+fn acl_yaml(users: &[&str]) -> String {
     format!(
-        "  auth:\n    allow_anonymous: false\n    users:\n{users}\
+        "{}\
          \x20 acl:\n    enabled: true\n    rules:\n\
          \x20     - identity: watcher\n        subscribe: ['ke/#', 'site/#']\n        publish: ['site/#']\n\
-         \x20     - identity: 'device*'\n        publish: ['site/%u/#']\n        subscribe: ['site/%c/#']\n"
+         \x20     - identity: 'device*'\n        publish: ['site/%u/#']\n        subscribe: ['site/%c/#']\n",
+        auth_yaml(false, users)
     )
 }
 
@@ -605,7 +380,7 @@ fn acl_yaml(users: &str) -> String {
 async fn a_device_gets_nothing_through_as_edgecontroller_or_edged_and_reads_no_cloud_traffic() {
     const N: usize = 50;
     let node = Node::start_with(Options {
-        broker_yaml: acl_yaml(&users_yaml(&["device1", "edged", "watcher"])),
+        broker_yaml: acl_yaml(&["device1", "edged", "watcher"]),
         v5: true,
         ..Options::default()
     })
@@ -667,34 +442,33 @@ async fn a_device_gets_nothing_through_as_edgecontroller_or_edged_and_reads_no_c
     ] {
         device.publish(topic, "forged").await;
     }
-    // The same forgeries from a separate mosquitto_pub process on the MQTT 5 listener.
+    // A forgery from a separate mosquitto_pub process on the MQTT 5 listener is told why.
+    // (One process: each login costs an argon2 check, seconds in a debug build.)
     let v5_port = node.v5_port.expect("v5 listener");
-    for i in 0..5 {
-        let out = Command::new("mosquitto_pub")
-            .args([
-                "-h",
-                "127.0.0.1",
-                "-p",
-                &v5_port.to_string(),
-                "-V",
-                "mqttv5",
-            ])
-            .args(["-u", "device1", "-P", "device1-pw", "-q", "1", "-d"])
-            .args([
-                "-t",
-                &format!("ke/meta/edgecontroller/insert/default/pod/forged-v5-{i}"),
-                "-m",
-                "{}",
-            ])
-            .output()
-            .expect("mosquitto_pub");
-        let text = String::from_utf8_lossy(&out.stdout).to_lowercase()
-            + &String::from_utf8_lossy(&out.stderr).to_lowercase();
-        assert!(
-            text.contains("not authori") || text.contains("rc135") || text.contains("(135)"),
-            "MQTT 5 PUBACK does not say not authorized: {text}"
-        );
-    }
+    let out = Command::new("mosquitto_pub")
+        .args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &v5_port.to_string(),
+            "-V",
+            "mqttv5",
+        ])
+        .args(["-u", "device1", "-P", "device1-pw", "-q", "1", "-d"])
+        .args([
+            "-t",
+            "ke/meta/edgecontroller/insert/default/pod/forged-v5",
+            "-m",
+            "{}",
+        ])
+        .output()
+        .expect("mosquitto_pub");
+    let text = String::from_utf8_lossy(&out.stdout).to_lowercase()
+        + &String::from_utf8_lossy(&out.stderr).to_lowercase();
+    assert!(
+        text.contains("not authori") || text.contains("rc135") || text.contains("(135)"),
+        "MQTT 5 PUBACK does not say not authorized: {text}"
+    );
 
     // Meanwhile edged really talks to the cloud: none of that may reach the device.
     let edged = Client::connect_as(node.port, &unique_id("edged"), "edged", "edged-pw").await;
@@ -746,7 +520,7 @@ async fn a_device_gets_nothing_through_as_edgecontroller_or_edged_and_reads_no_c
         forged.is_empty(),
         "{} of {} forged messages got through: {forged:?}",
         forged.len(),
-        2 * N + 9
+        2 * N + 5
     );
     let cloud_bound = seen
         .iter()
@@ -791,11 +565,7 @@ async fn a_device_gets_nothing_through_as_edgecontroller_or_edged_and_reads_no_c
 #[tokio::test]
 async fn a_module_name_claimed_without_a_password_check_gets_no_module_rights() {
     // ACL on, but no users configured and anonymous access on: nothing verifies a username.
-    let node = Node::start_with(Options {
-        broker_yaml: "  acl:\n    enabled: true\n    rules:\n      - identity: anonymous\n        subscribe: ['ke/#']\n".into(),
-        ..Options::default()
-    })
-    .await;
+    let node = Node::start_with_broker("  acl:\n    enabled: true\n    rules:\n      - identity: anonymous\n        subscribe: ['ke/#']\n").await;
     let mut watcher = node.client().await;
     watcher.subscribe("ke/#").await;
     let mut claimant = Raw::connect(node.port, &unique_id("c"), Some(("edged", "anything")))
@@ -830,7 +600,15 @@ async fn a_module_name_claimed_without_a_password_check_gets_no_module_rights() 
 #[tokio::test]
 async fn hostile_client_ids_and_floods_leave_the_listener_accepting() {
     let node = Node::start().await;
-    for id in ["dev/1", "a+b", "#", "edgemeta-x", "dev/1", "$share"] {
+    for id in [
+        "dev/1",
+        "a+b",
+        "#",
+        "edgemeta-metamanager",
+        "dev/1",
+        "$share",
+        "$SYS",
+    ] {
         let (ok, stderr) = mosquitto_pub(
             node.port,
             &[
@@ -880,65 +658,17 @@ async fn hostile_client_ids_and_floods_leave_the_listener_accepting() {
     for t in threads {
         t.join().expect("flood thread");
     }
-    // 50 that stay open, silent, while everything below happens.
-    let idle: Vec<_> = (0..50)
+    // 300 that stay open, silent, and 100 that send garbage, while a client is served below.
+    // (Many quick CONNECT/DISCONNECT clients: `short_lived_clients_are_not_dropped_under_churn`.)
+    let idle: Vec<_> = (0..300)
         .map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect"))
         .collect();
-    // 100 quick CONNECT/DISCONNECT, 4 processes at a time.
-    let started = Instant::now();
-    let mut flood_failures = 0;
-    for batch in 0..25 {
-        let children: Vec<_> = (0..4)
-            .map(|i| {
-                Command::new("mosquitto_pub")
-                    .args(["-h", "127.0.0.1", "-p", &port.to_string()])
-                    .args([
-                        "-i",
-                        &format!("flood-{batch}-{i}"),
-                        "-t",
-                        "flood/x",
-                        "-m",
-                        "y",
-                    ])
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::piped())
-                    .spawn()
-                    .expect("mosquitto_pub")
-            })
-            .collect();
-        for child in children {
-            if !child.wait_with_output().expect("wait").status.success() {
-                flood_failures += 1;
-            }
-        }
+    for _ in 0..100 {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+        let _ = s.write_all(&[0xff, 0xff, 0xff, 0xff, 0x7f, 0x00, 0x13]);
     }
-    // A few of these may be dropped by rumqttd's connection-id reuse race: that is its own
-    // test below (`short_lived_clients_are_not_dropped_under_churn`); here only the listener's
-    // survival counts.
-    eprintln!("{flood_failures} of 100 quick flood clients were dropped");
-    assert!(
-        started.elapsed() < Duration::from_secs(60),
-        "flood too slow"
-    );
 
-    // A fresh client connects and an insert round trip works.
-    let mut client = node.client().await;
-    client.subscribe("ke/device/meta/response/#").await;
-    let id = send(
-        &client,
-        "device",
-        "insert",
-        "default/sensor/after-flood",
-        json!({"ok": true}),
-    )
-    .await;
-    client
-        .expect_reply_about("ke/device/meta/response", "default/sensor/after-flood", &id)
-        .await;
-    assert_eq!(
-        node.stored("default/sensor/after-flood").await.as_deref(),
-        Some(r#"{"ok":true}"#)
-    );
+    assert_serves(&node, "after-flood").await;
     drop(idle);
 }
 
@@ -947,12 +677,8 @@ async fn hostile_client_ids_and_floods_leave_the_listener_accepting() {
 // ---------------------------------------------------------------------------------------------
 
 #[tokio::test]
-async fn the_subscription_limit_holds_and_unsubscribing_unknown_filters_does_not_reset_it() {
-    let node = Node::start_with(Options {
-        broker_yaml: "  max_subscriptions_per_client: 3\n".into(),
-        ..Options::default()
-    })
-    .await;
+async fn the_subscription_limit_holds_and_a_refused_filter_delivers_nothing() {
+    let node = Node::start_with_broker("  max_subscriptions_per_client: 3\n").await;
     let mut client = Raw::connect(node.port, &unique_id("subs"), None)
         .await
         .expect("connect");
@@ -984,31 +710,19 @@ async fn the_subscription_limit_holds_and_unsubscribing_unknown_filters_does_not
         [SubscribeReasonCode::Failure, SubscribeReasonCode::Failure],
         "unsubscribing two filters never held raised the limit: 5 subscriptions held with a limit of 3"
     );
-}
 
-#[tokio::test]
-async fn a_refused_subscription_delivers_nothing() {
-    let node = Node::start_with(Options {
-        broker_yaml: "  max_subscriptions_per_client: 1\n".into(),
-        ..Options::default()
-    })
-    .await;
-    let mut client = Raw::connect(node.port, &unique_id("full"), None)
-        .await
-        .expect("connect");
-    assert_eq!(
-        client.subscribe("mine/#").await,
-        SubscribeReasonCode::Success(QoS::AtLeastOnce)
-    );
-    assert_eq!(
-        client.subscribe("other/#").await,
-        SubscribeReasonCode::Failure
-    );
     let mut other = Raw::connect(node.port, &unique_id("pub"), None)
         .await
         .expect("connect");
-    // The second is where the broker points refused subscriptions.
-    for topic in ["other/x", "edgemeta-refused", "$edgemeta/refused", "mine/x"] {
+    // The last two are where the broker points refused subscriptions.
+    for topic in [
+        "a/4",
+        "a/6",
+        "a/7",
+        "edgemeta-refused",
+        "$edgemeta/refused",
+        "a/2",
+    ] {
         other.publish(topic, "hello").await;
     }
     let topics: Vec<String> = client
@@ -1019,7 +733,7 @@ async fn a_refused_subscription_delivers_nothing() {
         .collect();
     assert_eq!(
         topics,
-        ["mine/x"],
+        ["a/2"],
         "a client received messages for a filter it was refused"
     );
 }
@@ -1064,19 +778,7 @@ async fn oversized_packets_and_payloads_are_refused_and_the_node_keeps_serving()
         ],
     );
     assert!(!ok, "a packet over max_packet_bytes was accepted");
-    let mut fresh = node.client().await;
-    fresh.subscribe("ke/device/meta/response/#").await;
-    let id = send(
-        &fresh,
-        "device",
-        "insert",
-        "default/sensor/small",
-        json!({"ok": 1}),
-    )
-    .await;
-    fresh
-        .expect_reply_about("ke/device/meta/response", "default/sensor/small", &id)
-        .await;
+    assert_serves(&node, "small").await;
     assert_eq!(node.stored("default/sensor/huge").await, None);
 }
 
@@ -1121,11 +823,7 @@ fn connect_with_will(port: u16, user: &str, topic: &str, will: &str) -> std::net
 
 #[tokio::test]
 async fn a_will_is_held_to_the_publish_rights_of_its_client() {
-    let node = Node::start_with(Options {
-        broker_yaml: acl_yaml(&users_yaml(&["device1", "watcher"])),
-        ..Options::default()
-    })
-    .await;
+    let node = Node::start_with_broker(acl_yaml(&["device1", "watcher"])).await;
     let mut watcher =
         Client::connect_as(node.port, &unique_id("watch"), "watcher", "watcher-pw").await;
     watcher.subscribe("ke/#").await;
@@ -1208,6 +906,7 @@ async fn a_client_that_drops_its_connect_repeatedly_cannot_break_the_listener_fo
 #[tokio::test]
 async fn short_lived_clients_are_not_dropped_under_churn() {
     let node = Node::start().await;
+    let started = Instant::now();
     let mut failures = Vec::new();
     for batch in 0..50 {
         let children: Vec<_> = (0..6)
@@ -1237,5 +936,10 @@ async fn short_lived_clients_are_not_dropped_under_churn() {
         "{} of 300 well-behaved short-lived clients were dropped: {:?}",
         failures.len(),
         failures.first()
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "300 short-lived clients took {:?}",
+        started.elapsed()
     );
 }

@@ -733,17 +733,7 @@ async fn backlog(args: &Args, sizes: &Sizes, rows: &mut Vec<Row>) -> anyhow::Res
     // subscriber of its answers, and one owed more than 3 MiB is cut off.
     for start in (0..n).step_by(WINDOW / 2) {
         let end = (start + WINDOW / 2).min(n);
-        for i in start..end {
-            let resource = format!("default/podstatus/p{}", i % 1000);
-            edged
-                .publish(
-                    format!("ke/meta/edged/update/{}", type_level(&resource)),
-                    QoS::AtLeastOnce,
-                    false,
-                    update(&resource, i),
-                )
-                .await?;
-        }
+        podstatus_updates(&edged, "ke/meta/edged/update", start..end).await?;
         wait_for(
             &mut acks,
             end - start,
@@ -752,25 +742,9 @@ async fn backlog(args: &Args, sizes: &Sizes, rows: &mut Vec<Row>) -> anyhow::Res
         )
         .await?;
     }
-    let started = Instant::now();
-    let cloud = Server::mosquitto_with(
-        &args.mosquitto,
-        dir.path(),
-        "cloud1",
-        cloud_port,
-        &persist("cloud1"),
-    )
-    .await?;
-    let (_sub, mut up) = session(cloud.port, "p4-edgemeta", false).await?;
-    let first = wait_for(
-        &mut up,
-        n,
-        |topic| topic.starts_with("kubeedge/bench/up/"),
-        "edgemeta drain",
-    )
-    .await?;
-    let edgemeta = (first - started, first.elapsed());
-    drop((node, cloud));
+    let cloud = ("cloud1", persist("cloud1"));
+    let edgemeta = drain_on_return(args, dir.path(), cloud_port, cloud, "edgemeta", n).await?;
+    drop(node);
 
     // mosquitto: an edge mosquitto bridging ke/cloud/# up, queueing while the cloud is away.
     let cloud_port = free_port()?;
@@ -790,17 +764,7 @@ async fn backlog(args: &Args, sizes: &Sizes, rows: &mut Vec<Row>) -> anyhow::Res
     let edge =
         Server::mosquitto_with(&args.mosquitto, dir.path(), "edge", free_port()?, &bridge).await?;
     let (publisher, mut pubacks) = client(edge.port, "p4-pub").await?;
-    for i in 0..n {
-        let resource = format!("default/podstatus/p{}", i % 1000);
-        publisher
-            .publish(
-                format!("ke/cloud/edged/update/{}", type_level(&resource)),
-                QoS::AtLeastOnce,
-                false,
-                update(&resource, i),
-            )
-            .await?;
-    }
+    podstatus_updates(&publisher, "ke/cloud/edged/update", 0..n).await?;
     wait_for(
         &mut pubacks,
         n,
@@ -808,25 +772,9 @@ async fn backlog(args: &Args, sizes: &Sizes, rows: &mut Vec<Row>) -> anyhow::Res
         "mosquitto accepts",
     )
     .await?;
-    let started = Instant::now();
-    let cloud = Server::mosquitto_with(
-        &args.mosquitto,
-        dir.path(),
-        "cloud2",
-        cloud_port,
-        &persist("cloud2"),
-    )
-    .await?;
-    let (_sub, mut up) = session(cloud.port, "p4-mosquitto", false).await?;
-    let first = wait_for(
-        &mut up,
-        n,
-        |topic| topic.starts_with("kubeedge/bench/up/"),
-        "mosquitto drain",
-    )
-    .await?;
-    let mosquitto = (first - started, first.elapsed());
-    drop((edge, cloud));
+    let cloud = ("cloud2", persist("cloud2"));
+    let mosquitto = drain_on_return(args, dir.path(), cloud_port, cloud, "mosquitto", n).await?;
+    drop(edge);
 
     rows.push(Row {
         name: format!("P4 {n} queued messages: cloud back → first arrives / first → last (s)"),
@@ -857,6 +805,49 @@ async fn prepare_subscriber(port: u16, id: &str, filter: &str) -> anyhow::Result
     client.disconnect().await?;
     tokio::time::sleep(Duration::from_millis(100)).await;
     Ok(())
+}
+
+/// Publishes edged's pod-status updates number `range` (over 1,000 pods) on `<prefix>/<ns>/<type>`.
+async fn podstatus_updates(
+    client: &AsyncClient,
+    prefix: &str,
+    range: std::ops::Range<usize>,
+) -> anyhow::Result<()> {
+    for i in range {
+        let resource = format!("default/podstatus/p{}", i % 1000);
+        client
+            .publish(
+                format!("{prefix}/{}", type_level(&resource)),
+                QoS::AtLeastOnce,
+                false,
+                update(&resource, i),
+            )
+            .await?;
+    }
+    Ok(())
+}
+
+/// Starts the cloud broker `(name, config)` again on its port and times the `n` messages `peer`
+/// queued for it: from the start to the first arrival, and from the first to the last.
+async fn drain_on_return(
+    args: &Args,
+    dir: &std::path::Path,
+    port: u16,
+    (name, config): (&str, String),
+    peer: &str,
+    n: usize,
+) -> anyhow::Result<(Duration, Duration)> {
+    let started = Instant::now();
+    let cloud = Server::mosquitto_with(&args.mosquitto, dir, name, port, &config).await?;
+    let (_sub, mut up) = session(cloud.port, &format!("p4-{peer}"), false).await?;
+    let first = wait_for(
+        &mut up,
+        n,
+        |topic| topic.starts_with("kubeedge/bench/up/"),
+        &format!("{peer} drain"),
+    )
+    .await?;
+    Ok((first - started, first.elapsed()))
 }
 
 /// Waits until `n` messages whose topic passes `wanted` have arrived; returns when the first

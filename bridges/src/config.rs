@@ -1,8 +1,9 @@
 use std::time::Duration;
 
-use rumqttc::MqttOptions;
+use rumqttc::{MqttOptions, TlsConfiguration, Transport};
 use serde::Deserialize;
 
+use crate::tls::TlsConfig;
 use crate::Error;
 
 /// Cloud bridge settings (`cloud:` in the YAML config).
@@ -12,9 +13,12 @@ pub struct CloudConfig {
     /// `false` runs the node standalone: cloud-bound messages go to the local `<root>/cloud/...`.
     #[serde(default)]
     pub enabled: bool,
-    /// The cloud broker, `mqtt://host:port`.
+    /// The cloud broker, `mqtt://host:port` or, over TLS, `mqtts://host:port` (see `tls`).
     #[serde(default = "default_url")]
     pub url: String,
+    /// TLS settings for an `mqtts://` url.
+    #[serde(default)]
+    pub tls: TlsConfig,
     /// This node's name in cloud topics.
     #[serde(default = "default_node_id")]
     pub node_id: String,
@@ -74,6 +78,7 @@ impl Default for CloudConfig {
         CloudConfig {
             enabled: false,
             url: default_url(),
+            tls: TlsConfig::default(),
             node_id: default_node_id(),
             root: default_root(),
             client_id: None,
@@ -89,13 +94,20 @@ impl Default for CloudConfig {
 }
 
 impl CloudConfig {
-    /// Checks the settings and builds the MQTT options; errors name the key.
+    /// Checks the settings and builds the MQTT options; errors name the key. With TLS, the
+    /// certificate files are read now: call it once per session to pick up rotated ones.
     pub fn mqtt_options(&self) -> Result<MqttOptions, Error> {
         let bad = |m: String| Err(Error::Config(m));
-        let (host, port) = match parse_url(&self.url) {
-            Ok(hp) => hp,
+        let (tls, host, port) = match parse_url(&self.url) {
+            Ok(url) => url,
             Err(m) => return bad(m),
         };
+        if !tls && self.tls != TlsConfig::default() {
+            return bad(format!(
+                "cloud.tls is set but cloud.url {:?} is not mqtts://",
+                self.url
+            ));
+        }
         for (key, value) in [("cloud.node_id", &self.node_id), ("cloud.root", &self.root)] {
             if value.is_empty() || value.contains(['/', '+', '#']) {
                 return bad(format!(
@@ -122,7 +134,16 @@ impl CloudConfig {
         if let Some(user) = &self.username {
             options.set_credentials(user, self.password.clone().unwrap_or_default());
         }
+        if tls {
+            let config = self.tls.client_config()?;
+            options.set_transport(Transport::tls_with_config(TlsConfiguration::Rustls(config)));
+        }
         Ok(options)
+    }
+
+    /// Whether the cloud broker is reached over TLS (`mqtts://`).
+    pub fn uses_tls(&self) -> bool {
+        self.url.starts_with("mqtts://")
     }
 
     /// The MQTT client id used at the cloud broker.
@@ -133,15 +154,16 @@ impl CloudConfig {
     }
 }
 
-fn parse_url(url: &str) -> Result<(String, u16), String> {
-    let rest = if let Some(rest) = url.strip_prefix("mqtt://") {
-        rest
-    } else if url.starts_with("mqtts://") {
-        return Err(format!(
-            "cloud.url {url:?}: mqtts:// (TLS) is not supported by this build yet; use mqtt://"
-        ));
+/// `(tls, host, port)` of a `mqtt://` or `mqtts://` url; the port defaults to 1883 or 8883.
+fn parse_url(url: &str) -> Result<(bool, String, u16), String> {
+    let (tls, rest) = if let Some(rest) = url.strip_prefix("mqtt://") {
+        (false, rest)
+    } else if let Some(rest) = url.strip_prefix("mqtts://") {
+        (true, rest)
     } else {
-        return Err(format!("cloud.url {url:?} must start with mqtt://"));
+        return Err(format!(
+            "cloud.url {url:?} must start with mqtt:// or mqtts://"
+        ));
     };
     let (host, port) = match rest.rsplit_once(':') {
         Some((host, port)) => {
@@ -150,12 +172,12 @@ fn parse_url(url: &str) -> Result<(String, u16), String> {
                 .map_err(|_| format!("cloud.url {url:?}: bad port {port:?}"))?;
             (host, port)
         }
-        None => (rest, 1883),
+        None => (rest, if tls { 8883 } else { 1883 }),
     };
     if host.is_empty() {
         return Err(format!("cloud.url {url:?} has no host"));
     }
-    Ok((host.to_owned(), port))
+    Ok((tls, host.to_owned(), port))
 }
 
 #[cfg(test)]
@@ -166,11 +188,15 @@ mod tests {
     fn urls_give_host_and_port() {
         assert_eq!(
             parse_url("mqtt://cloud.example:8883").unwrap(),
-            ("cloud.example".into(), 8883)
+            (false, "cloud.example".into(), 8883)
         );
         assert_eq!(
             parse_url("mqtt://10.0.0.1").unwrap(),
-            ("10.0.0.1".into(), 1883)
+            (false, "10.0.0.1".into(), 1883)
+        );
+        assert_eq!(
+            parse_url("mqtts://cloud.example").unwrap(),
+            (true, "cloud.example".into(), 8883)
         );
     }
 
@@ -180,7 +206,7 @@ mod tests {
             "tcp://x:1",
             "mqtt://:1",
             "mqtt://x:port",
-            "mqtts://x:8883",
+            "mqtts://:8883",
             "x",
         ] {
             assert!(parse_url(url).unwrap_err().contains("cloud.url"), "{url}");

@@ -17,6 +17,9 @@ pub enum Error {
         "a cloud message was refused for now (outbox full); a new session has it delivered again"
     )]
     Redeliver,
+    /// A bug, not a condition to retry: the bridge stops and the node decides what follows.
+    #[error("a cloud bridge task panicked: {0}")]
+    Panicked(String),
 }
 
 impl From<rumqttc::ConnectionError> for Error {

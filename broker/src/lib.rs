@@ -4,17 +4,19 @@
 //! # Layout
 //! - [`backlog`]: how far our links lag; the front pauses clients before rumqttd would drop.
 //! - [`config`]: our YAML listener/limit settings, turned into rumqttd's settings.
+//! - [`codec`]: MQTT 3.1.1 and 5 as one codec type, so one listener type serves both.
 //! - [`guard`]: the codec wrapper that vets every CONNECT, PUBLISH and SUBSCRIBE.
 //! - [`security`]: authentication and the topic ACL the guard applies.
 //! - [`lag`]: what each QoS 1/2 subscriber is owed; one that falls behind is cut off.
 //! - [`server`]: starts the router and the listeners; a listener that cannot bind is fatal.
-//! - [`front`]: our accept loop in front of every rumqttd listener (TLS, client certificates,
-//!   low latency, back-pressure, cutting clients off).
+//! - [`front`]: our accept loop on every listener's address, spliced to rumqttd on loopback (TLS,
+//!   client certificates, low latency, back-pressure, cutting clients off).
 //! - [`session`]: one connection as both the front and the guard know it.
 //! - [`link`]: an in-process client: subscribe, receive [`Message`]s, publish them.
 //! - [`message`]: the one value all crates exchange.
 
 pub mod backlog;
+pub mod codec;
 pub mod config;
 pub mod error;
 pub mod front;

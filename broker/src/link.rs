@@ -40,6 +40,7 @@ impl Publisher {
 }
 
 impl Link {
+    /// Starts the link's receive task and publisher thread, both owned by `links`.
     pub(crate) fn spawn(
         client_id: String,
         link_tx: LinkTx,
@@ -47,23 +48,53 @@ impl Link {
         capacity: usize,
         backlog: Arc<Backlog>,
         lag: Arc<Lag>,
+        links: &mut Links,
     ) -> Result<Link, Error> {
         let (inbox_tx, inbox) = mpsc::channel(capacity);
         let (publisher, outgoing) = Publisher::channel(capacity);
-        tokio::spawn(receive(
-            client_id.clone(),
-            link_rx,
-            inbox_tx,
-            backlog.clone(),
-        ));
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name(format!("{client_id}-tx"))
-            .spawn(move || send(client_id, link_tx, outgoing, &backlog, &lag))
+            .spawn({
+                let client_id = client_id.clone();
+                let backlog = backlog.clone();
+                move || send(client_id, link_tx, outgoing, &backlog, &lag)
+            })
             .map_err(|e| Error::Link {
-                client_id: "publisher thread".into(),
-                reason: e.to_string(),
+                client_id: client_id.clone(),
+                reason: format!("cannot start its publisher thread: {e}"),
             })?;
+        links.threads.push((client_id.clone(), thread));
+        links
+            .receivers
+            .spawn(receive(client_id, link_rx, inbox_tx, backlog));
         Ok(Link { inbox, publisher })
+    }
+}
+
+/// The tasks and threads of every in-process link, kept to be joined at shutdown.
+#[derive(Default)]
+pub struct Links {
+    receivers: tokio::task::JoinSet<()>,
+    threads: Vec<(String, std::thread::JoinHandle<()>)>,
+}
+
+impl Links {
+    /// Stops receiving, then waits for each publisher thread to hand over what its
+    /// [`Publisher`]s queued (it ends once they are all dropped). Drop every publisher first.
+    pub async fn join(mut self) -> Result<(), Error> {
+        // A receiver waits on the router, which never goes away (rumqttd #771): nothing to wait for.
+        self.receivers.shutdown().await;
+        let mut result = Ok(());
+        for (client_id, thread) in self.threads {
+            let joined = tokio::task::spawn_blocking(move || thread.join()).await;
+            if !matches!(joined, Ok(Ok(()))) {
+                result = Err(Error::Link {
+                    client_id,
+                    reason: "its publisher thread panicked".into(),
+                });
+            }
+        }
+        result
     }
 }
 

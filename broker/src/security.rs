@@ -99,9 +99,9 @@ pub fn hash_password(password: &str) -> Result<String, String> {
 
 /// Counts of refused operations, shared by every connection of the broker.
 #[derive(Debug, Default)]
-pub struct Denials {
-    pub publishes: AtomicU64,
-    pub subscribes: AtomicU64,
+struct Denials {
+    publishes: AtomicU64,
+    subscribes: AtomicU64,
 }
 
 /// The checked form of the auth and ACL settings.
@@ -112,10 +112,10 @@ pub struct Policy {
     users: BTreeMap<String, String>,
     acl: Option<AclConfig>,
     max_subscriptions: usize,
-    /// Shared only with our client-certificate TLS front (random per process): a login carrying
-    /// it was vouched for by a verified certificate.
+    /// Shared only with our front (random per process): a login carrying it came through the
+    /// front, with the certificate name the front verified, if any.
     cert_secret: Arc<str>,
-    pub denials: Denials,
+    denials: Denials,
 }
 
 /// Who a connection is.
@@ -178,10 +178,6 @@ impl Policy {
     /// Whether rumqttd must be asked to check credentials at all.
     pub fn needs_login_check(&self) -> bool {
         !self.users.is_empty() || !self.allow_anonymous
-    }
-
-    pub fn allows_anonymous(&self) -> bool {
-        self.allow_anonymous
     }
 
     /// Checks a username and password; an empty username is the anonymous client.
@@ -305,9 +301,6 @@ fn filter_within(filter: &str, allowed: &str) -> bool {
     }
     wanted.next().is_none()
 }
-
-/// A shared policy.
-pub type SharedPolicy = Arc<Policy>;
 
 #[cfg(test)]
 mod tests {

@@ -1,69 +1,27 @@
+//! The router and the listeners: rumqttd's router thread, and per configured listener our
+//! [`front`](crate::front) on its address with a guarded rumqttd listener behind it on loopback.
+
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rumqttd::local::{LinkBuilder, LinkRx, LinkTx};
-use rumqttd::protocol::{v4::V4, v5::V5};
 use rumqttd::{LinkType, Router, Server};
-use std::sync::atomic::Ordering;
 use tokio::task::JoinSet;
 use tracing::{info, warn};
 
 use crate::backlog::Backlog;
+use crate::codec::Codec;
+use crate::config::{BrokerConfig, ListenerConfig, MqttVersion};
+use crate::guard::ConnectGuard;
 use crate::lag::Lag;
+use crate::link::{Link, Links};
 use crate::security::Policy;
 use crate::session::Sessions;
-
-use crate::config::{BrokerConfig, MqttVersion};
-use crate::guard::ConnectGuard;
-use crate::link::Link;
 use crate::{Error, RESERVED_CLIENT_PREFIX};
 
-/// Spawns one rumqttd listener on our runtime, its codec wrapped in [`ConnectGuard`].
-///
-/// A macro because rumqttd's router channel type cannot be named outside rumqttd.
-macro_rules! spawn_listener {
-    ($set:expr, $settings:expr, $router_tx:expr, $guard:expr) => {{
-        let settings: rumqttd::ServerSettings = $settings;
-        let (name, address) = (settings.name.clone(), settings.listen);
-        let mut server = Server::new(settings, $router_tx, $guard);
-        $set.spawn(async move {
-            let reason = match server.start(LinkType::Remote).await {
-                Ok(()) => "accept loop ended".to_owned(),
-                Err(e) => e.to_string(),
-            };
-            Error::ListenerStopped {
-                name,
-                address,
-                reason,
-            }
-        });
-    }};
-}
-
-/// Spawns a listener speaking `protocol` behind a [`ConnectGuard`] (optionally behind the
-/// client-certificate front, whose secret it then requires).
-macro_rules! spawn_guarded {
-    ($set:expr, $settings:expr, $router_tx:expr, $protocol:expr, $policy:expr, $front:expr, $backlog:expr, $lag:expr) => {{
-        let (secret, sessions): (Arc<str>, Arc<Sessions>) = $front;
-        match $protocol {
-            MqttVersion::V4 => {
-                let guard = ConnectGuard::new(V4, $policy.clone(), false)
-                    .counting($backlog.clone())
-                    .watching($lag.clone())
-                    .behind_front(secret, sessions);
-                spawn_listener!($set, $settings, $router_tx, guard)
-            }
-            MqttVersion::V5 => {
-                let guard = ConnectGuard::new(V5, $policy.clone(), true)
-                    .counting($backlog.clone())
-                    .watching($lag.clone())
-                    .behind_front(secret, sessions);
-                spawn_listener!($set, $settings, $router_tx, guard)
-            }
-        }
-    }};
-}
+/// The codec every rumqttd listener of ours runs.
+type Guarded = ConnectGuard<Codec>;
 
 /// Has rumqttd check logins through the policy when any credential check is on.
 fn with_auth(
@@ -93,25 +51,27 @@ fn with_auth(
 /// How long a listener may take to bind once its task is spawned.
 const READY_TIMEOUT: Duration = Duration::from_secs(5);
 
+// Closures, because they capture rumqttd's router sender, whose type rumqttd does not export.
 type LinkFactory = dyn Fn(&str) -> Result<(LinkTx, LinkRx), Error> + Send + Sync;
+type ServerFactory = dyn Fn(rumqttd::ServerSettings, Guarded) -> Server<Guarded> + Send + Sync;
 
-/// The running broker: rumqttd's router thread plus one task per listener on our runtime.
+/// The running broker: rumqttd's router thread plus, per listener, the front and a guarded
+/// rumqttd listener, each a task on our runtime.
 ///
 /// Dropping it stops the listeners (existing connections and the router live until process exit,
 /// rumqttd has no shutdown).
 pub struct Broker {
+    config: BrokerConfig,
     listeners: JoinSet<Error>,
     new_link: Arc<LinkFactory>,
-    open: Option<Box<OpenListeners>>,
-    addresses: Vec<(String, SocketAddr)>,
+    new_server: Box<ServerFactory>,
+    listening: bool,
+    links: Links,
     policy: Arc<Policy>,
+    sessions: Arc<Sessions>,
     backlog: Arc<Backlog>,
     lag: Arc<Lag>,
 }
-
-/// Spawns the configured listeners; a closure because it captures rumqttd's unnameable sender.
-type OpenListeners =
-    dyn FnOnce(&mut JoinSet<Error>) -> Result<Vec<(String, SocketAddr, MqttVersion)>, Error> + Send;
 
 impl Broker {
     /// Validates the config and starts rumqttd's router; listeners open with [`Broker::listen`],
@@ -120,12 +80,6 @@ impl Broker {
     pub fn new(config: &BrokerConfig, link_filters: &[String]) -> Result<Broker, Error> {
         config.validate()?;
         let policy = Arc::new(config.policy()?);
-        let backlog = Arc::new(Backlog::new(config.link_pause_bytes() as u64));
-        let listener_backlog = backlog.clone();
-        let lag = Arc::new(Lag::new(config.subscriber_lag_limit() as u64));
-        let listener_lag = lag.clone();
-        let sessions = Arc::new(Sessions::default());
-        let denials = policy.clone();
         let router_tx = Router::new(0, config.router_config(link_filters)).spawn();
         let listener_tx = router_tx.clone();
         let new_link: Arc<LinkFactory> = Arc::new(move |client_id: &str| {
@@ -135,74 +89,19 @@ impl Broker {
                 .map(|(tx, rx, _ack)| (tx, rx))
                 .map_err(|e| link_error(client_id, e))
         });
-        let config = config.clone();
-        let open: Box<OpenListeners> = Box::new(move |listeners: &mut JoinSet<Error>| {
-            let mut planned = Vec::new();
-            for (name, listener) in &config.listeners {
-                // rumqttd only logs a failed bind; probe first so the failure is ours to report.
-                let bound = std::net::TcpListener::bind(listener.address).map_err(|source| {
-                    Error::Bind {
-                        name: name.clone(),
-                        address: listener.address,
-                        source,
-                    }
-                })?;
-                // Every listener is our front on the address, rumqttd behind it on loopback.
-                let tls = (listener.tls.as_ref())
-                    .map(|tls| crate::front::Tls::new(name, tls))
-                    .transpose()?;
-                let backend_name = format!("{name}-backend");
-                let backend = std::net::TcpListener::bind(("127.0.0.1", 0))
-                    .and_then(|probe| probe.local_addr())
-                    .map_err(|source| Error::Bind {
-                        name: backend_name.clone(),
-                        address: listener.address,
-                        source,
-                    })?;
-                let plain = crate::config::ListenerConfig {
-                    address: backend,
-                    tls: None,
-                    ..listener.clone()
-                };
-                let settings = with_auth(config.server_settings(&backend_name, &plain), &policy);
-                spawn_guarded!(
-                    listeners,
-                    settings,
-                    listener_tx.clone(),
-                    listener.protocol,
-                    &policy,
-                    (policy.cert_secret(), sessions.clone()),
-                    listener_backlog,
-                    listener_lag
-                );
-                listeners.spawn(crate::front::serve(
-                    name.clone(),
-                    bound,
-                    tls,
-                    crate::front::Backend {
-                        address: backend,
-                        secret: policy.cert_secret(),
-                        connect_timeout: Duration::from_millis(u64::from(
-                            config.connect_timeout_ms,
-                        )),
-                        backlog: listener_backlog.clone(),
-                        sessions: sessions.clone(),
-                        low_latency: config.low_latency,
-                    },
-                ));
-                planned.push((backend_name, backend, listener.protocol));
-                planned.push((name.clone(), listener.address, listener.protocol));
-            }
-            Ok(planned)
-        });
+        let new_server: Box<ServerFactory> =
+            Box::new(move |settings, guard| Server::new(settings, listener_tx.clone(), guard));
         Ok(Broker {
+            config: config.clone(),
             listeners: JoinSet::new(),
             new_link,
-            open: Some(open),
-            addresses: Vec::new(),
-            policy: denials,
-            backlog,
-            lag,
+            new_server,
+            listening: false,
+            links: Links::default(),
+            policy,
+            sessions: Arc::new(Sessions::default()),
+            backlog: Arc::new(Backlog::new(config.link_pause_bytes() as u64)),
+            lag: Arc::new(Lag::new(config.subscriber_lag_limit() as u64)),
         })
     }
 
@@ -211,24 +110,90 @@ impl Broker {
     /// # Errors
     /// A listener that cannot bind (address in use, bad address) is fatal and named.
     pub async fn listen(&mut self) -> Result<(), Error> {
-        let Some(open) = self.open.take() else {
+        if std::mem::replace(&mut self.listening, true) {
             return Ok(());
-        };
-        for (name, address, protocol) in open(&mut self.listeners)? {
+        }
+        let mut opened = Vec::new();
+        for (name, listener) in self.config.listeners.clone() {
+            opened.extend(self.open(&name, &listener)?);
+        }
+        for (name, address, protocol) in opened {
             wait_until_bound(&mut self.listeners, &name, address).await?;
             info!(listener = %name, %address, ?protocol, "mqtt listener ready");
-            self.addresses.push((name, address));
         }
         Ok(())
     }
 
-    /// Publishes and subscribes refused so far: `(publishes, subscribes)`.
-    pub fn denials(&self) -> (u64, u64) {
-        let d = &self.policy.denials;
-        (
-            d.publishes.load(Ordering::Relaxed),
-            d.subscribes.load(Ordering::Relaxed),
-        )
+    /// Spawns the front on the listener's address and a guarded rumqttd listener behind it on a
+    /// loopback port; returns both, back end first, to wait for.
+    fn open(
+        &mut self,
+        name: &str,
+        listener: &ListenerConfig,
+    ) -> Result<[(String, SocketAddr, MqttVersion); 2], Error> {
+        // rumqttd only logs a failed bind; bind first so the failure is ours to report.
+        let bound =
+            std::net::TcpListener::bind(listener.address).map_err(|source| Error::Bind {
+                name: name.to_owned(),
+                address: listener.address,
+                source,
+            })?;
+        let tls = (listener.tls.as_ref())
+            .map(|tls| crate::front::Tls::new(name, tls))
+            .transpose()?;
+        let backend_name = format!("{name}-backend");
+        let backend = std::net::TcpListener::bind(("127.0.0.1", 0))
+            .and_then(|probe| probe.local_addr())
+            .map_err(|source| Error::Bind {
+                name: backend_name.clone(),
+                address: listener.address,
+                source,
+            })?;
+        let plain = ListenerConfig {
+            address: backend,
+            tls: None,
+            ..listener.clone()
+        };
+        let settings = with_auth(
+            self.config.server_settings(&backend_name, &plain),
+            &self.policy,
+        );
+        let codec = Codec::of(listener.protocol);
+        let v5 = codec.is_v5();
+        let guard = ConnectGuard::new(codec, self.policy.clone(), v5)
+            .counting(self.backlog.clone())
+            .watching(self.lag.clone())
+            .behind_front(self.policy.cert_secret(), self.sessions.clone());
+        let mut server = (self.new_server)(settings, guard);
+        let stopped = backend_name.clone();
+        self.listeners.spawn(async move {
+            let reason = match server.start(LinkType::Remote).await {
+                Ok(()) => "accept loop ended".to_owned(),
+                Err(e) => e.to_string(),
+            };
+            Error::ListenerStopped {
+                name: stopped,
+                address: backend,
+                reason,
+            }
+        });
+        self.listeners.spawn(crate::front::serve(
+            name.to_owned(),
+            bound,
+            tls,
+            crate::front::Backend {
+                address: backend,
+                secret: self.policy.cert_secret(),
+                connect_timeout: Duration::from_millis(u64::from(self.config.connect_timeout_ms)),
+                backlog: self.backlog.clone(),
+                sessions: self.sessions.clone(),
+                low_latency: self.config.low_latency,
+            },
+        ));
+        Ok([
+            (backend_name, backend, listener.protocol),
+            (name.to_owned(), listener.address, listener.protocol),
+        ])
     }
 
     /// Subscribers cut off so far for falling behind their filter's log.
@@ -236,14 +201,9 @@ impl Broker {
         self.lag.cut_count()
     }
 
-    /// The listeners' names and addresses.
-    pub fn addresses(&self) -> &[(String, SocketAddr)] {
-        &self.addresses
-    }
-
     /// Opens an in-process client named `edgemeta-<name>` subscribed to `filters`.
     pub async fn link(
-        &self,
+        &mut self,
         name: &str,
         filters: &[String],
         capacity: usize,
@@ -273,7 +233,15 @@ impl Broker {
             capacity,
             self.backlog.clone(),
             self.lag.clone(),
+            &mut self.links,
         )
+    }
+
+    /// Stops the listeners, so no new connection is accepted, and hands over the links to be
+    /// joined once their users have stopped. rumqttd cannot close the connections it has, nor
+    /// its router (rumqttd #771); those live until the process exits.
+    pub fn close(self) -> Links {
+        self.links
     }
 
     /// Resolves when a listener stops after start-up; the node cannot serve without it.

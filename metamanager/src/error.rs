@@ -43,6 +43,10 @@ pub enum Error {
     Open(#[from] StoreError),
     #[error("the metamanager is shutting down")]
     Closed,
+    #[error("the {task} task panicked")]
+    Panicked { task: &'static str },
+    #[error("the {task} task ended while the node was running")]
+    Ended { task: &'static str },
 }
 
 impl Error {
@@ -70,7 +74,19 @@ impl Error {
             Error::Commit(_) => "EM-STORE-COMMIT",
             Error::Open(_) => "EM-STORE-OPEN",
             Error::Closed => "EM-META-CLOSED",
+            Error::Panicked { task: "store" } => "EM-STORE-PANIC",
+            Error::Panicked { .. } => "EM-META-PANIC",
+            Error::Ended { .. } => "EM-META-ENDED",
         }
+    }
+
+    /// Refused for now, not for good (a full outbox, a failed commit, shutting down): a sender
+    /// that can hold the message (the cloud bridge) delivers it again later.
+    pub fn is_temporary(&self) -> bool {
+        matches!(
+            self,
+            Error::OutboxFull { .. } | Error::Commit(_) | Error::Closed
+        )
     }
 
     /// Bad input is the sender's problem (logged at warn); the rest is ours (logged at error).

@@ -8,12 +8,14 @@
 //! - [`worker`]: the store owner thread; group commit, one savepoint per message.
 //! - [`process`]: what each operation does, driven by the [`routing`] table.
 //! - [`store`]: libsql on a local file: `meta` (KubeEdge's table) and `outbox`.
+//! - [`outbox`]: every rule of the cloud outbox, and the handle its deliverers use.
 //! - [`relay`]: without a cloud bridge, the outbox goes to the local `<root>/cloud/...` topics.
 
 pub mod envelope;
 pub mod error;
 pub mod intake;
 pub mod operation;
+pub mod outbox;
 pub mod process;
 pub mod relay;
 pub mod request;
@@ -26,16 +28,19 @@ pub mod worker;
 use std::sync::Arc;
 use std::time::Duration;
 
-use edgemeta_broker::{Link, Message, Publisher};
+use edgemeta_broker::{Link, Message};
 use serde::Deserialize;
 use tokio::sync::{mpsc, oneshot, Notify};
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub use error::Error;
 pub use operation::Operation;
+pub use outbox::{OutboxEntry, OutboxHandle, OutboxStats, PendingAck};
 pub use request::Request;
-pub use store::{OutboxEntry, OutboxStats, StoreConfig};
+pub use store::StoreConfig;
 pub use worker::Outcome;
+use worker::Stopped;
 
 /// MetaManager settings (`metamanager:` in the YAML config).
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -88,84 +93,6 @@ pub fn subscription(root: &str) -> String {
     format!("{root}/{}/#", topic::META)
 }
 
-/// An outbox deletion handed to the store, whose outcome is read later.
-pub struct PendingAck(oneshot::Receiver<Result<(), Error>>);
-
-impl PendingAck {
-    /// Waits for the deletion's commit.
-    pub async fn finish(self) -> Result<(), Error> {
-        self.0.await.map_err(|_| Error::Closed)?
-    }
-}
-
-/// Access to the outbox for whoever delivers it (the local relay or the cloud bridge).
-#[derive(Clone)]
-pub struct OutboxHandle {
-    jobs: mpsc::Sender<worker::Job>,
-    changed: Arc<Notify>,
-}
-
-impl OutboxHandle {
-    /// The oldest `limit` entries with a sequence number above `after`, oldest first.
-    pub async fn peek(&self, after: i64, limit: usize) -> Result<Vec<OutboxEntry>, Error> {
-        let (reply, rx) = oneshot::channel();
-        self.jobs
-            .send(worker::Job::OutboxPeek {
-                after,
-                limit,
-                reply,
-            })
-            .await
-            .map_err(|_| Error::Closed)?;
-        rx.await.map_err(|_| Error::Closed)?
-    }
-
-    /// Deletes every entry up to and including `seq`, after it was delivered.
-    pub async fn ack(&self, seq: i64) -> Result<(), Error> {
-        self.start_ack(seq).await?.finish().await
-    }
-
-    /// Queues the deletion of every entry up to `seq` without waiting for its commit; jobs run
-    /// in order, so a later [`OutboxHandle::peek`] already sees it.
-    pub async fn start_ack(&self, seq: i64) -> Result<PendingAck, Error> {
-        let (reply, rx) = oneshot::channel();
-        self.jobs
-            .send(worker::Job::OutboxAck { seq, reply })
-            .await
-            .map_err(|_| Error::Closed)?;
-        Ok(PendingAck(rx))
-    }
-
-    /// Queues a message another module published for the cloud; returns after the commit.
-    pub async fn append(&self, topic: String, payload: Vec<u8>) -> Result<(), Error> {
-        let (reply, rx) = oneshot::channel();
-        self.jobs
-            .send(worker::Job::OutboxAppend {
-                topic,
-                payload,
-                reply,
-            })
-            .await
-            .map_err(|_| Error::Closed)?;
-        rx.await.map_err(|_| Error::Closed)?
-    }
-
-    /// Depth, size and oldest entry of the outbox.
-    pub async fn stats(&self) -> Result<OutboxStats, Error> {
-        let (reply, rx) = oneshot::channel();
-        self.jobs
-            .send(worker::Job::OutboxStats { reply })
-            .await
-            .map_err(|_| Error::Closed)?;
-        rx.await.map_err(|_| Error::Closed)?
-    }
-
-    /// Wakes when new entries may have been committed.
-    pub fn changed(&self) -> Arc<Notify> {
-        self.changed.clone()
-    }
-}
-
 /// Hands messages to the MetaManager as if they had arrived on its topics, and says when each
 /// is final: the cloud bridge acknowledges a cloud message only after that.
 #[derive(Clone)]
@@ -186,12 +113,15 @@ impl Ingress {
     }
 }
 
-/// A running MetaManager.
+/// A running MetaManager: it owns its tasks (intake, the relay) and its store thread.
 pub struct MetaManager {
     outbox: OutboxHandle,
     ingress: Ingress,
-    intake: tokio::task::JoinHandle<()>,
-    store_done: oneshot::Receiver<()>,
+    intake: Option<JoinHandle<()>>,
+    relay: Option<JoinHandle<()>>,
+    store_done: oneshot::Receiver<Stopped>,
+    /// How the store thread ended, once [`MetaManager::failed`] saw it end.
+    store_stopped: Option<Stopped>,
 }
 
 impl MetaManager {
@@ -216,7 +146,7 @@ impl MetaManager {
             },
             podstatus_sync_interval: Duration::from_secs(config.podstatus_sync_interval_s.max(1)),
             batch_max: store.batch_max.max(1),
-            outbox_limit: process::OutboxLimit {
+            outbox_limit: outbox::OutboxLimit {
                 entries: store.outbox_max_entries,
                 bytes: store.outbox_max_bytes,
             },
@@ -230,18 +160,15 @@ impl MetaManager {
             changed.clone(),
         )
         .await?;
-        let outbox = OutboxHandle {
-            jobs: jobs_tx.clone(),
-            changed: changed.clone(),
-        };
-        if local_relay {
+        let outbox = OutboxHandle::new(jobs_tx.clone(), changed.clone());
+        let relay = local_relay.then(|| {
             tokio::spawn(relay::run(
                 outbox.clone(),
                 publisher.clone(),
                 changed,
                 cancel.clone(),
-            ));
-        }
+            ))
+        });
         let intake_config = intake::IntakeConfig {
             root: root.to_owned(),
             max_payload_bytes: config.max_payload_bytes,
@@ -258,8 +185,10 @@ impl MetaManager {
         Ok(MetaManager {
             outbox,
             ingress: Ingress { tx: submit_tx },
-            intake,
+            intake: Some(intake),
+            relay,
             store_done,
+            store_stopped: None,
         })
     }
 
@@ -273,23 +202,67 @@ impl MetaManager {
         self.outbox.clone()
     }
 
-    /// Waits until intake has stopped and the worker has committed everything it accepted.
-    /// Cancel the token given to [`MetaManager::start`] first.
-    pub async fn stopped(self) {
+    /// Resolves if the store thread, intake or the relay ends while the node runs (a panic, or a
+    /// link that closed): nobody would answer the node's clients any more, so the binary stops it.
+    pub async fn failed(&mut self) -> Error {
+        let (task, panicked) = tokio::select! {
+            stopped = &mut self.store_done => {
+                let stopped = stopped.unwrap_or(Stopped::Panicked);
+                self.store_stopped = Some(stopped);
+                ("store", stopped == Stopped::Panicked)
+            }
+            joined = join(&mut self.intake) => ("intake", joined.is_err()),
+            joined = join(&mut self.relay) => ("relay", joined.is_err()),
+        };
+        if panicked {
+            Error::Panicked { task }
+        } else {
+            Error::Ended { task }
+        }
+    }
+
+    /// Waits until intake and the relay have stopped and the worker has committed everything
+    /// it accepted. Cancel the token given to [`MetaManager::start`] first. A task or the store
+    /// thread that panicked is reported, for the binary's exit code.
+    pub async fn stopped(self) -> Result<(), Error> {
         let MetaManager {
             outbox,
             ingress,
             intake,
+            relay,
             store_done,
+            store_stopped,
         } = self;
         drop(ingress);
-        let _ = intake.await;
+        let mut result = Ok(());
+        for (task, handle) in [("intake", intake), ("relay", relay)] {
+            if let Some(handle) = handle {
+                if handle.await.is_err() {
+                    result = Err(Error::Panicked { task });
+                }
+            }
+        }
         drop(outbox);
-        let _ = store_done.await;
+        let stopped = match store_stopped {
+            Some(stopped) => stopped,
+            None => store_done.await.unwrap_or(Stopped::Panicked),
+        };
+        if stopped == Stopped::Panicked {
+            result = Err(Error::Panicked { task: "store" });
+        }
+        result
     }
 }
 
-/// Re-exported for tests that drive the MetaManager without a broker.
-pub fn test_publisher(capacity: usize) -> (Publisher, mpsc::Receiver<edgemeta_broker::Message>) {
-    Publisher::channel(capacity)
+/// Waits for the task in `handle`, taking it, so a finished handle is never polled again; never
+/// resolves when there is none.
+async fn join(handle: &mut Option<JoinHandle<()>>) -> Result<(), tokio::task::JoinError> {
+    match handle {
+        Some(task) => {
+            let joined = task.await;
+            *handle = None;
+            joined
+        }
+        None => std::future::pending().await,
+    }
 }

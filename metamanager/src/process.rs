@@ -14,6 +14,7 @@ use tracing::{debug, info, warn};
 use crate::envelope::{json_string, new_msg_id, null, raw, Envelope, Route};
 use crate::error::Error;
 use crate::operation::Operation;
+use crate::outbox::{self, OutboxLimit};
 use crate::request::{Request, Requester};
 use crate::resource::Resource;
 use crate::routing::{self, Forward, Reply, Rule, Special, Store, When};
@@ -68,13 +69,6 @@ pub struct Waits {
     pub volume: Duration,
 }
 
-/// The most the outbox may hold before cloud-bound changes are refused.
-#[derive(Debug, Clone, Copy)]
-pub struct OutboxLimit {
-    pub entries: u64,
-    pub bytes: u64,
-}
-
 /// Everything an operation may touch.
 pub struct Context<'a> {
     pub db: &'a Db,
@@ -108,25 +102,16 @@ impl Context<'_> {
         }
     }
 
-    /// Appends to the outbox unless that would pass its limit: a full outbox refuses the change
-    /// (the requester gets an `error`) rather than dropping anything already queued.
-    pub async fn queue_for_cloud(&mut self, topic: &str, payload: &[u8]) -> Result<(), Error> {
-        let outbox = &mut self.state.outbox;
-        let size = payload.len() as u64;
-        if outbox.entries >= self.outbox_limit.entries
-            || outbox.bytes + size > self.outbox_limit.bytes
-        {
-            return Err(Error::OutboxFull {
-                entries: outbox.entries,
-                bytes: outbox.bytes,
-            });
-        }
-        self.db
-            .outbox_push(topic, payload)
-            .await
-            .map_err(Error::store("queue message for the cloud"))?;
-        outbox.entries += 1;
-        outbox.bytes += size;
+    /// Appends to the outbox in this message's savepoint (see [`outbox::append`]).
+    async fn queue_for_cloud(&mut self, topic: &str, payload: &[u8]) -> Result<(), Error> {
+        outbox::append(
+            self.db,
+            &mut self.state.outbox,
+            self.outbox_limit,
+            topic,
+            payload,
+        )
+        .await?;
         self.outbox_written = true;
         Ok(())
     }

@@ -14,9 +14,10 @@ use tokio::time::{interval_at, Instant, MissedTickBehavior};
 use tracing::{error, warn};
 
 use crate::error::Error;
-use crate::process::{self, Context, OutboxLimit, State, Waits};
+use crate::outbox::{self, OutboxLimit, Read, Write};
+use crate::process::{self, Context, State, Waits};
 use crate::request::Request;
-use crate::store::{Db, OutboxEntry, OutboxStats, StoreConfig};
+use crate::store::{Db, StoreConfig, StoreError};
 
 /// Fired once a request has been dealt with.
 pub type Done = oneshot::Sender<Outcome>;
@@ -32,9 +33,10 @@ pub enum Outcome {
 
 impl Outcome {
     fn of(error: &Error) -> Outcome {
-        match error {
-            Error::OutboxFull { .. } | Error::Commit(_) | Error::Closed => Outcome::Retry,
-            _ => Outcome::Final,
+        if error.is_temporary() {
+            Outcome::Retry
+        } else {
+            Outcome::Final
         }
     }
 }
@@ -43,27 +45,10 @@ impl Outcome {
 pub enum Job {
     /// A parsed message, and whom to tell once it is committed.
     Request(Box<Request>, Option<Done>),
-    /// Queue a message for the cloud that another module published on `<root>/cloud/...`.
-    OutboxAppend {
-        topic: String,
-        payload: Vec<u8>,
-        reply: oneshot::Sender<Result<(), Error>>,
-    },
-    /// Outbox depth, size and the creation time of its oldest entry.
-    OutboxStats {
-        reply: oneshot::Sender<Result<OutboxStats, Error>>,
-    },
-    /// Read the oldest outbox entries with `seq > after` (once the current batch commits).
-    OutboxPeek {
-        after: i64,
-        limit: usize,
-        reply: oneshot::Sender<Result<Vec<OutboxEntry>, Error>>,
-    },
-    /// Delete outbox entries up to `seq` once delivered.
-    OutboxAck {
-        seq: i64,
-        reply: oneshot::Sender<Result<(), Error>>,
-    },
+    /// An outbox change, committed with the batch it arrives in.
+    Write(Write),
+    /// An outbox read, answered after that batch.
+    Read(Read),
 }
 
 /// What the worker needs besides the store.
@@ -75,16 +60,25 @@ pub struct WorkerConfig {
     pub outbox_limit: OutboxLimit,
 }
 
+/// How the store thread ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stopped {
+    /// Every job sender was gone and the last batch committed.
+    Finished,
+    /// The thread panicked: the node must stop, since nobody would answer its clients.
+    Panicked,
+}
+
 /// Opens the store on a new thread and serves `jobs` until every sender is gone.
 ///
-/// Returns once the store is open (or failed to open); `done` fires after the last commit.
+/// Returns once the store is open (or failed to open); `done` tells how the thread ended.
 pub async fn spawn(
     store: StoreConfig,
     config: WorkerConfig,
     jobs: mpsc::Receiver<Job>,
     publisher: Publisher,
     outbox_changed: Arc<Notify>,
-) -> Result<oneshot::Receiver<()>, Error> {
+) -> Result<oneshot::Receiver<Stopped>, Error> {
     let (opened_tx, opened_rx) = oneshot::channel();
     let (done_tx, done_rx) = oneshot::channel();
     std::thread::Builder::new()
@@ -96,10 +90,7 @@ pub async fn spawn(
             {
                 Ok(rt) => rt,
                 Err(e) => {
-                    let _ = opened_tx.send(Err(Error::Content {
-                        what: "runtime",
-                        reason: e.to_string(),
-                    }));
+                    let _ = opened_tx.send(Err(Error::Open(StoreError::Thread(e))));
                     return;
                 }
             };
@@ -132,21 +123,18 @@ pub async fn spawn(
                     worker.run(jobs).await;
                 })
             }));
-            if served.is_err() {
-                // Nothing is acknowledged before its commit, so stopping loses nothing a client
-                // was told is safe; serving on without a store would answer nobody.
-                error!(
-                    error_code = "EM-STORE-PANIC",
-                    "store thread panicked; exiting"
-                );
-                std::process::exit(70);
-            }
-            let _ = done_tx.send(());
+            // Nothing is acknowledged before its commit, so stopping after a panic loses nothing
+            // a client was told is safe; the binary decides the exit code.
+            let stopped = match served {
+                Ok(()) => Stopped::Finished,
+                Err(_) => {
+                    error!(error_code = "EM-STORE-PANIC", "store thread panicked");
+                    Stopped::Panicked
+                }
+            };
+            let _ = done_tx.send(stopped);
         })
-        .map_err(|e| Error::Content {
-            what: "store thread",
-            reason: e.to_string(),
-        })?;
+        .map_err(|e| Error::Open(StoreError::Thread(e)))?;
     opened_rx.await.map_err(|_| Error::Closed)??;
     Ok(done_rx)
 }
@@ -157,16 +145,6 @@ struct Worker {
     publisher: Publisher,
     outbox_changed: Arc<Notify>,
     state: State,
-}
-
-/// An outbox read: entries after `seq`, at most `limit`, and where to send them.
-type Peek = (i64, usize, oneshot::Sender<Result<Vec<OutboxEntry>, Error>>);
-
-/// The outbox reads of a batch, answered after its writes.
-#[derive(Default)]
-struct Reads {
-    peeks: Vec<Peek>,
-    stats: Vec<oneshot::Sender<Result<OutboxStats, Error>>>,
 }
 
 /// One unit of a batch, in arrival order.
@@ -182,15 +160,14 @@ impl Worker {
         let mut sync = interval_at(Instant::now() + period, period);
         sync.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {
-            let mut steps = Vec::new();
-            let mut others = Vec::new();
+            let mut batch = Batch::default();
             tokio::select! {
                 job = jobs.recv() => match job {
                     Some(job) => {
-                        sort(job, &mut steps, &mut others);
-                        while steps.len() + others.len() < self.config.batch_max {
+                        batch.add(job);
+                        while batch.len() < self.config.batch_max {
                             match jobs.try_recv() {
-                                Ok(job) => sort(job, &mut steps, &mut others),
+                                Ok(job) => batch.add(job),
                                 Err(_) => break,
                             }
                         }
@@ -198,55 +175,42 @@ impl Worker {
                     None => break,
                 },
                 Some(expired) = std::future::poll_fn(|cx| self.state.expiries.poll_expired(cx)) => {
-                    steps.push(Step::Expired(expired.into_inner()));
+                    batch.steps.push(Step::Expired(expired.into_inner()));
                 }
-                _ = sync.tick() => steps.push(Step::SyncPodStatus),
+                _ = sync.tick() => batch.steps.push(Step::SyncPodStatus),
             }
-            self.run_batch(steps, others).await;
+            let Batch {
+                steps,
+                writes,
+                reads,
+            } = batch;
+            // Reads only (the relay or the bridge asking for rows) open no transaction.
+            if !steps.is_empty() || !writes.is_empty() {
+                self.write_batch(steps, writes).await;
+            }
+            // Reads see what is committed, whether or not this batch's writes were.
+            for read in reads {
+                outbox::answer(read, &self.db, &mut self.state.outbox).await;
+            }
         }
         if let Err(e) = self.db.checkpoint().await {
             warn!(error_code = "EM-STORE-CHECKPOINT", error = %e, "final checkpoint failed");
         }
     }
 
-    async fn run_batch(&mut self, steps: Vec<Step>, others: Vec<Job>) {
-        let mut reads = Reads::default();
-        let mut writes = Vec::new();
-        for job in others {
-            match job {
-                Job::OutboxPeek {
-                    after,
-                    limit,
-                    reply,
-                } => reads.peeks.push((after, limit, reply)),
-                Job::OutboxStats { reply } => reads.stats.push(reply),
-                other => writes.push(other),
-            }
-        }
-        // Reads only (the relay or the bridge asking for rows) open no transaction.
-        if !steps.is_empty() || !writes.is_empty() {
-            self.write_batch(steps, writes).await;
-        }
-        // Reads see what is committed, whether or not this batch's writes were.
-        self.answer(reads).await;
-    }
-
     /// Applies requests and outbox writes in one transaction; answers only after `COMMIT`.
-    async fn write_batch(&mut self, steps: Vec<Step>, others: Vec<Job>) {
-        // A batch that only deletes delivered outbox rows needs no fsync: a power cut that undid
-        // it would send those rows again, which the at-least-once contract allows. In standalone
-        // mode every batch of requests is followed by such a batch, so this saves many fsyncs.
-        let durable = !steps.is_empty()
-            || others
-                .iter()
-                .any(|job| matches!(job, Job::OutboxAppend { .. }));
-        if let Err(e) = self.db.begin(durable).await {
-            let steps = steps.into_iter().map(|s| (s, Outcome::Retry)).collect();
-            return self
-                .fail_batch(steps, others, Error::Commit(e.to_string()))
-                .await;
-        }
+    async fn write_batch(&mut self, steps: Vec<Step>, writes: Vec<Write>) {
+        let durable = outbox::needs_fsync(steps.len(), &writes);
         let outbox_before = self.state.outbox;
+        let tx = match self.db.begin(durable).await {
+            Ok(tx) => tx,
+            Err(e) => {
+                let steps = steps.into_iter().map(|s| (s, Outcome::Retry)).collect();
+                return self
+                    .fail_batch(steps, writes, Error::Commit(e.to_string()))
+                    .await;
+            }
+        };
         let mut local: Vec<Message> = Vec::new();
         let mut outbox_written = false;
         let mut applied = Vec::with_capacity(steps.len());
@@ -256,9 +220,16 @@ impl Worker {
                 applied.push((step, Outcome::Retry));
                 continue;
             }
-            let _ = self.db.control("SAVEPOINT step").await;
+            let savepoint = match tx.savepoint().await {
+                Ok(savepoint) => savepoint,
+                Err(e) => {
+                    aborted = Some(Error::Commit(format!("cannot open a savepoint: {e}")));
+                    applied.push((step, Outcome::Retry));
+                    continue;
+                }
+            };
             let counters = self.state.outbox;
-            let mut cx = self.context();
+            let mut cx = context(&self.db, &self.config, &mut self.state);
             let result = match &step {
                 Step::Request(request, _) => process::apply(request, &mut cx).await,
                 Step::Expired(id) => process::expire(id, &mut cx).await,
@@ -267,59 +238,55 @@ impl Worker {
             let (produced, wrote) = (cx.local, cx.outbox_written);
             let outcome = result.as_ref().err().map_or(Outcome::Final, Outcome::of);
             match result {
-                Ok(()) => {
-                    let _ = self.db.control("RELEASE step").await;
-                    outbox_written |= wrote;
-                    local.extend(produced);
-                }
-                Err(error) if !self.db.in_transaction() => {
+                Ok(()) => match savepoint.release().await {
+                    Ok(()) => {
+                        outbox_written |= wrote;
+                        local.extend(produced);
+                    }
+                    Err(e) => {
+                        aborted = Some(Error::Commit(format!("cannot release a savepoint: {e}")))
+                    }
+                },
+                Err(error) if !tx.is_open() => {
                     // SQLite gave up the whole transaction: nothing of this batch will commit.
                     aborted = Some(Error::Commit(format!(
                         "the store rolled the batch back: {error}"
                     )));
                 }
-                Err(error) => {
-                    let _ = self.db.control("ROLLBACK TO step").await;
-                    let _ = self.db.control("RELEASE step").await;
-                    self.state.outbox = counters;
-                    local.extend(self.error_reply(&step, &error));
-                }
+                Err(error) => match savepoint.rollback().await {
+                    Ok(()) => {
+                        self.state.outbox = counters;
+                        local.extend(self.error_reply(&step, &error));
+                    }
+                    Err(e) => {
+                        aborted = Some(Error::Commit(format!(
+                            "cannot undo a failed message ({error}): {e}"
+                        )))
+                    }
+                },
             }
             applied.push((step, outcome));
         }
         if let Some(error) = aborted {
-            self.state.outbox = outbox_before;
-            return self.fail_batch(applied, others, error).await;
-        }
-        let mut replies = Vec::new();
-        for job in others {
-            match job {
-                Job::OutboxAck { seq, reply } => {
-                    let result = self.db.outbox_ack(seq).await;
-                    if let Ok((entries, bytes)) = result {
-                        self.state.outbox.entries =
-                            self.state.outbox.entries.saturating_sub(entries);
-                        self.state.outbox.bytes = self.state.outbox.bytes.saturating_sub(bytes);
-                    }
-                    let result = result.map(drop).map_err(Error::store("acknowledge outbox"));
-                    replies.push((reply, result));
-                }
-                Job::OutboxAppend {
-                    topic,
-                    payload,
-                    reply,
-                } => {
-                    let result = self.context().queue_for_cloud(&topic, &payload).await;
-                    outbox_written |= result.is_ok();
-                    replies.push((reply, result));
-                }
-                Job::Request(..) | Job::OutboxPeek { .. } | Job::OutboxStats { .. } => {
-                    unreachable!("requests and reads are sorted out before")
-                }
+            if let Err(e) = tx.rollback().await {
+                warn!(error_code = "EM-STORE-TRANSACTION", error = %e, "rollback of an aborted batch failed");
             }
+            self.state.outbox = outbox_before;
+            return self.fail_batch(applied, writes, error).await;
         }
-        if let Err(e) = self.db.control("COMMIT").await {
-            let _ = self.db.control("ROLLBACK").await;
+        let mut replies = Vec::with_capacity(writes.len());
+        for write in writes {
+            let (reply, result, appended) = outbox::apply(
+                write,
+                &self.db,
+                &mut self.state.outbox,
+                self.config.outbox_limit,
+            )
+            .await;
+            outbox_written |= appended;
+            replies.push((reply, result));
+        }
+        if let Err(e) = tx.commit().await {
             self.state.outbox = outbox_before;
             let error = Error::Commit(e.to_string());
             for (reply, _) in replies {
@@ -349,36 +316,8 @@ impl Worker {
         }
     }
 
-    /// Outbox reads, answered from committed state.
-    async fn answer(&mut self, reads: Reads) {
-        for (after, limit, reply) in reads.peeks {
-            let result = self.db.outbox_peek(after, limit).await;
-            let _ = reply.send(result.map_err(Error::store("read outbox")));
-        }
-        for reply in reads.stats {
-            // Authoritative numbers, which also re-anchor the running counters.
-            let result = self.db.outbox_stats().await;
-            if let Ok(stats) = result {
-                self.state.outbox = stats;
-            }
-            let _ = reply.send(result.map_err(Error::store("read outbox")));
-        }
-    }
-
-    fn context(&mut self) -> Context<'_> {
-        Context {
-            db: &self.db,
-            root: &self.config.root,
-            state: &mut self.state,
-            waits: self.config.waits,
-            outbox_limit: self.config.outbox_limit,
-            local: Vec::new(),
-            outbox_written: false,
-        }
-    }
-
     /// Nothing of the batch was committed: every request is told so.
-    async fn fail_batch(&mut self, steps: Vec<(Step, Outcome)>, others: Vec<Job>, error: Error) {
+    async fn fail_batch(&mut self, steps: Vec<(Step, Outcome)>, writes: Vec<Write>, error: Error) {
         error!(error_code = error.code(), error = %error, "batch not committed");
         for (step, _) in steps {
             for message in self.error_reply(&step, &error) {
@@ -388,20 +327,8 @@ impl Worker {
                 let _ = done.send(Outcome::Retry);
             }
         }
-        let failed = || Error::Commit(error.to_string());
-        for job in others {
-            match job {
-                Job::OutboxAck { reply, .. } | Job::OutboxAppend { reply, .. } => {
-                    let _ = reply.send(Err(failed()));
-                }
-                Job::OutboxPeek { reply, .. } => {
-                    let _ = reply.send(Err(failed()));
-                }
-                Job::OutboxStats { reply } => {
-                    let _ = reply.send(Err(failed()));
-                }
-                Job::Request(..) => {}
-            }
+        for write in writes {
+            write.fail(&error);
         }
     }
 
@@ -423,10 +350,39 @@ impl Worker {
     }
 }
 
-fn sort(job: Job, steps: &mut Vec<Step>, others: &mut Vec<Job>) {
-    match job {
-        Job::Request(request, done) => steps.push(Step::Request(request, done)),
-        other => others.push(other),
+/// What one wake-up of the worker collected, sorted by how it is served.
+#[derive(Default)]
+struct Batch {
+    steps: Vec<Step>,
+    writes: Vec<Write>,
+    reads: Vec<Read>,
+}
+
+impl Batch {
+    fn add(&mut self, job: Job) {
+        match job {
+            Job::Request(request, done) => self.steps.push(Step::Request(request, done)),
+            Job::Write(write) => self.writes.push(write),
+            Job::Read(read) => self.reads.push(read),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.steps.len() + self.writes.len() + self.reads.len()
+    }
+}
+
+/// Everything an operation may touch, borrowed field by field so the open transaction (which
+/// borrows the store) can live beside it.
+fn context<'a>(db: &'a Db, config: &'a WorkerConfig, state: &'a mut State) -> Context<'a> {
+    Context {
+        db,
+        root: &config.root,
+        state,
+        waits: config.waits,
+        outbox_limit: config.outbox_limit,
+        local: Vec::new(),
+        outbox_written: false,
     }
 }
 

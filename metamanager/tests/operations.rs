@@ -119,7 +119,7 @@ impl Meta {
     async fn stored(&mut self, key: &str) -> Option<String> {
         if let Some(meta) = self.meta.take() {
             self.cancel.cancel();
-            meta.stopped().await;
+            meta.stopped().await.expect("the metamanager stops cleanly");
         }
         let db = libsql::Builder::new_local(self.dir.path().join("meta.db"))
             .build()

@@ -1,5 +1,5 @@
-//! Helpers for the cloud bridge tests (`cloud_*.rs`): a node bridged to a mosquitto "cloud",
-//! traffic in both directions, and the checks these tests share.
+//! Helpers for the cloud bridge tests (`cloud_bridge.rs`, `cloud_durability.rs`): a node bridged
+//! to a mosquitto "cloud", traffic in both directions, and the checks these tests share.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -147,21 +147,33 @@ pub async fn await_signal(watcher: &mut Client, state: &str, limit: Duration, no
     }
 }
 
+/// Waits (60 s at most) for a [`spawn_status_stream`] to finish; yields its client, to keep
+/// until what it queued is sent, and the ids it sent.
+pub async fn stream_finished(
+    producer: JoinHandle<(Client, HashSet<String>)>,
+) -> (Client, HashSet<String>) {
+    tokio::time::timeout(Duration::from_secs(60), producer)
+        .await
+        .expect("the producer finished within 60 s")
+        .expect("producer")
+}
+
 /// Drains the cloud-side client into `into` until every id in `want` was seen, failing after
-/// `limit` with how many are missing, the node's outbox length and its log.
+/// `limit` with how many are missing, the node's outbox length and its log; then checks the
+/// order per resource ([`assert_ordered_per_resource`]) and returns the number of duplicates.
 pub async fn expect_delivered(
     cloud_side: &mut Client,
     want: &HashSet<String>,
     limit: Duration,
     into: &mut Vec<Msg>,
     node: &Node,
-) {
+) -> usize {
     let deadline = Instant::now() + limit;
     let mut seen: HashSet<String> = into.iter().map(Msg::msg_id).collect();
     loop {
         let missing = want.iter().filter(|id| !seen.contains(*id)).count();
         if missing == 0 {
-            return;
+            return assert_ordered_per_resource(into);
         }
         assert!(
             Instant::now() < deadline,
@@ -181,7 +193,7 @@ pub async fn expect_delivered(
 /// Per resource, the first delivery of each message carries a larger `seq` than the previous
 /// first delivery (redeliveries, recognised by a repeated `msg_id`, are skipped). Also checks
 /// that a repeated `msg_id` always repeats the same message. Returns the number of duplicates.
-pub fn assert_ordered_per_resource(received: &[Msg]) -> usize {
+fn assert_ordered_per_resource(received: &[Msg]) -> usize {
     let mut first: HashMap<String, (String, i64)> = HashMap::new();
     let mut last_seq: HashMap<String, i64> = HashMap::new();
     let mut duplicates = 0;
@@ -245,9 +257,10 @@ pub async fn await_log(node: &Node, needle: &str) {
     }
 }
 
-/// Queries `resource` as edged and returns the answer's content, failing unless it came within
-/// 2 s: with the cloud unreachable, the node must answer from its store, not wait for the cloud.
-pub async fn local_query(edged: &mut Client, resource: &str) -> Value {
+/// Queries `resource` as edged and returns the documents in the answer, sorted, failing unless
+/// it came within 2 s: with the cloud unreachable, the node must answer from its store, not wait
+/// for the cloud.
+pub async fn local_query(edged: &mut Client, resource: &str) -> Vec<String> {
     let started = Instant::now();
     let id = send(edged, "edged", "query", resource, Value::Null).await;
     let reply = edged
@@ -256,7 +269,11 @@ pub async fn local_query(edged: &mut Client, resource: &str) -> Value {
     let took = started.elapsed();
     assert!(took < Duration::from_secs(2), "{resource} took {took:?}");
     eprintln!("{resource}: answered in {took:?}");
-    reply.content()
+    let content = reply.content();
+    let mut documents: Vec<String> = serde_json::from_value(content.clone())
+        .unwrap_or_else(|e| panic!("{resource}: not a list of strings ({e}): {content}"));
+    documents.sort();
+    documents
 }
 
 /// The last `n` lines of a log, for failure messages.

@@ -43,6 +43,10 @@ pub struct Options {
     pub broker_yaml: String,
     /// YAML lines inserted in the `store:` section (2-space indent).
     pub store_yaml: String,
+    /// `cloud.url` instead of `mqtt://127.0.0.1:<cloud port>` (e.g. `mqtts://localhost:<port>`).
+    pub cloud_url: Option<String>,
+    /// Extra `cloud:` settings (e.g. `tls:`), as YAML lines indented 2 spaces.
+    pub cloud_yaml: String,
 }
 
 /// The `cloud:` section for a node under test.
@@ -97,6 +101,8 @@ impl Default for Options {
             extra_listeners: String::new(),
             broker_yaml: String::new(),
             store_yaml: String::new(),
+            cloud_url: None,
+            cloud_yaml: String::new(),
         }
     }
 }
@@ -219,8 +225,14 @@ impl Node {
             sync = o.podstatus_sync_interval_s,
             cloud = match &o.cloud {
                 Some(c) => format!(
-                    "cloud:\n  enabled: true\n  url: mqtt://127.0.0.1:{}\n  node_id: {}\n  backoff_min_ms: {}\n  backoff_max_ms: {}\n  keep_alive_s: 5\n",
-                    c.port, c.node_id, c.backoff_min_ms, c.backoff_max_ms
+                    "cloud:\n  enabled: true\n  url: {}\n  node_id: {}\n  backoff_min_ms: {}\n  backoff_max_ms: {}\n  keep_alive_s: 5\n{}",
+                    o.cloud_url
+                        .clone()
+                        .unwrap_or_else(|| format!("mqtt://127.0.0.1:{}", c.port)),
+                    c.node_id,
+                    c.backoff_min_ms,
+                    c.backoff_max_ms,
+                    o.cloud_yaml
                 ),
                 None => String::new(),
             },
@@ -820,29 +832,57 @@ pub fn sub_output(child: Child) -> Vec<String> {
         .collect()
 }
 
+/// Writes what a TLS listener needs into the broker's directory; returns its settings.
+type ListenerSetup<'a> = Box<dyn FnOnce(&Path) -> String + 'a>;
+
 /// A real mosquitto broker standing in for the cloud, on a free port, with persistence in its
 /// own directory so sessions and queued messages survive a graceful restart.
 pub struct CloudBroker {
     child: Option<Child>,
     pub port: u16,
+    /// A second, TLS listener (see [`CloudBroker::start_tls`]).
+    pub tls_port: Option<u16>,
     dir: tempfile::TempDir,
 }
 
 impl CloudBroker {
     pub async fn start() -> CloudBroker {
+        CloudBroker::start_with(None).await
+    }
+
+    /// A cloud broker that also listens with TLS on [`CloudBroker::tls_port`]; `tls` writes the
+    /// files it needs into the broker's directory (which mosquitto can read) and returns that
+    /// listener's settings.
+    pub async fn start_tls(tls: impl FnOnce(&Path) -> String) -> CloudBroker {
+        CloudBroker::start_with(Some(Box::new(tls))).await
+    }
+
+    async fn start_with(tls: Option<ListenerSetup<'_>>) -> CloudBroker {
         let dir = tempfile::tempdir().expect("temp dir");
         // Started as root, mosquitto drops to its own user and must still write its persistence.
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777))
             .expect("chmod the cloud broker's directory");
+        let tls_listener = match tls {
+            Some(settings) => {
+                let port = free_port();
+                Some((
+                    port,
+                    format!("listener {port} 127.0.0.1\n{}", settings(dir.path())),
+                ))
+            }
+            None => None,
+        };
         let mut cloud = CloudBroker {
             child: None,
             port: free_port(),
+            tls_port: tls_listener.as_ref().map(|(port, _)| *port),
             dir,
         };
         let config = format!(
-            "listener {} 127.0.0.1\nallow_anonymous true\npersistence true\npersistence_location {}/\nautosave_interval 1\nmax_queued_messages 0\nmax_inflight_messages 100\n",
+            "listener {} 127.0.0.1\n{}allow_anonymous true\npersistence true\npersistence_location {}/\nautosave_interval 1\nmax_queued_messages 0\nmax_inflight_messages 100\n",
             cloud.port,
+            tls_listener.map(|(_, l)| l).unwrap_or_default(),
             cloud.dir.path().display()
         );
         std::fs::write(cloud.dir.path().join("mosquitto.conf"), config).expect("mosquitto.conf");
@@ -865,14 +905,17 @@ impl CloudBroker {
             .spawn()
             .expect("mosquitto is installed (scripts/test installs it)");
         self.child = Some(child);
-        let address = SocketAddr::from(([127, 0, 0, 1], self.port));
         let started = Instant::now();
-        while TcpStream::connect_timeout(&address, Duration::from_millis(100)).is_err() {
-            assert!(
-                started.elapsed() < WAIT,
-                "mosquitto not listening after {WAIT:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        for port in std::iter::once(self.port).chain(self.tls_port) {
+            let address = SocketAddr::from(([127, 0, 0, 1], port));
+            while TcpStream::connect_timeout(&address, Duration::from_millis(100)).is_err() {
+                assert!(
+                    started.elapsed() < WAIT,
+                    "mosquitto not listening on {port} after {WAIT:?}:\n{}",
+                    self.log()
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
         }
     }
 
@@ -900,6 +943,11 @@ impl CloudBroker {
         self.spawn().await;
     }
 
+    /// The broker's own directory (its config, persistence and log, files for TLS).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
     /// What mosquitto logged so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("mosquitto.log")).unwrap_or_default()
@@ -923,4 +971,110 @@ fn mosquitto_binary() -> &'static str {
     } else {
         "mosquitto"
     }
+}
+
+/// An argon2 hash of `password` made by `edgemeta passwd`, as an operator would. Made once per
+/// password and test binary: a debug build takes a while over each.
+pub fn hash(password: &str) -> String {
+    use std::collections::HashMap;
+    use std::io::Write;
+    use std::sync::{Mutex, OnceLock};
+    static MADE: OnceLock<Mutex<HashMap<String, String>>> = OnceLock::new();
+    let made = MADE.get_or_init(Mutex::default);
+    if let Some(hash) = made.lock().expect("hashes").get(password) {
+        return hash.clone();
+    }
+    let mut child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
+        .arg("passwd")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("edgemeta passwd");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(format!("{password}\n").as_bytes())
+        .expect("write password");
+    let out = child.wait_with_output().expect("passwd output");
+    assert!(
+        out.status.success(),
+        "edgemeta passwd: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let hash = String::from_utf8(out.stdout)
+        .expect("utf-8")
+        .trim()
+        .to_owned();
+    assert!(hash.starts_with("$argon2id$"), "{hash}");
+    made.lock()
+        .expect("hashes")
+        .insert(password.to_owned(), hash.clone());
+    hash
+}
+
+/// `broker.auth` YAML (for [`Options::broker_yaml`]) with `users`, each with the password
+/// `<user>-pw`.
+pub fn auth_yaml(allow_anonymous: bool, users: &[&str]) -> String {
+    let users: String = users
+        .iter()
+        .map(|u| {
+            format!(
+                "      {u}: {{ password_hash: \"{}\" }}\n",
+                hash(&format!("{u}-pw"))
+            )
+        })
+        .collect();
+    format!("  auth:\n    allow_anonymous: {allow_anonymous}\n    users:\n{users}")
+}
+
+impl Node {
+    /// A node with these extra `broker:` settings ([`Options::broker_yaml`]) and defaults otherwise.
+    pub async fn start_with_broker(broker_yaml: impl Into<String>) -> Node {
+        Node::start_with(Options {
+            broker_yaml: broker_yaml.into(),
+            ..Options::default()
+        })
+        .await
+    }
+}
+
+/// `edgemeta run` working in `dir`, with `yaml` written there as its configuration file.
+pub fn edgemeta(dir: &Path, yaml: &str) -> Command {
+    let config = dir.join("edge.yaml");
+    std::fs::write(&config, yaml).expect("config");
+    let mut command = Command::new(env!("CARGO_BIN_EXE_edgemeta"));
+    command
+        .arg("run")
+        .arg("--config")
+        .arg(&config)
+        .current_dir(dir);
+    command
+}
+
+/// Runs `edgemeta run` with `yaml` and `env`; it must exit on its own within the wait.
+pub fn run_expecting_exit(yaml: &str, env: &[(&str, &str)]) -> (bool, String) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut child = edgemeta(dir.path(), yaml)
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start edgemeta");
+    let started = Instant::now();
+    while child.try_wait().expect("wait").is_none() {
+        if started.elapsed() > WAIT {
+            let _ = child.kill();
+            panic!("edgemeta kept running with a bad configuration:\n{yaml}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().expect("output");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
 }

@@ -107,6 +107,8 @@ pub enum StoreError {
     },
     #[error("{0}")]
     Sql(#[from] libsql::Error),
+    #[error("cannot start the store thread: {0}")]
+    Thread(std::io::Error),
 }
 
 /// One row of the cloud outbox.
@@ -237,7 +239,15 @@ impl Db {
     /// Opens the write transaction of a batch. With `durable` false its `COMMIT` skips the fsync
     /// (SQLite `synchronous=NORMAL`; the WAL stays consistent, a power cut may undo it): only for
     /// writes whose loss repeats work instead of losing it, such as deleting delivered outbox rows.
-    pub async fn begin(&self, durable: bool) -> Result<(), libsql::Error> {
+    pub async fn begin(&self, durable: bool) -> Result<Transaction<'_>, libsql::Error> {
+        if self.in_transaction() {
+            // Only a transaction dropped without commit or rollback leaves one open.
+            tracing::warn!(
+                error_code = "EM-STORE-TRANSACTION",
+                "rolling back a transaction left open"
+            );
+            self.control("ROLLBACK").await?;
+        }
         // `synchronous` cannot change inside a transaction, so it is set here, and only on change.
         if self.synchronous == Synchronous::Full && self.relaxed.load(Ordering::Relaxed) == durable
         {
@@ -249,17 +259,17 @@ impl Db {
             .await?;
             self.relaxed.store(!durable, Ordering::Relaxed);
         }
-        self.control("BEGIN IMMEDIATE").await
+        self.control("BEGIN IMMEDIATE").await?;
+        Ok(Transaction { db: self })
     }
 
     /// Runs a transaction-control statement (`BEGIN`, `SAVEPOINT x`, `COMMIT`, ...).
-    pub async fn control(&self, sql: &'static str) -> Result<(), libsql::Error> {
+    async fn control(&self, sql: &'static str) -> Result<(), libsql::Error> {
         self.exec(sql, ()).await.map(drop)
     }
 
-    /// Whether a transaction is open. SQLite rolls back the whole transaction by itself on some
-    /// errors (a full disk, I/O errors), which a savepoint cannot undo.
-    pub fn in_transaction(&self) -> bool {
+    /// Whether a transaction is open.
+    fn in_transaction(&self) -> bool {
         !self.conn.is_autocommit()
     }
 
@@ -406,6 +416,64 @@ impl Db {
     }
 }
 
+/// An open write transaction; ends with [`Transaction::commit`] or [`Transaction::rollback`].
+#[must_use = "a transaction must be committed or rolled back"]
+pub struct Transaction<'a> {
+    db: &'a Db,
+}
+
+impl<'a> Transaction<'a> {
+    /// Opens a savepoint: one message's changes, which can be undone without the rest.
+    pub async fn savepoint(&self) -> Result<Savepoint<'a>, libsql::Error> {
+        self.db.control("SAVEPOINT step").await?;
+        Ok(Savepoint { db: self.db })
+    }
+
+    /// Whether the transaction is still open: SQLite rolls back the whole transaction by itself
+    /// on some errors (a full disk, I/O errors), which a savepoint cannot undo.
+    pub fn is_open(&self) -> bool {
+        self.db.in_transaction()
+    }
+
+    /// Commits; when that fails, rolls back, so the connection is ready for the next batch.
+    pub async fn commit(self) -> Result<(), libsql::Error> {
+        let committed = self.db.control("COMMIT").await;
+        if committed.is_err() && self.db.in_transaction() {
+            if let Err(e) = self.db.control("ROLLBACK").await {
+                tracing::warn!(error_code = "EM-STORE-TRANSACTION", error = %e, "rollback after a failed commit failed");
+            }
+        }
+        committed
+    }
+
+    /// Undoes the whole transaction (a no-op when SQLite already did).
+    pub async fn rollback(self) -> Result<(), libsql::Error> {
+        if self.db.in_transaction() {
+            self.db.control("ROLLBACK").await?;
+        }
+        Ok(())
+    }
+}
+
+/// One message's savepoint inside a [`Transaction`].
+#[must_use = "a savepoint must be released or rolled back"]
+pub struct Savepoint<'a> {
+    db: &'a Db,
+}
+
+impl Savepoint<'_> {
+    /// Keeps the changes made since the savepoint.
+    pub async fn release(self) -> Result<(), libsql::Error> {
+        self.db.control("RELEASE step").await
+    }
+
+    /// Undoes the changes made since the savepoint and closes it.
+    pub async fn rollback(self) -> Result<(), libsql::Error> {
+        self.db.control("ROLLBACK TO step").await?;
+        self.db.control("RELEASE step").await
+    }
+}
+
 /// A text column read without trusting its storage class: libsql panics when a `String` meets a
 /// non-text value, and a KubeEdge `edgecore.db` edited by hand may hold anything.
 fn text(row: &libsql::Row, index: i32) -> Result<Option<String>, libsql::Error> {
@@ -443,12 +511,20 @@ mod tests {
             assert_eq!(value.as_deref(), Some(format!("v{i}").as_str()));
         }
         assert!(db.control("RELEASE nothing").await.is_err());
-        db.control("SAVEPOINT step").await.expect("savepoint");
+        let tx = db.begin(true).await.expect("begin");
+        let step = tx.savepoint().await.expect("savepoint");
         db.upsert("ns/pod/p0", "pod", "changed")
             .await
             .expect("upsert");
-        db.control("ROLLBACK TO step").await.expect("rollback to");
-        db.control("RELEASE step").await.expect("release");
+        step.rollback().await.expect("rollback to");
+        let step = tx.savepoint().await.expect("savepoint");
+        db.upsert("ns/pod/p3", "pod", "v3").await.expect("upsert");
+        step.release().await.expect("release");
+        tx.commit().await.expect("commit");
+        assert_eq!(
+            db.get("ns/pod/p3").await.expect("get").as_deref(),
+            Some("v3")
+        );
         assert_eq!(
             db.get("ns/pod/p0").await.expect("get").as_deref(),
             Some("v0")
@@ -479,9 +555,9 @@ mod tests {
                 (false, 1),
                 (true, durable_level),
             ] {
-                db.begin(durable).await.expect("begin");
+                let tx = db.begin(durable).await.expect("begin");
                 db.upsert("ns/pod/p", "pod", "v").await.expect("upsert");
-                db.control("COMMIT").await.expect("commit");
+                tx.commit().await.expect("commit");
                 let found = db.scalar_i64("PRAGMA synchronous").await.expect("pragma");
                 assert_eq!(found, level, "{configured:?}, durable {durable}");
             }

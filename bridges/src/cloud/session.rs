@@ -1,0 +1,157 @@
+//! One connection to the cloud broker, from CONNECT until it is lost or the bridge is cancelled.
+//! Each gets a fresh rumqttc event loop, so rumqttc's own replay (which it silently drops on a
+//! fresh broker session) is never relied on: the outbox resends everything unacknowledged.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use edgemeta_metamanager::{Ingress, OutboxHandle};
+use rumqttc::{
+    AsyncClient, ConnectReturnCode, Event, EventLoop, MqttOptions, Outgoing, Packet, QoS,
+};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use super::egress::Egress;
+use super::ingress::{self, DownQueue};
+use super::signal::{LinkState, Signal};
+use super::Tasks;
+use crate::backoff::Backoff;
+use crate::topic_map::TopicMap;
+use crate::Error;
+
+/// How long a cancelled session waits for its DISCONNECT to go out, so shutdown stays bounded.
+const DISCONNECT_GRACE: Duration = Duration::from_millis(500);
+
+/// How a session ended.
+pub(super) enum SessionEnd {
+    Cancelled,
+    /// The connection could not be made or was lost; the bridge tries again after a backoff.
+    Lost {
+        error: Error,
+        was_connected: bool,
+    },
+    /// One of the session's tasks panicked; the bridge stops.
+    Failed(Error),
+}
+
+pub(super) struct Session<'a> {
+    pub(super) options: MqttOptions,
+    pub(super) window: usize,
+    pub(super) map: &'a TopicMap,
+    pub(super) ingress: &'a Ingress,
+    pub(super) outbox: &'a OutboxHandle,
+    pub(super) signal: &'a Signal,
+}
+
+impl Session<'_> {
+    pub(super) async fn run(self, cancel: &CancellationToken, backoff: &mut Backoff) -> SessionEnd {
+        // Room for a full window of publishes plus subscribes and acks, so try_publish never
+        // finds the request channel full.
+        let (client, mut eventloop) = AsyncClient::new(self.options.clone(), self.window * 2 + 64);
+        if let Some(end) = connect(&mut eventloop, cancel).await {
+            return end;
+        }
+        backoff.reset();
+        self.signal.send(LinkState::Connected).await;
+        // Subscriptions are not restored by rumqttc: subscribe on every connection.
+        if let Err(e) = client.try_subscribe(self.map.down_filter(), QoS::AtLeastOnce) {
+            return lost(e.into());
+        }
+        // Not a child of `cancel`: on shutdown the acks of what is already committed may still
+        // go out with the DISCONNECT; the session stops its tasks itself once that is done.
+        let stop = CancellationToken::new();
+        let mut tasks = Tasks::default();
+        let redeliver = Arc::new(Notify::new());
+        let mut down = ingress::start(
+            &mut tasks,
+            self.ingress.clone(),
+            client.clone(),
+            self.map.clone(),
+            redeliver.clone(),
+            &stop,
+        );
+        let mut egress = Egress::new(self.outbox, self.map, self.window);
+        let exchanged = exchange(
+            cancel,
+            &client,
+            &mut eventloop,
+            &mut egress,
+            &mut down,
+            &redeliver,
+        )
+        .await;
+        // Whatever ended the session, what the cloud acknowledged need not be sent again.
+        let _ = egress.flush().await;
+        let end = match exchanged {
+            Ok(()) => {
+                let _ = client.try_disconnect();
+                let _ = tokio::time::timeout(DISCONNECT_GRACE, async {
+                    while eventloop.poll().await.is_ok() {}
+                })
+                .await;
+                SessionEnd::Cancelled
+            }
+            Err(error) => lost(error),
+        };
+        // Unacknowledged cloud messages are redelivered to the next session.
+        stop.cancel();
+        match tasks.join().await {
+            Ok(()) => end,
+            Err(error) => SessionEnd::Failed(error),
+        }
+    }
+}
+
+fn lost(error: Error) -> SessionEnd {
+    SessionEnd::Lost {
+        error,
+        was_connected: true,
+    }
+}
+
+/// Polls until the cloud broker accepted the CONNECT (`None`) or the session is over.
+async fn connect(eventloop: &mut EventLoop, cancel: &CancellationToken) -> Option<SessionEnd> {
+    let refused = |error: Error| SessionEnd::Lost {
+        error,
+        was_connected: false,
+    };
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return Some(SessionEnd::Cancelled),
+            event = eventloop.poll() => match event {
+                Ok(Event::Incoming(Packet::ConnAck(ack))) if ack.code == ConnectReturnCode::Success => return None,
+                Ok(Event::Incoming(Packet::ConnAck(ack))) => return Some(refused(Error::Refused(ack.code))),
+                Ok(_) => {}
+                Err(e) => return Some(refused(e.into())),
+            },
+        }
+    }
+}
+
+/// The connected part of a session: each event goes to the side that owns its state. Returns
+/// `Ok` when cancelled.
+async fn exchange(
+    cancel: &CancellationToken,
+    client: &AsyncClient,
+    eventloop: &mut EventLoop,
+    egress: &mut Egress<'_>,
+    down: &mut DownQueue,
+    redeliver: &Notify,
+) -> Result<(), Error> {
+    loop {
+        egress.fill(client).await?;
+        tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            _ = egress.changed(), if egress.caught_up() => egress.outbox_changed(),
+            _ = redeliver.notified() => return Err(Error::Redeliver),
+            handed = down.hand_over(), if down.has_pending() => handed?,
+            event = eventloop.poll(), if down.has_room() => match event? {
+                Event::Outgoing(Outgoing::Publish(pkid)) => egress.sent(pkid),
+                Event::Incoming(Packet::PubAck(ack)) => egress.acked(ack.pkid).await?,
+                Event::Incoming(Packet::Publish(publish)) => down.received(publish),
+                _ => {}
+            },
+        }
+    }
+}

@@ -1,0 +1,237 @@
+//! The cloud outbox, every rule of it: what may be appended (limits), how whoever delivers it
+//! (the local relay or the cloud bridge) reads and acknowledges it, which batches need an fsync,
+//! and the running counters. The SQL itself is in [`crate::store`]; the worker runs these calls.
+
+use std::sync::Arc;
+
+use tokio::sync::{mpsc, oneshot, Notify};
+
+use crate::error::Error;
+use crate::store::Db;
+use crate::worker::Job;
+
+pub use crate::store::{OutboxEntry, OutboxStats};
+
+/// Where the store worker sends a call's result.
+pub type Reply<T> = oneshot::Sender<Result<T, Error>>;
+
+/// The most the outbox may hold before cloud-bound changes are refused.
+#[derive(Debug, Clone, Copy)]
+pub struct OutboxLimit {
+    pub entries: u64,
+    pub bytes: u64,
+}
+
+/// An outbox change: applied inside the batch's transaction, answered after its commit.
+pub enum Write {
+    /// Queue a message another module published on `<root>/cloud/...`.
+    Append {
+        topic: String,
+        payload: Vec<u8>,
+        reply: Reply<()>,
+    },
+    /// Delete every entry up to `seq`, once delivered.
+    Ack { seq: i64, reply: Reply<()> },
+}
+
+/// An outbox read: answered from committed state, after the batch it arrived with.
+pub enum Read {
+    /// The oldest `limit` entries with `seq > after`.
+    Peek {
+        after: i64,
+        limit: usize,
+        reply: Reply<Vec<OutboxEntry>>,
+    },
+    /// Depth, size and the creation time of the oldest entry.
+    Stats { reply: Reply<OutboxStats> },
+}
+
+/// Whether a batch's commit must reach the disk. One that only deletes delivered entries need
+/// not: a power cut that undid it sends those entries again, which at-least-once allows. In
+/// standalone mode every batch of requests is followed by such a batch, so this saves many fsyncs.
+pub fn needs_fsync(requests: usize, writes: &[Write]) -> bool {
+    requests > 0 || writes.iter().any(|w| matches!(w, Write::Append { .. }))
+}
+
+/// Appends unless that would pass `limit`: a full outbox refuses the change (the requester gets
+/// an `error`) rather than dropping anything already queued. `counters` follow the append.
+pub async fn append(
+    db: &Db,
+    counters: &mut OutboxStats,
+    limit: OutboxLimit,
+    topic: &str,
+    payload: &[u8],
+) -> Result<(), Error> {
+    let size = payload.len() as u64;
+    if counters.entries >= limit.entries || counters.bytes + size > limit.bytes {
+        return Err(Error::OutboxFull {
+            entries: counters.entries,
+            bytes: counters.bytes,
+        });
+    }
+    db.outbox_push(topic, payload)
+        .await
+        .map_err(Error::store("queue message for the cloud"))?;
+    counters.entries += 1;
+    counters.bytes += size;
+    Ok(())
+}
+
+/// Applies `write` inside the open transaction; returns where its result goes, the result, and
+/// whether the outbox gained an entry.
+pub async fn apply(
+    write: Write,
+    db: &Db,
+    counters: &mut OutboxStats,
+    limit: OutboxLimit,
+) -> (Reply<()>, Result<(), Error>, bool) {
+    match write {
+        Write::Ack { seq, reply } => {
+            let result = db.outbox_ack(seq).await;
+            if let Ok((entries, bytes)) = result {
+                counters.entries = counters.entries.saturating_sub(entries);
+                counters.bytes = counters.bytes.saturating_sub(bytes);
+            }
+            let result = result.map(drop).map_err(Error::store("acknowledge outbox"));
+            (reply, result, false)
+        }
+        Write::Append {
+            topic,
+            payload,
+            reply,
+        } => {
+            let result = append(db, counters, limit, &topic, &payload).await;
+            let appended = result.is_ok();
+            (reply, result, appended)
+        }
+    }
+}
+
+/// Answers `read` from committed state; a stats read also re-anchors the running counters.
+pub async fn answer(read: Read, db: &Db, counters: &mut OutboxStats) {
+    match read {
+        Read::Peek {
+            after,
+            limit,
+            reply,
+        } => {
+            let result = db.outbox_peek(after, limit).await;
+            let _ = reply.send(result.map_err(Error::store("read outbox")));
+        }
+        Read::Stats { reply } => {
+            let result = db.outbox_stats().await;
+            if let Ok(stats) = result {
+                *counters = stats;
+            }
+            let _ = reply.send(result.map_err(Error::store("read outbox")));
+        }
+    }
+}
+
+impl Write {
+    /// Tells the caller the batch was not committed.
+    pub fn fail(self, error: &Error) {
+        let (Write::Append { reply, .. } | Write::Ack { reply, .. }) = self;
+        let _ = reply.send(Err(Error::Commit(error.to_string())));
+    }
+}
+
+impl Read {
+    /// Tells the caller its read was not served.
+    pub fn fail(self, error: &Error) {
+        let error = Error::Commit(error.to_string());
+        match self {
+            Read::Peek { reply, .. } => drop(reply.send(Err(error))),
+            Read::Stats { reply } => drop(reply.send(Err(error))),
+        }
+    }
+}
+
+/// An outbox deletion handed to the store, whose outcome is read later.
+pub struct PendingAck(oneshot::Receiver<Result<(), Error>>);
+
+impl PendingAck {
+    /// Waits for the deletion's commit.
+    pub async fn finish(self) -> Result<(), Error> {
+        self.0.await.map_err(|_| Error::Closed)?
+    }
+}
+
+/// Access to the outbox for whoever delivers it (the local relay or the cloud bridge).
+#[derive(Clone)]
+pub struct OutboxHandle {
+    jobs: mpsc::Sender<Job>,
+    changed: Arc<Notify>,
+}
+
+impl OutboxHandle {
+    pub(crate) fn new(jobs: mpsc::Sender<Job>, changed: Arc<Notify>) -> OutboxHandle {
+        OutboxHandle { jobs, changed }
+    }
+
+    /// The oldest `limit` entries with a sequence number above `after`, oldest first.
+    pub async fn peek(&self, after: i64, limit: usize) -> Result<Vec<OutboxEntry>, Error> {
+        self.ask(|reply| {
+            Job::Read(Read::Peek {
+                after,
+                limit,
+                reply,
+            })
+        })
+        .await
+    }
+
+    /// Deletes every entry up to and including `seq`, after it was delivered.
+    pub async fn ack(&self, seq: i64) -> Result<(), Error> {
+        self.start_ack(seq).await?.finish().await
+    }
+
+    /// Queues the deletion of every entry up to `seq` without waiting for its commit; jobs run
+    /// in order, so a later [`OutboxHandle::peek`] already sees it.
+    pub async fn start_ack(&self, seq: i64) -> Result<PendingAck, Error> {
+        let rx = self
+            .call(|reply| Job::Write(Write::Ack { seq, reply }))
+            .await?;
+        Ok(PendingAck(rx))
+    }
+
+    /// Queues a message another module published for the cloud; returns after the commit.
+    pub async fn append(&self, topic: String, payload: Vec<u8>) -> Result<(), Error> {
+        self.ask(|reply| {
+            Job::Write(Write::Append {
+                topic,
+                payload,
+                reply,
+            })
+        })
+        .await
+    }
+
+    /// Depth, size and oldest entry of the outbox.
+    pub async fn stats(&self) -> Result<OutboxStats, Error> {
+        self.ask(|reply| Job::Read(Read::Stats { reply })).await
+    }
+
+    /// Wakes when new entries may have been committed.
+    pub fn changed(&self) -> Arc<Notify> {
+        self.changed.clone()
+    }
+
+    /// Hands the worker a job carrying a reply channel; the receiver yields its result.
+    async fn call<T>(
+        &self,
+        job: impl FnOnce(Reply<T>) -> Job,
+    ) -> Result<oneshot::Receiver<Result<T, Error>>, Error> {
+        let (reply, rx) = oneshot::channel();
+        self.jobs
+            .send(job(reply))
+            .await
+            .map_err(|_| Error::Closed)?;
+        Ok(rx)
+    }
+
+    /// [`OutboxHandle::call`], then waits for the result.
+    async fn ask<T>(&self, job: impl FnOnce(Reply<T>) -> Job) -> Result<T, Error> {
+        self.call(job).await?.await.map_err(|_| Error::Closed)?
+    }
+}
