@@ -1039,3 +1039,64 @@ async fn run_to_completion_pods_end_succeeded_or_failed() {
     let s = await_status(&mut watcher, prefix, "once", |s| phase(s) == "Failed").await;
     assert_eq!(container(&s)["state"]["terminated"]["exitCode"], 4, "{s}");
 }
+
+#[tokio::test]
+async fn an_http_readiness_probe_gates_ready_on_the_status_code() {
+    // The endpoint the probe calls: 503 until `healthy` is set, then 200.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let port = listener.local_addr().expect("address").port();
+    let healthy = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = healthy.clone();
+    let server = tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        loop {
+            let Ok((mut socket, _)) = listener.accept().await else {
+                return;
+            };
+            let mut request = [0u8; 1024];
+            let n = socket.read(&mut request).await.unwrap_or(0);
+            let asked = String::from_utf8_lossy(&request[..n]).into_owned();
+            let code = if !asked.starts_with("GET /healthz ") {
+                404
+            } else if flag.load(std::sync::atomic::Ordering::SeqCst) {
+                200
+            } else {
+                503
+            };
+            let _ = socket
+                .write_all(format!("HTTP/1.1 {code} X\r\nContent-Length: 0\r\n\r\n").as_bytes())
+                .await;
+        }
+    });
+    let node = Node::start().await;
+    let mut watcher = node.client().await;
+    watcher.subscribe("ke/meta/edged/update/+/podstatus").await;
+    let _edged = Edged::start(&node, &[]);
+    let client = node.client().await;
+    let spec = json!({"containers": [{"name": "main", "command": ["sleep", "600"],
+        "readinessProbe": {"httpGet": {"path": "/healthz", "port": port}, "periodSeconds": 1}}]});
+    send(
+        &client,
+        "edgecontroller",
+        "insert",
+        "default/pod/web",
+        pod("web", "", spec),
+    )
+    .await;
+    let prefix = "ke/meta/edged/update";
+    let s = await_status(&mut watcher, prefix, "web", |s| phase(s) == "Running").await;
+    assert_eq!(container(&s)["ready"], false, "{s}");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    healthy.store(true, std::sync::atomic::Ordering::SeqCst);
+    let s = await_status(&mut watcher, prefix, "web", |s| {
+        container(s)["ready"] == true
+    })
+    .await;
+    assert_eq!(
+        s["conditions"][3],
+        json!({"type": "Ready", "status": "True"})
+    );
+    server.abort();
+}

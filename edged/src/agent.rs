@@ -33,6 +33,8 @@ const VOLUME_OPERATIONS: [&str; 4] = [
 
 /// How often timed-out queries are looked for.
 const TICK: Duration = Duration::from_millis(500);
+/// The longest the agent waits for its pods at shutdown (each has 2 s, then SIGKILL).
+const SHUTDOWN_LIMIT: Duration = Duration::from_secs(10);
 
 /// What one pod is doing.
 enum Run {
@@ -149,8 +151,17 @@ impl Agent {
                 handles.push(worker.stop(Duration::from_secs(2)));
             }
         }
-        for handle in handles {
-            let _ = handle.await;
+        let stopped = async {
+            for handle in handles {
+                let _ = handle.await;
+            }
+        };
+        if tokio::time::timeout(SHUTDOWN_LIMIT, stopped).await.is_err() {
+            warn!(
+                error_code = "EM-EDGED-SHUTDOWN-GRACE",
+                limit_s = SHUTDOWN_LIMIT.as_secs(),
+                "pods still stopping; exiting anyway (the next start kills what is left)"
+            );
         }
     }
 
