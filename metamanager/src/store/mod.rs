@@ -4,6 +4,9 @@
 //! synchronously inside its async calls, so it must never run on a tokio worker serving MQTT.
 
 mod migrations;
+mod read_only;
+
+pub use read_only::{read_meta, MetaRow};
 
 use std::path::Path;
 use std::time::Duration;
@@ -105,6 +108,8 @@ pub enum StoreError {
         found: i64,
         latest: i64,
     },
+    #[error("no store at {0}")]
+    Missing(String),
     #[error("{0}")]
     Sql(#[from] libsql::Error),
 }
