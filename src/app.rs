@@ -10,7 +10,7 @@ use anyhow::Context as _;
 use edgemeta_bridges::topic_map::TopicMap;
 use edgemeta_bridges::CloudBridge;
 use edgemeta_broker::Broker;
-use edgemeta_metamanager::{subscription, Meters, MetaManager};
+use edgemeta_metamanager::{subscription, MetaManager, Meters};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -34,8 +34,7 @@ pub async fn run(
         Some(_) => Some(observe::bind(&settings.observe).await?),
         None => None,
     };
-    let meters = (registry.as_ref())
-        .map_or_else(|| Arc::new(Meters::noop()), |r| r.meters.clone());
+    let meters = (registry.as_ref()).map_or_else(|| Arc::new(Meters::noop()), |r| r.meters.clone());
     let root = settings.broker.topic_root.clone();
     let map = TopicMap::new(&root, &settings.cloud.root, &settings.cloud.node_id);
     let meta_filter = subscription(&root);

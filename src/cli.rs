@@ -104,7 +104,12 @@ fn table(rows: &[MetaRow]) -> String {
         let namespace = parts.next().unwrap_or_default().to_owned();
         let _ = parts.next();
         let name = parts.next().unwrap_or_default().to_owned();
-        cells.push([namespace, row.res_type.clone(), name, row.value.len().to_string()]);
+        cells.push([
+            namespace,
+            row.res_type.clone(),
+            name,
+            row.value.len().to_string(),
+        ]);
     }
     let widths: Vec<usize> = (0..4)
         .map(|c| cells.iter().map(|r| r[c].len()).max().unwrap_or(0))

@@ -145,7 +145,12 @@ impl ErrorCounts {
         ErrorCounts {
             codes: ERROR_CODES
                 .iter()
-                .map(|&code| (code, counter!("edgemeta_errors_total", "error_code" => code)))
+                .map(|&code| {
+                    (
+                        code,
+                        counter!("edgemeta_errors_total", "error_code" => code),
+                    )
+                })
                 .collect(),
             other: counter!("edgemeta_errors_total", "error_code" => "other"),
         }
@@ -285,7 +290,9 @@ pub async fn serve(
 fn report(served: Result<std::io::Result<()>, tokio::task::JoinError>) {
     match served {
         Ok(Ok(())) => {}
-        Ok(Err(e)) => error!(error_code = "EM-OBSERVE-SERVE", error = %e, "observe listener failed"),
+        Ok(Err(e)) => {
+            error!(error_code = "EM-OBSERVE-SERVE", error = %e, "observe listener failed")
+        }
         Err(e) => error!(error_code = "EM-OBSERVE-SERVE", error = %e, "observe listener panicked"),
     }
 }
@@ -304,7 +311,8 @@ async fn metrics(State(node): State<Arc<Node>>) -> Response {
     }
     s.store_bytes.set(store_bytes(&src.store_path) as f64);
     if let Some(cloud) = &src.cloud {
-        s.cloud_connected.set(f64::from(u8::from(cloud.connected())));
+        s.cloud_connected
+            .set(f64::from(u8::from(cloud.connected())));
         s.cloud_reconnects.absolute(cloud.reconnects());
         s.cloud_down.absolute(cloud.down_applied());
     }
@@ -313,8 +321,9 @@ async fn metrics(State(node): State<Arc<Node>>) -> Response {
     s.denied_publishes.absolute(publishes);
     s.denied_subscribes.absolute(subscribes);
     s.lagging_cut.absolute(src.broker.lagging_subscribers_cut());
-    s.listeners_up
-        .set(f64::from(u8::from(src.listeners_up.load(Ordering::Relaxed))));
+    s.listeners_up.set(f64::from(u8::from(
+        src.listeners_up.load(Ordering::Relaxed),
+    )));
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         node.registry.handle.render(),
@@ -375,9 +384,10 @@ async fn readiness(node: &Node) -> (bool, Value) {
         let (ok, detail) = match (&stats, age) {
             (None, _) => (false, "outbox unknown: the store did not answer".to_owned()),
             (Some(_), None) => (true, "outbox empty".to_owned()),
-            (Some(_), Some(age)) if age <= limit => {
-                (true, format!("oldest entry {age:.1} s old (limit {limit} s)"))
-            }
+            (Some(_), Some(age)) if age <= limit => (
+                true,
+                format!("oldest entry {age:.1} s old (limit {limit} s)"),
+            ),
             (Some(_), Some(age)) => (
                 false,
                 format!("oldest entry {age:.1} s old, over the limit of {limit} s: not syncing"),

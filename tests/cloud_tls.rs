@@ -279,7 +279,7 @@ fn refused_start(tls: &str) -> String {
     std::fs::write(
         &config,
         format!(
-            "broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{}\nstore:\n  path: {}\ncloud:\n  enabled: true\n  url: mqtts://localhost:8883\n{tls}",
+            "broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{}\nstore:\n  path: {}\nobserve:\n  enabled: false\ncloud:\n  enabled: true\n  url: mqtts://localhost:8883\n{tls}",
             common::free_port(),
             dir.path().join("store.db").display()
         ),
