@@ -439,3 +439,61 @@ fn store_bytes(path: &std::path::Path) -> u64 {
         .map(|m| m.len())
         .sum()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every `"EM-…"` literal in the workspace's sources, so a new code gets its counter.
+    fn codes_in_sources() -> Vec<String> {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut dirs: Vec<PathBuf> = ["src", "broker/src", "metamanager/src", "bridges/src"]
+            .iter()
+            .map(|d| root.join(d))
+            .collect();
+        let mut codes = Vec::new();
+        while let Some(dir) = dirs.pop() {
+            for entry in std::fs::read_dir(&dir).expect("source dir").flatten() {
+                let path = entry.path();
+                if path.is_dir() {
+                    dirs.push(path);
+                } else if path.extension().is_some_and(|e| e == "rs") {
+                    let text = std::fs::read_to_string(&path).expect("source");
+                    for piece in text.split("\"EM-").skip(1) {
+                        let code = piece.split('"').next().unwrap_or_default();
+                        if !code.is_empty()
+                            && code
+                                .chars()
+                                .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '-')
+                        {
+                            codes.push(format!("EM-{code}"));
+                        }
+                    }
+                }
+            }
+        }
+        codes
+    }
+
+    #[test]
+    fn every_error_code_in_the_sources_has_its_own_counter() {
+        for code in codes_in_sources() {
+            assert!(
+                ERROR_CODES.contains(&code.as_str()),
+                "{code} is not in ERROR_CODES"
+            );
+        }
+    }
+
+    #[test]
+    fn every_counted_code_is_documented_in_architecture() {
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/ARCHITECTURE.md"))
+            .expect("ARCHITECTURE.md");
+        for code in ERROR_CODES {
+            assert!(
+                doc.contains(&format!("`{code}`")),
+                "{code} missing in ARCHITECTURE.md"
+            );
+        }
+    }
+}

@@ -132,7 +132,6 @@ impl MetaManager {
     ///
     /// With `local_relay`, the outbox is delivered to the local broker (no cloud bridge).
     /// `meters` counts messages and commits ([`Meters::noop`] for none).
-    #[allow(clippy::too_many_arguments)]
     pub async fn start(
         config: &MetaConfig,
         store: &StoreConfig,
