@@ -96,8 +96,8 @@ impl std::fmt::Debug for Meters {
     }
 }
 
-/// Messages of one batch counted on the stack, added to the counters once the batch's fate is
-/// known: a batch that does not commit turns every message into a failure.
+/// Messages of one batch counted on the stack and added to the counters once the batch has
+/// committed: one add per series touched rather than per message.
 #[derive(Debug, Default)]
 pub struct Tally {
     counts: [[u32; 3]; OPERATIONS],
@@ -108,17 +108,10 @@ impl Tally {
         self.counts[operation as usize][outcome as usize] += 1;
     }
 
-    /// Adds the tally to `meters`; with `failed`, every message counts as a failure.
-    pub fn flush(self, meters: &Meters, failed: bool) {
+    /// Adds the tally to `meters`.
+    pub fn flush(self, meters: &Meters) {
         for (row, counts) in self.counts.iter().enumerate() {
             let operation = Operation::ALL.get(row).copied();
-            if failed {
-                let all: u32 = counts.iter().sum();
-                if all > 0 {
-                    meters.messages(operation, Outcome::Failed, u64::from(all));
-                }
-                continue;
-            }
             for (outcome, _) in OUTCOMES {
                 let n = counts[outcome as usize];
                 if n > 0 {

@@ -216,12 +216,7 @@ impl Worker {
             Ok(tx) => tx,
             Err(e) => {
                 self.meters.committed(None);
-                for step in &steps {
-                    if let Step::Request(request, _) = step {
-                        let op = Some(request.operation);
-                        self.meters.messages(op, meters::Outcome::Failed, 1);
-                    }
-                }
+                count_failed(&self.meters, steps.iter());
                 let steps = steps.into_iter().map(|s| (s, Outcome::Retry)).collect();
                 return self
                     .fail_batch(steps, writes, Error::Commit(e.to_string()))
@@ -299,7 +294,7 @@ impl Worker {
             }
             self.state.outbox = outbox_before;
             self.meters.committed(None);
-            tally.flush(&self.meters, true);
+            count_failed(&self.meters, applied.iter().map(|(step, _)| step));
             return self.fail_batch(applied, writes, error).await;
         }
         let mut replies = Vec::with_capacity(writes.len());
@@ -318,7 +313,11 @@ impl Worker {
         let committed = tx.commit().await;
         self.meters
             .committed(committed.is_ok().then(|| committing.elapsed()));
-        tally.flush(&self.meters, committed.is_err());
+        if committed.is_ok() {
+            tally.flush(&self.meters);
+        } else {
+            count_failed(&self.meters, applied.iter().map(|(step, _)| step));
+        }
         if let Err(e) = committed {
             self.state.outbox = outbox_before;
             let error = Error::Commit(e.to_string());
@@ -402,6 +401,15 @@ impl Batch {
 
     fn len(&self) -> usize {
         self.steps.len() + self.writes.len() + self.reads.len()
+    }
+}
+
+/// Counts every request of a batch that was not committed as failed (the error path: one add each).
+fn count_failed<'a>(meters: &Meters, steps: impl Iterator<Item = &'a Step>) {
+    for step in steps {
+        if let Step::Request(request, _) = step {
+            meters.messages(Some(request.operation), meters::Outcome::Failed, 1);
+        }
     }
 }
 
