@@ -416,7 +416,7 @@ async fn readiness(node: &Node) -> (bool, Value) {
 }
 
 async fn outbox_stats(outbox: &OutboxHandle) -> Option<OutboxStats> {
-    tokio::time::timeout(STORE_ANSWER, outbox.stats())
+    tokio::time::timeout(STORE_ANSWER, outbox.summary())
         .await
         .ok()
         .and_then(Result::ok)

@@ -410,6 +410,19 @@ impl Db {
         })
     }
 
+    /// Creation time of the oldest outbox entry: the first by `seq`, found through the primary
+    /// key without a scan, so health checks stay cheap however deep the outbox is.
+    pub async fn outbox_oldest_ms(&self) -> Result<Option<i64>, libsql::Error> {
+        let mut rows = self
+            .conn
+            .query("SELECT created_ms FROM outbox ORDER BY seq LIMIT 1", ())
+            .await?;
+        match rows.next().await? {
+            Some(row) => row.get::<i64>(0).map(Some),
+            None => Ok(None),
+        }
+    }
+
     /// Folds the WAL back into the database file; called at shutdown.
     pub async fn checkpoint(&self) -> Result<(), libsql::Error> {
         self.conn
