@@ -223,21 +223,18 @@ pub fn status(settings: &Settings) -> anyhow::Result<bool> {
     Ok(ready)
 }
 
-/// The unlabelled gauges and counters of an exposition, by name.
+/// The unlabelled samples of a Prometheus text exposition, by name: `status` needs a few
+/// gauges, so a full parser (and its dependencies) stays out of the node's binary.
 fn gauges(exposition: &str) -> HashMap<String, f64> {
-    let lines = exposition.lines().map(|l| Ok(l.to_owned()));
-    let Ok(scrape) = prometheus_parse::Scrape::parse(lines) else {
-        return HashMap::new();
-    };
-    scrape
-        .samples
-        .into_iter()
-        .filter(|s| s.labels.is_empty())
-        .filter_map(|s| match s.value {
-            prometheus_parse::Value::Gauge(v)
-            | prometheus_parse::Value::Counter(v)
-            | prometheus_parse::Value::Untyped(v) => Some((s.metric, v)),
-            _ => None,
+    exposition
+        .lines()
+        .filter(|line| !line.starts_with('#'))
+        .filter_map(|line| {
+            let (name, value) = line.split_once(' ')?;
+            if name.contains('{') {
+                return None;
+            }
+            Some((name.to_owned(), value.trim().parse().ok()?))
         })
         .collect()
 }
