@@ -2,25 +2,39 @@
 //! wait (bounded) until every accepted message is committed.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use edgemeta_bridges::topic_map::TopicMap;
 use edgemeta_bridges::CloudBridge;
 use edgemeta_broker::Broker;
-use edgemeta_metamanager::{subscription, MetaManager};
+use edgemeta_metamanager::{subscription, MetaManager, Meters};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::config::Settings;
+use crate::observe::{self, Registry};
 
 /// Messages buffered between the broker link and the MetaManager's intake.
 const LINK_CAPACITY: usize = 1024;
 
-/// Runs the node until `shutdown` resolves or a listener dies.
-pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+/// Runs the node until `shutdown` resolves or a listener dies; with `registry` (metrics on),
+/// the observe endpoints are served on `observe.address`.
+pub async fn run(
+    settings: Settings,
+    registry: Option<Registry>,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
     let cancel = CancellationToken::new();
+    // Bound first: a taken address stops start-up before anything else is opened.
+    let observe_listener = match &registry {
+        Some(_) => Some(observe::bind(&settings.observe).await?),
+        None => None,
+    };
+    let meters = (registry.as_ref()).map_or_else(|| Arc::new(Meters::noop()), |r| r.meters.clone());
     let root = settings.broker.topic_root.clone();
     let map = TopicMap::new(&root, &settings.cloud.root, &settings.cloud.node_id);
     let meta_filter = subscription(&root);
@@ -42,10 +56,12 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         &root,
         link,
         !cloud,
+        meters,
         cancel.child_token(),
     )
     .await
     .with_context(|| format!("opening the store {}", settings.store.path.display()))?;
+    let mut cloud_status = None;
     let mut bridge = if cloud {
         let link = broker
             .link("cloud-bridge", &[cloud_filter], LINK_CAPACITY)
@@ -59,6 +75,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
             meta.outbox(),
         )
         .context("configuring the cloud bridge")?;
+        cloud_status = Some(bridge.status());
         Some(tokio::spawn(bridge.run(cancel.child_token())))
     } else {
         None
@@ -67,6 +84,27 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         .listen()
         .await
         .context("starting the MQTT listeners")?;
+    let listeners_up = Arc::new(AtomicBool::new(true));
+    let mut observer = match (registry, observe_listener) {
+        (Some(registry), Some(listener)) => {
+            let sources = observe::Sources {
+                outbox: meta.outbox(),
+                broker: broker.stats(),
+                cloud: cloud_status,
+                listeners_up: listeners_up.clone(),
+                store_path: settings.store.path.clone(),
+                max_outbox_age: Duration::from_secs(settings.observe.max_outbox_age_s),
+            };
+            info!(address = %settings.observe.address, "observe listener ready");
+            Some(tokio::spawn(observe::serve(
+                listener,
+                registry,
+                sources,
+                cancel.child_token(),
+            )))
+        }
+        _ => None,
+    };
     info!(store = %settings.store.path.display(), "edgemeta serving");
 
     let failure: Option<anyhow::Error> = tokio::select! {
@@ -81,12 +119,19 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         }
         Err(e) = bridge_stopped(&mut bridge), if bridge.is_some() => Some(e),
     };
+    listeners_up.store(false, Ordering::Relaxed);
     cancel.cancel();
     // No new connections from here on.
     let links = broker.close();
     let grace = Duration::from_millis(settings.shutdown_grace_ms);
     let stopped = async {
         let mut errors = Vec::new();
+        // It holds an outbox handle, which keeps the store worker alive.
+        if let Some(observer) = observer.take() {
+            if observer.await.is_err() {
+                errors.push(anyhow::Error::new(Panicked("observe server")));
+            }
+        }
         if let Err(e) = bridge_stopped(&mut bridge).await {
             errors.push(e);
         }

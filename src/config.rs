@@ -1,6 +1,7 @@
 //! Settings: the embedded default (`conf/edge.yaml`) or `--config FILE`, then `EDGEMETA_*`
 //! environment overrides; unknown keys are refused by name.
 
+use std::net::SocketAddr;
 use std::path::Path;
 
 use anyhow::Context as _;
@@ -31,6 +32,8 @@ pub struct Settings {
     /// `edgemeta edged`: the reference edge agent (a separate process, an MQTT client).
     #[serde(default)]
     pub edged: EdgedConfig,
+    #[serde(default)]
+    pub observe: ObserveConfig,
     /// How long SIGINT/SIGTERM may take to commit accepted work and stop, in milliseconds.
     #[serde(default = "default_shutdown_grace_ms")]
     pub shutdown_grace_ms: u64,
@@ -55,6 +58,41 @@ pub enum LogFormat {
     #[default]
     Text,
     Json,
+}
+
+/// The metrics and health endpoints (`/metrics`, `/healthz`, `/readyz`).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ObserveConfig {
+    /// `false`: no HTTP listener and no metrics are kept.
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    /// Where the HTTP listener binds; `edgemeta status` asks the node there.
+    #[serde(default = "default_observe_address")]
+    pub address: SocketAddr,
+    /// With the cloud enabled, `/readyz` fails once the oldest outbox entry is older than this.
+    #[serde(default = "default_max_outbox_age_s")]
+    pub max_outbox_age_s: u64,
+}
+
+const fn default_true() -> bool {
+    true
+}
+fn default_observe_address() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 9464))
+}
+const fn default_max_outbox_age_s() -> u64 {
+    300
+}
+
+impl Default for ObserveConfig {
+    fn default() -> Self {
+        ObserveConfig {
+            enabled: true,
+            address: default_observe_address(),
+            max_outbox_age_s: default_max_outbox_age_s(),
+        }
+    }
 }
 
 fn default_level() -> String {

@@ -4,10 +4,14 @@
 //! - `config`: settings from `conf/edge.yaml` or `--config`, plus `EDGEMETA_*` overrides.
 //! - `telemetry`: tracing setup (`RUST_LOG` wins).
 //! - `app`: broker → MetaManager wiring and bounded shutdown.
+//! - `observe`: `/metrics`, `/healthz`, `/readyz` on `observe.address`.
+//! - `cli`: the operator's commands: `get` (the store, read-only) and `status` (the endpoints).
 //! - `shutdown`: SIGINT / SIGTERM.
 
 mod app;
+mod cli;
 mod config;
+mod observe;
 mod shutdown;
 mod telemetry;
 
@@ -41,6 +45,25 @@ enum Command {
         #[arg(long, short)]
         config: Option<PathBuf>,
     },
+    /// List stored objects like `kubectl get`: `<namespace>/<type>` or `<namespace>/<type>/<name>`.
+    /// Reads the store read-only, so it is safe while the node runs.
+    Get {
+        /// `<namespace>/<type>[/<name>]`.
+        selector: String,
+        /// `table` (NAMESPACE TYPE NAME SIZE), or the documents as `json` or `yaml`.
+        #[arg(long, short, value_enum, default_value_t = cli::Output::Table)]
+        output: cli::Output,
+        /// The node's configuration file, for the store's path (default: as `run` loads it).
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+    },
+    /// Ask the running node for its health: listeners, connections, cloud, outbox, store.
+    /// Exits 0 when it is ready, 1 when not or unreachable.
+    Status {
+        /// The node's configuration file, for `observe.address` (default: as `run` loads it).
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+    },
     /// Print the embedded default configuration.
     DefaultConfig,
     /// Read a password from standard input and print its argon2 hash for
@@ -67,7 +90,7 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Edged { config } => {
             let settings = config::Settings::load(config.as_deref())?;
-            telemetry::init(&settings.log);
+            telemetry::init(&settings.log, None);
             let edged = settings.edged()?;
             let root = settings.broker.topic_root.clone();
             tokio::runtime::Builder::new_multi_thread()
@@ -85,14 +108,33 @@ fn main() -> anyhow::Result<()> {
                 })?;
             Ok(())
         }
+        Command::Get {
+            selector,
+            output,
+            config,
+        } => {
+            let settings = config::Settings::load(config.as_deref())?;
+            let found = cli::get(&settings, &selector, output)?;
+            std::process::exit(if found { 0 } else { 1 });
+        }
+        Command::Status { config } => {
+            let settings = config::Settings::load(config.as_deref())?;
+            let ready = cli::status(&settings)?;
+            std::process::exit(if ready { 0 } else { 1 });
+        }
         Command::Run { config } => {
             let settings = config::Settings::load(config.as_deref())?;
-            telemetry::init(&settings.log);
+            let registry = if settings.observe.enabled {
+                Some(observe::Registry::new()?)
+            } else {
+                None
+            };
+            telemetry::init(&settings.log, registry.as_ref().map(|r| r.error_layer()));
             let served = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .thread_name("edgemeta")
                 .build()?
-                .block_on(app::run(settings, shutdown::signal()));
+                .block_on(app::run(settings, registry, shutdown::signal()));
             if let Err(e) = served {
                 eprintln!("Error: {e:?}");
                 std::process::exit(i32::from(app::exit_code(&e)));

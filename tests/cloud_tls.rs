@@ -275,7 +275,7 @@ async fn a_wrong_ca_an_expired_certificate_or_a_wrong_host_name_never_connect() 
 fn refused_start(tls: &str) -> String {
     let (ok, text) = run_expecting_exit(
         &format!(
-            "broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{}\nstore:\n  path: store.db\ncloud:\n  enabled: true\n  url: mqtts://localhost:8883\n{tls}",
+            "broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{}\nstore:\n  path: store.db\nobserve:\n  enabled: false\ncloud:\n  enabled: true\n  url: mqtts://localhost:8883\n{tls}",
             common::free_port()
         ),
         &[],
@@ -365,7 +365,7 @@ async fn the_readme_tls_section_connects_verbatim() {
     let port = common::free_port();
     let mut node = common::edgemeta(
         dir.path(),
-        &format!("broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\nstore:\n  path: store.db\n"),
+        &format!("broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\nstore:\n  path: store.db\nobserve:\n  enabled: false\n"),
     )
     .envs(env)
     .stdout(log.try_clone().expect("log"))

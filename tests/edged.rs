@@ -745,6 +745,8 @@ async fn the_readme_edged_walkthrough_works_verbatim() {
     let port = common::free_port();
     let dir = tempfile::tempdir().expect("temp dir");
     let address = format!("127.0.0.1:{port}");
+    // Each test node's health listener on its own port, so tests can run in parallel.
+    let observe = format!("127.0.0.1:{}", common::free_port());
     let mut spawned = Spawned(Vec::new());
     let (lines_tx, mut lines) = tokio::sync::mpsc::unbounded_channel::<String>();
     let mut pod_log = None;
@@ -755,6 +757,7 @@ async fn the_readme_edged_walkthrough_works_verbatim() {
             let child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
                 .args(args.split(' '))
                 .env("EDGEMETA_BROKER__LISTENERS__MQTT__ADDRESS", &address)
+                .env("EDGEMETA_OBSERVE__ADDRESS", &observe)
                 .env_remove("RUST_LOG")
                 .current_dir(dir.path())
                 .stdin(Stdio::null())

@@ -433,7 +433,7 @@ fn shell_words(line: &str) -> Vec<String> {
 /// A configuration whose one listener is `address`, with the store in the working directory.
 fn listening_on(address: &str) -> String {
     format!(
-        "broker:\n  listeners:\n    mqtt:\n      address: {address}\nstore:\n  path: store.db\n"
+        "broker:\n  listeners:\n    mqtt:\n      address: {address}\nstore:\n  path: store.db\nobserve:\n  enabled: false\n"
     )
 }
 

@@ -967,7 +967,9 @@ impl Server {
     async fn edgemeta_with(binary: &Path, dir: &Path, extra: &str) -> anyhow::Result<Server> {
         let port = free_port()?;
         let conf = dir.join("edge.yaml");
-        std::fs::write(&conf, format!("broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\nstore:\n  path: {}\n{extra}", dir.join("bench.db").display()))?;
+        // The observe endpoints stay on, as by default, on a port of their own.
+        let observe = free_port()?;
+        std::fs::write(&conf, format!("broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\nstore:\n  path: {}\nobserve:\n  address: 127.0.0.1:{observe}\n{extra}", dir.join("bench.db").display()))?;
         let log_path = dir.join("edgemeta.log");
         let log = std::fs::OpenOptions::new()
             .create(true)

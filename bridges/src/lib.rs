@@ -18,6 +18,6 @@ pub mod error;
 pub mod tls;
 pub mod topic_map;
 
-pub use cloud::CloudBridge;
+pub use cloud::{CloudBridge, CloudStatus};
 pub use config::CloudConfig;
 pub use error::Error;

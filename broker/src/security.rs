@@ -255,6 +255,14 @@ impl Policy {
     pub(crate) fn count_denied_subscribe(&self) -> u64 {
         self.denials.subscribes.fetch_add(1, Ordering::Relaxed) + 1
     }
+
+    /// Publishes and subscribes the ACL (or the subscription cap) refused so far.
+    pub fn denials(&self) -> (u64, u64) {
+        (
+            self.denials.publishes.load(Ordering::Relaxed),
+            self.denials.subscribes.load(Ordering::Relaxed),
+        )
+    }
 }
 
 fn rule_applies(pattern: &str, identity: &Identity) -> bool {

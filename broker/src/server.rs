@@ -55,6 +55,31 @@ const READY_TIMEOUT: Duration = Duration::from_secs(5);
 type LinkFactory = dyn Fn(&str) -> Result<(LinkTx, LinkRx), Error> + Send + Sync;
 type ServerFactory = dyn Fn(rumqttd::ServerSettings, Guarded) -> Server<Guarded> + Send + Sync;
 
+/// The broker's counters, read when the node's metrics are scraped (nothing is counted twice).
+#[derive(Clone)]
+pub struct BrokerStats {
+    policy: Arc<Policy>,
+    sessions: Arc<Sessions>,
+    lag: Arc<Lag>,
+}
+
+impl BrokerStats {
+    /// Client connections open right now, on every listener.
+    pub fn connections(&self) -> u64 {
+        self.sessions.open_count()
+    }
+
+    /// Publishes and subscribes refused by the ACL or the subscription cap so far.
+    pub fn denials(&self) -> (u64, u64) {
+        self.policy.denials()
+    }
+
+    /// QoS 1/2 subscribers disconnected so far for falling behind (`EM-BROKER-SUBSCRIBER-LAG`).
+    pub fn lagging_subscribers_cut(&self) -> u64 {
+        self.lag.cut_count()
+    }
+}
+
 /// The running broker: rumqttd's router thread plus, per listener, the front and a guarded
 /// rumqttd listener, each a task on our runtime.
 ///
@@ -199,6 +224,15 @@ impl Broker {
     /// Subscribers cut off so far for falling behind their filter's log.
     pub fn lagging_subscribers_cut(&self) -> u64 {
         self.lag.cut_count()
+    }
+
+    /// A handle on the broker's counters that outlives [`Broker::close`], for the node's metrics.
+    pub fn stats(&self) -> BrokerStats {
+        BrokerStats {
+            policy: self.policy.clone(),
+            sessions: self.sessions.clone(),
+            lag: self.lag.clone(),
+        }
     }
 
     /// Opens an in-process client named `edgemeta-<name>` subscribed to `filters`.

@@ -40,6 +40,8 @@ impl Session {
 #[derive(Debug, Default)]
 pub struct Sessions {
     next: AtomicU64,
+    /// Connections the front holds open right now (opened, not yet closed).
+    open: AtomicU64,
     unclaimed: Mutex<HashMap<u64, Arc<Session>>>,
 }
 
@@ -47,6 +49,7 @@ impl Sessions {
     /// Registers a new connection; the front holds the session until the connection ends.
     pub fn open(&self) -> Arc<Session> {
         let id = self.next.fetch_add(1, Ordering::Relaxed) + 1;
+        self.open.fetch_add(1, Ordering::Relaxed);
         let session = Arc::new(Session {
             id,
             cut: CancellationToken::new(),
@@ -60,9 +63,16 @@ impl Sessions {
         self.lock().remove(&id)
     }
 
-    /// Forgets a session that was never claimed (the client left before its first packet).
+    /// The connection ended; forgets its session if it was never claimed (the client left
+    /// before its first packet). Called once per [`Sessions::open`].
     pub fn close(&self, id: u64) {
+        self.open.fetch_sub(1, Ordering::Relaxed);
         self.lock().remove(&id);
+    }
+
+    /// Client connections open right now.
+    pub fn open_count(&self) -> u64 {
+        self.open.load(Ordering::Relaxed)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<Session>>> {

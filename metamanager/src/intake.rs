@@ -3,6 +3,7 @@
 //! store thread only sees well-formed work.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
 use edgemeta_broker::{Message, Publisher};
 use tokio::sync::mpsc;
@@ -11,6 +12,7 @@ use tracing::{debug, warn};
 
 use crate::envelope::{Envelope, ObjectMeta};
 use crate::error::Error;
+use crate::meters::{self, Meters};
 use crate::operation::Operation;
 use crate::request::{Request, Requester};
 use crate::resource::{is_name, Resource};
@@ -22,6 +24,8 @@ use crate::worker::{Done, Job, Outcome};
 pub struct IntakeConfig {
     pub root: String,
     pub max_payload_bytes: usize,
+    /// Counts the messages refused here.
+    pub meters: Arc<Meters>,
 }
 
 /// A message handed in by another in-process component (the cloud bridge), with the signal to
@@ -83,7 +87,14 @@ async fn intake(
             true
         }
         Err(refused) => {
-            let Refused { requester, error } = *refused;
+            let Refused {
+                requester,
+                error,
+                operation,
+            } = *refused;
+            config
+                .meters
+                .messages(operation, meters::Outcome::Refused, 1);
             for reply in requester.error_messages(&config.root, &error) {
                 if publisher.publish(reply).await.is_err() {
                     return false;
@@ -102,6 +113,8 @@ async fn intake(
 pub struct Refused {
     pub requester: Requester,
     pub error: Error,
+    /// The topic's operation, when it is one.
+    pub operation: Option<Operation>,
 }
 
 /// A request, `None` for a message nobody can be answered about, or why it is refused.
@@ -239,7 +252,11 @@ fn refuse(requester: Requester, error: Error, operation: &str) -> Box<Refused> {
         error = %error,
         "message refused"
     );
-    Box::new(Refused { requester, error })
+    Box::new(Refused {
+        requester,
+        error,
+        operation: Operation::parse(operation),
+    })
 }
 
 #[cfg(test)]
@@ -250,6 +267,7 @@ mod tests {
         IntakeConfig {
             root: "ke".into(),
             max_payload_bytes: 64,
+            meters: Arc::new(Meters::noop()),
         }
     }
 

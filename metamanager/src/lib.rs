@@ -9,11 +9,13 @@
 //! - [`process`]: what each operation does, driven by the [`routing`] table.
 //! - [`store`]: libsql on a local file: `meta` (KubeEdge's table) and `outbox`.
 //! - [`outbox`]: every rule of the cloud outbox, and the handle its deliverers use.
+//! - [`meters`]: message counters and commit latency, registered once for the node's metrics.
 //! - [`relay`]: without a cloud bridge, the outbox goes to the local `<root>/cloud/...` topics.
 
 pub mod envelope;
 pub mod error;
 pub mod intake;
+pub mod meters;
 pub mod operation;
 pub mod outbox;
 pub mod process;
@@ -35,6 +37,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub use error::Error;
+pub use meters::Meters;
 pub use operation::Operation;
 pub use outbox::{OutboxEntry, OutboxHandle, OutboxStats, PendingAck};
 pub use request::Request;
@@ -128,12 +131,14 @@ impl MetaManager {
     /// Opens the store and starts intake and worker on `link` (subscribed to [`subscription`]).
     ///
     /// With `local_relay`, the outbox is delivered to the local broker (no cloud bridge).
+    /// `meters` counts messages and commits ([`Meters::noop`] for none).
     pub async fn start(
         config: &MetaConfig,
         store: &StoreConfig,
         root: &str,
         link: Link,
         local_relay: bool,
+        meters: Arc<Meters>,
         cancel: CancellationToken,
     ) -> Result<MetaManager, Error> {
         let (jobs_tx, jobs_rx) = mpsc::channel(config.queue_capacity.max(1));
@@ -158,6 +163,7 @@ impl MetaManager {
             jobs_rx,
             publisher.clone(),
             changed.clone(),
+            meters.clone(),
         )
         .await?;
         let outbox = OutboxHandle::new(jobs_tx.clone(), changed.clone());
@@ -172,6 +178,7 @@ impl MetaManager {
         let intake_config = intake::IntakeConfig {
             root: root.to_owned(),
             max_payload_bytes: config.max_payload_bytes,
+            meters,
         };
         let (submit_tx, submissions) = mpsc::channel(config.queue_capacity.max(1));
         let intake = tokio::spawn(intake::run(

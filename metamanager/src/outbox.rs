@@ -44,6 +44,8 @@ pub enum Read {
     },
     /// Depth, size and the creation time of the oldest entry.
     Stats { reply: Reply<OutboxStats> },
+    /// The same from the running counters and one indexed lookup: no scan, for health checks.
+    Summary { reply: Reply<OutboxStats> },
 }
 
 /// Whether a batch's commit must reach the disk. One that only deletes delivered entries need
@@ -125,6 +127,13 @@ pub async fn answer(read: Read, db: &Db, counters: &mut OutboxStats) {
             }
             let _ = reply.send(result.map_err(Error::store("read outbox")));
         }
+        Read::Summary { reply } => {
+            let result = db.outbox_oldest_ms().await.map(|oldest_ms| OutboxStats {
+                oldest_ms,
+                ..*counters
+            });
+            let _ = reply.send(result.map_err(Error::store("read outbox")));
+        }
     }
 }
 
@@ -142,7 +151,7 @@ impl Read {
         let error = Error::Commit(error.to_string());
         match self {
             Read::Peek { reply, .. } => drop(reply.send(Err(error))),
-            Read::Stats { reply } => drop(reply.send(Err(error))),
+            Read::Stats { reply } | Read::Summary { reply } => drop(reply.send(Err(error))),
         }
     }
 }
@@ -210,6 +219,12 @@ impl OutboxHandle {
     /// Depth, size and oldest entry of the outbox.
     pub async fn stats(&self) -> Result<OutboxStats, Error> {
         self.ask(|reply| Job::Read(Read::Stats { reply })).await
+    }
+
+    /// Depth and size from the worker's running counters, and the oldest entry: cheap enough
+    /// for every scrape and health check.
+    pub async fn summary(&self) -> Result<OutboxStats, Error> {
+        self.ask(|reply| Job::Read(Read::Summary { reply })).await
     }
 
     /// Wakes when new entries may have been committed.

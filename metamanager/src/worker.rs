@@ -14,6 +14,7 @@ use tokio::time::{interval_at, Instant, MissedTickBehavior};
 use tracing::{error, warn};
 
 use crate::error::Error;
+use crate::meters::{self, Meters, Tally};
 use crate::outbox::{self, OutboxLimit, Read, Write};
 use crate::process::{self, Context, State, Waits};
 use crate::request::Request;
@@ -78,6 +79,7 @@ pub async fn spawn(
     jobs: mpsc::Receiver<Job>,
     publisher: Publisher,
     outbox_changed: Arc<Notify>,
+    meters: Arc<Meters>,
 ) -> Result<oneshot::Receiver<Stopped>, Error> {
     let (opened_tx, opened_rx) = oneshot::channel();
     let (done_tx, done_rx) = oneshot::channel();
@@ -119,6 +121,7 @@ pub async fn spawn(
                         publisher,
                         outbox_changed,
                         state,
+                        meters,
                     };
                     worker.run(jobs).await;
                 })
@@ -145,6 +148,7 @@ struct Worker {
     publisher: Publisher,
     outbox_changed: Arc<Notify>,
     state: State,
+    meters: Arc<Meters>,
 }
 
 /// One unit of a batch, in arrival order.
@@ -205,6 +209,8 @@ impl Worker {
         let tx = match self.db.begin(durable).await {
             Ok(tx) => tx,
             Err(e) => {
+                self.meters.committed(None);
+                count_failed(&self.meters, steps.iter());
                 let steps = steps.into_iter().map(|s| (s, Outcome::Retry)).collect();
                 return self
                     .fail_batch(steps, writes, Error::Commit(e.to_string()))
@@ -215,6 +221,7 @@ impl Worker {
         let mut outbox_written = false;
         let mut applied = Vec::with_capacity(steps.len());
         let mut aborted = None;
+        let mut tally = Tally::default();
         for step in steps {
             if aborted.is_some() {
                 applied.push((step, Outcome::Retry));
@@ -237,6 +244,14 @@ impl Worker {
             };
             let (produced, wrote) = (cx.local, cx.outbox_written);
             let outcome = result.as_ref().err().map_or(Outcome::Final, Outcome::of);
+            if let Step::Request(request, _) = &step {
+                let counted = match &result {
+                    Ok(()) => meters::Outcome::Ok,
+                    Err(e) if e.is_bad_input() => meters::Outcome::Refused,
+                    Err(_) => meters::Outcome::Failed,
+                };
+                tally.add(request.operation, counted);
+            }
             match result {
                 Ok(()) => match savepoint.release().await {
                     Ok(()) => {
@@ -272,6 +287,8 @@ impl Worker {
                 warn!(error_code = "EM-STORE-TRANSACTION", error = %e, "rollback of an aborted batch failed");
             }
             self.state.outbox = outbox_before;
+            self.meters.committed(None);
+            count_failed(&self.meters, applied.iter().map(|(step, _)| step));
             return self.fail_batch(applied, writes, error).await;
         }
         let mut replies = Vec::with_capacity(writes.len());
@@ -286,7 +303,16 @@ impl Worker {
             outbox_written |= appended;
             replies.push((reply, result));
         }
-        if let Err(e) = tx.commit().await {
+        let committing = std::time::Instant::now();
+        let committed = tx.commit().await;
+        self.meters
+            .committed(committed.is_ok().then(|| committing.elapsed()));
+        if committed.is_ok() {
+            tally.flush(&self.meters);
+        } else {
+            count_failed(&self.meters, applied.iter().map(|(step, _)| step));
+        }
+        if let Err(e) = committed {
             self.state.outbox = outbox_before;
             let error = Error::Commit(e.to_string());
             for (reply, _) in replies {
@@ -369,6 +395,15 @@ impl Batch {
 
     fn len(&self) -> usize {
         self.steps.len() + self.writes.len() + self.reads.len()
+    }
+}
+
+/// Counts every request of a batch that was not committed as failed (the error path: one add each).
+fn count_failed<'a>(meters: &Meters, steps: impl Iterator<Item = &'a Step>) {
+    for step in steps {
+        if let Step::Request(request, _) = step {
+            meters.messages(Some(request.operation), meters::Outcome::Failed, 1);
+        }
     }
 }
 

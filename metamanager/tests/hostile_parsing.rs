@@ -12,6 +12,7 @@ fn config() -> IntakeConfig {
     IntakeConfig {
         root: "ke".into(),
         max_payload_bytes: 4096,
+        meters: std::sync::Arc::new(edgemeta_metamanager::Meters::noop()),
     }
 }
 

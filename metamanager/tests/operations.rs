@@ -42,7 +42,8 @@ async fn start_with(config: MetaConfig) -> Meta {
     let (publisher, out) = Publisher::channel(256);
     let cancel = CancellationToken::new();
     let link = Link { inbox, publisher };
-    let meta = MetaManager::start(&config, &store, "ke", link, true, cancel.clone())
+    let meters = std::sync::Arc::new(edgemeta_metamanager::Meters::noop());
+    let meta = MetaManager::start(&config, &store, "ke", link, true, meters, cancel.clone())
         .await
         .unwrap();
     Meta {

@@ -47,6 +47,8 @@ pub struct Options {
     pub cloud_url: Option<String>,
     /// Extra `cloud:` settings (e.g. `tls:`), as YAML lines indented 2 spaces.
     pub cloud_yaml: String,
+    /// `observe.max_outbox_age_s`: how old the outbox may get before `/readyz` fails.
+    pub max_outbox_age_s: u64,
 }
 
 /// The `cloud:` section for a node under test.
@@ -103,6 +105,7 @@ impl Default for Options {
             store_yaml: String::new(),
             cloud_url: None,
             cloud_yaml: String::new(),
+            max_outbox_age_s: 300,
         }
     }
 }
@@ -112,6 +115,8 @@ pub struct Node {
     child: Option<Child>,
     pub port: u16,
     pub v5_port: Option<u16>,
+    /// The observe endpoints' port (`/metrics`, `/healthz`, `/readyz`).
+    pub observe_port: u16,
     dir: tempfile::TempDir,
     pub options: Options,
 }
@@ -151,6 +156,7 @@ impl Node {
             child: None,
             port: free_port(),
             v5_port,
+            observe_port: free_port(),
             dir,
             options,
         };
@@ -166,6 +172,7 @@ impl Node {
                 Err(log) if log.contains("Address already in use") => {
                     node.port = free_port();
                     node.v5_port = node.options.v5.then(free_port);
+                    node.observe_port = free_port();
                 }
                 Err(log) => panic!("edgemeta did not start:\n{log}"),
             }
@@ -210,8 +217,11 @@ impl Node {
              broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\n{v5}{extra_listeners}  max_packet_bytes: {packet}\n{broker_yaml}\
              store:\n  path: {db}\n  synchronous: normal\n  max_pages: {pages}\n  busy_timeout_ms: {busy}\n{store_yaml}\
              metamanager:\n  max_payload_bytes: {payload}\n  remote_query_timeout_ms: {rq}\n  volume_timeout_ms: {vol}\n  podstatus_sync_interval_s: {sync}\n\
+             observe:\n  address: 127.0.0.1:{observe}\n  max_outbox_age_s: {age}\n\
              shutdown_grace_ms: 5000\n{cloud}",
             port = self.port,
+            observe = self.observe_port,
+            age = o.max_outbox_age_s,
             packet = o.max_packet_bytes,
             extra_listeners = o.extra_listeners,
             broker_yaml = o.broker_yaml,

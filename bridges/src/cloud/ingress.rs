@@ -67,6 +67,7 @@ pub(super) fn start(
     client: AsyncClient,
     map: TopicMap,
     redeliver: Arc<Notify>,
+    status: Arc<super::CloudStatus>,
     cancel: &CancellationToken,
 ) -> DownQueue {
     let (down_tx, down_rx) = mpsc::channel(DOWN_QUEUE);
@@ -79,7 +80,7 @@ pub(super) fn start(
     tasks.spawn(
         cancel
             .clone()
-            .run_until_cancelled_owned(acknowledge(order_rx, client, redeliver)),
+            .run_until_cancelled_owned(acknowledge(order_rx, client, redeliver, status)),
     );
     DownQueue {
         pending: VecDeque::new(),
@@ -122,10 +123,12 @@ async fn acknowledge(
     mut order_rx: mpsc::Receiver<Submitted>,
     client: AsyncClient,
     redeliver: Arc<Notify>,
+    status: Arc<super::CloudStatus>,
 ) {
     while let Some((done, publish)) = order_rx.recv().await {
         match done.await {
             Ok(Outcome::Final) => {
+                status.count_down_applied();
                 if client.ack(&publish).await.is_err() {
                     return;
                 }

@@ -7,6 +7,8 @@ mod session;
 mod signal;
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use edgemeta_broker::Link;
@@ -22,6 +24,41 @@ use crate::{CloudConfig, Error};
 use session::{Session, SessionEnd};
 use signal::{LinkState, Signal};
 
+/// What the bridge has done so far, read by the node's metrics and readiness check: plain
+/// atomics, set where the bridge already knows the fact.
+#[derive(Debug, Default)]
+pub struct CloudStatus {
+    connected: AtomicBool,
+    reconnects: AtomicU64,
+    down_applied: AtomicU64,
+}
+
+impl CloudStatus {
+    /// Whether a session with the cloud broker is up right now.
+    pub fn connected(&self) -> bool {
+        self.connected.load(Ordering::Relaxed)
+    }
+
+    /// Established sessions lost so far (each is followed by a reconnect attempt).
+    pub fn reconnects(&self) -> u64 {
+        self.reconnects.load(Ordering::Relaxed)
+    }
+
+    /// Cloud messages the MetaManager finished with (committed or refused for good) and the
+    /// bridge acknowledged.
+    pub fn down_applied(&self) -> u64 {
+        self.down_applied.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn set_connected(&self, connected: bool) {
+        self.connected.store(connected, Ordering::Relaxed);
+    }
+
+    pub(crate) fn count_down_applied(&self) {
+        self.down_applied.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 /// The bridge, ready to run.
 pub struct CloudBridge {
     config: CloudConfig,
@@ -31,6 +68,7 @@ pub struct CloudBridge {
     ingress: Ingress,
     outbox: OutboxHandle,
     link: Link,
+    status: Arc<CloudStatus>,
 }
 
 impl CloudBridge {
@@ -52,7 +90,13 @@ impl CloudBridge {
             ingress,
             outbox,
             link,
+            status: Arc::default(),
         })
+    }
+
+    /// The bridge's connection state and counters, shared with whoever reports them.
+    pub fn status(&self) -> Arc<CloudStatus> {
+        self.status.clone()
     }
 
     /// Runs sessions until cancelled; every task it spawned has ended when it returns.
@@ -69,6 +113,7 @@ impl CloudBridge {
             ingress,
             outbox,
             link,
+            status,
         } = self;
         let Link { inbox, publisher } = link;
         let stop = cancel.child_token();
@@ -102,8 +147,11 @@ impl CloudBridge {
                     ingress: &ingress,
                     outbox: &outbox,
                     signal: &signal,
+                    status: &status,
                 };
-                match session.run(&stop, &mut backoff).await {
+                let end = session.run(&stop, &mut backoff).await;
+                status.set_connected(false);
+                match end {
                     SessionEnd::Cancelled => return Ok(()),
                     SessionEnd::Failed(error) => return Err(error),
                     SessionEnd::Lost {
@@ -113,6 +161,7 @@ impl CloudBridge {
                         if was_connected {
                             signal.send(LinkState::Disconnected).await;
                             reconnects += 1;
+                            status.reconnects.fetch_add(1, Ordering::Relaxed);
                             warn!(error_code = "EM-BRIDGE-DISCONNECTED", error = %error, reconnects, "cloud connection lost");
                         } else {
                             warn!(error_code = "EM-BRIDGE-CONNECT", error = %error, "cannot reach the cloud broker");

@@ -42,6 +42,7 @@ pub(super) struct Session<'a> {
     pub(super) ingress: &'a Ingress,
     pub(super) outbox: &'a OutboxHandle,
     pub(super) signal: &'a Signal,
+    pub(super) status: &'a Arc<super::CloudStatus>,
 }
 
 impl Session<'_> {
@@ -53,6 +54,7 @@ impl Session<'_> {
             return end;
         }
         backoff.reset();
+        self.status.set_connected(true);
         self.signal.send(LinkState::Connected).await;
         // Subscriptions are not restored by rumqttc: subscribe on every connection.
         if let Err(e) = client.try_subscribe(self.map.down_filter(), QoS::AtLeastOnce) {
@@ -69,6 +71,7 @@ impl Session<'_> {
             client.clone(),
             self.map.clone(),
             redeliver.clone(),
+            self.status.clone(),
             &stop,
         );
         let mut egress = Egress::new(self.outbox, self.map, self.window);

@@ -4,6 +4,9 @@
 //! synchronously inside its async calls, so it must never run on a tokio worker serving MQTT.
 
 mod migrations;
+mod read_only;
+
+pub use read_only::{read_meta, MetaRow};
 
 use std::path::Path;
 use std::time::Duration;
@@ -105,6 +108,8 @@ pub enum StoreError {
         found: i64,
         latest: i64,
     },
+    #[error("no store at {0}")]
+    Missing(String),
     #[error("{0}")]
     Sql(#[from] libsql::Error),
     #[error("cannot start the store thread: {0}")]
@@ -405,6 +410,19 @@ impl Db {
             },
             None => OutboxStats::default(),
         })
+    }
+
+    /// Creation time of the oldest outbox entry: the first by `seq`, found through the primary
+    /// key without a scan, so health checks stay cheap however deep the outbox is.
+    pub async fn outbox_oldest_ms(&self) -> Result<Option<i64>, libsql::Error> {
+        let mut rows = self
+            .conn
+            .query("SELECT created_ms FROM outbox ORDER BY seq LIMIT 1", ())
+            .await?;
+        match rows.next().await? {
+            Some(row) => row.get::<i64>(0).map(Some),
+            None => Ok(None),
+        }
     }
 
     /// Folds the WAL back into the database file; called at shutdown.

@@ -1,0 +1,135 @@
+//! The MetaManager's metrics: handles registered once at start-up, so counting a message on the
+//! hot path is one atomic add (no lookup, lock or allocation). Without a recorder they are no-ops.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use metrics::{counter, histogram, Counter, Histogram};
+
+use crate::operation::Operation;
+
+/// What became of a message, as the `result` label says it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Applied and committed.
+    Ok = 0,
+    /// Bad input, answered with an `error` reply.
+    Refused = 1,
+    /// Our own failure (store, outbox full, commit), answered with an `error` reply.
+    Failed = 2,
+}
+
+const OUTCOMES: [(Outcome, &str); 3] = [
+    (Outcome::Ok, "ok"),
+    (Outcome::Refused, "refused"),
+    (Outcome::Failed, "failed"),
+];
+
+/// Rows of the message table: every operation, then one for messages whose operation is unknown.
+const OPERATIONS: usize = Operation::ALL.len() + 1;
+
+/// Counters and the commit-latency histogram, shared by intake and the store worker.
+pub struct Meters {
+    /// `edgemeta_messages_total{operation, result}`, indexed by operation then outcome.
+    messages: [[Counter; 3]; OPERATIONS],
+    /// `edgemeta_store_commit_seconds`: one sample per batch commit.
+    commit_seconds: Histogram,
+    /// `edgemeta_store_commits_total{result="failed"}`.
+    commits_failed: Counter,
+    /// Whether the last batch failed to commit; the node's readiness reads it.
+    failing: AtomicBool,
+}
+
+impl Meters {
+    /// Registers every series with the recorder in effect (global or `with_local_recorder`).
+    pub fn register() -> Meters {
+        let messages = std::array::from_fn(|row| {
+            let operation = Operation::ALL.get(row).map_or("unknown", |op| op.as_str());
+            OUTCOMES.map(|(_, result)| {
+                counter!("edgemeta_messages_total", "operation" => operation, "result" => result)
+            })
+        });
+        Meters {
+            messages,
+            commit_seconds: histogram!("edgemeta_store_commit_seconds"),
+            commits_failed: counter!("edgemeta_store_commits_total", "result" => "failed"),
+            failing: AtomicBool::new(false),
+        }
+    }
+
+    /// Handles that count nothing, for a node without metrics and for tests.
+    pub fn noop() -> Meters {
+        Meters {
+            messages: std::array::from_fn(|_| std::array::from_fn(|_| Counter::noop())),
+            commit_seconds: Histogram::noop(),
+            commits_failed: Counter::noop(),
+            failing: AtomicBool::new(false),
+        }
+    }
+
+    /// Counts `n` messages of `operation` (`None`: not known) that ended as `outcome`.
+    pub fn messages(&self, operation: Option<Operation>, outcome: Outcome, n: u64) {
+        let row = operation.map_or(Operation::ALL.len(), |op| op as usize);
+        self.messages[row][outcome as usize].increment(n);
+    }
+
+    /// Records a batch commit: how long `COMMIT` took, or that the batch was not committed.
+    pub fn committed(&self, took: Option<Duration>) {
+        match took {
+            Some(took) => self.commit_seconds.record(took.as_secs_f64()),
+            None => self.commits_failed.increment(1),
+        }
+        self.failing.store(took.is_none(), Ordering::Relaxed);
+    }
+
+    /// Whether the store's last batch failed to commit.
+    pub fn store_failing(&self) -> bool {
+        self.failing.load(Ordering::Relaxed)
+    }
+}
+
+impl std::fmt::Debug for Meters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Meters")
+            .field("store_failing", &self.store_failing())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Messages of one batch counted on the stack and added to the counters once the batch has
+/// committed: one add per series touched rather than per message.
+#[derive(Debug, Default)]
+pub struct Tally {
+    counts: [[u32; 3]; OPERATIONS],
+}
+
+impl Tally {
+    pub fn add(&mut self, operation: Operation, outcome: Outcome) {
+        self.counts[operation as usize][outcome as usize] += 1;
+    }
+
+    /// Adds the tally to `meters`.
+    pub fn flush(self, meters: &Meters) {
+        for (row, counts) in self.counts.iter().enumerate() {
+            let operation = Operation::ALL.get(row).copied();
+            for (outcome, _) in OUTCOMES {
+                let n = counts[outcome as usize];
+                if n > 0 {
+                    meters.messages(operation, outcome, u64::from(n));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn operations_index_the_table_in_declaration_order() {
+        for (i, op) in Operation::ALL.iter().enumerate() {
+            assert_eq!(*op as usize, i, "{op}");
+        }
+    }
+}
