@@ -3,7 +3,6 @@
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -133,7 +132,7 @@ fn table(rows: &[MetaRow]) -> String {
 
 /// Prints the node's state from its endpoints; `true` when it is ready.
 pub fn status(settings: &Settings) -> anyhow::Result<bool> {
-    let address = reachable(settings.observe.address);
+    let address = edgemeta_broker::reachable(settings.observe.address);
     if !settings.observe.enabled {
         println!("observe is disabled in the configuration: nothing to ask");
         return Ok(false);
@@ -237,14 +236,4 @@ fn gauges(exposition: &str) -> HashMap<String, f64> {
             Some((name.to_owned(), value.trim().parse().ok()?))
         })
         .collect()
-}
-
-/// Where this host reaches a listener bound to `address` (an unspecified IP means loopback).
-fn reachable(address: SocketAddr) -> SocketAddr {
-    let ip = match address.ip() {
-        IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
-        IpAddr::V6(ip) if ip.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
-        ip => ip,
-    };
-    SocketAddr::new(ip, address.port())
 }

@@ -6,7 +6,7 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::cloud::{await_log, cloud_client, cloud_insert, expect_applied};
+use common::cloud::{await_log, cloud_client, cloud_insert, expect_applied, SUBSCRIBED};
 use common::pki::Pki;
 use common::{run_expecting_exit, CloudBroker, CloudOptions, Node, Options, WAIT};
 use serde_json::json;
@@ -63,35 +63,6 @@ async fn tls_node(cloud: &CloudBroker, host: &str, tls: String) -> (Node, CloudO
     (node, bridge)
 }
 
-/// Sends the cloud's first insert of `resource` until the node answers it: the bridge's first
-/// SUBSCRIBE may still be on its way when it signals `cloud_connected`, and mosquitto drops what
-/// it has no subscription for yet. Later inserts queue in the persistent session.
-async fn first_insert(
-    controller: &mut common::Client,
-    bridge: &CloudOptions,
-    node: &Node,
-    resource: &str,
-) {
-    await_log(node, "cloud_connected").await;
-    let deadline = Instant::now() + WAIT;
-    let mut ids = Vec::new();
-    loop {
-        ids.push(cloud_insert(controller, bridge, resource, json!({"v": 0})).await);
-        let until = Instant::now() + Duration::from_millis(500);
-        while let Ok(reply) = tokio::time::timeout_at(until.into(), controller.next()).await {
-            if reply.parent_id().is_some_and(|p| ids.contains(&p)) {
-                assert_eq!(node.stored(resource).await.as_deref(), Some(r#"{"v":0}"#));
-                return;
-            }
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no answer over TLS:\n{}",
-            node.log()
-        );
-    }
-}
-
 /// mosquitto's line for a client that connected, authenticated as certificate name `cn`.
 fn connected_as(cloud: &CloudBroker, cn: &str) -> bool {
     cloud.log().contains(&format!("u'{cn}'"))
@@ -118,7 +89,17 @@ async fn mutual_tls_carries_both_ways_across_an_outage_and_picks_up_a_rotated_ce
     edged.subscribe("ke/edged/#").await;
 
     // Down: the cloud's insert is applied and answered up, over TLS.
-    first_insert(&mut controller, &bridge, &node, "default/pod/a").await;
+    await_log(&node, SUBSCRIBED).await;
+    let id = cloud_insert(&controller, &bridge, "default/pod/a", json!({"v": 1})).await;
+    expect_applied(
+        &mut controller,
+        &bridge,
+        &node,
+        "default/pod/a",
+        &id,
+        r#"{"v":1}"#,
+    )
+    .await;
     assert!(connected_as(&cloud, "node-a"), "{}", cloud.log());
     // Up: what edged reports locally reaches the cloud.
     edged

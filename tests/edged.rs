@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::cloud::{bridged, cloud_client, cloud_insert};
-use common::{envelope, send, topic, unique_id, Client, CloudBroker, Node, WAIT};
+use common::{envelope, send, shell_words, topic, unique_id, Client, CloudBroker, Node, WAIT};
 use serde_json::{json, Value};
 
 /// Pod statuses may take a few restarts and the rate limit to arrive.
@@ -123,19 +123,25 @@ impl Edged {
     }
 }
 
+/// Stops `child` the way an operator would: SIGTERM (edged then stops its pods' process
+/// groups), SIGKILL if it has not exited within the wait.
+fn terminate(child: &mut Child) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let started = Instant::now();
+    while child.try_wait().ok().flatten().is_none() && started.elapsed() < WAIT {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
 impl Drop for Edged {
     fn drop(&mut self) {
         // Its pods are process groups of their own: stop them the way edged does at shutdown.
         if let Some(mut child) = self.child.take() {
-            let _ = Command::new("kill")
-                .args(["-TERM", &child.id().to_string()])
-                .status();
-            let started = Instant::now();
-            while child.try_wait().ok().flatten().is_none() && started.elapsed() < WAIT {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
+            terminate(&mut child);
         }
     }
 }
@@ -675,50 +681,13 @@ async fn edged_stops_its_pods_on_sigterm() {
     assert!(!alive(pid), "the pod outlived edged");
 }
 
-/// Splits a README command line on spaces, honouring single quotes.
-fn shell_words(line: &str) -> Vec<String> {
-    let mut words = Vec::new();
-    let mut word = String::new();
-    let (mut quoted, mut started) = (false, false);
-    for c in line.chars() {
-        match c {
-            '\'' => {
-                quoted = !quoted;
-                started = true;
-            }
-            ' ' if !quoted => {
-                if started {
-                    words.push(std::mem::take(&mut word));
-                    started = false;
-                }
-            }
-            c => {
-                word.push(c);
-                started = true;
-            }
-        }
-    }
-    if started {
-        words.push(word);
-    }
-    words
-}
-
 /// Kills a README process at the end of the test, edged with SIGTERM so it stops its pods.
 struct Spawned(Vec<Child>);
 
 impl Drop for Spawned {
     fn drop(&mut self) {
         for child in self.0.iter_mut().rev() {
-            let _ = Command::new("kill")
-                .args(["-TERM", &child.id().to_string()])
-                .status();
-            let started = Instant::now();
-            while child.try_wait().ok().flatten().is_none() && started.elapsed() < WAIT {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
+            terminate(child);
         }
     }
 }
@@ -854,42 +823,12 @@ async fn the_readme_edged_walkthrough_works_verbatim() {
     }
 }
 
-/// An argon2 hash made by `edgemeta passwd`, as an operator would.
-fn hash(password: &str) -> String {
-    use std::io::Write as _;
-    let mut child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
-        .arg("passwd")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("edgemeta passwd");
-    child
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(format!("{password}\n").as_bytes())
-        .expect("write password");
-    let out = child.wait_with_output().expect("passwd output");
-    String::from_utf8(out.stdout)
-        .expect("utf-8")
-        .trim()
-        .to_owned()
-}
-
 #[tokio::test]
 async fn with_the_acl_on_edged_works_as_the_module_edged_and_a_wrong_password_only_retries() {
-    let users: String = ["edged", "operator"]
-        .iter()
-        .map(|u| {
-            format!(
-                "      {u}: {{ password_hash: \"{}\" }}\n",
-                hash(&format!("{u}-pw"))
-            )
-        })
-        .collect();
     let node = Node::start_with(common::Options {
         broker_yaml: format!(
-            "  auth:\n    allow_anonymous: false\n    users:\n{users}  acl:\n    enabled: true\n    rules:\n      - identity: operator\n        publish: ['ke/meta/edgecontroller/#']\n        subscribe: ['ke/#']\n"
+            "{}  acl:\n    enabled: true\n    rules:\n      - identity: operator\n        publish: ['ke/meta/edgecontroller/#']\n        subscribe: ['ke/#']\n",
+            common::auth_yaml(false, &["edged", "operator"])
         ),
         ..common::Options::default()
     })

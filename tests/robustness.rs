@@ -5,8 +5,8 @@
 mod common;
 
 use common::{
-    edgemeta, envelope, mosquitto_pub, mosquitto_sub, run_expecting_exit, send, sub_output,
-    unique_id, Client, Msg, Node, Options, WAIT,
+    edgemeta, envelope, mosquitto_pub, mosquitto_sub, run_expecting_exit, send, shell_words,
+    sub_output, unique_id, Client, Msg, Node, Options, WAIT,
 };
 use serde_json::{json, Value};
 use std::collections::HashSet;
@@ -398,36 +398,6 @@ async fn the_readme_walkthrough_works_verbatim() {
             "nothing arrived for `{command}`"
         );
     }
-}
-
-/// Splits a README command line on spaces, honouring single quotes.
-fn shell_words(line: &str) -> Vec<String> {
-    let mut words = Vec::new();
-    let mut word = String::new();
-    let mut quoted = false;
-    let mut started = false;
-    for c in line.chars() {
-        match c {
-            '\'' => {
-                quoted = !quoted;
-                started = true;
-            }
-            ' ' if !quoted => {
-                if started {
-                    words.push(std::mem::take(&mut word));
-                    started = false;
-                }
-            }
-            c => {
-                word.push(c);
-                started = true;
-            }
-        }
-    }
-    if started {
-        words.push(word);
-    }
-    words
 }
 
 /// A configuration whose one listener is `address`, with the store in the working directory.

@@ -32,7 +32,7 @@ pub use config::{BrokerConfig, ListenerConfig, MqttVersion};
 pub use error::Error;
 pub use link::{Link, Publisher};
 pub use message::Message;
-pub use server::{Broker, BrokerStats};
+pub use server::{reachable, Broker, BrokerStats};
 
 /// Client ids starting with this prefix are reserved for the node's own in-process links.
 pub const RESERVED_CLIENT_PREFIX: &str = "edgemeta-";

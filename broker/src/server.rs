@@ -299,8 +299,8 @@ fn link_error(client_id: &str, error: rumqttd::local::LinkError) -> Error {
     }
 }
 
-/// Where a client on this host reaches a listener bound to `address`.
-fn reachable(address: SocketAddr) -> SocketAddr {
+/// Where a client on this host reaches a listener bound to `address` (unspecified means loopback).
+pub fn reachable(address: SocketAddr) -> SocketAddr {
     let ip = match address.ip() {
         IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
         IpAddr::V6(ip) if ip.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),

@@ -75,7 +75,7 @@ pub async fn run(config: EdgedConfig, root: &str, cancel: CancellationToken) -> 
         eventloop,
         client.clone(),
         root.to_owned(),
-        session::Backoff::new(
+        edgemeta_bridges::backoff::Backoff::new(
             EdgedConfig::ms(config.reconnect_min_ms),
             EdgedConfig::ms(config.reconnect_max_ms),
         ),

@@ -2,6 +2,7 @@
 //! `<root>/edged/#`, hands every message to the agent, and reconnects with back-off. Each new
 //! subscription is announced as [`Inbound::Connected`], so the agent re-lists.
 
+use edgemeta_bridges::backoff::Backoff;
 use std::time::Duration;
 
 use rumqttc::{AsyncClient, Event, EventLoop, Packet, QoS};
@@ -19,38 +20,6 @@ pub enum Inbound {
     /// The session was lost.
     Disconnected,
     Message(Box<Incoming>),
-}
-
-/// Capped exponential reconnect delay with jitter (each delay drawn from its upper half).
-#[derive(Debug, Clone)]
-pub struct Backoff {
-    min: Duration,
-    max: Duration,
-    current: Duration,
-}
-
-impl Backoff {
-    pub fn new(min: Duration, max: Duration) -> Backoff {
-        let min = min.max(Duration::from_millis(1));
-        Backoff {
-            min,
-            max: max.max(min),
-            current: min,
-        }
-    }
-
-    pub fn next_delay(&mut self) -> Duration {
-        let ceiling = self.current;
-        self.current = (self.current * 2).min(self.max);
-        let half = ceiling / 2;
-        let spread = (ceiling - half).as_millis() as u64;
-        let random = (uuid::Uuid::new_v4().as_u128() % (u128::from(spread) + 1)) as u64;
-        half + Duration::from_millis(random)
-    }
-
-    pub fn reset(&mut self) {
-        self.current = self.min;
-    }
 }
 
 /// Drives `eventloop` until `cancel`.

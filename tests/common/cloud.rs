@@ -28,8 +28,16 @@ pub async fn bridged_with(cloud: &CloudBroker, options: Options) -> (Node, Cloud
         ..options
     })
     .await;
+    // Until the bridge's first SUBSCRIBE is acknowledged, the cloud broker drops what it is sent
+    // for this node; from then on it queues it, also across reconnects.
+    if cloud.is_running() {
+        await_log(&node, SUBSCRIBED).await;
+    }
     (node, bridge)
 }
+
+/// What the bridge logs once the cloud broker acknowledged its subscription.
+pub const SUBSCRIBED: &str = "subscribed to the cloud's down topics";
 
 /// A node whose cloud is a port nobody listens on, with `store_setup` run on its store first.
 /// Remote queries may wait 30 s, so a node that waited for the cloud would be caught.

@@ -953,6 +953,11 @@ impl CloudBroker {
         self.spawn().await;
     }
 
+    /// Whether the broker process is up (not stopped or killed by the test).
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
     /// The broker's own directory (its config, persistence and log, files for TLS).
     pub fn dir(&self) -> &Path {
         self.dir.path()
@@ -1087,4 +1092,33 @@ pub fn run_expecting_exit(yaml: &str, env: &[(&str, &str)]) -> (bool, String) {
         String::from_utf8_lossy(&out.stderr)
     );
     (out.status.success(), text)
+}
+
+/// Splits a README command line on spaces, honouring single quotes.
+pub fn shell_words(line: &str) -> Vec<String> {
+    let mut words = Vec::new();
+    let mut word = String::new();
+    let (mut quoted, mut started) = (false, false);
+    for c in line.chars() {
+        match c {
+            '\'' => {
+                quoted = !quoted;
+                started = true;
+            }
+            ' ' if !quoted => {
+                if started {
+                    words.push(std::mem::take(&mut word));
+                    started = false;
+                }
+            }
+            c => {
+                word.push(c);
+                started = true;
+            }
+        }
+    }
+    if started {
+        words.push(word);
+    }
+    words
 }

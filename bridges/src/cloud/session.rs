@@ -11,6 +11,7 @@ use rumqttc::{
 };
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
+use tracing::info;
 
 use super::egress::Egress;
 use super::ingress::{self, DownQueue};
@@ -153,6 +154,9 @@ async fn exchange(
                 Event::Outgoing(Outgoing::Publish(pkid)) => egress.sent(pkid),
                 Event::Incoming(Packet::PubAck(ack)) => egress.acked(ack.pkid).await?,
                 Event::Incoming(Packet::Publish(publish)) => down.received(publish),
+                // From here on the cloud broker queues what it sends this node, also across
+                // reconnects (persistent session): before, it would drop it.
+                Event::Incoming(Packet::SubAck(_)) => info!("subscribed to the cloud's down topics"),
                 _ => {}
             },
         }
