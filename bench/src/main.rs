@@ -538,15 +538,7 @@ async fn long_run(
                 let topic = "ke/meta/edgecontroller/insert/long/pod";
                 for i in names {
                     let resource = format!("long/pod/r{round}-{i}");
-                    match window.acquire().await {
-                        Ok(permit) => permit.forget(),
-                        Err(_) => return,
-                    }
-                    if publisher
-                        .publish(topic, QoS::AtLeastOnce, false, insert(&resource, 0))
-                        .await
-                        .is_err()
-                    {
+                    if !windowed_insert(&publisher, &window, topic, &resource).await {
                         return;
                     }
                 }
@@ -805,6 +797,24 @@ async fn prepare_subscriber(port: u16, id: &str, filter: &str) -> anyhow::Result
     client.disconnect().await?;
     tokio::time::sleep(Duration::from_millis(100)).await;
     Ok(())
+}
+
+/// Publishes an insert of `resource` once `window` has room (the subscriber side gives the room
+/// back as messages arrive); `false` once the window or the client is closed.
+async fn windowed_insert(
+    publisher: &AsyncClient,
+    window: &tokio::sync::Semaphore,
+    topic: impl Into<String>,
+    resource: &str,
+) -> bool {
+    match window.acquire().await {
+        Ok(permit) => permit.forget(),
+        Err(_) => return false,
+    }
+    publisher
+        .publish(topic, QoS::AtLeastOnce, false, insert(resource, 0))
+        .await
+        .is_ok()
 }
 
 /// Publishes edged's pod-status updates number `range` (over 1,000 pods) on `<prefix>/<ns>/<type>`.
@@ -1231,15 +1241,7 @@ async fn throughput(port: u16, watch: &str, sizes: &Sizes, ns: &str) -> anyhow::
                 } else {
                     type_topic.clone()
                 };
-                match window.acquire().await {
-                    Ok(permit) => permit.forget(),
-                    Err(_) => return,
-                }
-                if publisher
-                    .publish(topic, QoS::AtLeastOnce, false, insert(&resource, 0))
-                    .await
-                    .is_err()
-                {
+                if !windowed_insert(&publisher, &window, topic, &resource).await {
                     return;
                 }
             }
