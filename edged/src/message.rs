@@ -2,7 +2,8 @@
 //! edged publishes on `<root>/meta/edged/<op>/<ns>/<type>` with the object in `route.resource`,
 //! and reads `<root>/edged/<from>/<op>/<ns>/<type>[/<name>]`.
 
-use serde_json::{json, Value};
+use edgemeta_metamanager::envelope::{new_msg_id, null, Envelope, Route};
+use serde_json::Value;
 
 use crate::Error;
 
@@ -34,30 +35,26 @@ pub fn topic(root: &str, operation: &str, namespace: &str, resource_type: &str) 
 
 /// A fresh message id.
 pub fn new_id() -> String {
-    uuid::Uuid::new_v4().to_string()
+    new_msg_id()
 }
 
-/// An envelope from edged; returns `(msg_id, payload)`.
+/// An envelope from edged (built as the MetaManager builds its own); returns `(msg_id, payload)`.
 pub fn envelope(
     parent: Option<&str>,
     operation: &str,
     resource: &str,
     content: Value,
 ) -> (String, Vec<u8>) {
-    let id = new_id();
-    let timestamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
-    let mut header = json!({"msg_id": id, "timestamp": timestamp});
-    if let Some(parent) = parent {
-        header["parent_msg_id"] = json!(parent);
-    }
-    let payload = json!({
-        "header": header,
-        "route": {"source": "edged", "group": "meta", "operation": operation, "resource": resource},
-        "content": content,
-    });
-    (id, payload.to_string().into_bytes())
+    let route = Route {
+        source: "edged".to_owned(),
+        group: "meta".to_owned(),
+        operation: operation.to_owned(),
+        resource: resource.to_owned(),
+    };
+    let content = serde_json::value::to_raw_value(&content).unwrap_or_else(|_| null());
+    let mut envelope = Envelope::new(route, content);
+    envelope.header.parent_msg_id = parent.map(str::to_owned);
+    (envelope.header.msg_id.clone(), envelope.to_bytes())
 }
 
 /// Reads a message published on `topic` under `<root>/edged/`.
@@ -121,6 +118,7 @@ pub fn parse(root: &str, topic: &str, payload: &[u8]) -> Result<Incoming, Error>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn the_topic_names_the_type_and_the_envelope_the_object() {
