@@ -11,6 +11,8 @@ use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Packet, QoS};
 use serde_json::json;
 use tokio::sync::mpsc;
 
+mod devices;
+
 #[derive(Parser)]
 #[command(about = "edgemeta against mosquitto, same load, same run")]
 struct Args {
@@ -49,6 +51,27 @@ struct Args {
     /// Only the edged rows: start of `edgemeta edged` to 1, 10 and 100 stored pods Running.
     #[arg(long)]
     edged: bool,
+    /// Only the devices row: simulated mappers' twin reports, 1,000 devices once a second for
+    /// 60 s (100 for 5 s with --quick), edgemeta against mosquitto with a pass-through responder.
+    #[arg(long)]
+    devices: bool,
+    /// With the devices row: this many devices instead.
+    #[arg(long)]
+    device_count: Option<usize>,
+    /// With the devices row: report for this many seconds instead.
+    #[arg(long)]
+    device_seconds: Option<u64>,
+    /// With the devices row: spread the devices over this many MQTT connections instead (50,
+    /// 10 with --quick; as many as devices: one connection each).
+    #[arg(long)]
+    device_connections: Option<usize>,
+    /// With the devices row: mosquitto with its default `set_tcp_nodelay false` (Nagle on).
+    #[arg(long)]
+    device_nagle: bool,
+    /// Internal: run as the devices row's pass-through responder against a mosquitto on this
+    /// port.
+    #[arg(long, hide = true)]
+    device_responder: Option<u16>,
     /// Most P1 and long-running messages between publish and arrival at the subscriber; 0 = no
     /// limit (open loop, as before 2026-11-23: the node then cuts the P1 subscriber off).
     #[arg(long, default_value_t = WINDOW)]
@@ -92,6 +115,9 @@ struct Row {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if let Some(port) = args.device_responder {
+        return devices::responder(port).await;
+    }
     let sizes = if args.quick {
         Sizes {
             publishers: 2,
@@ -147,6 +173,10 @@ async fn main() -> anyhow::Result<()> {
     }
     if args.edged {
         edged_start(&args, &mut rows).await?;
+        return print_rows(rows);
+    }
+    if args.devices {
+        devices::devices(&args, &mut rows).await?;
         return print_rows(rows);
     }
 
@@ -314,6 +344,7 @@ async fn main() -> anyhow::Result<()> {
     long_running(&args, &sizes, &mut rows).await?;
     backlog(&args, &sizes, &mut rows).await?;
     edged_start(&args, &mut rows).await?;
+    devices::devices(&args, &mut rows).await?;
     drop(mosquitto);
     print_rows(rows)
 }
@@ -1020,19 +1051,7 @@ impl Server {
 
     /// CPU time (user + system, all threads) the process has used so far.
     fn cpu(&self) -> anyhow::Result<Duration> {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id()))?;
-        // Fields after the command name, which may hold spaces; utime and stime are 14 and 15,
-        // in USER_HZ ticks, which Linux fixes at 100 per second for /proc.
-        let fields: Vec<&str> = stat
-            .rsplit_once(')')
-            .context("/proc stat")?
-            .1
-            .split_whitespace()
-            .collect();
-        let ticks = |i: usize| -> anyhow::Result<u64> {
-            Ok(fields.get(i).context("/proc stat field")?.parse()?)
-        };
-        Ok(Duration::from_millis((ticks(11)? + ticks(12)?) * 10))
+        cpu_of(self.child.id())
     }
 
     fn rss_kib(&self) -> anyhow::Result<u64> {
@@ -1420,4 +1439,21 @@ async fn query_latency(
         samples.push(started.elapsed().as_micros() as u64);
     }
     Ok(percentiles(samples))
+}
+
+/// CPU time (user + system, all threads) process `pid` has used so far.
+fn cpu_of(pid: u32) -> anyhow::Result<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command name, which may hold spaces; utime and stime are 14 and 15,
+    // in USER_HZ ticks, which Linux fixes at 100 per second for /proc.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .context("/proc stat")?
+        .1
+        .split_whitespace()
+        .collect();
+    let ticks = |i: usize| -> anyhow::Result<u64> {
+        Ok(fields.get(i).context("/proc stat field")?.parse()?)
+    };
+    Ok(Duration::from_millis((ticks(11)? + ticks(12)?) * 10))
 }

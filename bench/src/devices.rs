@@ -1,0 +1,518 @@
+//! The devices row: simulated KubeEdge mappers report device twins on
+//! `$hw/events/device/<id>/twin/update` once a second each and wait for
+//! `.../twin/update/result` (docs/devices.md). edgemeta answers those itself; the peer is a
+//! mosquitto with a pass-through responder (a separate process) that republishes each update to
+//! its result topic.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context as _};
+use rumqttc::{AsyncClient, QoS};
+use serde_json::json;
+use tokio::io::AsyncBufReadExt as _;
+
+use super::{client, cpu_of, subscribe, Args, Inbox, Row, Server, PUBACK, SUBACK};
+
+/// How many devices report, for how long, over how many MQTT connections.
+#[derive(Clone, Copy)]
+pub struct DeviceLoad {
+    pub devices: usize,
+    pub seconds: u64,
+    pub connections: usize,
+}
+
+impl DeviceLoad {
+    /// 1,000 devices for 60 s over 50 connections (20 devices each, like a mapper serving
+    /// several devices); `--quick`: 100 devices for 5 s over 10 connections.
+    pub fn new(args: &Args) -> DeviceLoad {
+        let (devices, seconds, connections) = if args.quick {
+            (100, 5, 10)
+        } else {
+            (1_000, 60, 50)
+        };
+        let devices = args.device_count.unwrap_or(devices).max(1);
+        DeviceLoad {
+            devices,
+            seconds: args.device_seconds.unwrap_or(seconds).max(1),
+            connections: args
+                .device_connections
+                .unwrap_or(connections)
+                .clamp(1, devices),
+        }
+    }
+}
+
+/// The node's id in `$hw/events/node/<node>/...`: `cloud.node_id`'s default.
+const NODE: &str = "edge-node";
+/// Devices per membership message from the (simulated) cloud.
+const MEMBERSHIP_CHUNK: usize = 100;
+/// How long the last reports may take to be answered before they count as lost.
+const GRACE: Duration = Duration::from_secs(5);
+
+/// What one side did under the load.
+struct Outcome {
+    /// Report → result, µs, of every result received.
+    samples: Vec<u64>,
+    sent: usize,
+    /// Reports never answered within `GRACE` of the last publish.
+    lost: usize,
+    /// Error results (`"code"` in the payload).
+    errors: usize,
+    /// Results per second, first scheduled report → last result.
+    rate: f64,
+    /// Largest delay of a publish behind its schedule (the load generator's own lag), µs.
+    late_max: u64,
+}
+
+impl Outcome {
+    /// p50, p99 and max of the latencies, µs.
+    fn percentiles(&self) -> (u64, u64, u64) {
+        let mut s = self.samples.clone();
+        s.sort_unstable();
+        let at = |q: f64| {
+            s.get(((s.len() as f64 - 1.0) * q) as usize)
+                .copied()
+                .unwrap_or(0)
+        };
+        (at(0.5), at(0.99), s.last().copied().unwrap_or(0))
+    }
+}
+
+/// `edgemeta-bench --devices` and the row in the full run: the same device load against a
+/// node and against mosquitto with the pass-through responder.
+pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+    let load = DeviceLoad::new(args);
+    let ids: Vec<String> = (1..=load.devices).map(|i| format!("dev-{i:04}")).collect();
+
+    let dir = tempfile::tempdir()?;
+    // The reference first: the devices and schedule edgemeta gets below, each report answered
+    // by the responder with its own payload.
+    // With TCP_NODELAY, as edgemeta's accept loop sets it: otherwise each result waits for the
+    // delayed ACK of the PUBACK sent just before it on the same connection (p50 ~42 ms here).
+    let nodelay = if args.device_nagle {
+        ""
+    } else {
+        "set_tcp_nodelay true\n"
+    };
+    let mosquitto = Server::mosquitto_with(
+        &args.mosquitto,
+        dir.path(),
+        "mosquitto",
+        super::free_port()?,
+        nodelay,
+    )
+    .await?;
+    let responder = Responder::start(mosquitto.port).await?;
+    let (before, before_responder) = (mosquitto.cpu()?, responder.cpu()?);
+    let mq = run_load(mosquitto.port, &ids, load, "mosquitto").await?;
+    let per_report = |d: Duration| d.as_secs_f64() * 1e6 / mq.sent as f64;
+    let mq_cpu = per_report(mosquitto.cpu()? - before);
+    let responder_cpu = per_report(responder.cpu()? - before_responder);
+    let mq_rss = mosquitto.rss_kib()?;
+    drop(responder);
+    drop(mosquitto);
+    progress("mosquitto", &mq);
+
+    // edgemeta: the cloud's membership message adds the devices, then they report.
+    let node = Server::edgemeta(&args.edgemeta, dir.path()).await?;
+    add_devices(node.port, &ids).await?;
+    let before = node.cpu()?;
+    let em = run_load(node.port, &ids, load, "edgemeta").await?;
+    let em_cpu = (node.cpu()? - before).as_secs_f64() * 1e6 / em.sent as f64;
+    let em_rss = node.rss_kib()?;
+    drop(node);
+    progress("edgemeta", &em);
+
+    let stats = |o: &Outcome| {
+        let (p50, p99, max) = o.percentiles();
+        format!("{p50} / {p99} / {max}; {:.0}; {}", o.rate, o.lost)
+    };
+    let errors = if em.errors > 0 {
+        format!(" ({} error results)", em.errors)
+    } else {
+        String::new()
+    };
+    rows.push(Row {
+        name: format!(
+            "devices: {} devices × 1 twin report/s for {} s ({} connections, QoS 1): report → result p50 / p99 / max (µs); results/s; lost; CPU µs per report",
+            load.devices, load.seconds, load.connections
+        ),
+        edgemeta: format!("{}{errors}; {em_cpu:.0}", stats(&em)),
+        mosquitto: format!(
+            "{}; {:.0} + {:.0} responder (pass-through)",
+            stats(&mq),
+            mq_cpu,
+            responder_cpu
+        ),
+        target: "—".into(),
+        verdict: format!(
+            "p99 {:.1} vs {:.1} ms",
+            em.percentiles().1 as f64 / 1e3,
+            mq.percentiles().1 as f64 / 1e3
+        ),
+    });
+    rows.push(Row {
+        target: "(diagnostic)".into(),
+        verdict: "—".into(),
+        ..Row::sized(
+            &format!(
+                "devices: RSS right after the load ({} devices)",
+                load.devices
+            ),
+            em_rss,
+            mq_rss,
+            "",
+            0,
+        )
+    });
+    if em.errors > 0 {
+        bail!(
+            "edgemeta answered {} device twin reports with an error result",
+            em.errors
+        );
+    }
+    Ok(())
+}
+
+/// One side's counts, on stderr.
+fn progress(side: &str, o: &Outcome) {
+    let (p50, p99, max) = o.percentiles();
+    eprintln!(
+        "devices on {side}: {} reports sent, {} answered, {} error results, {} lost; p50 / p99 / max {p50} / {p99} / {max} µs, {:.0} results/s; the load generator was at most {} µs behind its schedule",
+        o.sent,
+        o.samples.len(),
+        o.errors,
+        o.lost,
+        o.rate,
+        o.late_max
+    );
+}
+
+/// Adds `ids` to the node as the cloud's devicecontroller would (membership updates on the
+/// local `ke/meta/...` topic, `MEMBERSHIP_CHUNK` devices each), then waits until a membership
+/// get lists them all.
+async fn add_devices(port: u16, ids: &[String]) -> anyhow::Result<()> {
+    let (c, mut rx) = client(port, "devicecontroller").await?;
+    let result = format!("$hw/events/node/{NODE}/membership/get/result");
+    subscribe(&c, &mut rx, &result).await?;
+    for chunk in ids.chunks(MEMBERSHIP_CHUNK) {
+        let added: Vec<_> = chunk
+            .iter()
+            .map(|id| {
+                json!({
+                    "id": id,
+                    "name": id,
+                    "twin": {"temperature": {
+                        "expected": {"value": "20"},
+                        "metadata": {"type": "int"},
+                        "expected_version": {"cloud": 1, "edge": 0},
+                        "optional": false,
+                    }},
+                })
+            })
+            .collect();
+        let envelope = json!({
+            "header": {"msg_id": uuid::Uuid::new_v4().to_string(), "timestamp": now_ms()},
+            "route": {"source": "devicecontroller", "group": "twin", "operation": "update", "resource": "node/membership"},
+            "content": {
+                "event_id": uuid::Uuid::new_v4().to_string(),
+                "timestamp": now_ms(),
+                "added_devices": added,
+                "removed_devices": [],
+            },
+        });
+        c.publish(
+            "ke/meta/devicecontroller/update/node/membership",
+            QoS::AtLeastOnce,
+            false,
+            envelope.to_string(),
+        )
+        .await?;
+    }
+    let started = Instant::now();
+    let mut listed = 0;
+    loop {
+        let event_id = uuid::Uuid::new_v4().to_string();
+        c.publish(
+            format!("$hw/events/node/{NODE}/membership/get"),
+            QoS::AtLeastOnce,
+            false,
+            json!({"event_id": event_id, "timestamp": now_ms()}).to_string(),
+        )
+        .await?;
+        let asked = Instant::now();
+        while asked.elapsed() < Duration::from_secs(2) {
+            let Ok(Some((topic, payload))) =
+                tokio::time::timeout(Duration::from_millis(250), rx.recv()).await
+            else {
+                continue;
+            };
+            if topic != result {
+                continue;
+            }
+            let body: serde_json::Value = serde_json::from_slice(&payload)?;
+            if body["event_id"] == event_id.as_str() {
+                listed = body["devices"].as_array().map_or(0, Vec::len);
+                break;
+            }
+        }
+        if listed >= ids.len() {
+            return Ok(());
+        }
+        if started.elapsed() > Duration::from_secs(60) {
+            bail!(
+                "membership get on the node lists {listed} of {} devices after 60 s (is the devices part merged?)",
+                ids.len()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Every device reports once a second for `load.seconds`, open loop: device `j` (of `N`) at
+/// `j/N` s into each second, so reports are spread evenly; devices are dealt to the connections
+/// round-robin. Each report's result is matched to it by `event_id`.
+async fn run_load(
+    port: u16,
+    ids: &[String],
+    load: DeviceLoad,
+    side: &str,
+) -> anyhow::Result<Outcome> {
+    let mut connections = Vec::new();
+    for c in 0..load.connections {
+        let (client, mut rx) = super::client(port, "mapper").await?;
+        let own: Vec<(usize, String)> = (c..ids.len())
+            .step_by(load.connections)
+            .map(|j| (j, ids[j].clone()))
+            .collect();
+        let filters = own
+            .iter()
+            .map(|(_, id)| rumqttc::SubscribeFilter::new(result_topic(id), QoS::AtLeastOnce));
+        client.subscribe_many(filters).await?;
+        loop {
+            let (topic, _) = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+                .await
+                .context("device SUBACK")?
+                .context("connection gone")?;
+            if topic == SUBACK {
+                break;
+            }
+        }
+        connections.push((client, rx, own));
+    }
+    // One round trip first, outside the measurement: the path works end to end.
+    {
+        let (client, rx, own) = &mut connections[0];
+        let (j, id) = &own[0];
+        let event_id = format!("{id}-probe");
+        client
+            .publish(
+                update_topic(id),
+                QoS::AtLeastOnce,
+                false,
+                report(&event_id, *j),
+            )
+            .await?;
+        let started = Instant::now();
+        loop {
+            let left = Duration::from_secs(10).saturating_sub(started.elapsed());
+            let Ok(got) = tokio::time::timeout(left, rx.recv()).await else {
+                bail!("{side}: no {} within 10 s", result_topic(id));
+            };
+            let (topic, payload) = got.context("connection gone")?;
+            if topic == result_topic(id) {
+                let body: serde_json::Value = serde_json::from_slice(&payload)?;
+                if body.get("code").is_some() {
+                    bail!(
+                        "{side}: the probe report was answered with an error: {}",
+                        String::from_utf8_lossy(&payload)
+                    );
+                }
+                break;
+            }
+        }
+    }
+
+    let n = ids.len();
+    let start = tokio::time::Instant::now() + Duration::from_millis(100);
+    let mut tasks = Vec::new();
+    for (client, rx, own) in connections {
+        let mut schedule = Vec::with_capacity(own.len() * load.seconds as usize);
+        for k in 0..load.seconds {
+            for (j, id) in &own {
+                let at = start
+                    + Duration::from_secs(k)
+                    + Duration::from_nanos(*j as u64 * 1_000_000_000 / n as u64);
+                schedule.push((at, *j, id.clone(), k));
+            }
+        }
+        tasks.push(tokio::spawn(connection(client, rx, schedule)));
+    }
+    let mut outcome = Outcome {
+        samples: Vec::with_capacity(n * load.seconds as usize),
+        sent: 0,
+        lost: 0,
+        errors: 0,
+        rate: 0.0,
+        late_max: 0,
+    };
+    let mut last = start;
+    for task in tasks {
+        let c = task.await??;
+        outcome.samples.extend(c.samples);
+        outcome.sent += c.sent;
+        outcome.lost += c.lost;
+        outcome.errors += c.errors;
+        outcome.late_max = outcome.late_max.max(c.late_max);
+        last = last.max(c.last_result);
+    }
+    outcome.rate = outcome.samples.len() as f64 / (last - start).as_secs_f64().max(1e-6);
+    Ok(outcome)
+}
+
+/// What one connection saw.
+struct ConnectionOutcome {
+    samples: Vec<u64>,
+    sent: usize,
+    lost: usize,
+    errors: usize,
+    late_max: u64,
+    last_result: tokio::time::Instant,
+}
+
+/// Publishes `schedule` (time, device index, id, second) on one connection and collects the
+/// results, until all are answered or `GRACE` after the last publish.
+async fn connection(
+    client: AsyncClient,
+    mut rx: Inbox,
+    schedule: Vec<(tokio::time::Instant, usize, String, u64)>,
+) -> anyhow::Result<ConnectionOutcome> {
+    let mut pending: HashMap<String, Instant> = HashMap::new();
+    let mut out = ConnectionOutcome {
+        samples: Vec::with_capacity(schedule.len()),
+        sent: 0,
+        lost: 0,
+        errors: 0,
+        late_max: 0,
+        last_result: tokio::time::Instant::now(),
+    };
+    let mut next = 0;
+    let mut give_up = None;
+    loop {
+        let wake = match schedule.get(next) {
+            Some((at, ..)) => *at,
+            None => *give_up.get_or_insert_with(|| tokio::time::Instant::now() + GRACE),
+        };
+        tokio::select! {
+            biased;
+            got = rx.recv() => {
+                let Some((topic, payload)) = got else { bail!("device connection gone") };
+                if topic == PUBACK || topic == SUBACK {
+                    continue;
+                }
+                let arrived = Instant::now();
+                let body: serde_json::Value = serde_json::from_slice(&payload)?;
+                let Some(sent) = body["event_id"].as_str().and_then(|e| pending.remove(e)) else {
+                    continue; // a duplicate, or the probe's
+                };
+                if body.get("code").is_some() {
+                    out.errors += 1;
+                } else {
+                    out.samples.push((arrived - sent).as_micros() as u64);
+                }
+                out.last_result = tokio::time::Instant::now();
+                if next == schedule.len() && pending.is_empty() {
+                    break;
+                }
+            }
+            () = tokio::time::sleep_until(wake) => {
+                let Some((at, j, id, k)) = schedule.get(next) else { break };
+                next += 1;
+                out.late_max = out.late_max.max(at.elapsed().as_micros() as u64);
+                let event_id = format!("{id}-{k}");
+                let payload = report(&event_id, j + *k as usize);
+                pending.insert(event_id, Instant::now());
+                client.publish(update_topic(id), QoS::AtLeastOnce, false, payload).await?;
+                out.sent += 1;
+            }
+        }
+    }
+    out.lost = pending.len();
+    let _ = client.disconnect().await;
+    Ok(out)
+}
+
+fn update_topic(id: &str) -> String {
+    format!("$hw/events/device/{id}/twin/update")
+}
+
+fn result_topic(id: &str) -> String {
+    format!("$hw/events/device/{id}/twin/update/result")
+}
+
+/// A mapper's twin report: an actual temperature that changes every second.
+fn report(event_id: &str, n: usize) -> String {
+    json!({
+        "event_id": event_id,
+        "timestamp": now_ms(),
+        "twin": {"temperature": {
+            "actual": {"value": (15 + n % 20).to_string()},
+            "metadata": {"type": "int"},
+        }},
+    })
+    .to_string()
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The pass-through responder for mosquitto: this binary run as
+/// `edgemeta-bench --device-responder PORT`, a process of its own so that its CPU is measured
+/// apart from the load generator's. Stopped (killed) when dropped.
+struct Responder(tokio::process::Child);
+
+impl Responder {
+    async fn start(port: u16) -> anyhow::Result<Responder> {
+        let mut child = tokio::process::Command::new(std::env::current_exe()?)
+            .arg("--device-responder")
+            .arg(port.to_string())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .context("start the responder")?;
+        let stdout = child.stdout.take().context("responder stdout")?;
+        let mut lines = tokio::io::BufReader::new(stdout).lines();
+        let line = tokio::time::timeout(Duration::from_secs(10), lines.next_line())
+            .await
+            .context("responder not ready")??;
+        if line.as_deref() != Some("ready") {
+            bail!("responder: {line:?}");
+        }
+        Ok(Responder(child))
+    }
+
+    fn cpu(&self) -> anyhow::Result<Duration> {
+        cpu_of(self.0.id().context("responder gone")?)
+    }
+}
+
+/// `--device-responder PORT`: subscribes to every device's twin update and republishes each
+/// payload unchanged on its `/result` topic (mosquitto delivers `$hw/...` to explicit `$hw`
+/// filters); prints `ready` once subscribed.
+pub async fn responder(port: u16) -> anyhow::Result<()> {
+    let (c, mut rx) = client(port, "responder").await?;
+    subscribe(&c, &mut rx, "$hw/events/device/+/twin/update").await?;
+    println!("ready");
+    while let Some((topic, payload)) = rx.recv().await {
+        if topic == PUBACK || topic == SUBACK {
+            continue;
+        }
+        c.publish(format!("{topic}/result"), QoS::AtLeastOnce, false, payload)
+            .await?;
+    }
+    Ok(())
+}
