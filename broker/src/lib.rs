@@ -18,6 +18,7 @@
 pub mod backlog;
 pub mod codec;
 pub mod config;
+pub mod dollar;
 pub mod error;
 pub mod front;
 pub mod guard;
