@@ -712,8 +712,18 @@ async fn set_attributes(
     Ok(())
 }
 
-/// Asks the cloud for the full membership (`detailRequest`), when the cloud link comes up.
+/// Asks the cloud for the full membership (`detailRequest`) when the cloud link comes up, so
+/// devices removed while the node was away go. A node without devices does not ask: whatever
+/// is added reaches it as a membership update through its persistent cloud session.
 pub async fn request_detail(cx: &mut Context<'_>) -> Result<(), Error> {
+    if !cx
+        .db
+        .has_devices()
+        .await
+        .map_err(Error::store("query devices"))?
+    {
+        return Ok(());
+    }
     let request = DetailRequest {
         event_type: "group_membership_event",
         event_id: new_msg_id(),

@@ -52,6 +52,14 @@ impl Db {
         Ok(out)
     }
 
+    /// Whether this node has any device.
+    pub async fn has_devices(&self) -> Result<bool, libsql::Error> {
+        Ok(self
+            .scalar_i64("SELECT EXISTS (SELECT 1 FROM device)")
+            .await?
+            != 0)
+    }
+
     pub async fn insert_device(&self, device: &DeviceRow) -> Result<(), libsql::Error> {
         self.exec(
             "INSERT OR REPLACE INTO device (id, name, description, state, last_online)
