@@ -155,7 +155,7 @@ pub fn refuse_client_id(client_id: &str) -> Option<&'static str> {
 
 /// Whether no client may use `topic` (or the filter a subscription shares), whatever its
 /// rights: `$` topics other than the carried ones are the broker's own, and so is the carried
-/// form, or a client could publish as `$hw/...` past a check made on the form it wrote.
+/// form `edgemeta$...`, so clients name `$hw/...` one way only, the way ACL rules are written.
 fn reserved(topic: &str) -> bool {
     topic.starts_with(dollar::INTERNAL_PREFIX)
         || (topic.starts_with('$') && !dollar::is_carried(topic.as_bytes()))
