@@ -663,14 +663,14 @@ async fn a_device_reads_and_writes_only_its_own_dollar_hw_subtree() {
         .publish("edgemeta$hw/events/device/dev-a/state/update", "carrier")
         .await;
     device.publish(own, r#"{"state":"online"}"#).await;
-    // Its will is vetted and carried like a publish.
+    // A will is vetted and carried like a publish.
+    let will = "$hw/events/device/dev-b/state/update";
     drop(connect_with_will(
         node.port,
         "dev-b",
-        "$hw/events/device/dev-b/state/update",
+        will,
         r#"{"state":"offline"}"#,
     ));
-    let will = "$hw/events/device/dev-b/state/update";
     mapper
         .until("dev-b's will", |p| {
             matches!(p, Packet::Publish(p) if p.topic == will).then_some(())
