@@ -12,7 +12,7 @@ use rumqttc::{AsyncClient, QoS};
 use serde_json::json;
 use tokio::io::AsyncBufReadExt as _;
 
-use super::{client, cpu_of, subscribe, Args, Inbox, Row, Server, PUBACK, SUBACK};
+use super::{client, cpu_of, rss_of, subscribe, Args, Inbox, Row, Server, PUBACK, SUBACK};
 
 /// How many devices report, for how long, over how many MQTT connections.
 #[derive(Clone, Copy)]
@@ -105,7 +105,10 @@ pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     .await?;
     let responder = Responder::start(mosquitto.port).await?;
     let (before, before_responder) = (mosquitto.cpu()?, responder.cpu()?);
+    let mq_rss_before = mosquitto.rss_kib()?;
+    let sampler = rss_sampler(mosquitto.pid(), "mosquitto", !args.quick);
     let mq = run_load(mosquitto.port, &ids, load, "mosquitto").await?;
+    sampler.abort();
     let per_report = |d: Duration| d.as_secs_f64() * 1e6 / mq.sent as f64;
     let mq_cpu = per_report(mosquitto.cpu()? - before);
     let responder_cpu = per_report(responder.cpu()? - before_responder);
@@ -118,7 +121,10 @@ pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     let node = Server::edgemeta(&args.edgemeta, dir.path()).await?;
     add_devices(node.port, &ids).await?;
     let before = node.cpu()?;
+    let em_rss_before = node.rss_kib()?;
+    let sampler = rss_sampler(node.pid(), "edgemeta", !args.quick);
     let em = run_load(node.port, &ids, load, "edgemeta").await?;
+    sampler.abort();
     let em_cpu = (node.cpu()? - before).as_secs_f64() * 1e6 / em.sent as f64;
     let em_rss = node.rss_kib()?;
     drop(node);
@@ -152,19 +158,16 @@ pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             mq.percentiles().1 as f64 / 1e3
         ),
     });
+    let mb = |kib: u64| kib as f64 / 1024.0;
     rows.push(Row {
+        name: format!(
+            "devices: RSS before the {} devices connect / right after their load",
+            load.devices
+        ),
+        edgemeta: format!("{:.1} MB / {:.1} MB", mb(em_rss_before), mb(em_rss)),
+        mosquitto: format!("{:.1} MB / {:.1} MB", mb(mq_rss_before), mb(mq_rss)),
         target: "(diagnostic)".into(),
         verdict: "—".into(),
-        ..Row::sized(
-            &format!(
-                "devices: RSS right after the load ({} devices)",
-                load.devices
-            ),
-            em_rss,
-            mq_rss,
-            "",
-            0,
-        )
     });
     if em.errors > 0 {
         bail!(
@@ -173,6 +176,23 @@ pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Prints `side`'s RSS every 10 s on stderr while the load runs (if `print`).
+fn rss_sampler(pid: u32, side: &'static str, print: bool) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let started = Instant::now();
+        loop {
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            if let (true, Ok(kib)) = (print, rss_of(pid)) {
+                eprintln!(
+                    "devices on {side}: RSS {:.1} MB after {} s",
+                    kib as f64 / 1024.0,
+                    started.elapsed().as_secs()
+                );
+            }
+        }
+    })
 }
 
 /// One side's counts, on stderr.

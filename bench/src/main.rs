@@ -1055,12 +1055,11 @@ impl Server {
     }
 
     fn rss_kib(&self) -> anyhow::Result<u64> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))?;
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .context("VmRSS")
+        rss_of(self.child.id())
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
     }
 }
 
@@ -1456,4 +1455,14 @@ fn cpu_of(pid: u32) -> anyhow::Result<Duration> {
         Ok(fields.get(i).context("/proc stat field")?.parse()?)
     };
     Ok(Duration::from_millis((ticks(11)? + ticks(12)?) * 10))
+}
+
+/// VmRSS of process `pid`, KiB.
+fn rss_of(pid: u32) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("VmRSS")
 }
