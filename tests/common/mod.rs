@@ -612,6 +612,14 @@ impl Client {
             .expect("event loop alive")
     }
 
+    /// The next message, whatever its topic, or `None` if none comes within `limit`.
+    pub async fn next_within(&mut self, limit: Duration) -> Option<Msg> {
+        tokio::time::timeout(limit, self.rx.recv())
+            .await
+            .ok()
+            .map(|m| m.expect("event loop alive"))
+    }
+
     /// The next message on exactly `topic`, skipping others.
     pub async fn expect(&mut self, topic: &str) -> Msg {
         let deadline = Instant::now() + WAIT;
@@ -671,8 +679,8 @@ impl Client {
         }
     }
 
-    /// The next message on `topic` that `matches`, skipping others (also on `topic`); `what`
-    /// names it in the failure message, with the payloads seen on `topic` meanwhile.
+    /// The next message on `topic` that `matches`, discarding the others (also on `topic`);
+    /// `what` names it in the failure message, with the payloads seen on `topic` meanwhile.
     pub async fn expect_matching(
         &mut self,
         topic: &str,
