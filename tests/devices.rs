@@ -199,9 +199,9 @@ impl Controller<'_> {
 }
 
 /// A KubeEdge mapper for one device, subscribed to what the node tells it ([`ANSWERS`]) and to
-/// the node's membership changes. What arrives while it waits for something else is kept: the
-/// node publishes a change's messages in an order the tests do not fix (KubeEdge's own sends the
-/// delta of an added device before the membership update).
+/// the node's membership changes. What arrives while it waits for something else is kept until
+/// a test takes it: the node publishes a change's messages in an order the tests do not fix
+/// (KubeEdge's own sends the delta of an added device before the membership update).
 struct Mapper {
     client: Client,
     id: String,
@@ -262,34 +262,30 @@ impl Mapper {
     }
 
     /// The first message on `topic` (kept or arriving within [`WAIT`]) whose payload `matches`;
-    /// earlier ones on `topic` are discarded, those on other topics kept.
+    /// every other message is kept.
     async fn take(&mut self, topic: &str, what: &str, matches: impl Fn(&Value) -> bool) -> Value {
-        let mut seen = Vec::new();
-        let mut kept = Vec::new();
-        let mut found = None;
-        for m in std::mem::take(&mut self.pending) {
-            if found.is_some() || m.topic != topic {
-                kept.push(m);
-            } else if matches(&json_of(&m)) {
-                found = Some(json_of(&m));
-            } else {
-                seen.push(String::from_utf8_lossy(&m.payload).into_owned());
-            }
-        }
-        self.pending = kept;
-        if let Some(found) = found {
-            return found;
+        if let Some(i) = self
+            .pending
+            .iter()
+            .position(|m| m.topic == topic && matches(&json_of(m)))
+        {
+            return json_of(&self.pending.remove(i));
         }
         let deadline = Instant::now() + WAIT;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.client.next_within(left).await {
                 Some(m) if m.topic == topic && matches(&json_of(&m)) => return json_of(&m),
-                Some(m) if m.topic == topic => {
-                    seen.push(String::from_utf8_lossy(&m.payload).into_owned())
-                }
                 Some(m) => self.pending.push(m),
-                None => panic!("no {what} on {topic} within {WAIT:?}; saw there {seen:#?}"),
+                None => {
+                    let there: Vec<_> = self
+                        .pending
+                        .iter()
+                        .filter(|m| m.topic == topic)
+                        .map(|m| String::from_utf8_lossy(&m.payload))
+                        .collect();
+                    panic!("no {what} on {topic} within {WAIT:?}; there: {there:#?}")
+                }
             }
         }
     }
@@ -890,6 +886,164 @@ async fn a_desired_value_sent_while_the_node_was_killed_is_applied_after_restart
         })
         .await;
     assert_eq!(delta["delta"], json!({"temperature": "35"}), "{delta}");
+}
+
+#[tokio::test]
+async fn a_cloud_update_behind_the_devices_own_change_is_refused_and_the_device_value_goes_up() {
+    // `dealVersion` (dtmanager/twin.go): a cloud update is applied only when it is based on the
+    // stored versions, both `cloud` and `edge`; otherwise the edge's value wins and is reported.
+    let cloud = CloudBroker::start().await;
+    let (node, bridge) = bridged(&cloud).await;
+    let mut up = cloud_client(&cloud, &bridge.up("twin/#")).await;
+    let controller = Controller::cloud(&cloud, &bridge).await;
+    let mut mapper = Mapper::connect_to(&node, "thermo-1", &bridge.node_id).await;
+    controller
+        .add(cloud_device(
+            "thermo-1",
+            &[("temperature", "20", "int")],
+            100,
+        ))
+        .await;
+    mapper.added().await;
+    let devicetwin = bridge.up("twin/update/_/devicetwin");
+
+    // The device changes the desired value itself (the update payload may carry `expected`).
+    let event_id = mapper
+        .send(
+            "twin/update",
+            json!({"twin": {"temperature": {"expected": {"value": "22"}, "metadata": {"type": "int"}}}}),
+        )
+        .await;
+    let result = mapper.answer("twin/update/result", &event_id).await;
+    assert_eq!(
+        result["twin"]["temperature"]["expected"]["value"], "22",
+        "{result}"
+    );
+    let report = up
+        .expect_matching(&devicetwin, "the device's expected 22", |m| {
+            m.content()["twin"]["temperature"]["expected"]["value"] == "22"
+        })
+        .await;
+    assert_eq!(
+        report.content()["twin"]["temperature"]["expected_version"],
+        json!({"cloud": 100, "edge": 1})
+    );
+
+    // The cloud, not having seen it, sends a desired value based on edge version 0: refused,
+    // and the device's value goes back up with its versions.
+    controller
+        .desire("thermo-1", &[("temperature", "30", "int")], 101)
+        .await;
+    let back = up
+        .expect_matching(&devicetwin, "the device's expected 22 again", |m| {
+            m.content()["twin"]["temperature"]["expected"]["value"] == "22"
+        })
+        .await;
+    assert_eq!(
+        back.content()["twin"]["temperature"]["expected_version"],
+        json!({"cloud": 100, "edge": 1}),
+        "{:?}",
+        back.payload
+    );
+    let twins = twin_rows(&node, "thermo-1").await;
+    assert_eq!(twins[0]["expected"], "22", "{twins:?}");
+    assert_eq!(
+        version(&twins[0]["expected_version"]),
+        json!({"cloud": 100, "edge": 1})
+    );
+    assert_eq!(
+        mapper.get().await["twin"]["temperature"]["expected"]["value"],
+        "22"
+    );
+
+    // Based on what the edge reported, the cloud's next value is applied.
+    controller
+        .send(
+            "devicecontroller/update/_/devicetwin",
+            "_/devicetwin/thermo-1",
+            json!({
+                "event_id": unique_id("event"),
+                "timestamp": now_ms(),
+                "twin": {"temperature": {
+                    "expected": {"value": "30", "metadata": {"timestamp": now_ms()}},
+                    "optional": false,
+                    "metadata": {"type": "int"},
+                    "expected_version": {"cloud": 102, "edge": 1},
+                }},
+            }),
+        )
+        .await;
+    mapper
+        .next("twin/update/delta", "delta towards 30", |d| {
+            d["delta"]["temperature"] == "30"
+        })
+        .await;
+    let twins = twin_rows(&node, "thermo-1").await;
+    assert_eq!(twins[0]["expected"], "30", "{twins:?}");
+    assert_eq!(
+        version(&twins[0]["expected_version"]),
+        json!({"cloud": 102, "edge": 1})
+    );
+}
+
+#[tokio::test]
+async fn the_clouds_membership_detail_adds_what_is_listed_and_removes_the_rest() {
+    // `dealMembershipDetail` (dtmanager/membership.go): the cloud's full list of the node's
+    // devices, the answer to the node's detail request.
+    let cloud = CloudBroker::start().await;
+    let (node, bridge) = bridged(&cloud).await;
+    let controller = Controller::cloud(&cloud, &bridge).await;
+    let mut mapper = Mapper::connect_to(&node, "thermo-1", &bridge.node_id).await;
+    for id in ["thermo-1", "thermo-9"] {
+        controller
+            .add(cloud_device(id, &[("temperature", "20", "int")], 100))
+            .await;
+        mapper
+            .membership_updated(&format!("{id} added"), |u| {
+                u["added_devices"][0]["id"] == id
+            })
+            .await;
+    }
+    let event_id = mapper.report(&[("temperature", "25", "int")]).await;
+    mapper.answer("twin/update/result", &event_id).await;
+
+    controller
+        .send(
+            "devicecontroller/update/node/membershipdetail",
+            "node/membershipdetail",
+            json!({
+                "event_id": unique_id("event"),
+                "timestamp": now_ms(),
+                "devices": [
+                    cloud_device("thermo-1", &[("temperature", "20", "int")], 100),
+                    cloud_device("thermo-3", &[("humidity", "40", "float")], 100),
+                ],
+            }),
+        )
+        .await;
+    mapper
+        .membership_updated("thermo-9 removed", |u| {
+            u["removed_devices"][0]["id"] == "thermo-9"
+        })
+        .await;
+    mapper
+        .membership_updated("thermo-3 added", |u| {
+            u["added_devices"][0]["id"] == "thermo-3"
+        })
+        .await;
+    let devices = node.rows("SELECT id FROM device ORDER BY id").await;
+    assert_eq!(
+        devices,
+        [json!({"id": "thermo-1"}), json!({"id": "thermo-3"})]
+    );
+    assert!(twin_rows(&node, "thermo-9").await.is_empty());
+    assert!(node
+        .rows("SELECT * FROM device_attr WHERE deviceid = 'thermo-9'")
+        .await
+        .is_empty());
+    // A device that stays keeps what it reported.
+    let got = mapper.get().await;
+    assert_eq!(got["twin"]["temperature"]["actual"]["value"], "25", "{got}");
 }
 
 #[tokio::test]
