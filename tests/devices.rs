@@ -939,6 +939,11 @@ async fn a_cloud_update_behind_the_devices_own_change_is_refused_and_the_device_
             m.content()["twin"]["temperature"]["expected"]["value"] == "22"
         })
         .await;
+    assert_ne!(
+        back.msg_id(),
+        report.msg_id(),
+        "a new report, not a redelivery"
+    );
     assert_eq!(
         back.content()["twin"]["temperature"]["expected_version"],
         json!({"cloud": 100, "edge": 1}),
