@@ -1052,6 +1052,74 @@ async fn the_clouds_membership_detail_adds_what_is_listed_and_removes_the_rest()
 }
 
 #[tokio::test]
+async fn a_twin_the_device_added_is_deleted_with_null_and_kept_as_deleted() {
+    // `DealMsgTwin` and `dealTwinAdd` / `dealTwinDelete` (dtmanager/twin.go): a device may add a
+    // twin of its own (optional unless it says otherwise), and delete an optional twin by
+    // sending it as null; the row stays, typed `deleted`, so its versions survive.
+    let node = Node::start().await;
+    let controller = Controller::local(&node).await;
+    let mut mapper = Mapper::connect(&node, "thermo-1").await;
+    controller
+        .add(cloud_device(
+            "thermo-1",
+            &[("temperature", "20", "int")],
+            100,
+        ))
+        .await;
+    mapper.added().await;
+
+    let event_id = mapper.report(&[("label", "lab-1", "string")]).await;
+    let result = mapper.answer("twin/update/result", &event_id).await;
+    assert_eq!(
+        result["twin"]["label"]["actual"]["value"], "lab-1",
+        "{result}"
+    );
+    let got = mapper.get().await;
+    assert_eq!(got["twin"]["label"]["actual"]["value"], "lab-1", "{got}");
+
+    let event_id = mapper
+        .send("twin/update", json!({"twin": {"label": null}}))
+        .await;
+    let result = mapper.answer("twin/update/result", &event_id).await;
+    assert!(result["code"].is_null(), "{result}");
+    let document = mapper
+        .next("twin/update/document", "document deleting label", |d| {
+            d["twin"]["label"]["last"]["actual"]["value"] == "lab-1"
+        })
+        .await;
+    assert!(document["twin"]["label"]["current"].is_null(), "{document}");
+    let got = mapper.get().await;
+    assert!(got["twin"].get("label").is_none(), "{got}");
+    assert_eq!(
+        got["twin"]["temperature"]["expected"]["value"], "20",
+        "{got}"
+    );
+    let twins = twin_rows(&node, "thermo-1").await;
+    let label = twins
+        .iter()
+        .find(|t| t["name"] == "label")
+        .unwrap_or_else(|| panic!("the deleted twin's row is kept: {twins:?}"));
+    assert_eq!(label["attr_type"], "deleted", "{twins:?}");
+    assert!(unset(&label["actual"]), "{twins:?}");
+    assert_eq!(
+        version(&label["actual_version"]),
+        json!({"cloud": 0, "edge": 1}),
+        "{twins:?}"
+    );
+
+    // The cloud's twin is not optional (`createDevice` sends `optional: false`): it stays.
+    let event_id = mapper
+        .send("twin/update", json!({"twin": {"temperature": null}}))
+        .await;
+    mapper.answer("twin/update/result", &event_id).await;
+    let got = mapper.get().await;
+    assert_eq!(
+        got["twin"]["temperature"]["expected"]["value"], "20",
+        "{got}"
+    );
+}
+
+#[tokio::test]
 async fn bad_reports_get_400_unknown_devices_404_and_nothing_changes() {
     let node = Node::start().await;
     let controller = Controller::local(&node).await;
