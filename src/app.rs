@@ -10,7 +10,7 @@ use anyhow::Context as _;
 use edgemeta_bridges::topic_map::TopicMap;
 use edgemeta_bridges::CloudBridge;
 use edgemeta_broker::Broker;
-use edgemeta_metamanager::{subscription, MetaManager, Meters};
+use edgemeta_metamanager::{subscriptions, MetaManager, Meters};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -37,15 +37,13 @@ pub async fn run(
     let meters = (registry.as_ref()).map_or_else(|| Arc::new(Meters::noop()), |r| r.meters.clone());
     let root = settings.broker.topic_root.clone();
     let map = TopicMap::new(&root, &settings.cloud.root, &settings.cloud.node_id);
-    let meta_filter = subscription(&root);
+    let meta_filters = subscriptions(&root);
     let cloud_filter = map.local_cloud_filter();
-    let mut broker = Broker::new(
-        &settings.broker,
-        &[meta_filter.clone(), cloud_filter.clone()],
-    )
-    .context("starting the MQTT broker")?;
+    let mut watched = meta_filters.clone();
+    watched.push(cloud_filter.clone());
+    let mut broker = Broker::new(&settings.broker, &watched).context("starting the MQTT broker")?;
     let link = broker
-        .link("metamanager", &[meta_filter], LINK_CAPACITY)
+        .link("metamanager", &meta_filters, LINK_CAPACITY)
         .await
         .context("linking the metamanager to the broker")?;
     let cloud = settings.cloud.enabled;
@@ -54,6 +52,7 @@ pub async fn run(
         &settings.metamanager,
         &settings.store,
         &root,
+        &settings.cloud.node_id,
         link,
         !cloud,
         meters,

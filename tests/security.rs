@@ -593,6 +593,184 @@ async fn a_module_name_claimed_without_a_password_check_gets_no_module_rights() 
     );
 }
 
+/// Password logins for `users`; ACL on with KubeEdge's device topics: every `dev-*` owns
+/// `$hw/events/device/<its name>/#`, `mapper` reads every device's.
+fn device_acl_yaml(users: &[&str]) -> String {
+    format!(
+        "{}\
+         \x20 acl:\n    enabled: true\n    rules:\n\
+         \x20     - identity: 'dev-*'\n        publish: ['$hw/events/device/%u/#']\n        subscribe: ['$hw/events/device/%u/#']\n\
+         \x20     - identity: mapper\n        subscribe: ['$hw/events/device/#']\n",
+        auth_yaml(false, users)
+    )
+}
+
+/// Topics of everything `client` received during [`QUIET`] and while waiting for acks.
+async fn topics_seen(client: &mut Raw) -> Vec<String> {
+    client
+        .drain(QUIET)
+        .await
+        .into_iter()
+        .map(|(t, _)| t)
+        .collect()
+}
+
+#[tokio::test]
+async fn a_device_reads_and_writes_only_its_own_dollar_hw_subtree() {
+    let node = Node::start_with(Options {
+        broker_yaml: device_acl_yaml(&["dev-a", "dev-b", "mapper"]),
+        v5: true,
+        ..Options::default()
+    })
+    .await;
+    let mut mapper = Raw::connect(
+        node.port,
+        &unique_id("mapper"),
+        Some(("mapper", "mapper-pw")),
+    )
+    .await
+    .expect("mapper admitted");
+    assert_eq!(
+        mapper.subscribe("$hw/events/device/#").await,
+        SubscribeReasonCode::Success(QoS::AtLeastOnce)
+    );
+    let mut device = Raw::connect(node.port, &unique_id("dev-a"), Some(("dev-a", "dev-a-pw")))
+        .await
+        .expect("dev-a admitted");
+    // Another device's subtree, the whole tree, and the carried form itself are refused; the
+    // connection stays up (rumqttd would drop a client subscribing to a `$` filter).
+    for filter in [
+        "$hw/events/device/dev-b/#",
+        "$hw/events/device/#",
+        "edgemeta$hw/events/device/dev-a/#",
+    ] {
+        assert_eq!(
+            device.subscribe(filter).await,
+            SubscribeReasonCode::Failure,
+            "{filter} granted"
+        );
+    }
+    assert_eq!(
+        device.subscribe("$hw/events/device/dev-a/#").await,
+        SubscribeReasonCode::Success(QoS::AtLeastOnce)
+    );
+
+    let own = "$hw/events/device/dev-a/state/update";
+    device
+        .publish("$hw/events/device/dev-b/state/update", "forged")
+        .await;
+    device
+        .publish("edgemeta$hw/events/device/dev-a/state/update", "carrier")
+        .await;
+    device.publish(own, r#"{"state":"online"}"#).await;
+    // A will is vetted and carried like a publish.
+    let will = "$hw/events/device/dev-b/state/update";
+    drop(connect_with_will(
+        node.port,
+        "dev-b",
+        will,
+        r#"{"state":"offline"}"#,
+    ));
+    mapper
+        .until("dev-b's will", |p| {
+            matches!(p, Packet::Publish(p) if p.topic == will).then_some(())
+        })
+        .await;
+    assert_eq!(
+        mapper.drain(QUIET).await,
+        [
+            (own.to_owned(), Bytes::from_static(br#"{"state":"online"}"#)),
+            (
+                will.to_owned(),
+                Bytes::from_static(br#"{"state":"offline"}"#)
+            ),
+        ],
+        "the mapper reads each device's own topics, in the client's form, and nothing forged"
+    );
+    assert_eq!(topics_seen(&mut device).await, [own]);
+
+    // MQTT 5 is told why (one process: each login costs an argon2 check).
+    let v5_port = node.v5_port.expect("v5 listener");
+    let out = Command::new("mosquitto_pub")
+        .args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &v5_port.to_string(),
+            "-V",
+            "mqttv5",
+        ])
+        .args(["-u", "dev-a", "-P", "dev-a-pw", "-q", "1", "-d"])
+        .args(["-t", "$hw/events/device/dev-b/state/update", "-m", "{}"])
+        .output()
+        .expect("mosquitto_pub");
+    let text = String::from_utf8_lossy(&out.stdout).to_lowercase()
+        + &String::from_utf8_lossy(&out.stderr).to_lowercase();
+    assert!(
+        text.contains("not authori") || text.contains("rc135") || text.contains("(135)"),
+        "MQTT 5 PUBACK does not say not authorized: {text}"
+    );
+    assert!(topics_seen(&mut mapper).await.is_empty());
+    assert!(node.log().contains("EM-ACL-PUBLISH-DENIED"));
+}
+
+#[tokio::test]
+async fn with_the_acl_off_dollar_hw_and_ke_topics_flow_and_the_carried_form_is_closed() {
+    let node = Node::start().await;
+    let mut mapper = Raw::connect(node.port, &unique_id("mapper"), None)
+        .await
+        .expect("connect");
+    let result = "$hw/events/device/d1/twin/update/result";
+    for filter in [
+        "$hw/events/device/+/twin/update/result",
+        "$share/mappers/$ke/events/device/#",
+    ] {
+        assert_eq!(
+            mapper.subscribe(filter).await,
+            SubscribeReasonCode::Success(QoS::AtLeastOnce),
+            "{filter}"
+        );
+    }
+    for filter in ["edgemeta$hw/#", "$share/g/edgemeta$ke/#", "$SYS/#"] {
+        assert_eq!(
+            mapper.subscribe(filter).await,
+            SubscribeReasonCode::Failure,
+            "{filter}"
+        );
+    }
+    let mut other = Raw::connect(node.port, &unique_id("pub"), None)
+        .await
+        .expect("connect");
+    for topic in [
+        "edgemeta$hw/events/device/d1/twin/update/result",
+        "edgemeta$ke/events/device/d1/data/update",
+        result,
+        "$ke/events/device/d1/data/update",
+    ] {
+        other.publish(topic, "x").await;
+    }
+    // Retained, then read by mosquitto_sub subscribing afterwards: no race with its SUBSCRIBE.
+    other
+        .client
+        .publish(result, QoS::AtLeastOnce, true, "kept")
+        .await
+        .expect("publish");
+    other
+        .until("PUBACK", |p| matches!(p, Packet::PubAck(_)).then_some(()))
+        .await;
+    assert_eq!(
+        topics_seen(&mut mapper).await,
+        [result, "$ke/events/device/d1/data/update", result],
+        "only the client-form topics are delivered, in that form"
+    );
+    let lines = common::sub_output(common::mosquitto_sub(
+        node.port,
+        "$hw/events/device/+/twin/update/result",
+        1,
+    ));
+    assert_eq!(lines, [format!("{result} kept")]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // 4. Hostile client ids and floods
 // ---------------------------------------------------------------------------------------------

@@ -36,6 +36,11 @@ pub struct BrokerConfig {
     /// clients are paused while a link is owed half of `(count - 1) × link_segment_bytes`.
     #[serde(default = "default_segment_bytes")]
     pub link_segment_bytes: usize,
+    /// Segment size of the filters devices and mappers subscribe to under `$hw/events/` and
+    /// `$ke/events/`: one log per device filter, each small, so a node's memory does not grow
+    /// by `segment_count × segment_bytes` for every device.
+    #[serde(default = "default_device_segment_bytes")]
+    pub device_segment_bytes: usize,
     /// Most subscriptions one client may hold; further SUBSCRIBEs get a failure return code.
     #[serde(default = "default_max_subscriptions_per_client")]
     pub max_subscriptions_per_client: usize,
@@ -50,6 +55,10 @@ pub struct BrokerConfig {
     #[serde(default)]
     pub acl: AclConfig,
 }
+
+/// Filters (broker form) whose logs are `device_segment_bytes`: what devices and mappers
+/// subscribe to, typically one filter per device.
+pub const DEVICE_FILTERS: [&str; 2] = ["edgemeta$hw/events/#", "edgemeta$ke/events/#"];
 
 /// One listener.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -111,7 +120,10 @@ const fn default_max_connections() -> usize {
 const fn default_connect_timeout_ms() -> u16 {
     5_000
 }
-const fn default_segment_bytes() -> usize {
+const fn default_device_segment_bytes() -> usize {
+    16 * 1024
+}
+fn default_segment_bytes() -> usize {
     1024 * 1024
 }
 const fn default_segment_count() -> usize {
@@ -132,6 +144,7 @@ impl Default for BrokerConfig {
             segment_bytes: default_segment_bytes(),
             segment_count: default_segment_count(),
             link_segment_bytes: default_segment_bytes(),
+            device_segment_bytes: default_device_segment_bytes(),
             max_subscriptions_per_client: default_max_subscriptions_per_client(),
             low_latency: true,
             auth: AuthConfig::default(),
@@ -155,9 +168,13 @@ impl BrokerConfig {
         }
         // rumqttd's router panics on segments under 1 KiB; with one segment, any subscriber
         // that is behind at all can be skipped.
-        if self.segment_bytes < 1024 || self.link_segment_bytes < 1024 || self.segment_count < 2 {
+        if self.segment_bytes < 1024
+            || self.link_segment_bytes < 1024
+            || self.device_segment_bytes < 1024
+            || self.segment_count < 2
+        {
             return bad(
-                "broker.segment_bytes and broker.link_segment_bytes must be >= 1024 and \
+                "broker.segment_bytes, link_segment_bytes and device_segment_bytes must be >= 1024 and \
                  broker.segment_count >= 2"
                     .into(),
             );
@@ -201,7 +218,9 @@ impl BrokerConfig {
     /// How far behind a link may fall before clients are paused: half of what its log can
     /// lose nothing of, leaving the other half for what is already on its way in.
     pub fn link_pause_bytes(&self) -> usize {
+        // The links' `$hw`/`$ke` filters keep the default log (see `router_config`).
         self.link_segment_bytes
+            .min(self.segment_bytes)
             .saturating_mul(self.segment_count.saturating_sub(1))
             / 2
     }
@@ -213,16 +232,29 @@ impl BrokerConfig {
             .saturating_mul(self.segment_count.saturating_sub(1))
     }
 
-    /// rumqttd's settings; `link_filters` (and client filters below them) get the links' logs.
+    /// The most a subscriber of a device filter may be owed.
+    pub fn device_lag_limit(&self) -> usize {
+        self.device_segment_bytes
+            .saturating_mul(self.segment_count.saturating_sub(1))
+    }
+
+    /// rumqttd's settings; `link_filters` (and client filters below them) get the links' logs,
+    /// device filters ([`DEVICE_FILTERS`]) the small device logs.
     pub(crate) fn router_config(&self, link_filters: &[String]) -> rumqttd::RouterConfig {
-        let link_log = rumqttd::SegmentConfig {
-            max_segment_size: self.link_segment_bytes,
+        let log = |bytes| rumqttd::SegmentConfig {
+            max_segment_size: bytes,
             max_segment_count: self.segment_count,
         };
-        let custom = link_filters
+        // rumqttd applies the last matching pattern of a HashMap, so no filter may match two:
+        // the links' `edgemeta$hw/#` would match every device filter, and keeps the default log.
+        let mut custom: std::collections::HashMap<_, _> = link_filters
             .iter()
-            .map(|filter| (filter.clone(), link_log.clone()))
+            .filter(|filter| !filter.starts_with(crate::dollar::INTERNAL_PREFIX))
+            .map(|filter| (filter.clone(), log(self.link_segment_bytes)))
             .collect();
+        for pattern in DEVICE_FILTERS {
+            custom.insert(pattern.to_owned(), log(self.device_segment_bytes));
+        }
         // Every field is set on purpose: rumqttd's defaults (zero segments) panic its router.
         rumqttd::RouterConfig {
             max_connections: self.max_connections,

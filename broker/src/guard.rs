@@ -10,8 +10,12 @@
 //!   otherwise keep alive whole for each message in its logs (rumqttd #1001);
 //! - a v5 client's topic aliases are resolved before the ACL sees the topic, and the broker never
 //!   sends aliases (rumqttd 0.20 keys them by subscription filter, not by topic);
-//! - what each QoS 1/2 subscriber is owed is counted, so one that lags is cut off ([`Lag`]).
+//! - what each QoS 1/2 subscriber is owed is counted, so one that lags is cut off ([`Lag`]);
+//! - `$hw/...` and `$ke/...`, which rumqttd would refuse, travel inside it as `edgemeta$...`
+//!   ([`dollar`]): clients' topics and filters are converted on the way in and out, and the ACL,
+//!   the backlog and the lag all see the broker form.
 
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
@@ -23,6 +27,7 @@ use rumqttd::protocol::{
 use tracing::warn;
 
 use crate::backlog::Backlog;
+use crate::dollar;
 use crate::front::{take_preamble, Preamble};
 use crate::lag::{log_size, Lag, Owed};
 use crate::security::{Grants, Identity, Policy};
@@ -58,7 +63,7 @@ pub struct ConnectGuard<P> {
 struct Connection {
     identity: Option<Identity>,
     grants: Grants,
-    /// Filters this connection holds, for the subscription limit.
+    /// Filters this connection holds (broker form), for the subscription limit.
     held: HashSet<String>,
     /// Packet ids of refused QoS 1 publishes, answered "not authorized" (MQTT 5).
     denied_publishes: HashSet<u16>,
@@ -78,7 +83,7 @@ struct Connection {
     aliases: HashMap<u16, Bytes>,
     /// The last topic stored, shared by the next publishes to it instead of copied again.
     last_topic: Bytes,
-    /// QoS 1/2 subscriptions by filter, with what each is owed.
+    /// QoS 1/2 subscriptions by filter (broker form), with what each is owed.
     owed: HashMap<String, Arc<Owed>>,
 }
 
@@ -148,10 +153,22 @@ pub fn refuse_client_id(client_id: &str) -> Option<&'static str> {
     }
 }
 
-/// Whether a client with `grants` may publish to `topic`. `$` topics and the refused filter are
-/// the broker's own: a client publishing there could reach subscriptions the ACL refused.
-fn may_publish(grants: &Grants, topic: &str) -> bool {
-    !topic.starts_with('$') && topic != DENIED_FILTER && grants.may_publish(topic)
+/// Whether no client may use `topic` (or the filter a subscription shares), whatever its
+/// rights: `$` topics other than the carried ones are the broker's own, and so is the carried
+/// form `edgemeta$...`, so clients name `$hw/...` one way only, the way ACL rules are written.
+fn reserved(topic: &str) -> bool {
+    topic.starts_with(dollar::INTERNAL_PREFIX)
+        || (topic.starts_with('$') && !dollar::is_carried(topic.as_bytes()))
+}
+
+/// The broker form of a client's `topic` if a client with `grants` may publish to it. The refused
+/// filter is the broker's own too: a client publishing there could reach refused subscriptions.
+fn publishable<'a>(grants: &Grants, topic: &'a str) -> Option<Cow<'a, str>> {
+    if reserved(topic) || topic == DENIED_FILTER {
+        return None;
+    }
+    let topic = dollar::to_broker(topic);
+    grants.may_publish(&topic).then_some(topic)
 }
 
 /// The filter a subscription matches topics with: `$share/<group>/<filter>` shares `<filter>`.
@@ -161,21 +178,28 @@ fn shared_filter(path: &str) -> Option<&str> {
     (!group.is_empty() && !filter.is_empty()).then_some(filter)
 }
 
-/// Whether a client with `grants` may subscribe to `path` (a shared subscription is checked by
-/// the filter it shares; other `$` filters would make rumqttd drop the client).
+/// Whether a client with `grants` may subscribe to its filter `path` (a shared subscription is
+/// checked by the filter it shares; other `$` filters would make rumqttd drop the client).
 fn may_subscribe(grants: &Grants, path: &str) -> bool {
-    match shared_filter(path) {
-        Some(filter) => !filter.starts_with('$') && grants.may_subscribe(filter),
-        None => !path.starts_with('$') && grants.may_subscribe(path),
-    }
+    let filter = shared_filter(path).unwrap_or(path);
+    !reserved(filter) && grants.may_subscribe(&dollar::to_broker(filter))
+}
+
+/// A client's topic as rumqttd stores it, copied out of the read buffer (see [`own`]).
+fn broker_topic(client: &[u8]) -> Bytes {
+    Bytes::from([dollar::broker_prefix(client), client].concat())
 }
 
 /// Copies what rumqttd will store out of the connection's read buffer, whose allocation each
-/// `Bytes` slice would otherwise keep alive (rumqttd #1001). A topic repeated from the last
-/// publish shares that one's copy.
+/// `Bytes` slice would otherwise keep alive (rumqttd #1001), the topic in its broker form. A
+/// topic repeated from the last publish shares that one's copy.
 fn own(publish: &mut Publish, properties: &mut Option<PublishProperties>, last_topic: &mut Bytes) {
-    if publish.topic != *last_topic {
-        *last_topic = Bytes::copy_from_slice(&publish.topic);
+    let prefix = dollar::broker_prefix(&publish.topic);
+    let repeated = last_topic
+        .strip_prefix(prefix)
+        .is_some_and(|rest| rest == &publish.topic[..]);
+    if !repeated {
+        *last_topic = broker_topic(&publish.topic);
     }
     publish.topic = last_topic.clone();
     publish.payload = Bytes::copy_from_slice(&publish.payload);
@@ -275,10 +299,11 @@ impl<P: Protocol> ConnectGuard<P> {
                 // rumqttd publishes a will without asking anyone: its topic is vetted as a
                 // publish now, or a device could send as the cloud by dropping its connection.
                 if let Some(will) = will {
-                    will.topic = Bytes::copy_from_slice(&will.topic);
                     will.message = Bytes::copy_from_slice(&will.message);
                     let topic = String::from_utf8_lossy(&will.topic).into_owned();
-                    if !may_publish(&connection.grants, &topic) {
+                    if publishable(&connection.grants, &topic).is_some() {
+                        will.topic = broker_topic(&will.topic);
+                    } else {
                         self.policy.count_denied_publish();
                         warn!(error_code = "EM-ACL-WILL-DENIED", client_id = %connect.client_id, %topic, "will topic not permitted; the will goes nowhere");
                         will.topic = DENIED_TOPIC.into();
@@ -299,8 +324,8 @@ impl<P: Protocol> ConnectGuard<P> {
                         connection.aliases.insert(alias, topic);
                     }
                 }
-                let topic = String::from_utf8_lossy(&publish.topic).into_owned();
-                if may_publish(&connection.grants, &topic) {
+                let client_topic = String::from_utf8_lossy(&publish.topic).into_owned();
+                if let Some(topic) = publishable(&connection.grants, &client_topic) {
                     own(publish, properties, &mut connection.last_topic);
                     if let Some(backlog) = &self.backlog {
                         backlog.published(&topic, publish.payload.len());
@@ -314,7 +339,7 @@ impl<P: Protocol> ConnectGuard<P> {
                 warn!(
                     error_code = "EM-ACL-PUBLISH-DENIED",
                     identity = ?connection.identity,
-                    %topic,
+                    topic = %client_topic,
                     denied,
                     "publish refused by the ACL"
                 );
@@ -328,11 +353,14 @@ impl<P: Protocol> ConnectGuard<P> {
                 let mut refused = Vec::new();
                 for (index, filter) in subscribe.filters.iter_mut().enumerate() {
                     let allowed = may_subscribe(&connection.grants, &filter.path);
-                    let room = connection.held.contains(&filter.path)
+                    let path = dollar::filter_to_broker(&filter.path);
+                    let room = connection.held.contains(path.as_ref())
                         || connection.held.len() < self.policy.max_subscriptions();
                     if allowed && room {
-                        connection.held.insert(filter.path.clone());
-                        self.count_owed(&mut connection, &filter.path, filter.qos);
+                        let path = path.into_owned();
+                        connection.held.insert(path.clone());
+                        self.count_owed(&mut connection, &path, filter.qos);
+                        filter.path = path;
                         continue;
                     }
                     let denied = self.policy.count_denied_subscribe();
@@ -357,8 +385,12 @@ impl<P: Protocol> ConnectGuard<P> {
                 }
             }
             Packet::Unsubscribe(unsubscribe, _) => {
-                for filter in &unsubscribe.filters {
-                    connection.held.remove(filter);
+                for filter in &mut unsubscribe.filters {
+                    let path = dollar::filter_to_broker(filter);
+                    if let Cow::Owned(path) = path {
+                        *filter = path;
+                    }
+                    connection.held.remove(filter.as_str());
                     self.count_owed(&mut connection, filter, QoS::AtMostOnce);
                 }
             }
@@ -414,6 +446,9 @@ impl<P: Protocol> ConnectGuard<P> {
                     return Err(CodecError::IncorrectPacketFormat);
                 }
                 Self::paid(&connection, publish);
+                if let Some(topic) = dollar::bytes_to_client(&publish.topic) {
+                    publish.topic = topic;
+                }
             }
             Packet::ConnAck(_, properties) if self.v5 && connection.keep_alive_zero => {
                 properties
@@ -473,7 +508,51 @@ impl<P: Protocol> Protocol for ConnectGuard<P> {
 
 #[cfg(test)]
 mod tests {
-    use super::{publish_pkid, refuse_client_id, shared_filter};
+    use super::*;
+
+    #[test]
+    fn carried_dollar_topics_are_published_in_broker_form_and_the_carrier_is_reserved() {
+        let open = Grants::default();
+        assert_eq!(
+            publishable(&open, "$hw/events/device/d/twin/update").as_deref(),
+            Some("edgemeta$hw/events/device/d/twin/update")
+        );
+        assert_eq!(publishable(&open, "ke/a").as_deref(), Some("ke/a"));
+        for topic in [
+            "edgemeta$hw/a",
+            "edgemeta$x",
+            "$SYS/a",
+            "$hw",
+            DENIED_FILTER,
+        ] {
+            assert_eq!(publishable(&open, topic), None, "{topic}");
+        }
+        for filter in ["$hw/events/#", "$share/g/$ke/#", "#", "$share/g/a/#"] {
+            assert!(may_subscribe(&open, filter), "{filter}");
+        }
+        for filter in [
+            "edgemeta$hw/#",
+            "$share/g/edgemeta$hw/#",
+            "$SYS/#",
+            "$share/g/",
+        ] {
+            assert!(!may_subscribe(&open, filter), "{filter}");
+        }
+    }
+
+    #[test]
+    fn an_owned_topic_is_in_broker_form_and_shared_with_the_last_one() {
+        let mut last = Bytes::new();
+        let mut first = Publish::new("$hw/a", "1", false);
+        own(&mut first, &mut None, &mut last);
+        assert_eq!(&first.topic[..], b"edgemeta$hw/a");
+        let mut second = Publish::new("$hw/a", "2", false);
+        own(&mut second, &mut None, &mut last);
+        assert_eq!(first.topic.as_ptr(), second.topic.as_ptr());
+        let mut plain = Publish::new("hw/a", "3", false);
+        own(&mut plain, &mut None, &mut last);
+        assert_eq!(&plain.topic[..], b"hw/a");
+    }
 
     #[test]
     fn a_shared_subscription_is_judged_by_the_filter_it_shares() {

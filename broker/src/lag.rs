@@ -13,7 +13,7 @@
 //! hands it to the router, and paid off when rumqttd writes it to the subscriber, after the
 //! router has moved its cursor.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
@@ -30,17 +30,76 @@ pub fn log_size(topic: usize, payload: usize) -> usize {
 #[derive(Debug)]
 pub struct Lag {
     limit: u64,
-    watched: RwLock<Vec<Watched>>,
+    /// Filters below these patterns have smaller logs (`broker.device_segment_bytes`), so their
+    /// subscribers may be owed less: (pattern, limit).
+    smaller: Vec<(String, u64)>,
+    watched: RwLock<Watched>,
     cut: AtomicU64,
     /// Clients cut off whose next CONNECT must start a clean session: rumqttd would resume a
     /// persistent one at a cursor that is gone, skipping silently.
     to_clean: Mutex<HashSet<String>>,
 }
 
-#[derive(Debug)]
+/// Subscriptions by filter: filters without wildcards (one per device, typically) are found by
+/// the topic itself, so a publish costs a lookup plus a scan of the wildcard filters only.
+#[derive(Debug, Default)]
 struct Watched {
+    exact: HashMap<String, Filter>,
+    wild: Vec<Filter>,
+}
+
+#[derive(Debug)]
+struct Filter {
     filter: String,
+    limit: u64,
     subscriptions: Vec<Arc<Owed>>,
+}
+
+impl Watched {
+    fn is_wild(filter: &str) -> bool {
+        filter.contains(['+', '#'])
+    }
+
+    fn get_mut(&mut self, filter: &str) -> Option<&mut Filter> {
+        if Self::is_wild(filter) {
+            self.wild.iter_mut().find(|w| w.filter == filter)
+        } else {
+            self.exact.get_mut(filter)
+        }
+    }
+
+    fn insert(&mut self, entry: Filter) {
+        if Self::is_wild(&entry.filter) {
+            self.wild.push(entry);
+        } else {
+            self.exact.insert(entry.filter.clone(), entry);
+        }
+    }
+
+    fn remove(&mut self, filter: &str) {
+        if Self::is_wild(filter) {
+            self.wild.retain(|w| w.filter != filter);
+        } else {
+            self.exact.remove(filter);
+        }
+    }
+
+    /// The filters a publish to `topic` reaches.
+    fn matching<'a>(&'a self, topic: &'a str) -> impl Iterator<Item = &'a Filter> {
+        self.exact.get(topic).into_iter().chain(
+            self.wild
+                .iter()
+                .filter(move |w| rumqttd::protocol::matches(topic, &w.filter)),
+        )
+    }
+
+    fn len(&self) -> usize {
+        self.exact
+            .values()
+            .chain(&self.wild)
+            .map(|w| w.subscriptions.len())
+            .sum()
+    }
 }
 
 /// One QoS 1/2 subscription and what it is owed, in rumqttd's log bytes.
@@ -97,10 +156,27 @@ impl Lag {
     pub fn new(limit: u64) -> Lag {
         Lag {
             limit,
-            watched: RwLock::new(Vec::new()),
+            smaller: Vec::new(),
+            watched: RwLock::new(Watched::default()),
             cut: AtomicU64::new(0),
             to_clean: Mutex::new(HashSet::new()),
         }
+    }
+
+    /// Filters below `patterns` have logs that hold only `limit` beyond the message read.
+    pub fn with_smaller_logs(mut self, patterns: &[&str], limit: u64) -> Lag {
+        self.smaller
+            .extend(patterns.iter().map(|p| ((*p).to_owned(), limit)));
+        self
+    }
+
+    /// What a subscriber of `filter` may be owed: rumqttd sizes the filter's log the same way
+    /// (`custom_segment`, matched as it matches them).
+    fn limit_for(&self, filter: &str) -> u64 {
+        self.smaller
+            .iter()
+            .find(|(pattern, _)| rumqttd::protocol::matches(filter, pattern))
+            .map_or(self.limit, |(_, limit)| *limit)
     }
 
     /// Starts counting for a new subscription of `session` to `filter`.
@@ -111,11 +187,13 @@ impl Lag {
             unpaid: Mutex::new(Unpaid::default()),
             session: session.clone(),
         });
+        let limit = self.limit_for(filter);
         let mut watched = self.watched.write().unwrap_or_else(|p| p.into_inner());
-        match watched.iter_mut().find(|w| w.filter == filter) {
+        match watched.get_mut(filter) {
             Some(w) => w.subscriptions.push(owed.clone()),
-            None => watched.push(Watched {
+            None => watched.insert(Filter {
                 filter: filter.to_owned(),
+                limit,
                 subscriptions: vec![owed.clone()],
             }),
         }
@@ -125,28 +203,25 @@ impl Lag {
     /// Stops counting for a subscription (unsubscribed, or its connection ended).
     pub fn unsubscribe(&self, owed: &Arc<Owed>) {
         let mut watched = self.watched.write().unwrap_or_else(|p| p.into_inner());
-        if let Some(at) = watched.iter().position(|w| w.filter == owed.filter) {
-            let subscriptions = &mut watched[at].subscriptions;
-            subscriptions.retain(|s| !Arc::ptr_eq(s, owed));
-            if subscriptions.is_empty() {
-                watched.swap_remove(at);
-            }
+        let emptied = watched.get_mut(&owed.filter).is_some_and(|w| {
+            w.subscriptions.retain(|s| !Arc::ptr_eq(s, owed));
+            w.subscriptions.is_empty()
+        });
+        if emptied {
+            watched.remove(&owed.filter);
         }
     }
 
     /// A publish to `topic` of `size` log bytes is on its way into the router.
     pub fn published(&self, topic: &str, size: usize) {
         let watched = self.watched.read().unwrap_or_else(|p| p.into_inner());
-        for w in watched
-            .iter()
-            .filter(|w| rumqttd::protocol::matches(topic, &w.filter))
-        {
+        for w in watched.matching(topic) {
             for owed in &w.subscriptions {
                 if owed.session.is_cut() {
                     continue;
                 }
                 let beyond = owed.owe(size);
-                if beyond > self.limit {
+                if beyond > w.limit {
                     owed.session.cut();
                     self.clean_set().insert(owed.client_id.clone());
                     let cut = self.cut.fetch_add(1, Ordering::Relaxed) + 1;
@@ -155,7 +230,7 @@ impl Lag {
                         client_id = %owed.client_id,
                         filter = %owed.filter,
                         owed_bytes = beyond,
-                        limit_bytes = self.limit,
+                        limit_bytes = w.limit,
                         cut,
                         "subscriber disconnected: it fell behind its filter's log and would \
                          have lost messages; it must resubscribe and resync"
@@ -183,7 +258,7 @@ impl Lag {
     /// Subscriptions being counted (for tests and diagnostics).
     pub fn watched(&self) -> usize {
         let watched = self.watched.read().unwrap_or_else(|p| p.into_inner());
-        watched.iter().map(|w| w.subscriptions.len()).sum()
+        watched.len()
     }
 }
 
@@ -236,6 +311,23 @@ mod tests {
         assert!(!session.is_cut(), "96 bytes beyond the list being read");
         lag.published("ke/edged/meta/response/default/pod", 50_000);
         assert!(session.is_cut(), "a second list behind the first");
+    }
+
+    #[test]
+    fn filters_with_smaller_logs_cut_sooner_and_exact_filters_are_found_by_topic() {
+        let lag = Lag::new(1_000).with_smaller_logs(&["dev/#"], 100);
+        let sessions = Sessions::default();
+        let (device, module) = (sessions.open(), sessions.open());
+        let _d = lag.subscribe("dev/d1/result", "mapper", &device);
+        let _m = lag.subscribe("ke/edged/#", "edged", &module);
+        for _ in 0..3 {
+            lag.published("dev/d1/result", 60);
+            lag.published("ke/edged/x", 60);
+        }
+        assert!(device.is_cut(), "owed 120 beyond the first, limit 100");
+        assert!(!module.is_cut(), "owed 120 beyond the first, limit 1000");
+        lag.published("dev/d2/result", 60);
+        assert_eq!(lag.watched(), 2);
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! - [`config`]: our YAML listener/limit settings, turned into rumqttd's settings.
 //! - [`codec`]: MQTT 3.1.1 and 5 as one codec type, so one listener type serves both.
 //! - [`guard`]: the codec wrapper that vets every CONNECT, PUBLISH and SUBSCRIBE.
+//! - [`dollar`]: `$hw/...` and `$ke/...` carried as `edgemeta$...` (rumqttd refuses `$` topics).
 //! - [`security`]: authentication and the topic ACL the guard applies.
 //! - [`lag`]: what each QoS 1/2 subscriber is owed; one that falls behind is cut off.
 //! - [`server`]: starts the router and the listeners; a listener that cannot bind is fatal.
@@ -18,6 +19,7 @@
 pub mod backlog;
 pub mod codec;
 pub mod config;
+pub mod dollar;
 pub mod error;
 pub mod front;
 pub mod guard;

@@ -10,6 +10,8 @@ use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, Salt
 use argon2::Argon2;
 use serde::Deserialize;
 
+use crate::dollar;
+
 /// Authentication settings (`broker.auth`).
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -229,18 +231,22 @@ impl Policy {
                 vec![format!("{root}/device/#")],
             ),
         };
-        let substitute = |filter: &String| {
-            filter
-                .replace("%u", identity.username.as_deref().unwrap_or(""))
-                .replace("%c", &identity.client_id)
+        // Rules are written as clients see topics; grants are checked against the broker form.
+        let grant = |filter: &String| {
+            let filter = substitute(
+                filter,
+                identity.username.as_deref().unwrap_or(""),
+                &identity.client_id,
+            )?;
+            Some(dollar::to_broker(&filter).into_owned())
         };
         for rule in acl
             .rules
             .iter()
             .filter(|r| rule_applies(&r.identity, identity))
         {
-            publish.extend(rule.publish.iter().map(substitute));
-            subscribe.extend(rule.subscribe.iter().map(substitute));
+            publish.extend(rule.publish.iter().filter_map(grant));
+            subscribe.extend(rule.subscribe.iter().filter_map(grant));
         }
         Grants {
             publish: Some(publish),
@@ -265,6 +271,33 @@ impl Policy {
     }
 }
 
+/// `filter` with `%u` replaced by `user` and `%c` by `client_id`, in one pass (a name holding
+/// `%c` stays a name). `None` when a name it uses is empty or holds `+` or `#`: a user named `+`
+/// must not get every device's subtree.
+fn substitute(filter: &str, user: &str, client_id: &str) -> Option<String> {
+    let mut out = String::with_capacity(filter.len());
+    let mut rest = filter;
+    while let Some(at) = rest.find('%') {
+        out.push_str(&rest[..at]);
+        let name = match rest.get(at..at + 2) {
+            Some("%u") => user,
+            Some("%c") => client_id,
+            _ => {
+                out.push('%');
+                rest = &rest[at + 1..];
+                continue;
+            }
+        };
+        if name.is_empty() || name.contains(['+', '#']) {
+            return None;
+        }
+        out.push_str(name);
+        rest = &rest[at + 2..];
+    }
+    out.push_str(rest);
+    Some(out)
+}
+
 fn rule_applies(pattern: &str, identity: &Identity) -> bool {
     match (&identity.username, pattern) {
         (None, "anonymous") => true,
@@ -278,6 +311,7 @@ fn rule_applies(pattern: &str, identity: &Identity) -> bool {
 }
 
 impl Grants {
+    /// Whether `topic`, in the broker form ([`dollar::to_broker`]), may be published to.
     pub fn may_publish(&self, topic: &str) -> bool {
         match &self.publish {
             None => true,
@@ -285,7 +319,7 @@ impl Grants {
         }
     }
 
-    /// A subscription is allowed when it lies inside an allowed filter.
+    /// A subscription (broker form) is allowed when it lies inside an allowed filter.
     pub fn may_subscribe(&self, filter: &str) -> bool {
         match &self.subscribe {
             None => true,
@@ -393,6 +427,109 @@ mod tests {
         assert!(!grants.may_publish("site/sensor-8/temp"));
         assert!(grants.may_subscribe("site/sensor-7-client/#"));
         assert!(!grants.may_subscribe("site/#"));
+    }
+
+    /// Devices `dev-*` own `$hw/events/device/<name>/#`; `mapper` reads every device.
+    fn devices() -> Policy {
+        let acl = AclConfig {
+            enabled: true,
+            rules: vec![
+                AclRule {
+                    identity: "dev-*".into(),
+                    publish: vec![
+                        "$hw/events/device/%u/#".into(),
+                        "$ke/events/device/%u/#".into(),
+                    ],
+                    subscribe: vec!["$hw/events/device/%u/#".into()],
+                },
+                AclRule {
+                    identity: "mapper".into(),
+                    publish: vec![],
+                    subscribe: vec!["$hw/events/device/#".into()],
+                },
+                AclRule {
+                    identity: "anonymous".into(),
+                    publish: vec!["$hw/events/device/%u/#".into()],
+                    subscribe: vec!["$hw/events/device/%c/#".into()],
+                },
+            ],
+            ..AclConfig::default()
+        };
+        policy(acl, AuthConfig::default())
+    }
+
+    fn broker(topic: &str) -> String {
+        dollar::to_broker(topic).into_owned()
+    }
+
+    #[test]
+    fn rules_in_client_form_grant_the_carried_dollar_topics() {
+        let grants = devices().grants(&user("dev-a"));
+        assert!(grants.may_publish(&broker("$hw/events/device/dev-a/twin/update")));
+        assert!(grants.may_publish(&broker("$ke/events/device/dev-a/data/update")));
+        assert!(!grants.may_publish(&broker("$hw/events/device/dev-b/twin/update")));
+        assert!(!grants.may_publish(&broker("$hw/events/node/n/membership/get")));
+        assert!(grants.may_subscribe(&broker("$hw/events/device/dev-a/#")));
+        assert!(grants.may_subscribe(&broker("$hw/events/device/dev-a/twin/+")));
+        for filter in [
+            "$hw/events/device/dev-b/#",
+            "$hw/events/device/#",
+            "$hw/#",
+            "#",
+        ] {
+            assert!(!grants.may_subscribe(&broker(filter)), "{filter}");
+        }
+        let mapper = devices().grants(&user("mapper"));
+        assert!(mapper.may_subscribe(&broker("$hw/events/device/+/twin/update/result")));
+        assert!(!mapper.may_subscribe(&broker("$ke/events/device/#")));
+    }
+
+    #[test]
+    fn a_name_with_a_wildcard_or_no_name_gets_nothing_from_rules_that_use_it() {
+        for name in ["dev-+", "dev-#", "dev-a/#", "dev-+/x"] {
+            let grants = devices().grants(&user(name));
+            for topic in ["$hw/events/device/dev-a/twin/update", "$hw/events/device/x"] {
+                assert!(!grants.may_publish(&broker(topic)), "{name} → {topic}");
+            }
+            assert!(
+                !grants.may_subscribe(&broker("$hw/events/device/dev-a/#")),
+                "{name}"
+            );
+        }
+        // Anonymous: `%u` is empty, so only the `%c` rule applies.
+        let anonymous = Identity {
+            username: None,
+            client_id: "sensor".into(),
+        };
+        let grants = devices().grants(&anonymous);
+        assert!(!grants.may_publish(&broker("$hw/events/device//x")));
+        assert!(grants.may_subscribe(&broker("$hw/events/device/sensor/#")));
+        let wild = Identity {
+            username: None,
+            client_id: "+".into(),
+        };
+        assert!(!devices()
+            .grants(&wild)
+            .may_subscribe(&broker("$hw/events/device/x/#")));
+    }
+
+    #[test]
+    fn a_two_level_device_id_is_a_username() {
+        let grants = devices().grants(&user("dev-ns/thermo"));
+        assert!(grants.may_publish(&broker("$hw/events/device/dev-ns/thermo/state/update")));
+        assert!(!grants.may_publish(&broker("$hw/events/device/dev-ns/other/state/update")));
+    }
+
+    #[test]
+    fn names_are_substituted_once() {
+        assert_eq!(
+            substitute("a/%u/%c/%x%", "%c", "id").as_deref(),
+            Some("a/%c/id/%x%")
+        );
+        assert_eq!(substitute("a/%c", "", "id").as_deref(), Some("a/id"));
+        assert_eq!(substitute("a/%u", "", "id"), None);
+        assert_eq!(substitute("a/%uñ", "b", "id").as_deref(), Some("a/bñ"));
+        assert_eq!(substitute("a/%ñ", "b", "id").as_deref(), Some("a/%ñ"));
     }
 
     #[test]

@@ -126,7 +126,12 @@ impl Broker {
             policy,
             sessions: Arc::new(Sessions::default()),
             backlog: Arc::new(Backlog::new(config.link_pause_bytes() as u64)),
-            lag: Arc::new(Lag::new(config.subscriber_lag_limit() as u64)),
+            lag: Arc::new(
+                Lag::new(config.subscriber_lag_limit() as u64).with_smaller_logs(
+                    &crate::config::DEVICE_FILTERS,
+                    config.device_lag_limit() as u64,
+                ),
+            ),
         })
     }
 

@@ -5,11 +5,13 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
+use edgemeta_broker::dollar::{to_client, INTERNAL_PREFIX};
 use edgemeta_broker::{Message, Publisher};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use crate::devices;
 use crate::envelope::{Envelope, ObjectMeta};
 use crate::error::Error;
 use crate::meters::{self, Meters};
@@ -75,6 +77,24 @@ async fn intake(
     jobs: &mpsc::Sender<Job>,
     publisher: &Publisher,
 ) -> bool {
+    match device_event(config, &message) {
+        Some(Ok(event)) => {
+            return jobs.send(Job::Device(Box::new(event), done)).await.is_ok();
+        }
+        Some(Err(reply)) => {
+            if let Some(reply) = reply {
+                config.meters.messages(None, meters::Outcome::Refused, 1);
+                if publisher.publish(reply).await.is_err() {
+                    return false;
+                }
+            }
+            if let Some(done) = done {
+                let _ = done.send(Outcome::Final);
+            }
+            return true;
+        }
+        None => {}
+    }
     match parse(config, &message) {
         Ok(Some(request)) => jobs
             .send(Job::Request(Box::new(request), done))
@@ -106,6 +126,56 @@ async fn intake(
             true
         }
     }
+}
+
+/// A device message (a mapper's `$hw`/`$ke` topic, or the devicecontroller's membership and
+/// twins), `None` for any other; an oversized one is refused with the reply its sender reads.
+fn device_event(
+    config: &IntakeConfig,
+    message: &Message,
+) -> Option<Result<devices::Event, Option<Message>>> {
+    let topic = to_client(&message.topic);
+    if let Some(kind) = devices::classify(&topic) {
+        let event = devices::Event {
+            kind,
+            topic: topic.into_owned(),
+            payload: message.payload.clone(),
+        };
+        if message.payload.len() > config.max_payload_bytes {
+            let error = Error::PayloadTooLarge {
+                size: message.payload.len(),
+                limit: config.max_payload_bytes,
+            };
+            warn!(error_code = error.code(), topic = %event.topic, error = %error, "device message refused");
+            return Some(Err(devices::refusal(&event, 400, &error.to_string())));
+        }
+        return Some(Ok(event));
+    }
+    if message.topic.starts_with(INTERNAL_PREFIX) {
+        // Our own results and deltas, back through the link's broad `$hw/#` filter.
+        return Some(Err(None));
+    }
+    let inbound = InboundTopic::parse(&config.root, &message.topic).ok()?;
+    if inbound.from != devices::DEVICECONTROLLER || message.payload.len() > config.max_payload_bytes
+    {
+        return None;
+    }
+    let mut levels = inbound.resource.splitn(3, '/');
+    let (namespace, res_type) = (levels.next()?, levels.next()?);
+    let envelope = Envelope::parse(&message.payload).ok()?;
+    let name = match levels.next() {
+        Some(name) => Some(name.to_owned()),
+        None => Resource::parse(&envelope.route.resource)
+            .ok()
+            .filter(|r| r.namespace() == namespace && r.res_type() == res_type)
+            .and_then(|r| r.id().map(str::to_owned)),
+    };
+    let kind = devices::classify_cloud(inbound.operation, namespace, res_type, name.as_deref())?;
+    Some(Ok(devices::Event {
+        kind,
+        topic: message.topic.clone(),
+        payload: bytes::Bytes::copy_from_slice(envelope.content.get().as_bytes()),
+    }))
 }
 
 /// A message that cannot be applied, and whom to tell.

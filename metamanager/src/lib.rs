@@ -12,6 +12,7 @@
 //! - [`meters`]: message counters and commit latency, registered once for the node's metrics.
 //! - [`relay`]: without a cloud bridge, the outbox goes to the local `<root>/cloud/...` topics.
 
+pub mod devices;
 pub mod envelope;
 pub mod error;
 pub mod intake;
@@ -91,9 +92,11 @@ impl Default for MetaConfig {
     }
 }
 
-/// The filter the MetaManager's link subscribes to.
-pub fn subscription(root: &str) -> String {
-    format!("{root}/{}/#", topic::META)
+/// The filters the MetaManager's link subscribes to: its own topics and the devices' ones.
+pub fn subscriptions(root: &str) -> Vec<String> {
+    let mut filters = vec![format!("{root}/{}/#", topic::META)];
+    filters.extend(devices::filters());
+    filters
 }
 
 /// Hands messages to the MetaManager as if they had arrived on its topics, and says when each
@@ -128,7 +131,8 @@ pub struct MetaManager {
 }
 
 impl MetaManager {
-    /// Opens the store and starts intake and worker on `link` (subscribed to [`subscription`]).
+    /// Opens the store and starts intake and worker on `link` (subscribed to [`subscriptions`]);
+    /// `node` is this node's name (`cloud.node_id`).
     ///
     /// With `local_relay`, the outbox is delivered to the local broker (no cloud bridge).
     /// `meters` counts messages and commits ([`Meters::noop`] for none).
@@ -136,6 +140,7 @@ impl MetaManager {
         config: &MetaConfig,
         store: &StoreConfig,
         root: &str,
+        node: &str,
         link: Link,
         local_relay: bool,
         meters: Arc<Meters>,
@@ -145,6 +150,7 @@ impl MetaManager {
         let changed = Arc::new(Notify::new());
         let worker_config = worker::WorkerConfig {
             root: root.to_owned(),
+            node: node.to_owned(),
             waits: process::Waits {
                 remote_query: Duration::from_millis(config.remote_query_timeout_ms),
                 volume: Duration::from_millis(config.volume_timeout_ms),

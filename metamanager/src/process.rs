@@ -73,6 +73,8 @@ pub struct Waits {
 pub struct Context<'a> {
     pub db: &'a Db,
     pub root: &'a str,
+    /// This node's name (`cloud.node_id`): devices' membership topics carry it.
+    pub node: &'a str,
     pub state: &'a mut State,
     pub waits: Waits,
     pub outbox_limit: OutboxLimit,
@@ -103,7 +105,11 @@ impl Context<'_> {
     }
 
     /// Appends to the outbox in this message's savepoint (see [`outbox::append`]).
-    async fn queue_for_cloud(&mut self, topic: &str, payload: &[u8]) -> Result<(), Error> {
+    pub(crate) async fn queue_for_cloud(
+        &mut self,
+        topic: &str,
+        payload: &[u8],
+    ) -> Result<(), Error> {
         outbox::append(
             self.db,
             &mut self.state.outbox,
@@ -438,8 +444,12 @@ pub async fn expire(id: &str, cx: &mut Context<'_>) -> Result<(), Error> {
 async fn connect(request: &Request, cx: &mut Context<'_>) -> Result<(), Error> {
     match request.envelope.content_str().as_deref() {
         Some("cloud_connected") => {
-            cx.state.connected = true;
+            let was = std::mem::replace(&mut cx.state.connected, true);
             info!("cloud connected");
+            // KubeEdge's twin asks for the full device list each time the link comes up.
+            if !was {
+                crate::devices::request_detail(cx).await?;
+            }
             Ok(())
         }
         Some("cloud_disconnected") => {

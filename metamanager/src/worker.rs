@@ -13,6 +13,7 @@ use tokio::sync::{mpsc, oneshot, Notify};
 use tokio::time::{interval_at, Instant, MissedTickBehavior};
 use tracing::{error, warn};
 
+use crate::devices;
 use crate::error::Error;
 use crate::meters::{self, Meters, Tally};
 use crate::outbox::{self, OutboxLimit, Read, Write};
@@ -46,6 +47,8 @@ impl Outcome {
 pub enum Job {
     /// A parsed message, and whom to tell once it is committed.
     Request(Box<Request>, Option<Done>),
+    /// A device message (`devices`), and whom to tell once it is committed.
+    Device(Box<devices::Event>, Option<Done>),
     /// An outbox change, committed with the batch it arrives in.
     Write(Write),
     /// An outbox read, answered after that batch.
@@ -55,6 +58,8 @@ pub enum Job {
 /// What the worker needs besides the store.
 pub struct WorkerConfig {
     pub root: String,
+    /// This node's name (`cloud.node_id`).
+    pub node: String,
     pub waits: Waits,
     pub podstatus_sync_interval: Duration,
     pub batch_max: usize,
@@ -154,6 +159,7 @@ struct Worker {
 /// One unit of a batch, in arrival order.
 enum Step {
     Request(Box<Request>, Option<Done>),
+    Device(Box<devices::Event>, Option<Done>),
     Expired(String),
     SyncPodStatus,
 }
@@ -239,6 +245,7 @@ impl Worker {
             let mut cx = context(&self.db, &self.config, &mut self.state);
             let result = match &step {
                 Step::Request(request, _) => process::apply(request, &mut cx).await,
+                Step::Device(event, _) => devices::apply(event, &mut cx).await,
                 Step::Expired(id) => process::expire(id, &mut cx).await,
                 Step::SyncPodStatus => process::sync_pod_status(&mut cx).await,
             };
@@ -330,7 +337,7 @@ impl Worker {
             }
         }
         for (step, outcome) in applied {
-            if let Step::Request(_, Some(done)) = step {
+            if let Step::Request(_, Some(done)) | Step::Device(_, Some(done)) = step {
                 let _ = done.send(outcome);
             }
         }
@@ -349,7 +356,7 @@ impl Worker {
             for message in self.error_reply(&step, &error) {
                 let _ = self.publisher.publish(message).await;
             }
-            if let Step::Request(_, Some(done)) = step {
+            if let Step::Request(_, Some(done)) | Step::Device(_, Some(done)) = step {
                 let _ = done.send(Outcome::Retry);
             }
         }
@@ -363,6 +370,10 @@ impl Worker {
             Step::Request(request, _) => {
                 log_failure(request, error);
                 request.requester.error_messages(&self.config.root, error)
+            }
+            Step::Device(event, _) => {
+                error!(error_code = error.code(), topic = %event.topic, error = %error, "device message failed");
+                devices::failure_reply(event, error).into_iter().collect()
             }
             Step::Expired(id) => {
                 error!(error_code = error.code(), %id, error = %error, "expiring a pending request failed");
@@ -388,6 +399,7 @@ impl Batch {
     fn add(&mut self, job: Job) {
         match job {
             Job::Request(request, done) => self.steps.push(Step::Request(request, done)),
+            Job::Device(event, done) => self.steps.push(Step::Device(event, done)),
             Job::Write(write) => self.writes.push(write),
             Job::Read(read) => self.reads.push(read),
         }
@@ -413,6 +425,7 @@ fn context<'a>(db: &'a Db, config: &'a WorkerConfig, state: &'a mut State) -> Co
     Context {
         db,
         root: &config.root,
+        node: &config.node,
         state,
         waits: config.waits,
         outbox_limit: config.outbox_limit,

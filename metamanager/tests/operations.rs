@@ -43,9 +43,18 @@ async fn start_with(config: MetaConfig) -> Meta {
     let cancel = CancellationToken::new();
     let link = Link { inbox, publisher };
     let meters = std::sync::Arc::new(edgemeta_metamanager::Meters::noop());
-    let meta = MetaManager::start(&config, &store, "ke", link, true, meters, cancel.clone())
-        .await
-        .unwrap();
+    let meta = MetaManager::start(
+        &config,
+        &store,
+        "ke",
+        "edge-node",
+        link,
+        true,
+        meters,
+        cancel.clone(),
+    )
+    .await
+    .unwrap();
     Meta {
         inbox: inbox_tx,
         out,

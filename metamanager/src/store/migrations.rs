@@ -1,10 +1,11 @@
 //! Versioned schema, applied in order; `PRAGMA user_version` records the last one applied.
 
 /// `(version, SQL)`. Append only: a released migration never changes.
-pub const MIGRATIONS: &[(i64, &str)] = &[(
-    1,
-    // `meta` is KubeEdge's table, so an existing edgecore.db opens as is (IF NOT EXISTS).
-    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, type TEXT NOT NULL, value TEXT);
+pub const MIGRATIONS: &[(i64, &str)] = &[
+    (
+        1,
+        // `meta` is KubeEdge's table, so an existing edgecore.db opens as is (IF NOT EXISTS).
+        "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, type TEXT NOT NULL, value TEXT);
      CREATE INDEX IF NOT EXISTS meta_type ON meta(type);
      CREATE TABLE IF NOT EXISTS outbox (
          seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -12,7 +13,25 @@ pub const MIGRATIONS: &[(i64, &str)] = &[(
          payload BLOB NOT NULL,
          created_ms INTEGER NOT NULL
      );",
-)];
+    ),
+    (
+        2,
+        // KubeEdge's DeviceTwin tables, with its columns (edge/pkg/metamanager/dao/models/
+        // device.go), so an edgecore.db's devices open as they are. The indexes are ours and
+        // not unique: an existing file may hold duplicates KubeEdge never prevented.
+        "CREATE TABLE IF NOT EXISTS device (id TEXT PRIMARY KEY, name TEXT, description TEXT,
+             state TEXT, last_online TEXT);
+         CREATE TABLE IF NOT EXISTS device_attr (id INTEGER PRIMARY KEY AUTOINCREMENT,
+             deviceid TEXT, name TEXT, description TEXT, value TEXT, optional NUMERIC,
+             attr_type TEXT, metadata TEXT);
+         CREATE TABLE IF NOT EXISTS device_twin (id INTEGER PRIMARY KEY AUTOINCREMENT,
+             deviceid TEXT, name TEXT, description TEXT, expected TEXT, actual TEXT,
+             expected_meta TEXT, actual_meta TEXT, expected_version TEXT, actual_version TEXT,
+             optional NUMERIC, attr_type TEXT, metadata TEXT);
+         CREATE INDEX IF NOT EXISTS device_attr_device ON device_attr(deviceid, name);
+         CREATE INDEX IF NOT EXISTS device_twin_device ON device_twin(deviceid, name);",
+    ),
+];
 
 /// The schema version this build writes.
 pub fn latest() -> i64 {

@@ -3,9 +3,11 @@
 //! [`Db`] is used only by the worker thread that owns it (see `worker.rs`): libsql runs SQLite
 //! synchronously inside its async calls, so it must never run on a tokio worker serving MQTT.
 
+mod devices;
 mod migrations;
 mod read_only;
 
+pub use devices::DeviceRow;
 pub use read_only::{read_meta, MetaRow};
 
 use std::path::Path;
