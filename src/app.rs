@@ -10,7 +10,7 @@ use anyhow::Context as _;
 use edgemeta_bridges::topic_map::TopicMap;
 use edgemeta_bridges::CloudBridge;
 use edgemeta_broker::Broker;
-use edgemeta_metamanager::{subscriptions, MetaManager, Meters};
+use edgemeta_metamanager::{subscriptions, MetaManager, Meters, Names};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -51,8 +51,10 @@ pub async fn run(
     let mut meta = MetaManager::start(
         &settings.metamanager,
         &settings.store,
-        &root,
-        &settings.cloud.node_id,
+        Names {
+            root: &root,
+            node: &settings.cloud.node_id,
+        },
         link,
         !cloud,
         meters,

@@ -655,16 +655,17 @@ async fn a_device_reads_and_writes_only_its_own_dollar_hw_subtree() {
         SubscribeReasonCode::Success(QoS::AtLeastOnce)
     );
 
-    let own = "$hw/events/device/dev-a/state/update";
+    // A topic the MetaManager does not answer, so only the devices' own messages arrive.
+    let own = "$hw/events/device/dev-a/telemetry";
     device
-        .publish("$hw/events/device/dev-b/state/update", "forged")
+        .publish("$hw/events/device/dev-b/telemetry", "forged")
         .await;
     device
-        .publish("edgemeta$hw/events/device/dev-a/state/update", "carrier")
+        .publish("edgemeta$hw/events/device/dev-a/telemetry", "carrier")
         .await;
     device.publish(own, r#"{"state":"online"}"#).await;
     // A will is vetted and carried like a publish.
-    let will = "$hw/events/device/dev-b/state/update";
+    let will = "$hw/events/device/dev-b/telemetry";
     drop(connect_with_will(
         node.port,
         "dev-b",

@@ -92,6 +92,14 @@ impl Default for MetaConfig {
     }
 }
 
+/// The topic root (`broker.topic_root`) and this node's name (`cloud.node_id`, which devices'
+/// membership topics carry).
+#[derive(Debug, Clone, Copy)]
+pub struct Names<'a> {
+    pub root: &'a str,
+    pub node: &'a str,
+}
+
 /// The filters the MetaManager's link subscribes to: its own topics and the devices' ones.
 pub fn subscriptions(root: &str) -> Vec<String> {
     let mut filters = vec![format!("{root}/{}/#", topic::META)];
@@ -131,16 +139,14 @@ pub struct MetaManager {
 }
 
 impl MetaManager {
-    /// Opens the store and starts intake and worker on `link` (subscribed to [`subscriptions`]);
-    /// `node` is this node's name (`cloud.node_id`).
+    /// Opens the store and starts intake and worker on `link` (subscribed to [`subscriptions`]).
     ///
     /// With `local_relay`, the outbox is delivered to the local broker (no cloud bridge).
     /// `meters` counts messages and commits ([`Meters::noop`] for none).
     pub async fn start(
         config: &MetaConfig,
         store: &StoreConfig,
-        root: &str,
-        node: &str,
+        names: Names<'_>,
         link: Link,
         local_relay: bool,
         meters: Arc<Meters>,
@@ -148,6 +154,7 @@ impl MetaManager {
     ) -> Result<MetaManager, Error> {
         let (jobs_tx, jobs_rx) = mpsc::channel(config.queue_capacity.max(1));
         let changed = Arc::new(Notify::new());
+        let Names { root, node } = names;
         let worker_config = worker::WorkerConfig {
             root: root.to_owned(),
             node: node.to_owned(),

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use edgemeta_broker::{Link, Message, Publisher};
-use edgemeta_metamanager::{MetaConfig, MetaManager, StoreConfig};
+use edgemeta_metamanager::{MetaConfig, MetaManager, Names, StoreConfig};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -46,8 +46,10 @@ async fn start_with(config: MetaConfig) -> Meta {
     let meta = MetaManager::start(
         &config,
         &store,
-        "ke",
-        "edge-node",
+        Names {
+            root: "ke",
+            node: "edge-node",
+        },
         link,
         true,
         meters,

@@ -370,6 +370,34 @@ impl Node {
         row.get(0).expect("count")
     }
 
+    /// The rows `sql` returns, read from the SQLite file as an operator's `sqlite3` would: each
+    /// row a JSON object by column name (TEXT as a string, INTEGER and REAL as a number, NULL as
+    /// null, a BLOB as its bytes read as UTF-8).
+    pub async fn rows(&self, sql: &str) -> Vec<Value> {
+        let conn = open(&self.db_path()).await;
+        let mut rows = conn
+            .query(sql, ())
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+        let mut out = Vec::new();
+        while let Some(row) = rows.next().await.expect("read row") {
+            let mut object = serde_json::Map::new();
+            for i in 0..row.column_count() {
+                let name = row.column_name(i).unwrap_or_default().to_owned();
+                let value = match row.get_value(i).expect("column value") {
+                    libsql::Value::Null => Value::Null,
+                    libsql::Value::Integer(n) => json!(n),
+                    libsql::Value::Real(x) => json!(x),
+                    libsql::Value::Text(t) => json!(t),
+                    libsql::Value::Blob(b) => json!(String::from_utf8_lossy(&b)),
+                };
+                object.insert(name, value);
+            }
+            out.push(Value::Object(object));
+        }
+        out
+    }
+
     /// Every `(key, type, value)` in `meta`, in key order.
     pub async fn meta_rows(&self) -> Vec<(String, String, String)> {
         let conn = open(&self.db_path()).await;
@@ -584,6 +612,14 @@ impl Client {
             .expect("event loop alive")
     }
 
+    /// The next message, whatever its topic, or `None` if none comes within `limit`.
+    pub async fn next_within(&mut self, limit: Duration) -> Option<Msg> {
+        tokio::time::timeout(limit, self.rx.recv())
+            .await
+            .ok()
+            .map(|m| m.expect("event loop alive"))
+    }
+
     /// The next message on exactly `topic`, skipping others.
     pub async fn expect(&mut self, topic: &str) -> Msg {
         let deadline = Instant::now() + WAIT;
@@ -639,6 +675,29 @@ impl Client {
                 }
                 Ok(Some(m)) => seen.push(m.topic),
                 _ => panic!("no reply to {parent} on {topic} within {WAIT:?}; saw {seen:?}"),
+            }
+        }
+    }
+
+    /// The next message on `topic` that `matches`, discarding the others (also on `topic`);
+    /// `what` names it in the failure message, with the payloads seen on `topic` meanwhile.
+    pub async fn expect_matching(
+        &mut self,
+        topic: &str,
+        what: &str,
+        matches: impl Fn(&Msg) -> bool,
+    ) -> Msg {
+        let deadline = Instant::now() + WAIT;
+        let mut seen = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, self.rx.recv()).await {
+                Ok(Some(m)) if m.topic == topic && matches(&m) => return m,
+                Ok(Some(m)) if m.topic == topic => {
+                    seen.push(String::from_utf8_lossy(&m.payload).into_owned())
+                }
+                Ok(Some(_)) => {}
+                _ => panic!("no {what} on {topic} within {WAIT:?}; saw there {seen:#?}"),
             }
         }
     }

@@ -72,9 +72,12 @@ pub struct Event {
     pub payload: Bytes,
 }
 
+/// A topic shape: (prefix, suffix, the kind for the id between them).
+type Shape = (&'static str, &'static str, fn(String) -> Kind);
+
 /// `$hw` topic shapes: (prefix, suffix, kind). The id is the one or two levels in between.
 /// `dtcommon/common.go` (`DeviceETPrefix`, `TwinETUpdateSuffix`, ...), eventbus `SubTopics`.
-const LOCAL: [(&str, &str, fn(String) -> Kind); 4] = [
+const LOCAL: [Shape; 4] = [
     ("$hw/events/device/", "/twin/update", Kind::TwinUpdate),
     ("$hw/events/device/", "/twin/get", Kind::TwinGet),
     ("$hw/events/device/", "/state/update", Kind::StateUpdate),
