@@ -63,7 +63,12 @@ struct Outcome {
     rate: f64,
     /// Largest delay of a publish behind its schedule (the load generator's own lag), µs.
     late_max: u64,
+    /// Per second of the run, the results that took longer than `SLOW`.
+    slow: Vec<usize>,
 }
+
+/// A result later than this is counted per second on stderr, to show when stalls happen.
+const SLOW: Duration = Duration::from_millis(10);
 
 impl Outcome {
     /// p50, p99 and max of the latencies, µs.
@@ -207,6 +212,20 @@ fn progress(side: &str, o: &Outcome) {
         o.rate,
         o.late_max
     );
+    let slow: Vec<String> = o
+        .slow
+        .iter()
+        .enumerate()
+        .filter(|(_, n)| **n > 0)
+        .map(|(second, n)| format!("{second}: {n}"))
+        .collect();
+    if !slow.is_empty() {
+        eprintln!(
+            "devices on {side}: results over {} ms, by second of the run: {}",
+            SLOW.as_millis(),
+            slow.join(", ")
+        );
+    }
 }
 
 /// Adds `ids` to the node as the cloud's devicecontroller would (membership updates on the
@@ -376,6 +395,7 @@ async fn run_load(
         errors: 0,
         rate: 0.0,
         late_max: 0,
+        slow: vec![0; load.seconds as usize],
     };
     let mut last = start;
     for task in tasks {
@@ -385,6 +405,9 @@ async fn run_load(
         outcome.lost += c.lost;
         outcome.errors += c.errors;
         outcome.late_max = outcome.late_max.max(c.late_max);
+        for (second, n) in c.slow {
+            outcome.slow[second as usize] += n;
+        }
         last = last.max(c.last_result);
     }
     outcome.rate = outcome.samples.len() as f64 / (last - start).as_secs_f64().max(1e-6);
@@ -398,6 +421,8 @@ struct ConnectionOutcome {
     lost: usize,
     errors: usize,
     late_max: u64,
+    /// (second of the run, results later than `SLOW`).
+    slow: HashMap<u64, usize>,
     last_result: tokio::time::Instant,
 }
 
@@ -408,13 +433,14 @@ async fn connection(
     mut rx: Inbox,
     schedule: Vec<(tokio::time::Instant, usize, String, u64)>,
 ) -> anyhow::Result<ConnectionOutcome> {
-    let mut pending: HashMap<String, Instant> = HashMap::new();
+    let mut pending: HashMap<String, (Instant, u64)> = HashMap::new();
     let mut out = ConnectionOutcome {
         samples: Vec::with_capacity(schedule.len()),
         sent: 0,
         lost: 0,
         errors: 0,
         late_max: 0,
+        slow: HashMap::new(),
         last_result: tokio::time::Instant::now(),
     };
     let mut next = 0;
@@ -433,13 +459,17 @@ async fn connection(
                 }
                 let arrived = Instant::now();
                 let body: serde_json::Value = serde_json::from_slice(&payload)?;
-                let Some(sent) = body["event_id"].as_str().and_then(|e| pending.remove(e)) else {
+                let Some((sent, second)) = body["event_id"].as_str().and_then(|e| pending.remove(e)) else {
                     continue; // a duplicate, or the probe's
                 };
                 if body.get("code").is_some() {
                     out.errors += 1;
                 } else {
-                    out.samples.push((arrived - sent).as_micros() as u64);
+                    let took = arrived - sent;
+                    out.samples.push(took.as_micros() as u64);
+                    if took > SLOW {
+                        *out.slow.entry(second).or_default() += 1;
+                    }
                 }
                 out.last_result = tokio::time::Instant::now();
                 if next == schedule.len() && pending.is_empty() {
@@ -452,7 +482,7 @@ async fn connection(
                 out.late_max = out.late_max.max(at.elapsed().as_micros() as u64);
                 let event_id = format!("{id}-{k}");
                 let payload = report(&event_id, j + *k as usize);
-                pending.insert(event_id, Instant::now());
+                pending.insert(event_id, (Instant::now(), *k));
                 client.publish(update_topic(id), QoS::AtLeastOnce, false, payload).await?;
                 out.sent += 1;
             }
