@@ -127,13 +127,24 @@ pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     add_devices(node.port, &ids).await?;
     let before = node.cpu()?;
     let em_rss_before = node.rss_kib()?;
+    let commits_before = commits(&node).await;
     let sampler = rss_sampler(node.pid(), "edgemeta", !args.quick);
     let em = run_load(node.port, &ids, load, "edgemeta").await?;
     sampler.abort();
+    let commits_after = commits(&node).await;
     let em_cpu = (node.cpu()? - before).as_secs_f64() * 1e6 / em.sent as f64;
     let em_rss = node.rss_kib()?;
     drop(node);
     progress("edgemeta", &em);
+    if let (Some(before), Some(after)) = (commits_before, commits_after) {
+        let d = |i: usize| after[i] - before[i];
+        eprintln!(
+            "devices on edgemeta: {:.0} store commits during the load, {:.0} over 10 ms, {:.0} over 100 ms (edgemeta_store_commit_seconds)",
+            d(0),
+            d(0) - d(1),
+            d(0) - d(2)
+        );
+    }
 
     let stats = |o: &Outcome| {
         let (p50, p99, max) = o.percentiles();
@@ -181,6 +192,24 @@ pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The node's store commits so far: all, within 10 ms, within 100 ms (from `/metrics`);
+/// `None` if they cannot be read.
+async fn commits(node: &Server) -> Option<[f64; 3]> {
+    let text = node.metrics().await.ok()?;
+    let value = |prefix: &str| -> Option<f64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(prefix))?
+            .trim()
+            .parse()
+            .ok()
+    };
+    Some([
+        value("edgemeta_store_commit_seconds_count ")?,
+        value("edgemeta_store_commit_seconds_bucket{le=\"0.01\"} ")?,
+        value("edgemeta_store_commit_seconds_bucket{le=\"0.1\"} ")?,
+    ])
 }
 
 /// Prints `side`'s RSS every 10 s on stderr while the load runs (if `print`).

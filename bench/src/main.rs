@@ -964,6 +964,8 @@ struct Server {
     /// edgemeta's log and where this process's lines start in it, read when it stops for
     /// subscribers it cut off.
     log: Option<(PathBuf, u64)>,
+    /// edgemeta's observe port (`/metrics`).
+    observe: Option<u16>,
 }
 
 /// Subscribers of this bench that a node disconnected for falling behind
@@ -1027,6 +1029,7 @@ impl Server {
             .with_context(|| format!("start {}", binary.display()))?;
         let mut server = Server::ready(child, port).await?;
         server.log = Some((log_path, start));
+        server.observe = Some(observe);
         Ok(server)
     }
 
@@ -1035,6 +1038,7 @@ impl Server {
             child,
             port,
             log: None,
+            observe: None,
         };
         let started = Instant::now();
         while tokio::net::TcpStream::connect(("127.0.0.1", port))
@@ -1056,6 +1060,19 @@ impl Server {
 
     fn rss_kib(&self) -> anyhow::Result<u64> {
         rss_of(self.child.id())
+    }
+
+    /// edgemeta's `/metrics` text, from its observe endpoint.
+    async fn metrics(&self) -> anyhow::Result<String> {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let port = self.observe.context("not an edgemeta")?;
+        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+        stream
+            .write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+            .await?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await?;
+        Ok(response)
     }
 
     fn pid(&self) -> u32 {
