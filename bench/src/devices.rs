@@ -139,10 +139,12 @@ pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     if let (Some(before), Some(after)) = (commits_before, commits_after) {
         let d = |i: usize| after[i] - before[i];
         eprintln!(
-            "devices on edgemeta: {:.0} store commits during the load, {:.0} over 10 ms, {:.0} over 100 ms (edgemeta_store_commit_seconds)",
+            "devices on edgemeta: {:.0} store commits during the load, {:.0} over 10 ms, {:.0} over 100 ms (edgemeta_store_commit_seconds); outbox {:.0} → {:.0} entries (no cloud configured)",
             d(0),
             d(0) - d(1),
-            d(0) - d(2)
+            d(0) - d(2),
+            before[3],
+            after[3]
         );
     }
 
@@ -194,9 +196,9 @@ pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The node's store commits so far: all, within 10 ms, within 100 ms (from `/metrics`);
-/// `None` if they cannot be read.
-async fn commits(node: &Server) -> Option<[f64; 3]> {
+/// The node's store commits so far: all, within 10 ms, within 100 ms, and the cloud-bound
+/// changes in its outbox (from `/metrics`); `None` if they cannot be read.
+async fn commits(node: &Server) -> Option<[f64; 4]> {
     let text = node.metrics().await.ok()?;
     let value = |prefix: &str| -> Option<f64> {
         text.lines()
@@ -209,6 +211,7 @@ async fn commits(node: &Server) -> Option<[f64; 3]> {
         value("edgemeta_store_commit_seconds_count ")?,
         value("edgemeta_store_commit_seconds_bucket{le=\"0.01\"} ")?,
         value("edgemeta_store_commit_seconds_bucket{le=\"0.1\"} ")?,
+        value("edgemeta_outbox_entries ")?,
     ])
 }
 
