@@ -15,7 +15,7 @@ use serde::Serialize;
 use serde_json::value::RawValue;
 use tracing::{info, warn};
 
-use crate::envelope::{new_msg_id, now_ms, raw, Envelope, Header, Route};
+use crate::envelope::{new_msg_id, now_ms, raw, rfc3339, Envelope, Header, Route};
 use crate::error::Error;
 use crate::process::Context;
 use crate::store::DeviceRow;
@@ -380,7 +380,7 @@ async fn state_update(id: &str, payload: &[u8], cx: &mut Context<'_>) -> Result<
         );
     };
     let last_online = if state == "online" || state == "ok" {
-        rfc3339_now()
+        rfc3339(std::time::SystemTime::now())
     } else {
         String::new()
     };
@@ -860,34 +860,6 @@ fn device_of(row: DeviceRow) -> Device {
     }
 }
 
-/// Now as RFC 3339 UTC (`time.Now().UTC().Format(time.RFC3339)`).
-fn rfc3339_now() -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() as i64);
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    let (y, m, d) = civil_from_days(days);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
-}
-
-/// Days since 1970-01-01 → (year, month, day), proleptic Gregorian (H. Hinnant's algorithm).
-fn civil_from_days(days: i64) -> (i64, i64, i64) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    (yoe + era * 400 + i64::from(m <= 2), m, d)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -936,11 +908,5 @@ mod tests {
         assert_eq!(device_id("_", "thermo-1"), "thermo-1");
         assert_eq!(device_id("default", "t2"), "default/t2");
         assert!(!valid_id(&"x".repeat(65)));
-    }
-
-    #[test]
-    fn dates_are_rfc3339() {
-        assert_eq!(civil_from_days(0), (1970, 1, 1));
-        assert_eq!(civil_from_days(20_415), (2025, 11, 23));
     }
 }
