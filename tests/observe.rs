@@ -11,7 +11,9 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::cloud::{bridged_with, CONNECTION};
-use common::{free_port, send, CloudBroker, CloudOptions, Node, Options, WAIT};
+use common::{
+    free_port, readme_section_commands, send, CloudBroker, CloudOptions, Node, Options, WAIT,
+};
 use serde_json::{json, Value};
 
 /// `GET http://127.0.0.1:<port><path>`: status and body.
@@ -515,27 +517,6 @@ async fn the_observe_listener_cannot_bind_and_start_up_stops_naming_it() {
     );
 }
 
-/// The README's "Monitor the node" commands (the `sh` blocks of that section).
-fn readme_monitor_commands() -> Vec<String> {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).expect("README");
-    let section = readme
-        .split("\n## ")
-        .find(|s| s.starts_with("Monitor the node"))
-        .expect("a \"Monitor the node\" section in README.md");
-    let mut commands = Vec::new();
-    let mut in_block = false;
-    for line in section.lines() {
-        match line.trim_end() {
-            "```sh" => in_block = true,
-            "```" => in_block = false,
-            command if in_block && !command.is_empty() => commands.push(command.to_owned()),
-            _ => {}
-        }
-    }
-    commands
-}
-
 #[tokio::test]
 async fn the_readme_monitoring_commands_work_verbatim() {
     // A node as the README runs it: the embedded default configuration in its own directory,
@@ -579,7 +560,7 @@ async fn the_readme_monitoring_commands_work_verbatim() {
     })
     .await;
 
-    let commands = readme_monitor_commands();
+    let commands = readme_section_commands("Monitor the node");
     assert!(commands.len() >= 4, "{commands:?}");
     let bin_dir = Path::new(env!("CARGO_BIN_EXE_edgemeta"))
         .parent()

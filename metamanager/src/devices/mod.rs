@@ -328,10 +328,7 @@ async fn twin_get(id: &str, payload: &[u8], cx: &mut Context<'_>) -> Result<(), 
         .map(|(k, t)| (k, Some(t.to_msg(false))))
         .collect();
     let result = TwinResult {
-        base: Base {
-            event_id: base.event_id,
-            timestamp: now_ms(),
-        },
+        base: Base::now(base.event_id),
         twin,
     };
     cx.local.push(local(&topic, &result));
@@ -389,14 +386,11 @@ async fn state_update(id: &str, payload: &[u8], cx: &mut Context<'_>) -> Result<
         .await
         .map_err(Error::store("update device state"))?;
     let result = StateResult {
-        base: Base {
-            event_id: if event_id.is_empty() {
-                new_msg_id()
-            } else {
-                event_id
-            },
-            timestamp: now_ms(),
-        },
+        base: Base::now(if event_id.is_empty() {
+            new_msg_id()
+        } else {
+            event_id
+        }),
         device: DeviceState {
             name: device.name,
             state: update.state,
@@ -436,10 +430,7 @@ async fn membership_get(payload: &[u8], cx: &mut Context<'_>) -> Result<(), Erro
         });
     }
     let result = Membership {
-        base: Base {
-            event_id: base.event_id,
-            timestamp: now_ms(),
-        },
+        base: Base::now(base.event_id),
         devices,
     };
     cx.local.push(local(&topic, &result));
@@ -794,10 +785,7 @@ fn refuse(
 
 fn error_result(event_id: &str, code: u16, reason: &str) -> ErrorResult {
     ErrorResult {
-        base: Base {
-            event_id: event_id.to_owned(),
-            timestamp: now_ms(),
-        },
+        base: Base::now(event_id),
         code,
         reason: reason.to_owned(),
     }
@@ -842,10 +830,7 @@ fn header() -> Header {
 }
 
 fn fresh_base() -> Base {
-    Base {
-        event_id: new_msg_id(),
-        timestamp: now_ms(),
-    }
+    Base::now(new_msg_id())
 }
 
 fn device_of(row: DeviceRow) -> Device {
