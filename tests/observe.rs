@@ -610,3 +610,61 @@ fn edgemeta_get_finds(db: &Path, dir: &Path, env: &[(&str, String); 2]) -> bool 
             .status()
             .is_ok_and(|s| s.success())
 }
+
+#[tokio::test]
+async fn device_messages_are_counted_by_kind_and_result() {
+    let node = Node::start().await;
+    let client = node.client().await;
+    // The devicecontroller adds a device (as the cloud would, here published locally).
+    let membership = serde_json::json!({
+        "header": {"msg_id": "m-1", "timestamp": 1},
+        "route": {"source": "devicecontroller", "group": "twin", "operation": "update",
+                  "resource": "node/membership"},
+        "content": {"event_id": "e-1", "timestamp": 1,
+                    "added_devices": [{"id": "meter-1", "name": "meter-1"}]}
+    });
+    client
+        .publish(
+            "ke/meta/devicecontroller/update/node/membership",
+            membership.to_string(),
+        )
+        .await;
+    let report =
+        r#"{"event_id":"r-1","twin":{"power":{"actual":{"value":"5"},"metadata":{"type":"int"}}}}"#;
+    client
+        .publish("$hw/events/device/meter-1/twin/update", report)
+        .await;
+    client
+        .publish("$hw/events/device/meter-1/twin/update", "{not json")
+        .await;
+    client
+        .publish("$hw/events/device/nobody/twin/get", r#"{"event_id":"g"}"#)
+        .await;
+    let device = |scrape: &Scrape, kind: &str, result: &str| {
+        scrape.get(
+            "edgemeta_device_messages_total",
+            &[("kind", kind), ("result", result)],
+        )
+    };
+    eventually("four device messages counted", WAIT, || async {
+        let scrape = Scrape::of(&node).await;
+        device(&scrape, "cloud_membership", "ok") == 1.0
+            && device(&scrape, "twin_update", "ok") == 1.0
+            && device(&scrape, "twin_update", "refused") == 1.0
+            && device(&scrape, "twin_get", "refused") == 1.0
+    })
+    .await;
+    let scrape = Scrape::of(&node).await;
+    assert_eq!(
+        scrape.get(
+            "edgemeta_errors_total",
+            &[("error_code", "EM-DEVICE-REFUSED")]
+        ),
+        2.0
+    );
+    assert_eq!(
+        scrape.messages("update", "ok"),
+        0.0,
+        "not counted as MetaManager operations"
+    );
+}

@@ -62,6 +62,36 @@ pub enum Kind {
     CloudTwin(String),
 }
 
+/// The `kind` label of `edgemeta_device_messages_total`, in [`Kind::index`] order.
+pub const KINDS: [&str; 9] = [
+    "twin_update",
+    "twin_get",
+    "state_update",
+    "membership_get",
+    "upload",
+    "data",
+    "cloud_membership",
+    "cloud_detail",
+    "cloud_twin",
+];
+
+impl Kind {
+    /// Its row in [`KINDS`].
+    pub fn index(&self) -> usize {
+        match self {
+            Kind::TwinUpdate(_) => 0,
+            Kind::TwinGet(_) => 1,
+            Kind::StateUpdate(_) => 2,
+            Kind::MembershipGet => 3,
+            Kind::Upload => 4,
+            Kind::Data(_) => 5,
+            Kind::CloudMembership => 6,
+            Kind::CloudDetail => 7,
+            Kind::CloudTwin(_) => 8,
+        }
+    }
+}
+
 /// A device message for the store worker: `payload` is the MQTT payload of a local message, or
 /// the envelope's content of a cloud one.
 #[derive(Debug, Clone)]
@@ -778,6 +808,7 @@ fn refuse(
     detail: &str,
 ) -> Result<(), Error> {
     warn!(error_code = "EM-DEVICE-REFUSED", %topic, code, reason, detail, "device message refused");
+    cx.refused = true;
     cx.local
         .push(local(topic, &error_result(event_id, code, reason)));
     Ok(())
