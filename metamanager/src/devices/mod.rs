@@ -829,9 +829,14 @@ fn bad_cloud_content(what: &str, error: &serde_json::Error) -> Result<(), Error>
     Ok(())
 }
 
-/// A message for a device topic (clients' form), published after the commit.
+/// A message for a device topic (clients' form), published after the commit. Topic and payload
+/// are trimmed to size: rumqttd keeps them in every matching filter's log until it is full.
 fn local(topic: &str, body: &impl Serialize) -> Message {
-    Message::new(to_broker(topic).into_owned(), to_json(body))
+    let mut topic = to_broker(topic).into_owned();
+    topic.shrink_to_fit();
+    let mut payload = to_json(body);
+    payload.shrink_to_fit();
+    Message::new(topic, payload)
 }
 
 fn to_json(body: &impl Serialize) -> Vec<u8> {
