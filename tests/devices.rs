@@ -10,8 +10,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::cloud::{await_signal, bridged, cloud_client, tail, CONNECTION};
+use common::{forward_lines, readme_section_commands, QUIET, WAIT};
 use common::{free_port, shell_words, unique_id, Client, CloudBroker, CloudOptions, Msg, Node};
-use common::{QUIET, WAIT};
 use serde_json::{json, Value};
 
 /// `cloud.node_id` when the configuration sets none: what a standalone node calls itself.
@@ -1330,27 +1330,6 @@ impl Drop for Spawned {
     }
 }
 
-/// The shell commands of the README's "Connect a KubeEdge mapper" section (its `sh` blocks).
-fn readme_mapper_commands() -> Vec<String> {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).expect("README");
-    let section = readme
-        .split("\n## ")
-        .find(|s| s.starts_with("Connect a KubeEdge mapper"))
-        .expect("a \"Connect a KubeEdge mapper\" section in README.md");
-    let mut commands = Vec::new();
-    let mut in_block = false;
-    for line in section.lines() {
-        match line.trim_end() {
-            "```sh" => in_block = true,
-            "```" => in_block = false,
-            command if in_block && !command.is_empty() => commands.push(command.to_owned()),
-            _ => {}
-        }
-    }
-    commands
-}
-
 /// Waits for a watcher line `<topic> <payload>` on `topic` whose payload `matches`.
 async fn watch_for(
     lines: &mut tokio::sync::mpsc::UnboundedReceiver<String>,
@@ -1380,7 +1359,7 @@ async fn watch_for(
 
 #[tokio::test]
 async fn the_readme_mapper_walkthrough_works_verbatim() {
-    let commands = readme_mapper_commands();
+    let commands = readme_section_commands("Connect a KubeEdge mapper");
     assert!(commands.len() >= 4, "{commands:?}");
     // A node as the README runs it: the embedded default configuration (node id `edge-node`)
     // in its own directory, moved to free ports through the environment.
@@ -1430,17 +1409,7 @@ async fn the_readme_mapper_walkthrough_works_verbatim() {
                     .stderr(Stdio::null())
                     .spawn()
                     .expect("mosquitto_sub is installed (scripts/test installs it)");
-                let stdout = child.stdout.take().expect("stdout");
-                let tx = lines_tx.clone();
-                std::thread::spawn(move || {
-                    use std::io::BufRead as _;
-                    for line in std::io::BufReader::new(stdout)
-                        .lines()
-                        .map_while(Result::ok)
-                    {
-                        let _ = tx.send(line);
-                    }
-                });
+                forward_lines(&mut child, lines_tx.clone());
                 spawned.0.push(child);
                 // Subscribed once it prints a probe (on `twin/+/+`, not a topic the node uses).
                 let deadline = Instant::now() + WAIT;

@@ -8,7 +8,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::cloud::{bridged, cloud_client, cloud_insert};
-use common::{envelope, send, shell_words, topic, unique_id, Client, CloudBroker, Node, WAIT};
+use common::{
+    envelope, forward_lines, send, shell_words, topic, unique_id, Client, CloudBroker, Node, WAIT,
+};
 use serde_json::{json, Value};
 
 /// Pod statuses may take a few restarts and the rate limit to arrive.
@@ -749,17 +751,7 @@ async fn the_readme_edged_walkthrough_works_verbatim() {
                 .stdout(Stdio::piped())
                 .spawn()
                 .expect("mosquitto_sub");
-            let stdout = child.stdout.take().expect("stdout");
-            let tx = lines_tx.clone();
-            std::thread::spawn(move || {
-                use std::io::BufRead as _;
-                for line in std::io::BufReader::new(stdout)
-                    .lines()
-                    .map_while(Result::ok)
-                {
-                    let _ = tx.send(line);
-                }
-            });
+            forward_lines(&mut child, lines_tx.clone());
             spawned.0.insert(0, child);
             tokio::time::sleep(Duration::from_millis(300)).await;
         } else if words[0] == "mosquitto_pub" {

@@ -11,7 +11,9 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::cloud::{bridged_with, CONNECTION};
-use common::{free_port, send, CloudBroker, CloudOptions, Node, Options, WAIT};
+use common::{
+    free_port, readme_section_commands, send, CloudBroker, CloudOptions, Node, Options, WAIT,
+};
 use serde_json::{json, Value};
 
 /// `GET http://127.0.0.1:<port><path>`: status and body.
@@ -515,27 +517,6 @@ async fn the_observe_listener_cannot_bind_and_start_up_stops_naming_it() {
     );
 }
 
-/// The README's "Monitor the node" commands (the `sh` blocks of that section).
-fn readme_monitor_commands() -> Vec<String> {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).expect("README");
-    let section = readme
-        .split("\n## ")
-        .find(|s| s.starts_with("Monitor the node"))
-        .expect("a \"Monitor the node\" section in README.md");
-    let mut commands = Vec::new();
-    let mut in_block = false;
-    for line in section.lines() {
-        match line.trim_end() {
-            "```sh" => in_block = true,
-            "```" => in_block = false,
-            command if in_block && !command.is_empty() => commands.push(command.to_owned()),
-            _ => {}
-        }
-    }
-    commands
-}
-
 #[tokio::test]
 async fn the_readme_monitoring_commands_work_verbatim() {
     // A node as the README runs it: the embedded default configuration in its own directory,
@@ -579,7 +560,7 @@ async fn the_readme_monitoring_commands_work_verbatim() {
     })
     .await;
 
-    let commands = readme_monitor_commands();
+    let commands = readme_section_commands("Monitor the node");
     assert!(commands.len() >= 4, "{commands:?}");
     let bin_dir = Path::new(env!("CARGO_BIN_EXE_edgemeta"))
         .parent()
@@ -628,4 +609,62 @@ fn edgemeta_get_finds(db: &Path, dir: &Path, env: &[(&str, String); 2]) -> bool 
             .stderr(Stdio::null())
             .status()
             .is_ok_and(|s| s.success())
+}
+
+#[tokio::test]
+async fn device_messages_are_counted_by_kind_and_result() {
+    let node = Node::start().await;
+    let client = node.client().await;
+    // The devicecontroller adds a device (as the cloud would, here published locally).
+    let membership = serde_json::json!({
+        "header": {"msg_id": "m-1", "timestamp": 1},
+        "route": {"source": "devicecontroller", "group": "twin", "operation": "update",
+                  "resource": "node/membership"},
+        "content": {"event_id": "e-1", "timestamp": 1,
+                    "added_devices": [{"id": "meter-1", "name": "meter-1"}]}
+    });
+    client
+        .publish(
+            "ke/meta/devicecontroller/update/node/membership",
+            membership.to_string(),
+        )
+        .await;
+    let report =
+        r#"{"event_id":"r-1","twin":{"power":{"actual":{"value":"5"},"metadata":{"type":"int"}}}}"#;
+    client
+        .publish("$hw/events/device/meter-1/twin/update", report)
+        .await;
+    client
+        .publish("$hw/events/device/meter-1/twin/update", "{not json")
+        .await;
+    client
+        .publish("$hw/events/device/nobody/twin/get", r#"{"event_id":"g"}"#)
+        .await;
+    let device = |scrape: &Scrape, kind: &str, result: &str| {
+        scrape.get(
+            "edgemeta_device_messages_total",
+            &[("kind", kind), ("result", result)],
+        )
+    };
+    eventually("four device messages counted", WAIT, || async {
+        let scrape = Scrape::of(&node).await;
+        device(&scrape, "cloud_membership", "ok") == 1.0
+            && device(&scrape, "twin_update", "ok") == 1.0
+            && device(&scrape, "twin_update", "refused") == 1.0
+            && device(&scrape, "twin_get", "refused") == 1.0
+    })
+    .await;
+    let scrape = Scrape::of(&node).await;
+    assert_eq!(
+        scrape.get(
+            "edgemeta_errors_total",
+            &[("error_code", "EM-DEVICE-REFUSED")]
+        ),
+        2.0
+    );
+    assert_eq!(
+        scrape.messages("update", "ok"),
+        0.0,
+        "not counted as MetaManager operations"
+    );
 }

@@ -3,13 +3,15 @@
 //! on every change, coalesced, at most once per `status_interval_ms` per pod.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 
 use rumqttc::{AsyncClient, QoS};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
+
+use edgemeta_metamanager::envelope::rfc3339;
 
 use crate::message;
 use crate::spec::{Key, RestartPolicy};
@@ -204,29 +206,6 @@ pub fn invalid_status(node_ip: &str, message: &str) -> Value {
     })
 }
 
-/// `YYYY-MM-DDTHH:MM:SSZ`, as Kubernetes writes times.
-pub fn rfc3339(t: SystemTime) -> String {
-    let secs = t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let days = i64::try_from(secs / 86_400).unwrap_or(0);
-    let rem = secs % 86_400;
-    // Howard Hinnant's civil_from_days.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
-}
-
 /// What the reporter is told.
 #[derive(Debug)]
 pub enum Report {
@@ -398,7 +377,7 @@ mod tests {
     use super::*;
 
     fn t(secs: u64) -> SystemTime {
-        UNIX_EPOCH + Duration::from_secs(secs)
+        std::time::UNIX_EPOCH + Duration::from_secs(secs)
     }
 
     fn terminated(code: i32) -> State {

@@ -53,6 +53,15 @@ pub enum EnvelopeError {
     Invalid(#[source] serde_json::Error),
 }
 
+/// `t` as `YYYY-MM-DDTHH:MM:SSZ`, as Kubernetes and Go's `time.RFC3339` write UTC times.
+pub fn rfc3339(t: SystemTime) -> String {
+    let t = time::OffsetDateTime::from(t);
+    t.replace_nanosecond(0)
+        .unwrap_or(t)
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
+}
+
 /// A fresh UUIDv4 message id.
 pub fn new_msg_id() -> String {
     uuid::Uuid::new_v4().to_string()

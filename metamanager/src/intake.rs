@@ -83,7 +83,6 @@ async fn intake(
         }
         Some(Err(reply)) => {
             if let Some(reply) = reply {
-                config.meters.messages(None, meters::Outcome::Refused, 1);
                 if publisher.publish(reply).await.is_err() {
                     return false;
                 }
@@ -147,6 +146,9 @@ fn device_event(
                 limit: config.max_payload_bytes,
             };
             warn!(error_code = error.code(), topic = %event.topic, error = %error, "device message refused");
+            config
+                .meters
+                .device_messages(event.kind.index(), meters::Outcome::Refused, 1);
             return Some(Err(devices::refusal(&event, 400, &error.to_string())));
         }
         return Some(Ok(event));

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use metrics::{counter, histogram, Counter, Histogram};
 
+use crate::devices;
 use crate::operation::Operation;
 
 /// What became of a message, as the `result` label says it.
@@ -32,6 +33,8 @@ const OPERATIONS: usize = Operation::ALL.len() + 1;
 pub struct Meters {
     /// `edgemeta_messages_total{operation, result}`, indexed by operation then outcome.
     messages: [[Counter; 3]; OPERATIONS],
+    /// `edgemeta_device_messages_total{kind, result}`, indexed by [`devices::KINDS`] then outcome.
+    devices: [[Counter; 3]; devices::KINDS.len()],
     /// `edgemeta_store_commit_seconds`: one sample per batch commit.
     commit_seconds: Histogram,
     /// `edgemeta_store_commits_total{result="failed"}`.
@@ -49,8 +52,14 @@ impl Meters {
                 counter!("edgemeta_messages_total", "operation" => operation, "result" => result)
             })
         });
+        let devices = devices::KINDS.map(|kind| {
+            OUTCOMES.map(|(_, result)| {
+                counter!("edgemeta_device_messages_total", "kind" => kind, "result" => result)
+            })
+        });
         Meters {
             messages,
+            devices,
             commit_seconds: histogram!("edgemeta_store_commit_seconds"),
             commits_failed: counter!("edgemeta_store_commits_total", "result" => "failed"),
             failing: AtomicBool::new(false),
@@ -61,6 +70,7 @@ impl Meters {
     pub fn noop() -> Meters {
         Meters {
             messages: std::array::from_fn(|_| std::array::from_fn(|_| Counter::noop())),
+            devices: std::array::from_fn(|_| std::array::from_fn(|_| Counter::noop())),
             commit_seconds: Histogram::noop(),
             commits_failed: Counter::noop(),
             failing: AtomicBool::new(false),
@@ -71,6 +81,13 @@ impl Meters {
     pub fn messages(&self, operation: Option<Operation>, outcome: Outcome, n: u64) {
         let row = operation.map_or(Operation::ALL.len(), |op| op as usize);
         self.messages[row][outcome as usize].increment(n);
+    }
+
+    /// Counts `n` device messages of kind `kind` ([`devices::Kind::index`]) that ended as `outcome`.
+    pub fn device_messages(&self, kind: usize, outcome: Outcome, n: u64) {
+        if let Some(row) = self.devices.get(kind) {
+            row[outcome as usize].increment(n);
+        }
     }
 
     /// Records a batch commit: how long `COMMIT` took, or that the batch was not committed.
@@ -101,11 +118,18 @@ impl std::fmt::Debug for Meters {
 #[derive(Debug, Default)]
 pub struct Tally {
     counts: [[u32; 3]; OPERATIONS],
+    devices: [[u32; 3]; devices::KINDS.len()],
 }
 
 impl Tally {
     pub fn add(&mut self, operation: Operation, outcome: Outcome) {
         self.counts[operation as usize][outcome as usize] += 1;
+    }
+
+    pub fn add_device(&mut self, kind: usize, outcome: Outcome) {
+        if let Some(row) = self.devices.get_mut(kind) {
+            row[outcome as usize] += 1;
+        }
     }
 
     /// Adds the tally to `meters`.
@@ -116,6 +140,14 @@ impl Tally {
                 let n = counts[outcome as usize];
                 if n > 0 {
                     meters.messages(operation, outcome, u64::from(n));
+                }
+            }
+        }
+        for (kind, counts) in self.devices.iter().enumerate() {
+            for (outcome, _) in OUTCOMES {
+                let n = counts[outcome as usize];
+                if n > 0 {
+                    meters.device_messages(kind, outcome, u64::from(n));
                 }
             }
         }

@@ -82,6 +82,8 @@ pub struct Context<'a> {
     pub local: Vec<Message>,
     /// Whether anything was queued in the outbox.
     pub outbox_written: bool,
+    /// Whether a device message was answered with an error result (bad input, nothing stored).
+    pub refused: bool,
 }
 
 impl Context<'_> {

@@ -249,15 +249,18 @@ impl Worker {
                 Step::Expired(id) => process::expire(id, &mut cx).await,
                 Step::SyncPodStatus => process::sync_pod_status(&mut cx).await,
             };
-            let (produced, wrote) = (cx.local, cx.outbox_written);
+            let (produced, wrote, refused) = (cx.local, cx.outbox_written, cx.refused);
             let outcome = result.as_ref().err().map_or(Outcome::Final, Outcome::of);
-            if let Step::Request(request, _) = &step {
-                let counted = match &result {
-                    Ok(()) => meters::Outcome::Ok,
-                    Err(e) if e.is_bad_input() => meters::Outcome::Refused,
-                    Err(_) => meters::Outcome::Failed,
-                };
-                tally.add(request.operation, counted);
+            let counted = match &result {
+                Ok(()) if refused => meters::Outcome::Refused,
+                Ok(()) => meters::Outcome::Ok,
+                Err(e) if e.is_bad_input() => meters::Outcome::Refused,
+                Err(_) => meters::Outcome::Failed,
+            };
+            match &step {
+                Step::Request(request, _) => tally.add(request.operation, counted),
+                Step::Device(event, _) => tally.add_device(event.kind.index(), counted),
+                Step::Expired(_) | Step::SyncPodStatus => {}
             }
             match result {
                 Ok(()) => match savepoint.release().await {
@@ -413,8 +416,14 @@ impl Batch {
 /// Counts every request of a batch that was not committed as failed (the error path: one add each).
 fn count_failed<'a>(meters: &Meters, steps: impl Iterator<Item = &'a Step>) {
     for step in steps {
-        if let Step::Request(request, _) = step {
-            meters.messages(Some(request.operation), meters::Outcome::Failed, 1);
+        match step {
+            Step::Request(request, _) => {
+                meters.messages(Some(request.operation), meters::Outcome::Failed, 1)
+            }
+            Step::Device(event, _) => {
+                meters.device_messages(event.kind.index(), meters::Outcome::Failed, 1)
+            }
+            Step::Expired(_) | Step::SyncPodStatus => {}
         }
     }
 }
@@ -431,6 +440,7 @@ fn context<'a>(db: &'a Db, config: &'a WorkerConfig, state: &'a mut State) -> Co
         outbox_limit: config.outbox_limit,
         local: Vec::new(),
         outbox_written: false,
+        refused: false,
     }
 }
 

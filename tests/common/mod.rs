@@ -1181,3 +1181,41 @@ pub fn shell_words(line: &str) -> Vec<String> {
     }
     words
 }
+
+/// The commands of the `sh` blocks of the README section titled `title`: tests run them verbatim.
+pub fn readme_section_commands(title: &str) -> Vec<String> {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).expect("README");
+    let section = readme
+        .split("\n## ")
+        .find(|s| s.starts_with(title))
+        .unwrap_or_else(|| panic!("a {title:?} section in README.md"));
+    let mut commands = Vec::new();
+    let mut in_block = false;
+    for line in section.lines() {
+        match line.trim_end() {
+            "```sh" => in_block = true,
+            "```" => in_block = false,
+            command if in_block && !command.is_empty() => commands.push(command.to_owned()),
+            _ => {}
+        }
+    }
+    commands
+}
+
+/// Sends each line `child` prints to `tx`, from a thread, until its stdout closes.
+pub fn forward_lines(
+    child: &mut std::process::Child,
+    tx: tokio::sync::mpsc::UnboundedSender<String>,
+) {
+    let stdout = child.stdout.take().expect("stdout piped");
+    std::thread::spawn(move || {
+        use std::io::BufRead as _;
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+}

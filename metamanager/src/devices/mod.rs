@@ -15,7 +15,7 @@ use serde::Serialize;
 use serde_json::value::RawValue;
 use tracing::{info, warn};
 
-use crate::envelope::{new_msg_id, now_ms, raw, Envelope, Header, Route};
+use crate::envelope::{new_msg_id, now_ms, raw, rfc3339, Envelope, Header, Route};
 use crate::error::Error;
 use crate::process::Context;
 use crate::store::DeviceRow;
@@ -60,6 +60,36 @@ pub enum Kind {
     CloudMembership,
     CloudDetail,
     CloudTwin(String),
+}
+
+/// The `kind` label of `edgemeta_device_messages_total`, in [`Kind::index`] order.
+pub const KINDS: [&str; 9] = [
+    "twin_update",
+    "twin_get",
+    "state_update",
+    "membership_get",
+    "upload",
+    "data",
+    "cloud_membership",
+    "cloud_detail",
+    "cloud_twin",
+];
+
+impl Kind {
+    /// Its row in [`KINDS`].
+    pub fn index(&self) -> usize {
+        match self {
+            Kind::TwinUpdate(_) => 0,
+            Kind::TwinGet(_) => 1,
+            Kind::StateUpdate(_) => 2,
+            Kind::MembershipGet => 3,
+            Kind::Upload => 4,
+            Kind::Data(_) => 5,
+            Kind::CloudMembership => 6,
+            Kind::CloudDetail => 7,
+            Kind::CloudTwin(_) => 8,
+        }
+    }
 }
 
 /// A device message for the store worker: `payload` is the MQTT payload of a local message, or
@@ -328,10 +358,7 @@ async fn twin_get(id: &str, payload: &[u8], cx: &mut Context<'_>) -> Result<(), 
         .map(|(k, t)| (k, Some(t.to_msg(false))))
         .collect();
     let result = TwinResult {
-        base: Base {
-            event_id: base.event_id,
-            timestamp: now_ms(),
-        },
+        base: Base::now(base.event_id),
         twin,
     };
     cx.local.push(local(&topic, &result));
@@ -380,7 +407,7 @@ async fn state_update(id: &str, payload: &[u8], cx: &mut Context<'_>) -> Result<
         );
     };
     let last_online = if state == "online" || state == "ok" {
-        rfc3339_now()
+        rfc3339(std::time::SystemTime::now())
     } else {
         String::new()
     };
@@ -389,14 +416,11 @@ async fn state_update(id: &str, payload: &[u8], cx: &mut Context<'_>) -> Result<
         .await
         .map_err(Error::store("update device state"))?;
     let result = StateResult {
-        base: Base {
-            event_id: if event_id.is_empty() {
-                new_msg_id()
-            } else {
-                event_id
-            },
-            timestamp: now_ms(),
-        },
+        base: Base::now(if event_id.is_empty() {
+            new_msg_id()
+        } else {
+            event_id
+        }),
         device: DeviceState {
             name: device.name,
             state: update.state,
@@ -436,10 +460,7 @@ async fn membership_get(payload: &[u8], cx: &mut Context<'_>) -> Result<(), Erro
         });
     }
     let result = Membership {
-        base: Base {
-            event_id: base.event_id,
-            timestamp: now_ms(),
-        },
+        base: Base::now(base.event_id),
         devices,
     };
     cx.local.push(local(&topic, &result));
@@ -787,6 +808,7 @@ fn refuse(
     detail: &str,
 ) -> Result<(), Error> {
     warn!(error_code = "EM-DEVICE-REFUSED", %topic, code, reason, detail, "device message refused");
+    cx.refused = true;
     cx.local
         .push(local(topic, &error_result(event_id, code, reason)));
     Ok(())
@@ -794,10 +816,7 @@ fn refuse(
 
 fn error_result(event_id: &str, code: u16, reason: &str) -> ErrorResult {
     ErrorResult {
-        base: Base {
-            event_id: event_id.to_owned(),
-            timestamp: now_ms(),
-        },
+        base: Base::now(event_id),
         code,
         reason: reason.to_owned(),
     }
@@ -810,9 +829,14 @@ fn bad_cloud_content(what: &str, error: &serde_json::Error) -> Result<(), Error>
     Ok(())
 }
 
-/// A message for a device topic (clients' form), published after the commit.
+/// A message for a device topic (clients' form), published after the commit. Topic and payload
+/// are trimmed to size: rumqttd keeps them in every matching filter's log until it is full.
 fn local(topic: &str, body: &impl Serialize) -> Message {
-    Message::new(to_broker(topic).into_owned(), to_json(body))
+    let mut topic = to_broker(topic).into_owned();
+    topic.shrink_to_fit();
+    let mut payload = to_json(body);
+    payload.shrink_to_fit();
+    Message::new(topic, payload)
 }
 
 fn to_json(body: &impl Serialize) -> Vec<u8> {
@@ -842,10 +866,7 @@ fn header() -> Header {
 }
 
 fn fresh_base() -> Base {
-    Base {
-        event_id: new_msg_id(),
-        timestamp: now_ms(),
-    }
+    Base::now(new_msg_id())
 }
 
 fn device_of(row: DeviceRow) -> Device {
@@ -858,34 +879,6 @@ fn device_of(row: DeviceRow) -> Device {
         attributes: None,
         twin: None,
     }
-}
-
-/// Now as RFC 3339 UTC (`time.Now().UTC().Format(time.RFC3339)`).
-fn rfc3339_now() -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() as i64);
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    let (y, m, d) = civil_from_days(days);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
-}
-
-/// Days since 1970-01-01 → (year, month, day), proleptic Gregorian (H. Hinnant's algorithm).
-fn civil_from_days(days: i64) -> (i64, i64, i64) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    (yoe + era * 400 + i64::from(m <= 2), m, d)
 }
 
 #[cfg(test)]
@@ -936,11 +929,5 @@ mod tests {
         assert_eq!(device_id("_", "thermo-1"), "thermo-1");
         assert_eq!(device_id("default", "t2"), "default/t2");
         assert!(!valid_id(&"x".repeat(65)));
-    }
-
-    #[test]
-    fn dates_are_rfc3339() {
-        assert_eq!(civil_from_days(0), (1970, 1, 1));
-        assert_eq!(civil_from_days(20_415), (2025, 11, 23));
     }
 }

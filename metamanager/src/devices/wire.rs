@@ -14,6 +14,16 @@ pub struct Base {
     pub timestamp: i64,
 }
 
+impl Base {
+    /// `event_id`, stamped now.
+    pub fn now(event_id: impl Into<String>) -> Base {
+        Base {
+            event_id: event_id.into(),
+            timestamp: crate::envelope::now_ms(),
+        }
+    }
+}
+
 /// `TwinValue`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct TwinValue {
