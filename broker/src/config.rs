@@ -36,8 +36,8 @@ pub struct BrokerConfig {
     /// clients are paused while a link is owed half of `(count - 1) × link_segment_bytes`.
     #[serde(default = "default_segment_bytes")]
     pub link_segment_bytes: usize,
-    /// Segment size of the filters devices and mappers subscribe to under `$hw/events/` and
-    /// `$ke/events/`: one log per device filter, each small, so a node's memory does not grow
+    /// Segment size of the filters devices and mappers subscribe to under `$hw/events/device/`
+    /// and `$ke/events/device/`: one log per device filter, each small, so a node's memory does not grow
     /// by `segment_count × segment_bytes` for every device.
     #[serde(default = "default_device_segment_bytes")]
     pub device_segment_bytes: usize,
@@ -57,8 +57,10 @@ pub struct BrokerConfig {
 }
 
 /// Filters (broker form) whose logs are `device_segment_bytes`: what devices and mappers
-/// subscribe to, typically one filter per device.
-pub const DEVICE_FILTERS: [&str; 2] = ["edgemeta$hw/events/#", "edgemeta$ke/events/#"];
+/// subscribe to, typically several per device. Node-wide topics (`$hw/events/node/...`, one
+/// message per device on a bulk membership change) keep the default log.
+pub const DEVICE_FILTERS: [&str; 2] =
+    ["edgemeta$hw/events/device/#", "edgemeta$ke/events/device/#"];
 
 /// One listener.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -121,7 +123,7 @@ const fn default_connect_timeout_ms() -> u16 {
     5_000
 }
 const fn default_device_segment_bytes() -> usize {
-    16 * 1024
+    8 * 1024
 }
 fn default_segment_bytes() -> usize {
     1024 * 1024
