@@ -229,18 +229,9 @@ pub fn refusal(event: &Event, code: u16, reason: &str) -> Option<Message> {
 /// `dealTwinUpdate` / `DealDeviceTwin` with `RestDealType`.
 async fn twin_update(id: &str, payload: &[u8], cx: &mut Context<'_>) -> Result<(), Error> {
     let topic = format!("$hw/events/device/{id}/twin/update/result");
-    let update: TwinUpdate = match serde_json::from_slice(payload) {
-        Ok(update) => update,
-        Err(e) => {
-            return refuse(
-                cx,
-                &topic,
-                "",
-                400,
-                "Unmarshal update request body failed, please check the request",
-                &e.to_string(),
-            );
-        }
+    let reason = "Unmarshal update request body failed, please check the request";
+    let Some(update) = parse::<TwinUpdate>(cx, &topic, payload, reason) else {
+        return Ok(());
     };
     let event_id = update.base.event_id.clone();
     let Some(changes) = update.twin else {
@@ -334,12 +325,8 @@ async fn after_twin_change(
 /// `DealGetTwin`.
 async fn twin_get(id: &str, payload: &[u8], cx: &mut Context<'_>) -> Result<(), Error> {
     let topic = format!("$hw/events/device/{id}/twin/get/result");
-    let base: Base = match serde_json::from_slice(payload) {
-        Ok(base) => base,
-        Err(e) => {
-            let reason = format!("Unmarshal twin info failed, err: {e}");
-            return refuse(cx, &topic, "", 400, &reason, "");
-        }
+    let Some(base) = parse::<Base>(cx, &topic, payload, "Unmarshal twin info failed") else {
+        return Ok(());
     };
     if cx
         .db
@@ -368,18 +355,9 @@ async fn twin_get(id: &str, payload: &[u8], cx: &mut Context<'_>) -> Result<(), 
 /// `dealDeviceStateUpdate`. KubeEdge ignores an unknown device or state; a mapper hears why here.
 async fn state_update(id: &str, payload: &[u8], cx: &mut Context<'_>) -> Result<(), Error> {
     let topic = format!("$hw/events/device/{id}/state/update/result");
-    let update: StateUpdate = match serde_json::from_slice(payload) {
-        Ok(update) => update,
-        Err(e) => {
-            return refuse(
-                cx,
-                &topic,
-                "",
-                400,
-                "Unmarshal device state failed",
-                &e.to_string(),
-            );
-        }
+    let reason = "Unmarshal device state failed";
+    let Some(update) = parse::<StateUpdate>(cx, &topic, payload, reason) else {
+        return Ok(());
     };
     let event_id = update.base.event_id.clone();
     let state = update.state.to_lowercase();
@@ -434,12 +412,9 @@ async fn state_update(id: &str, payload: &[u8], cx: &mut Context<'_>) -> Result<
 /// `dealMembershipGetInner`: answered on this node's topic, whatever node the request named.
 async fn membership_get(payload: &[u8], cx: &mut Context<'_>) -> Result<(), Error> {
     let topic = format!("$hw/events/node/{}/membership/get/result", cx.node);
-    let base: Base = match serde_json::from_slice(payload) {
-        Ok(base) => base,
-        Err(e) => {
-            let reason = format!("Unmarshal get membership info failed, err: {e}");
-            return refuse(cx, &topic, "", 400, &reason, "");
-        }
+    let reason = "Unmarshal get membership info failed";
+    let Some(base) = parse::<Base>(cx, &topic, payload, reason) else {
+        return Ok(());
     };
     let mut devices = Vec::new();
     for row in cx
@@ -796,6 +771,23 @@ async fn up(
     };
     let topic = crate::topic::outbound(cx.root, CLOUD, from, operation, resource);
     cx.queue_for_cloud(&topic, &envelope.to_bytes()).await
+}
+
+/// A device's JSON payload as `T`; otherwise answers 400 with `reason` and the parser's error on
+/// `topic` and gives `None` (KubeEdge's result has no event id then: it could not be read).
+fn parse<T: serde::de::DeserializeOwned>(
+    cx: &mut Context<'_>,
+    topic: &str,
+    payload: &[u8],
+    reason: &str,
+) -> Option<T> {
+    match serde_json::from_slice(payload) {
+        Ok(value) => Some(value),
+        Err(e) => {
+            let _ = refuse(cx, topic, "", 400, &format!("{reason}, err: {e}"), "");
+            None
+        }
+    }
 }
 
 /// Answers a refused device message on its result topic; nothing is stored.
