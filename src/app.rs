@@ -91,6 +91,7 @@ pub async fn run(
             let sources = observe::Sources {
                 outbox: meta.outbox(),
                 broker: broker.stats(),
+                handons: meta.handons(),
                 cloud: cloud_status,
                 listeners_up: listeners_up.clone(),
                 store_path: settings.store.path.clone(),

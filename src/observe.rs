@@ -209,6 +209,9 @@ struct Scraped {
     denied_publishes: Counter,
     denied_subscribes: Counter,
     lagging_cut: Counter,
+    paused_publishers: Gauge,
+    publisher_pauses: Counter,
+    handon_waiting: Gauge,
     listeners_up: Gauge,
 }
 
@@ -226,6 +229,9 @@ impl Scraped {
             denied_publishes: counter!("edgemeta_acl_denials_total", "kind" => "publish"),
             denied_subscribes: counter!("edgemeta_acl_denials_total", "kind" => "subscribe"),
             lagging_cut: counter!("edgemeta_broker_lagging_subscribers_disconnected_total"),
+            paused_publishers: gauge!("edgemeta_broker_paused_publishers"),
+            publisher_pauses: counter!("edgemeta_broker_publisher_pauses_total"),
+            handon_waiting: gauge!("edgemeta_handon_waiting"),
             listeners_up: gauge!("edgemeta_listeners_up"),
         }
     }
@@ -235,6 +241,8 @@ impl Scraped {
 pub struct Sources {
     pub outbox: OutboxHandle,
     pub broker: BrokerStats,
+    /// Hand-ons committed and not yet handed to the broker.
+    pub handons: Arc<edgemeta_metamanager::handon::HandonGauge>,
     /// `None` when the cloud bridge is off.
     pub cloud: Option<Arc<CloudStatus>>,
     /// Set once every MQTT listener accepts, cleared when the node starts to stop.
@@ -328,6 +336,10 @@ async fn metrics(State(node): State<Arc<Node>>) -> Response {
     s.denied_publishes.absolute(publishes);
     s.denied_subscribes.absolute(subscribes);
     s.lagging_cut.absolute(src.broker.lagging_subscribers_cut());
+    let (paused, pauses) = src.broker.paused_publishers();
+    s.paused_publishers.set(paused as f64);
+    s.publisher_pauses.absolute(pauses);
+    s.handon_waiting.set(src.handons.waiting() as f64);
     s.listeners_up.set(f64::from(u8::from(
         src.listeners_up.load(Ordering::Relaxed),
     )));

@@ -25,6 +25,9 @@ pub struct Backlog {
     started: Instant,
     /// When a link last received something, in ms since `started`.
     last_consumed_ms: AtomicU64,
+    /// Clients held before a publish to our links right now, and how often one was.
+    paused: AtomicU64,
+    pauses: AtomicU64,
 }
 
 impl Backlog {
@@ -37,6 +40,8 @@ impl Backlog {
             filters: RwLock::new(Vec::new()),
             started: Instant::now(),
             last_consumed_ms: AtomicU64::new(0),
+            paused: AtomicU64::new(0),
+            pauses: AtomicU64::new(0),
         }
     }
 
@@ -44,6 +49,15 @@ impl Backlog {
     pub fn watch(&self, filters: &[String]) {
         let mut watched = self.filters.write().unwrap_or_else(|p| p.into_inner());
         watched.extend(filters.iter().cloned());
+    }
+
+    /// Whether our links read `topic` (broker form): a client's publish there is acknowledged
+    /// only once the node has taken it, and waits while the links lag.
+    pub fn consumes(&self, topic: &str) -> bool {
+        let watched = self.filters.read().unwrap_or_else(|p| p.into_inner());
+        watched
+            .iter()
+            .any(|filter| rumqttd::protocol::matches(topic, filter))
     }
 
     /// A publish to `topic` of `len` payload bytes entered the broker.
@@ -70,6 +84,31 @@ impl Backlog {
     /// Current backlog in bytes.
     pub fn bytes(&self) -> i64 {
         self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// [`Backlog::room`] for a client about to publish to our links, counted while it waits.
+    pub async fn admit(&self) {
+        if self.bytes() <= self.limit {
+            return;
+        }
+        struct Held<'a>(&'a AtomicU64);
+        impl Drop for Held<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        self.paused.fetch_add(1, Ordering::Relaxed);
+        self.pauses.fetch_add(1, Ordering::Relaxed);
+        let _held = Held(&self.paused);
+        self.room().await;
+    }
+
+    /// Publishers held right now, and how many times one was held so far.
+    pub fn paused(&self) -> (u64, u64) {
+        (
+            self.paused.load(Ordering::Relaxed),
+            self.pauses.load(Ordering::Relaxed),
+        )
     }
 
     /// Returns at once while the backlog is within its limit; otherwise waits until the links

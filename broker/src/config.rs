@@ -34,13 +34,17 @@ pub struct BrokerConfig {
     pub segment_count: usize,
     /// Segment size of the filters our own links read (`<root>/meta/#`, `<root>/cloud/#`):
     /// clients are paused while a link is owed half of `(count - 1) × link_segment_bytes`.
-    #[serde(default = "default_segment_bytes")]
+    #[serde(default = "default_link_segment_bytes")]
     pub link_segment_bytes: usize,
     /// Segment size of the filters devices and mappers subscribe to under `$hw/events/device/`
     /// and `$ke/events/device/`: one log per device filter, each small, so a node's memory does not grow
     /// by `segment_count × segment_bytes` for every device.
     #[serde(default = "default_device_segment_bytes")]
     pub device_segment_bytes: usize,
+    /// A subscriber owed messages that takes none for this many seconds is disconnected
+    /// (`EM-BROKER-SUBSCRIBER-LAG`): the node's hand-ons wait for its filter meanwhile.
+    #[serde(default = "default_subscriber_stall_s")]
+    pub subscriber_stall_s: u64,
     /// Most subscriptions one client may hold; further SUBSCRIBEs get a failure return code.
     #[serde(default = "default_max_subscriptions_per_client")]
     pub max_subscriptions_per_client: usize,
@@ -123,10 +127,16 @@ const fn default_connect_timeout_ms() -> u16 {
     5_000
 }
 const fn default_device_segment_bytes() -> usize {
-    8 * 1024
+    4 * 1024
 }
 fn default_segment_bytes() -> usize {
+    256 * 1024
+}
+fn default_link_segment_bytes() -> usize {
     1024 * 1024
+}
+const fn default_subscriber_stall_s() -> u64 {
+    30
 }
 const fn default_segment_count() -> usize {
     4
@@ -145,8 +155,9 @@ impl Default for BrokerConfig {
             connect_timeout_ms: default_connect_timeout_ms(),
             segment_bytes: default_segment_bytes(),
             segment_count: default_segment_count(),
-            link_segment_bytes: default_segment_bytes(),
+            link_segment_bytes: default_link_segment_bytes(),
             device_segment_bytes: default_device_segment_bytes(),
+            subscriber_stall_s: default_subscriber_stall_s(),
             max_subscriptions_per_client: default_max_subscriptions_per_client(),
             low_latency: true,
             auth: AuthConfig::default(),
@@ -167,6 +178,9 @@ impl BrokerConfig {
         }
         if self.listeners.is_empty() {
             return bad("broker.listeners must name at least one listener".into());
+        }
+        if self.subscriber_stall_s == 0 {
+            return bad("broker.subscriber_stall_s must be at least 1".into());
         }
         // rumqttd's router panics on segments under 1 KiB; with one segment, any subscriber
         // that is behind at all can be skipped.

@@ -6,7 +6,10 @@
 //!   waits for the client's delayed ACK (~40 ms). The front sets TCP_NODELAY towards the client
 //!   and acknowledges rumqttd's segments at once (TCP_QUICKACK) on the loopback hop.
 //!
-//! - back-pressure: it stops reading from clients while the in-process links lag (backlog.rs);
+//! - back-pressure: it stops reading from a client that is about to publish to a topic our
+//!   links consume while they lag (backlog.rs); other clients and other packets go on;
+//! - acknowledging what the node consumes only once it is committed: the guard keeps rumqttd's
+//!   early PUBACK / PUBCOMP, and the front writes the node's between rumqttd's packets;
 //! - rumqttd 0.20's connection races: it never lets rumqttd see a client's end of stream before
 //!   rumqttd is done with the connection (see `splice`).
 //!
@@ -22,7 +25,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::BytesMut;
+use bytes::{Buf, BytesMut};
 use socket2::SockRef;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -34,6 +37,8 @@ use tracing::{debug, warn};
 
 use crate::backlog::Backlog;
 use crate::config::ListenerTls;
+use crate::dollar;
+use crate::framing::{head, Boundaries, Head};
 use crate::session::{Session, Sessions};
 use crate::Error;
 
@@ -238,22 +243,49 @@ where
     let (mut from_client, mut to_client) = tokio::io::split(client);
     let (state_tx, mut state) = tokio::sync::watch::channel(BackendState::Silent);
     let up = async {
-        let mut buffer = vec![0_u8; 16 * 1024];
-        loop {
-            let read = async {
-                // While our links lag, leave the client's bytes in its socket: TCP pushes back.
-                backend.backlog.room().await;
-                from_client.read(&mut buffer).await
-            };
-            let n = tokio::select! {
-                read = read => match read {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => n,
-                },
+        let mut pending = BytesMut::new();
+        // Bytes of the packet being passed on still to come; `None`: not MQTT, pass everything.
+        let mut left = Some(0_usize);
+        'client: loop {
+            while !pending.is_empty() {
+                let n = match left {
+                    None => pending.len(),
+                    Some(0) => match head(&pending) {
+                        Head::Incomplete => break,
+                        Head::Malformed => {
+                            left = None;
+                            continue;
+                        }
+                        Head::Packet { len, topic } => {
+                            if topic.is_some_and(|t| consumed(&backend.backlog, t)) {
+                                // While our links lag, leave the client's bytes in its socket:
+                                // TCP pushes back. Its other packets wait behind this one.
+                                tokio::select! {
+                                    () = backend.backlog.admit() => {}
+                                    _ = state.wait_for(|s| *s == BackendState::Closed) => break 'client,
+                                }
+                            }
+                            left = Some(len);
+                            continue;
+                        }
+                    },
+                    Some(more) => more.min(pending.len()),
+                };
+                if to_backend.write_all(&pending[..n]).await.is_err() {
+                    break 'client;
+                }
+                pending.advance(n);
+                left = left.map(|more| more - n);
+            }
+            if pending.capacity() - pending.len() < 1024 {
+                pending.reserve(READ_CHUNK);
+            }
+            let read = tokio::select! {
+                read = from_client.read_buf(&mut pending) => read,
                 // rumqttd dropped the client: so does the front, whatever the client does.
                 _ = state.wait_for(|s| *s == BackendState::Closed) => break,
             };
-            if to_backend.write_all(&buffer[..n]).await.is_err() {
+            if matches!(read, Ok(0) | Err(_)) {
                 break;
             }
         }
@@ -275,12 +307,22 @@ where
         let _ = to_backend.shutdown().await;
     };
     let down = async {
-        let mut buffer = vec![0_u8; 16 * 1024];
+        let mut buffer = vec![0_u8; READ_CHUNK];
         let mut client_gone = false;
-        while let Ok(n) = from_backend.read(&mut buffer).await {
-            if n == 0 {
-                break;
-            }
+        let mut packets = Boundaries::default();
+        loop {
+            let n = tokio::select! {
+                read = from_backend.read(&mut buffer) => match read {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => n,
+                },
+                // The node committed what the client published: acknowledge it now, between
+                // two of rumqttd's packets.
+                () = session.acks_ready(), if packets.between() && !client_gone => {
+                    client_gone = to_client.write_all(&session.take_acks()).await.is_err();
+                    continue;
+                }
+            };
             state_tx.send_if_modified(|s| {
                 let first = *s == BackendState::Silent;
                 if first {
@@ -297,13 +339,41 @@ where
                 let _ = SockRef::from(from_backend.as_ref()).set_tcp_quickack(true);
             }
             // Keep reading after the client has gone, to see when rumqttd closes.
-            client_gone = to_client.write_all(&buffer[..n]).await.is_err();
+            let read = &buffer[..n];
+            client_gone = match packets.feed(read) {
+                Some(end) if end < n => {
+                    let acks = session.take_acks();
+                    let written = to_client.write_all(&read[..end]).await;
+                    let written = match (written, acks.is_empty()) {
+                        (Ok(()), false) => to_client.write_all(&acks).await,
+                        (written, _) => written,
+                    };
+                    match written {
+                        Ok(()) => to_client.write_all(&read[end..]).await.is_err(),
+                        Err(_) => true,
+                    }
+                }
+                _ => to_client.write_all(read).await.is_err(),
+            };
         }
         state_tx.send_replace(BackendState::Closed);
         let _ = to_client.shutdown().await;
     };
     tokio::join!(up, down);
     Ok(())
+}
+
+/// Bytes read from a socket at a time (each connection holds one such buffer per direction).
+const READ_CHUNK: usize = 8 * 1024;
+
+/// Whether a client's publish to `topic` goes to our links (an empty topic is a v5 alias: the
+/// front does not follow aliases, so it counts as one).
+fn consumed(backlog: &Backlog, topic: &[u8]) -> bool {
+    if topic.is_empty() {
+        return true;
+    }
+    let topic = String::from_utf8_lossy(topic);
+    backlog.consumes(&dollar::to_broker(&topic))
 }
 
 /// The subject's common name, if it is non-empty text without control characters.

@@ -31,8 +31,13 @@ use crate::dollar;
 use crate::front::{take_preamble, Preamble};
 use crate::lag::{log_size, Lag, Owed};
 use crate::security::{Grants, Identity, Policy};
-use crate::session::{Session, Sessions};
+use crate::session::{AckKind, Session, Sessions};
 use crate::RESERVED_CLIENT_PREFIX;
+
+/// The user property that carries, from the guard to our links, which connection and packet id
+/// a consumed publish is acknowledged to once it is committed: `<session>:<kind>:<pkid>`.
+/// Clients' own properties of that name are removed, and subscribers never see it.
+pub const ACK_PROPERTY: &str = "edgemeta-ack";
 
 /// Where refused publications go: rumqttd never matches a `$` topic against any filter.
 const DENIED_TOPIC: &str = "$edgemeta/denied";
@@ -85,6 +90,10 @@ struct Connection {
     last_topic: Bytes,
     /// QoS 1/2 subscriptions by filter (broker form), with what each is owed.
     owed: HashMap<String, Arc<Owed>>,
+    /// rumqttd's own PUBACKs / PUBCOMPs still to come for publishes the node acknowledges after
+    /// commit, by packet id: they are not written (counted, since a packet id can be reused
+    /// before rumqttd's early answer to its previous use is written).
+    swallow: HashMap<(AckKind, u16), u32>,
 }
 
 impl<P> ConnectGuard<P> {
@@ -211,13 +220,16 @@ fn own(publish: &mut Publish, properties: &mut Option<PublishProperties>, last_t
     }
 }
 
-/// The packet id of a complete QoS 1/2 PUBLISH at the start of `stream`, read before rumqttd
-/// decodes it (rumqttd keeps `Publish::pkid` private).
-fn publish_pkid(stream: &[u8]) -> Option<u16> {
+/// What a complete QoS 1/2 PUBLISH at the start of `stream` is acknowledged with, and its packet
+/// id, read before rumqttd decodes it (rumqttd keeps `Publish::qos` and `pkid` private).
+fn publish_ack(stream: &[u8]) -> Option<(AckKind, u16)> {
     let first = *stream.first()?;
-    if first >> 4 != 3 || (first >> 1) & 0b11 == 0 {
-        return None;
-    }
+    let kind = match (first >> 1) & 0b11 {
+        _ if first >> 4 != 3 => return None,
+        1 => AckKind::PubAck,
+        2 => AckKind::PubComp,
+        _ => return None,
+    };
     let mut offset = 1;
     let mut shift = 0;
     loop {
@@ -233,11 +245,13 @@ fn publish_pkid(stream: &[u8]) -> Option<u16> {
         *stream.get(offset + 1)?,
     ]));
     let at = offset + 2 + topic_len;
-    Some(u16::from_be_bytes([*stream.get(at)?, *stream.get(at + 1)?]))
+    let pkid = u16::from_be_bytes([*stream.get(at)?, *stream.get(at + 1)?]);
+    Some((kind, pkid))
 }
 
 impl<P: Protocol> ConnectGuard<P> {
-    fn vet(&self, packet: &mut Packet, pkid: Option<u16>) {
+    fn vet(&self, packet: &mut Packet, ack: Option<(AckKind, u16)>) {
+        let pkid = ack.map(|(_, pkid)| pkid);
         let mut connection = self.connection.lock().unwrap_or_else(|p| p.into_inner());
         match packet {
             Packet::Connect(connect, properties, will, _, login) => {
@@ -327,8 +341,21 @@ impl<P: Protocol> ConnectGuard<P> {
                 let client_topic = String::from_utf8_lossy(&publish.topic).into_owned();
                 if let Some(topic) = publishable(&connection.grants, &client_topic) {
                     own(publish, properties, &mut connection.last_topic);
+                    if let Some(p) = properties.as_mut() {
+                        p.user_properties.retain(|(key, _)| key != ACK_PROPERTY);
+                    }
                     if let Some(backlog) = &self.backlog {
                         backlog.published(&topic, publish.payload.len());
+                        let session = connection.session.as_ref().map(|s| s.id());
+                        if let (Some((kind, pkid)), Some(session)) = (ack, session) {
+                            if backlog.consumes(&topic) {
+                                properties
+                                    .get_or_insert_with(Default::default)
+                                    .user_properties
+                                    .push((ACK_PROPERTY.to_owned(), ack_tag(session, kind, pkid)));
+                                *connection.swallow.entry((kind, pkid)).or_default() += 1;
+                            }
+                        }
                     }
                     if let Some(lag) = &self.lag {
                         lag.published(&topic, log_size(topic.len(), publish.payload.len()));
@@ -359,7 +386,7 @@ impl<P: Protocol> ConnectGuard<P> {
                     if allowed && room {
                         let path = path.into_owned();
                         connection.held.insert(path.clone());
-                        self.count_owed(&mut connection, &path, filter.qos);
+                        self.count_owed(&mut connection, &path, Some(filter.qos));
                         filter.path = path;
                         continue;
                     }
@@ -391,35 +418,35 @@ impl<P: Protocol> ConnectGuard<P> {
                         *filter = path;
                     }
                     connection.held.remove(filter.as_str());
-                    self.count_owed(&mut connection, filter, QoS::AtMostOnce);
+                    self.count_owed(&mut connection, filter, None);
                 }
             }
             _ => {}
         }
     }
 
-    /// Counts what a QoS 1/2 subscription to `path` is owed; stops for QoS 0 or unsubscribe.
-    /// Shared subscriptions are not counted: each member gets only some of the filter's messages.
-    fn count_owed(&self, connection: &mut Connection, path: &str, qos: QoS) {
+    /// Counts what a subscription to `path` at `qos` is owed; `None`: unsubscribed. Shared
+    /// subscriptions are not counted: each member gets only some of the filter's messages.
+    fn count_owed(&self, connection: &mut Connection, path: &str, qos: Option<QoS>) {
         let Some(lag) = &self.lag else { return };
-        if qos == QoS::AtMostOnce || shared_filter(path).is_some() {
-            if let Some(owed) = connection.owed.remove(path) {
-                lag.unsubscribe(&owed);
-            }
-            return;
+        // A new subscription to a filter held replaces it (its QoS may differ).
+        if let Some(owed) = connection.owed.remove(path) {
+            lag.unsubscribe(&owed);
         }
-        let Some(session) = &connection.session else {
+        let (Some(qos), Some(session)) = (qos, &connection.session) else {
             return;
         };
-        if !connection.owed.contains_key(path) {
-            let owed = lag.subscribe(path, &connection.client_id, session);
-            connection.owed.insert(path.to_owned(), owed);
+        if shared_filter(path).is_some() {
+            return;
         }
+        let reliable = qos != QoS::AtMostOnce;
+        let owed = lag.subscribe(path, &connection.client_id, session, reliable);
+        connection.owed.insert(path.to_owned(), owed);
     }
 
     /// rumqttd is writing a publish to this subscriber: pay it off against the subscription it
     /// came through (with overlapping filters, the one owed most).
-    fn paid(connection: &Connection, publish: &Publish) {
+    fn paid(&self, connection: &Connection, publish: &Publish) {
         // Retained messages sent on subscribing come from the retained store, not the log.
         if publish.retain || connection.owed.is_empty() {
             return;
@@ -430,22 +457,32 @@ impl<P: Protocol> ConnectGuard<P> {
             .values()
             .filter(|o| rumqttd::protocol::matches(&topic, o.filter()))
             .max_by_key(|o| o.bytes());
-        if let Some(owed) = owed {
-            owed.delivered();
+        if let (Some(owed), Some(lag)) = (owed, &self.lag) {
+            lag.delivered(owed);
         }
     }
 
-    /// Adjusts what rumqttd sends; an error stops rumqttd writing to a client that was cut off.
-    fn answer(&self, packet: &mut Packet) -> Result<(), CodecError> {
+    /// Adjusts what rumqttd sends; `false`: write nothing (the front acknowledges after the
+    /// commit). An error stops rumqttd writing to a client that was cut off.
+    fn answer(&self, packet: &mut Packet) -> Result<bool, CodecError> {
         let mut connection = self.connection.lock().unwrap_or_else(|p| p.into_inner());
         match packet {
-            Packet::Publish(publish, _) => {
+            Packet::PubAck(ack, _) if swallowed(&mut connection, AckKind::PubAck, ack.pkid) => {
+                return Ok(false);
+            }
+            Packet::PubComp(ack, _) if swallowed(&mut connection, AckKind::PubComp, ack.pkid) => {
+                return Ok(false);
+            }
+            Packet::Publish(publish, properties) => {
+                if let Some(p) = properties.as_mut() {
+                    p.user_properties.retain(|(key, _)| key != ACK_PROPERTY);
+                }
                 // Cut off for lagging: nothing after the gap rumqttd is about to skip may reach
                 // the client. The error ends rumqttd's side of the connection.
                 if connection.session.as_ref().is_some_and(|s| s.is_cut()) {
                     return Err(CodecError::IncorrectPacketFormat);
                 }
-                Self::paid(&connection, publish);
+                self.paid(&connection, publish);
                 if let Some(topic) = dollar::bytes_to_client(&publish.topic) {
                     publish.topic = topic;
                 }
@@ -473,8 +510,43 @@ impl<P: Protocol> ConnectGuard<P> {
             }
             _ => {}
         }
-        Ok(())
+        Ok(true)
     }
+}
+
+/// Whether rumqttd's answer to `pkid` is one the front sends after the commit instead.
+fn swallowed(connection: &mut Connection, kind: AckKind, pkid: u16) -> bool {
+    let std::collections::hash_map::Entry::Occupied(mut left) =
+        connection.swallow.entry((kind, pkid))
+    else {
+        return false;
+    };
+    *left.get_mut() -= 1;
+    if *left.get() == 0 {
+        left.remove();
+    }
+    true
+}
+
+/// `<session>:<kind>:<pkid>` (see [`ACK_PROPERTY`]).
+fn ack_tag(session: u64, kind: AckKind, pkid: u16) -> String {
+    let kind = match kind {
+        AckKind::PubAck => 1,
+        AckKind::PubComp => 2,
+    };
+    format!("{session}:{kind}:{pkid}")
+}
+
+/// Reads an [`ACK_PROPERTY`] value back: the session, what to send and the packet id.
+pub fn parse_ack_tag(tag: &str) -> Option<(u64, AckKind, u16)> {
+    let mut parts = tag.splitn(3, ':');
+    let session = parts.next()?.parse().ok()?;
+    let kind = match parts.next()? {
+        "1" => AckKind::PubAck,
+        "2" => AckKind::PubComp,
+        _ => return None,
+    };
+    Some((session, kind, parts.next()?.parse().ok()?))
 }
 
 impl<P: Protocol> Protocol for ConnectGuard<P> {
@@ -494,14 +566,17 @@ impl<P: Protocol> Protocol for ConnectGuard<P> {
                 connection.preamble_read = true;
             }
         }
-        let pkid = publish_pkid(stream);
+        let ack = publish_ack(stream);
         let mut packet = self.inner.read_mut(stream, max_size)?;
-        self.vet(&mut packet, pkid);
+        self.vet(&mut packet, ack);
         Ok(packet)
     }
 
     fn write(&self, mut packet: Packet, write: &mut BytesMut) -> Result<usize, CodecError> {
-        self.answer(&mut packet)?;
+        if !self.answer(&mut packet)? {
+            // rumqttd ignores the count; the front writes this acknowledgement after the commit.
+            return Ok(0);
+        }
         self.inner.write(packet, write)
     }
 }
@@ -580,10 +655,21 @@ mod tests {
     fn the_packet_id_of_a_qos1_publish_is_read_from_the_wire() {
         // PUBLISH qos1, remaining length 7, topic "a/b", pkid 0x1234, payload "x"
         let packet = [0x32, 0x08, 0x00, 0x03, b'a', b'/', b'b', 0x12, 0x34, b'x'];
-        assert_eq!(publish_pkid(&packet), Some(0x1234));
+        assert_eq!(publish_ack(&packet), Some((AckKind::PubAck, 0x1234)));
+        let mut qos2 = packet;
+        qos2[0] = 0x34;
+        assert_eq!(publish_ack(&qos2), Some((AckKind::PubComp, 0x1234)));
         let qos0 = [0x30, 0x06, 0x00, 0x03, b'a', b'/', b'b', b'x'];
-        assert_eq!(publish_pkid(&qos0), None);
-        assert_eq!(publish_pkid(&[0x32, 0x08, 0x00]), None);
-        assert_eq!(publish_pkid(&[0x82, 0x08]), None);
+        assert_eq!(publish_ack(&qos0), None);
+        assert_eq!(publish_ack(&[0x32, 0x08, 0x00]), None);
+        assert_eq!(publish_ack(&[0x82, 0x08]), None);
+    }
+
+    #[test]
+    fn an_ack_tag_round_trips() {
+        let tag = ack_tag(42, AckKind::PubComp, 65535);
+        assert_eq!(parse_ack_tag(&tag), Some((42, AckKind::PubComp, 65535)));
+        assert_eq!(parse_ack_tag("42:3:1"), None);
+        assert_eq!(parse_ack_tag("x"), None);
     }
 }

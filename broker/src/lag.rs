@@ -1,5 +1,6 @@
-//! What the broker owes each QoS 1/2 subscriber, so that one that falls behind is cut off
-//! instead of losing messages without a word.
+//! What the broker owes each subscriber, so that the node hands on only as fast as subscribers
+//! read (`reserve`), a subscriber that stops reading is cut off (`sweep`), and one that falls
+//! behind a client's burst is cut off instead of losing messages without a word.
 //!
 //! rumqttd 0.20 keeps the recent messages of each subscribed filter in a log of
 //! `segment_count` segments; a reader whose segment is dropped is moved forward silently
@@ -14,9 +15,11 @@
 //! router has moved its cursor.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
+use tokio::sync::Notify;
 use tracing::warn;
 
 use crate::session::Session;
@@ -26,10 +29,15 @@ pub fn log_size(topic: usize, payload: usize) -> usize {
     4 + topic + payload
 }
 
-/// Every QoS 1/2 subscription of a remote client, by filter.
+/// Every subscription of a remote client, by filter.
 #[derive(Debug)]
 pub struct Lag {
     limit: u64,
+    /// A subscriber owed something that has taken nothing for this long is cut off.
+    stall: Duration,
+    /// Someone waits in [`Lag::room`]: deliveries wake them.
+    waiting: AtomicBool,
+    room_made: Notify,
     /// Filters below these patterns have smaller logs (`broker.device_segment_bytes`), so their
     /// subscribers may be owed less: (pattern, limit).
     smaller: Vec<(String, u64)>,
@@ -102,20 +110,24 @@ impl Watched {
     }
 }
 
-/// One QoS 1/2 subscription and what it is owed, in rumqttd's log bytes.
+/// One subscription and what it is owed, in rumqttd's log bytes.
 #[derive(Debug)]
 pub struct Owed {
     filter: String,
     client_id: String,
+    /// QoS 1/2: a burst from a client that would overrun the log cuts it off (QoS 0 may skip).
+    reliable: bool,
     unpaid: Mutex<Unpaid>,
     session: Arc<Session>,
 }
 
-/// The sizes of the messages not yet written to the subscriber, oldest first, and their sum.
+/// The sizes of the messages not yet written to the subscriber, oldest first, their sum, and
+/// when the subscriber last made progress (took a message, or started being owed).
 #[derive(Debug, Default)]
 struct Unpaid {
     bytes: u64,
     sizes: VecDeque<u32>,
+    progress: Option<Instant>,
 }
 
 impl Owed {
@@ -129,20 +141,41 @@ impl Owed {
     }
 
     /// rumqttd wrote the oldest message owed to the subscriber.
-    pub fn delivered(&self) {
+    fn delivered(&self) {
         let mut unpaid = self.lock();
         if let Some(size) = unpaid.sizes.pop_front() {
             unpaid.bytes -= u64::from(size);
         }
+        unpaid.progress = Some(Instant::now());
     }
 
     /// Counts a message of `size`; returns what is owed beyond the oldest unpaid message.
     fn owe(&self, size: usize) -> u64 {
         let mut unpaid = self.lock();
         let size = u32::try_from(size).unwrap_or(u32::MAX);
+        if unpaid.sizes.is_empty() {
+            // The stall clock runs only while something is owed.
+            unpaid.progress = Some(Instant::now());
+        }
         unpaid.sizes.push_back(size);
         unpaid.bytes += u64::from(size);
         unpaid.bytes - unpaid.sizes.front().map_or(0, |s| u64::from(*s))
+    }
+
+    /// What would be owed beyond the oldest unpaid message with one more of `size`.
+    fn owed_with(&self, size: usize) -> u64 {
+        let unpaid = self.lock();
+        let size = size as u64;
+        unpaid.bytes + size - unpaid.sizes.front().map_or(size, |s| u64::from(*s))
+    }
+
+    /// How long it has been owed something without taking anything.
+    fn stalled_for(&self, now: Instant) -> Option<Duration> {
+        let unpaid = self.lock();
+        if unpaid.sizes.is_empty() {
+            return None;
+        }
+        unpaid.progress.map(|p| now.saturating_duration_since(p))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Unpaid> {
@@ -156,11 +189,20 @@ impl Lag {
     pub fn new(limit: u64) -> Lag {
         Lag {
             limit,
+            stall: Duration::from_secs(30),
+            waiting: AtomicBool::new(false),
+            room_made: Notify::new(),
             smaller: Vec::new(),
             watched: RwLock::new(Watched::default()),
             cut: AtomicU64::new(0),
             to_clean: Mutex::new(HashSet::new()),
         }
+    }
+
+    /// A subscriber owed something that takes nothing for `stall` is cut off ([`Lag::sweep`]).
+    pub fn with_stall(mut self, stall: Duration) -> Lag {
+        self.stall = stall;
+        self
     }
 
     /// Filters below `patterns` have logs that hold only `limit` beyond the message read.
@@ -179,11 +221,18 @@ impl Lag {
             .map_or(self.limit, |(_, limit)| *limit)
     }
 
-    /// Starts counting for a new subscription of `session` to `filter`.
-    pub fn subscribe(&self, filter: &str, client_id: &str, session: &Arc<Session>) -> Arc<Owed> {
+    /// Starts counting for a new subscription of `session` to `filter` (`reliable`: QoS 1/2).
+    pub fn subscribe(
+        &self,
+        filter: &str,
+        client_id: &str,
+        session: &Arc<Session>,
+        reliable: bool,
+    ) -> Arc<Owed> {
         let owed = Arc::new(Owed {
             filter: filter.to_owned(),
             client_id: client_id.to_owned(),
+            reliable,
             unpaid: Mutex::new(Unpaid::default()),
             session: session.clone(),
         });
@@ -210,9 +259,98 @@ impl Lag {
         if emptied {
             watched.remove(&owed.filter);
         }
+        drop(watched);
+        self.made_room();
     }
 
-    /// A publish to `topic` of `size` log bytes is on its way into the router.
+    /// rumqttd wrote the oldest message `owed` to its subscriber.
+    pub fn delivered(&self, owed: &Owed) {
+        owed.delivered();
+        self.made_room();
+    }
+
+    fn made_room(&self) {
+        if self.waiting.load(Ordering::Relaxed) {
+            self.room_made.notify_waiters();
+        }
+    }
+
+    /// Counts a publish to `topic` of `size` log bytes that the node hands on, if every
+    /// subscriber it reaches has room for it in its filter's log; `false` counts nothing.
+    /// A message larger than the room goes once nothing else is owed.
+    pub fn reserve(&self, topic: &str, size: usize) -> bool {
+        let watched = self.watched.read().unwrap_or_else(|p| p.into_inner());
+        let room = watched.matching(topic).all(|w| {
+            w.subscriptions
+                .iter()
+                .all(|owed| owed.session.is_cut() || owed.owed_with(size) <= w.limit)
+        });
+        if room {
+            for w in watched.matching(topic) {
+                for owed in w.subscriptions.iter().filter(|o| !o.session.is_cut()) {
+                    owed.owe(size);
+                }
+            }
+        }
+        room
+    }
+
+    /// Waits until a subscriber took something, was cut off or left, or `at_most` passed.
+    pub async fn room(&self, at_most: Duration) {
+        let made = self.room_made.notified();
+        tokio::pin!(made);
+        made.as_mut().enable();
+        self.waiting.store(true, Ordering::Relaxed);
+        let _ = tokio::time::timeout(at_most, made).await;
+    }
+
+    /// Cuts off every subscriber owed something that took nothing for the stall time; returns
+    /// how many. Run about every second.
+    pub fn sweep(&self) -> usize {
+        let now = Instant::now();
+        let watched = self.watched.read().unwrap_or_else(|p| p.into_inner());
+        let mut cut = 0;
+        for w in watched.exact.values().chain(&watched.wild) {
+            for owed in &w.subscriptions {
+                if owed.session.is_cut() {
+                    continue;
+                }
+                let Some(stalled) = owed.stalled_for(now) else {
+                    continue;
+                };
+                if stalled >= self.stall {
+                    self.cut_off(owed, owed.bytes(), w.limit, "stopped reading");
+                    cut += 1;
+                }
+            }
+        }
+        drop(watched);
+        if cut > 0 {
+            self.made_room();
+        }
+        cut
+    }
+
+    fn cut_off(&self, owed: &Owed, owed_bytes: u64, limit: u64, reason: &'static str) {
+        owed.session.cut();
+        self.clean_set().insert(owed.client_id.clone());
+        let cut = self.cut.fetch_add(1, Ordering::Relaxed) + 1;
+        warn!(
+            error_code = "EM-BROKER-SUBSCRIBER-LAG",
+            client_id = %owed.client_id,
+            filter = %owed.filter,
+            owed_bytes,
+            limit_bytes = limit,
+            stall_s = self.stall.as_secs(),
+            reason,
+            cut,
+            "subscriber disconnected: it must resubscribe and resync"
+        );
+    }
+
+    /// A publish to `topic` of `size` log bytes that nobody paced (a client's) is on its way
+    /// into the router. A QoS 1/2 subscriber it puts beyond its filter's log is cut off: rumqttd
+    /// would skip messages under it.
     pub fn published(&self, topic: &str, size: usize) {
         let watched = self.watched.read().unwrap_or_else(|p| p.into_inner());
         for w in watched.matching(topic) {
@@ -221,20 +359,8 @@ impl Lag {
                     continue;
                 }
                 let beyond = owed.owe(size);
-                if beyond > w.limit {
-                    owed.session.cut();
-                    self.clean_set().insert(owed.client_id.clone());
-                    let cut = self.cut.fetch_add(1, Ordering::Relaxed) + 1;
-                    warn!(
-                        error_code = "EM-BROKER-SUBSCRIBER-LAG",
-                        client_id = %owed.client_id,
-                        filter = %owed.filter,
-                        owed_bytes = beyond,
-                        limit_bytes = w.limit,
-                        cut,
-                        "subscriber disconnected: it fell behind its filter's log and would \
-                         have lost messages; it must resubscribe and resync"
-                    );
+                if beyond > w.limit && owed.reliable {
+                    self.cut_off(owed, beyond, w.limit, "fell behind a burst beyond its log");
                 }
             }
         }
@@ -273,11 +399,11 @@ mod tests {
         let sessions = Sessions::default();
         let slow = sessions.open();
         let fast = sessions.open();
-        let slow_sub = lag.subscribe("ke/edged/#", "edged", &slow);
-        let fast_sub = lag.subscribe("ke/edged/#", "mirror", &fast);
+        let slow_sub = lag.subscribe("ke/edged/#", "edged", &slow, true);
+        let fast_sub = lag.subscribe("ke/edged/#", "mirror", &fast, true);
         for _ in 0..10 {
             lag.published("ke/edged/edgecontroller/insert/default/pod", 96);
-            fast_sub.delivered();
+            lag.delivered(&fast_sub);
         }
         assert_eq!((slow_sub.bytes(), fast_sub.bytes()), (960, 0));
         assert!(!slow.is_cut());
@@ -302,10 +428,10 @@ mod tests {
         let lag = Lag::new(1_000);
         let sessions = Sessions::default();
         let session = sessions.open();
-        let owed = lag.subscribe("ke/edged/#", "edged", &session);
+        let owed = lag.subscribe("ke/edged/#", "edged", &session, true);
         lag.published("ke/edged/meta/response/default/pod", 50_000);
         assert!(!session.is_cut());
-        owed.delivered();
+        lag.delivered(&owed);
         lag.published("ke/edged/meta/response/default/pod", 50_000);
         lag.published("ke/edged/edgecontroller/insert/default/pod", 96);
         assert!(!session.is_cut(), "96 bytes beyond the list being read");
@@ -318,8 +444,8 @@ mod tests {
         let lag = Lag::new(1_000).with_smaller_logs(&["dev/#"], 100);
         let sessions = Sessions::default();
         let (device, module) = (sessions.open(), sessions.open());
-        let _d = lag.subscribe("dev/d1/result", "mapper", &device);
-        let _m = lag.subscribe("ke/edged/#", "edged", &module);
+        let _d = lag.subscribe("dev/d1/result", "mapper", &device, true);
+        let _m = lag.subscribe("ke/edged/#", "edged", &module, true);
         for _ in 0..3 {
             lag.published("dev/d1/result", 60);
             lag.published("ke/edged/x", 60);
@@ -335,7 +461,7 @@ mod tests {
         let lag = Lag::new(100);
         let sessions = Sessions::default();
         let session = sessions.open();
-        let owed = lag.subscribe("a/+", "c", &session);
+        let owed = lag.subscribe("a/+", "c", &session, true);
         assert_eq!(lag.watched(), 1);
         lag.unsubscribe(&owed);
         assert_eq!(lag.watched(), 0);

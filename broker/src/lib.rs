@@ -6,6 +6,7 @@
 //! - [`config`]: our YAML listener/limit settings, turned into rumqttd's settings.
 //! - [`codec`]: MQTT 3.1.1 and 5 as one codec type, so one listener type serves both.
 //! - [`guard`]: the codec wrapper that vets every CONNECT, PUBLISH and SUBSCRIBE.
+//! - [`framing`]: packet boundaries in a byte stream, for the front.
 //! - [`dollar`]: `$hw/...` and `$ke/...` carried as `edgemeta$...` (rumqttd refuses `$` topics).
 //! - [`security`]: authentication and the topic ACL the guard applies.
 //! - [`lag`]: what each QoS 1/2 subscriber is owed; one that falls behind is cut off.
@@ -21,6 +22,7 @@ pub mod codec;
 pub mod config;
 pub mod dollar;
 pub mod error;
+pub mod framing;
 pub mod front;
 pub mod guard;
 pub mod lag;
@@ -35,6 +37,7 @@ pub use error::Error;
 pub use link::{Link, Publisher};
 pub use message::Message;
 pub use server::{reachable, Broker, BrokerStats};
+pub use session::{Ack, AckKind};
 
 /// Client ids starting with this prefix are reserved for the node's own in-process links.
 pub const RESERVED_CLIENT_PREFIX: &str = "edgemeta-";

@@ -6,9 +6,12 @@ use tokio::sync::mpsc;
 use tracing::{debug, error, warn};
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::backlog::Backlog;
+use crate::guard::{parse_ack_tag, ACK_PROPERTY};
 use crate::lag::{log_size, Lag};
+use crate::session::{Ack, Sessions};
 use crate::{Error, Message};
 
 /// An in-process MQTT client: [`Link::inbox`] yields what its filters match, [`Publisher`] sends.
@@ -24,7 +27,12 @@ pub struct Link {
 #[derive(Clone, Debug)]
 pub struct Publisher {
     tx: mpsc::Sender<Message>,
+    lag: Arc<Lag>,
 }
+
+/// How long a paced publish waits before it looks at its subscribers' room again, in case a
+/// wake-up was missed.
+const RECHECK: Duration = Duration::from_millis(50);
 
 impl Publisher {
     /// Queues `message` for the broker; waits while the link's queue is full.
@@ -32,10 +40,25 @@ impl Publisher {
         self.tx.send(message).await.map_err(|_| Error::LinkClosed)
     }
 
+    /// [`Publisher::publish`] once every subscriber the message reaches has room for it in its
+    /// filter's log, so rumqttd never skips a message under a subscriber that keeps reading.
+    pub async fn publish_paced(&self, mut message: Message) -> Result<(), Error> {
+        let size = log_size(message.topic.len(), message.payload.len());
+        while !self.lag.reserve(&message.topic, size) {
+            self.lag.room(RECHECK).await;
+        }
+        message.paced = true;
+        self.publish(message).await
+    }
+
     /// A publisher whose messages land in the returned receiver: for tests of broker-free code.
     pub fn channel(capacity: usize) -> (Publisher, mpsc::Receiver<Message>) {
+        Self::counted(capacity, Arc::new(Lag::new(u64::MAX)))
+    }
+
+    fn counted(capacity: usize, lag: Arc<Lag>) -> (Publisher, mpsc::Receiver<Message>) {
         let (tx, rx) = mpsc::channel(capacity);
-        (Publisher { tx }, rx)
+        (Publisher { tx, lag }, rx)
     }
 }
 
@@ -48,10 +71,11 @@ impl Link {
         capacity: usize,
         backlog: Arc<Backlog>,
         lag: Arc<Lag>,
+        sessions: Arc<Sessions>,
         links: &mut Links,
     ) -> Result<Link, Error> {
         let (inbox_tx, inbox) = mpsc::channel(capacity);
-        let (publisher, outgoing) = Publisher::channel(capacity);
+        let (publisher, outgoing) = Publisher::counted(capacity, lag.clone());
         let thread = std::thread::Builder::new()
             .name(format!("{client_id}-tx"))
             .spawn({
@@ -66,7 +90,7 @@ impl Link {
         links.threads.push((client_id.clone(), thread));
         links
             .receivers
-            .spawn(receive(client_id, link_rx, inbox_tx, backlog));
+            .spawn(receive(client_id, link_rx, inbox_tx, backlog, sessions));
         Ok(Link { inbox, publisher })
     }
 }
@@ -104,6 +128,7 @@ async fn receive(
     mut link_rx: LinkRx,
     inbox: mpsc::Sender<Message>,
     backlog: Arc<Backlog>,
+    sessions: Arc<Sessions>,
 ) {
     loop {
         let notification = match link_rx.next().await {
@@ -121,15 +146,20 @@ async fn receive(
                     warn!(error_code = "EM-BROKER-TOPIC-UTF8", %client_id, "dropped publish with non-UTF-8 topic");
                     continue;
                 };
-                let (response_topic, correlation) = match forward.properties {
-                    Some(p) => (p.response_topic, p.correlation_data),
-                    None => (None, None),
+                let (response_topic, correlation, ack) = match forward.properties {
+                    Some(p) => {
+                        let ack = ack_of(&p.user_properties, &sessions);
+                        (p.response_topic, p.correlation_data, ack)
+                    }
+                    None => (None, None, None),
                 };
                 let message = Message {
                     topic,
                     payload: forward.publish.payload,
                     response_topic,
                     correlation,
+                    ack,
+                    paced: false,
                 };
                 if inbox.send(message).await.is_err() {
                     return;
@@ -147,6 +177,13 @@ async fn receive(
     }
 }
 
+/// The acknowledgement the guard attached to a client's publish, if its connection is still open.
+fn ack_of(properties: &[(String, String)], sessions: &Sessions) -> Option<Ack> {
+    let (_, tag) = properties.iter().find(|(key, _)| key == ACK_PROPERTY)?;
+    let (session, kind, pkid) = parse_ack_tag(tag)?;
+    sessions.ack(session, kind, pkid)
+}
+
 /// Outgoing queue → router, on a dedicated thread.
 fn send(
     client_id: String,
@@ -158,10 +195,12 @@ fn send(
     while let Some(message) = outgoing.blocking_recv() {
         // Our own publishes count too, or the links' reads and subscribers' debts would not add up.
         backlog.published(&message.topic, message.payload.len());
-        lag.published(
-            &message.topic,
-            log_size(message.topic.len(), message.payload.len()),
-        );
+        if !message.paced {
+            lag.published(
+                &message.topic,
+                log_size(message.topic.len(), message.payload.len()),
+            );
+        }
         let result = match message.correlation {
             None => link_tx.publish(message.topic, message.payload),
             Some(correlation) => {

@@ -1,5 +1,7 @@
 use bytes::Bytes;
 
+use crate::session::Ack;
+
 /// One MQTT publication as our modules see it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Message {
@@ -9,6 +11,11 @@ pub struct Message {
     pub response_topic: Option<String>,
     /// MQTT v5 Correlation Data: read from a request, attached to its reply.
     pub correlation: Option<Bytes>,
+    /// A client's publish the node consumes: dropping this (after the commit, or the error
+    /// reply) sends the client its PUBACK / PUBCOMP.
+    pub ack: Option<Ack>,
+    /// Already counted against its subscribers' room (`Lag::reserve`): published as it is.
+    pub paced: bool,
 }
 
 impl Message {
@@ -19,6 +26,8 @@ impl Message {
             payload: payload.into(),
             response_topic: None,
             correlation: None,
+            ack: None,
+            paced: false,
         }
     }
 }

@@ -48,6 +48,9 @@ fn with_auth(
     settings
 }
 
+/// How often subscribers are checked for having stopped reading.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
 /// How long a listener may take to bind once its task is spawned.
 const READY_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -61,6 +64,7 @@ pub struct BrokerStats {
     policy: Arc<Policy>,
     sessions: Arc<Sessions>,
     lag: Arc<Lag>,
+    backlog: Arc<Backlog>,
 }
 
 impl BrokerStats {
@@ -74,9 +78,14 @@ impl BrokerStats {
         self.policy.denials()
     }
 
-    /// QoS 1/2 subscribers disconnected so far for falling behind (`EM-BROKER-SUBSCRIBER-LAG`).
+    /// Subscribers disconnected so far for falling behind (`EM-BROKER-SUBSCRIBER-LAG`).
     pub fn lagging_subscribers_cut(&self) -> u64 {
         self.lag.cut_count()
+    }
+
+    /// Clients held right now before a publish to our links, and how many times one was.
+    pub fn paused_publishers(&self) -> (u64, u64) {
+        self.backlog.paused()
     }
 }
 
@@ -127,10 +136,12 @@ impl Broker {
             sessions: Arc::new(Sessions::default()),
             backlog: Arc::new(Backlog::new(config.link_pause_bytes() as u64)),
             lag: Arc::new(
-                Lag::new(config.subscriber_lag_limit() as u64).with_smaller_logs(
-                    &crate::config::DEVICE_FILTERS,
-                    config.device_lag_limit() as u64,
-                ),
+                Lag::new(config.subscriber_lag_limit() as u64)
+                    .with_smaller_logs(
+                        &crate::config::DEVICE_FILTERS,
+                        config.device_lag_limit() as u64,
+                    )
+                    .with_stall(Duration::from_secs(config.subscriber_stall_s)),
             ),
         })
     }
@@ -151,6 +162,15 @@ impl Broker {
             wait_until_bound(&mut self.listeners, &name, address).await?;
             info!(listener = %name, %address, ?protocol, "mqtt listener ready");
         }
+        // Cuts off subscribers that stopped reading; lives as long as the listeners.
+        let lag = self.lag.clone();
+        self.listeners.spawn(async move {
+            let mut tick = tokio::time::interval(SWEEP_EVERY);
+            loop {
+                tick.tick().await;
+                lag.sweep();
+            }
+        });
         Ok(())
     }
 
@@ -237,6 +257,7 @@ impl Broker {
             policy: self.policy.clone(),
             sessions: self.sessions.clone(),
             lag: self.lag.clone(),
+            backlog: self.backlog.clone(),
         }
     }
 
@@ -272,6 +293,7 @@ impl Broker {
             capacity,
             self.backlog.clone(),
             self.lag.clone(),
+            self.sessions.clone(),
             &mut self.links,
         )
     }

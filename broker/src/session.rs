@@ -4,15 +4,38 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-/// A connection the node may cut off.
+/// Which acknowledgement the front owes a client for a publish the node consumes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AckKind {
+    /// QoS 1: PUBACK.
+    PubAck,
+    /// QoS 2: PUBCOMP (rumqttd appends a QoS 2 publish only on PUBREL, after its PUBREC).
+    PubComp,
+}
+
+impl AckKind {
+    /// The packet's fixed header byte; both packets are `type, 2, pkid` in 3.1.1 and 5.
+    fn header(self) -> u8 {
+        match self {
+            AckKind::PubAck => 0x40,
+            AckKind::PubComp => 0x70,
+        }
+    }
+}
+
+/// A connection the node may cut off, and the acknowledgements the front is to write to it.
 #[derive(Debug, Default)]
 pub struct Session {
     id: u64,
     cut: CancellationToken,
+    /// Acknowledgements released by the node (committed), not yet written to the client.
+    acks: Mutex<Vec<u8>>,
+    acked: Notify,
 }
 
 impl Session {
@@ -34,7 +57,66 @@ impl Session {
     pub async fn cut_off(&self) {
         self.cut.cancelled().await;
     }
+
+    /// Queues the acknowledgement of `pkid` for the front to write.
+    pub fn release(&self, kind: AckKind, pkid: u16) {
+        let [hi, lo] = pkid.to_be_bytes();
+        self.lock_acks()
+            .extend_from_slice(&[kind.header(), 2, hi, lo]);
+        self.acked.notify_one();
+    }
+
+    /// Resolves once acknowledgements are queued (at once if some already are).
+    pub async fn acks_ready(&self) {
+        loop {
+            let notified = self.acked.notified();
+            if !self.lock_acks().is_empty() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// The queued acknowledgements, encoded, in release order.
+    pub fn take_acks(&self) -> Vec<u8> {
+        std::mem::take(&mut *self.lock_acks())
+    }
+
+    fn lock_acks(&self) -> std::sync::MutexGuard<'_, Vec<u8>> {
+        self.acks.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
+
+/// The node's promise to acknowledge one client publish: dropped (after its commit, or once
+/// it was answered with an error), it releases the PUBACK / PUBCOMP to the front.
+#[derive(Debug, Clone)]
+pub struct Ack {
+    _pending: Arc<Pending>,
+}
+
+#[derive(Debug)]
+struct Pending {
+    session: Weak<Session>,
+    kind: AckKind,
+    pkid: u16,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if let Some(session) = self.session.upgrade() {
+            session.release(self.kind, self.pkid);
+        }
+    }
+}
+
+impl PartialEq for Ack {
+    fn eq(&self, _: &Ack) -> bool {
+        // Messages compare by content; who waits for them does not change what they are.
+        true
+    }
+}
+
+impl Eq for Ack {}
 
 /// Sessions the front has opened and the guard has not yet claimed.
 #[derive(Debug, Default)]
@@ -43,6 +125,8 @@ pub struct Sessions {
     /// Connections the front holds open right now (opened, not yet closed).
     open: AtomicU64,
     unclaimed: Mutex<HashMap<u64, Arc<Session>>>,
+    /// Every open connection, so an acknowledgement can find its way back by number.
+    live: Mutex<HashMap<u64, Weak<Session>>>,
 }
 
 impl Sessions {
@@ -52,9 +136,10 @@ impl Sessions {
         self.open.fetch_add(1, Ordering::Relaxed);
         let session = Arc::new(Session {
             id,
-            cut: CancellationToken::new(),
+            ..Session::default()
         });
         self.lock().insert(id, session.clone());
+        self.lock_live().insert(id, Arc::downgrade(&session));
         session
     }
 
@@ -68,6 +153,24 @@ impl Sessions {
     pub fn close(&self, id: u64) {
         self.open.fetch_sub(1, Ordering::Relaxed);
         self.lock().remove(&id);
+        self.lock_live().remove(&id);
+    }
+
+    /// A promise to acknowledge `pkid` on connection `id`, if it is still open.
+    pub fn ack(&self, id: u64, kind: AckKind, pkid: u16) -> Option<Ack> {
+        let session = self.lock_live().get(&id)?.clone();
+        session.upgrade()?;
+        Some(Ack {
+            _pending: Arc::new(Pending {
+                session,
+                kind,
+                pkid,
+            }),
+        })
+    }
+
+    fn lock_live(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Weak<Session>>> {
+        self.live.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Client connections open right now.
@@ -96,5 +199,25 @@ mod tests {
         assert_ne!(other.id(), front.id());
         sessions.close(other.id());
         assert!(sessions.claim(other.id()).is_none());
+    }
+
+    #[test]
+    fn an_ack_is_released_when_its_last_holder_lets_go_and_only_while_the_connection_lives() {
+        let sessions = Sessions::default();
+        let session = sessions.open();
+        let ack = sessions
+            .ack(session.id(), AckKind::PubAck, 0x0102)
+            .expect("open");
+        let copy = ack.clone();
+        drop(ack);
+        assert!(session.take_acks().is_empty(), "a copy still holds it");
+        drop(copy);
+        assert_eq!(session.take_acks(), vec![0x40, 2, 1, 2]);
+        sessions
+            .ack(session.id(), AckKind::PubComp, 7)
+            .expect("open");
+        assert_eq!(session.take_acks(), vec![0x70, 2, 0, 7]);
+        sessions.close(session.id());
+        assert!(sessions.ack(session.id(), AckKind::PubAck, 1).is_none());
     }
 }

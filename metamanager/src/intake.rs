@@ -32,7 +32,7 @@ pub struct IntakeConfig {
 
 /// A message handed in by another in-process component (the cloud bridge), with the signal to
 /// fire once it is committed or refused.
-pub type Submission = (Message, Done);
+pub type Submission = (Message, tokio::sync::oneshot::Sender<Outcome>);
 
 /// Reads the link and the submissions until cancelled; then takes what is already queued, so
 /// nothing handed over is dropped, and returns (dropping its job sender lets the worker finish).
@@ -48,25 +48,32 @@ pub async fn run(
         let (message, done) = tokio::select! {
             _ = cancel.cancelled() => break,
             message = inbox.recv() => match message {
-                Some(message) => (message, None),
+                Some(message) => from_link(message),
                 None => return,
             },
-            Some((message, done)) = submissions.recv() => (message, Some(done)),
+            Some((message, done)) = submissions.recv() => (message, Some(Done::Told(done))),
         };
         if !intake(&config, message, done, &jobs, &publisher).await {
             return;
         }
     }
     while let Ok((message, done)) = submissions.try_recv() {
-        if !intake(&config, message, Some(done), &jobs, &publisher).await {
+        if !intake(&config, message, Some(Done::Told(done)), &jobs, &publisher).await {
             return;
         }
     }
     while let Ok(message) = inbox.try_recv() {
-        if !intake(&config, message, None, &jobs, &publisher).await {
+        let (message, done) = from_link(message);
+        if !intake(&config, message, done, &jobs, &publisher).await {
             return;
         }
     }
+}
+
+/// A message from the broker, and the PUBACK its publisher waits for (sent once it is done).
+fn from_link(mut message: Message) -> (Message, Option<Done>) {
+    let done = message.ack.take().map(Done::Acked);
+    (message, done)
 }
 
 /// Handles one message; `false` once the worker is gone.

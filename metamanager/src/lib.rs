@@ -7,7 +7,8 @@
 //! - [`topic`], [`envelope`], [`operation`], [`resource`]: the grammar.
 //! - [`worker`]: the store owner thread; group commit, one savepoint per message.
 //! - [`process`]: what each operation does, driven by the [`routing`] table.
-//! - [`store`]: libsql on a local file: `meta` (KubeEdge's table) and `outbox`.
+//! - [`store`]: libsql on a local file: `meta` (KubeEdge's table), `outbox` and `handon`.
+//! - [`handon`]: committed local messages, handed to the broker at their subscribers' pace.
 //! - [`outbox`]: every rule of the cloud outbox, and the handle its deliverers use.
 //! - [`meters`]: message counters and commit latency, registered once for the node's metrics.
 //! - [`relay`]: without a cloud bridge, the outbox goes to the local `<root>/cloud/...` topics.
@@ -15,6 +16,7 @@
 pub mod devices;
 pub mod envelope;
 pub mod error;
+pub mod handon;
 pub mod intake;
 pub mod meters;
 pub mod operation;
@@ -133,6 +135,9 @@ pub struct MetaManager {
     ingress: Ingress,
     intake: Option<JoinHandle<()>>,
     relay: Option<JoinHandle<()>>,
+    /// Hands committed messages on at their subscribers' pace (`handon.rs`).
+    pump: Option<JoinHandle<()>>,
+    handons: Arc<handon::HandonGauge>,
     store_done: oneshot::Receiver<Stopped>,
     /// How the store thread ended, once [`MetaManager::failed`] saw it end.
     store_stopped: Option<Stopped>,
@@ -170,16 +175,24 @@ impl MetaManager {
             },
         };
         let Link { inbox, publisher } = link;
+        let (feed, pump, handons) = handon::channel();
         let store_done = worker::spawn(
             store.clone(),
             worker_config,
             jobs_rx,
             publisher.clone(),
+            feed,
             changed.clone(),
             meters.clone(),
         )
         .await?;
         let outbox = OutboxHandle::new(jobs_tx.clone(), changed.clone());
+        let pump = tokio::spawn(handon::run(
+            pump,
+            outbox.clone(),
+            publisher.clone(),
+            cancel.clone(),
+        ));
         let relay = local_relay.then(|| {
             tokio::spawn(relay::run(
                 outbox.clone(),
@@ -207,6 +220,8 @@ impl MetaManager {
             ingress: Ingress { tx: submit_tx },
             intake: Some(intake),
             relay,
+            pump: Some(pump),
+            handons,
             store_done,
             store_stopped: None,
         })
@@ -215,6 +230,11 @@ impl MetaManager {
     /// The way in for messages that do not come through the local broker (the cloud bridge).
     pub fn ingress(&self) -> Ingress {
         self.ingress.clone()
+    }
+
+    /// Hand-ons committed and waiting for their subscribers, for the node's metrics.
+    pub fn handons(&self) -> Arc<handon::HandonGauge> {
+        self.handons.clone()
     }
 
     /// The outbox, for a cloud bridge.
@@ -233,6 +253,7 @@ impl MetaManager {
             }
             joined = join(&mut self.intake) => ("intake", joined.is_err()),
             joined = join(&mut self.relay) => ("relay", joined.is_err()),
+            joined = join(&mut self.pump) => ("hand-on pump", joined.is_err()),
         };
         if panicked {
             Error::Panicked { task }
@@ -250,12 +271,14 @@ impl MetaManager {
             ingress,
             intake,
             relay,
+            pump,
+            handons: _,
             store_done,
             store_stopped,
         } = self;
         drop(ingress);
         let mut result = Ok(());
-        for (task, handle) in [("intake", intake), ("relay", relay)] {
+        for (task, handle) in [("intake", intake), ("relay", relay), ("hand-on pump", pump)] {
             if let Some(handle) = handle {
                 if handle.await.is_err() {
                     result = Err(Error::Panicked { task });

@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use edgemeta_broker::Message;
 use tokio::sync::{mpsc, oneshot, Notify};
 
 use crate::error::Error;
@@ -32,6 +33,8 @@ pub enum Write {
     },
     /// Delete every entry up to `seq`, once delivered.
     Ack { seq: i64, reply: Reply<()> },
+    /// Delete every hand-on up to `seq`, once handed to the broker (`handon.rs`).
+    HandonAck { seq: i64, reply: Reply<()> },
 }
 
 /// An outbox read: answered from committed state, after the batch it arrived with.
@@ -41,6 +44,12 @@ pub enum Read {
         after: i64,
         limit: usize,
         reply: Reply<Vec<OutboxEntry>>,
+    },
+    /// The oldest `limit` hand-ons with `seq > after`.
+    HandonPeek {
+        after: i64,
+        limit: usize,
+        reply: Reply<Vec<(i64, Message)>>,
     },
     /// Depth, size and the creation time of the oldest entry.
     Stats { reply: Reply<OutboxStats> },
@@ -97,6 +106,14 @@ pub async fn apply(
             let result = result.map(drop).map_err(Error::store("acknowledge outbox"));
             (reply, result, false)
         }
+        Write::HandonAck { seq, reply } => {
+            let result = db.handon_ack(seq).await;
+            (
+                reply,
+                result.map_err(Error::store("delete hand-ons")),
+                false,
+            )
+        }
         Write::Append {
             topic,
             payload,
@@ -120,6 +137,14 @@ pub async fn answer(read: Read, db: &Db, counters: &mut OutboxStats) {
             let result = db.outbox_peek(after, limit).await;
             let _ = reply.send(result.map_err(Error::store("read outbox")));
         }
+        Read::HandonPeek {
+            after,
+            limit,
+            reply,
+        } => {
+            let result = db.handon_peek(after, limit).await;
+            let _ = reply.send(result.map_err(Error::store("read hand-ons")));
+        }
         Read::Stats { reply } => {
             let result = db.outbox_stats().await;
             if let Ok(stats) = result {
@@ -140,7 +165,9 @@ pub async fn answer(read: Read, db: &Db, counters: &mut OutboxStats) {
 impl Write {
     /// Tells the caller the batch was not committed.
     pub fn fail(self, error: &Error) {
-        let (Write::Append { reply, .. } | Write::Ack { reply, .. }) = self;
+        let (Write::Append { reply, .. }
+        | Write::Ack { reply, .. }
+        | Write::HandonAck { reply, .. }) = self;
         let _ = reply.send(Err(Error::Commit(error.to_string())));
     }
 }
@@ -151,6 +178,7 @@ impl Read {
         let error = Error::Commit(error.to_string());
         match self {
             Read::Peek { reply, .. } => drop(reply.send(Err(error))),
+            Read::HandonPeek { reply, .. } => drop(reply.send(Err(error))),
             Read::Stats { reply } | Read::Summary { reply } => drop(reply.send(Err(error))),
         }
     }
@@ -200,6 +228,30 @@ impl OutboxHandle {
     pub async fn start_ack(&self, seq: i64) -> Result<PendingAck, Error> {
         let rx = self
             .call(|reply| Job::Write(Write::Ack { seq, reply }))
+            .await?;
+        Ok(PendingAck(rx))
+    }
+
+    /// The oldest `limit` hand-ons with a sequence number above `after`, oldest first.
+    pub async fn handon_peek(
+        &self,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<(i64, Message)>, Error> {
+        self.ask(|reply| {
+            Job::Read(Read::HandonPeek {
+                after,
+                limit,
+                reply,
+            })
+        })
+        .await
+    }
+
+    /// Queues the deletion of every hand-on up to `seq`, without waiting for its commit.
+    pub async fn handon_start_ack(&self, seq: i64) -> Result<PendingAck, Error> {
+        let rx = self
+            .call(|reply| Job::Write(Write::HandonAck { seq, reply }))
             .await?;
         Ok(PendingAck(rx))
     }

@@ -44,7 +44,7 @@ pub async fn run(
         if let Some(last) = entries.last().map(|e| e.seq) {
             for entry in entries {
                 if publisher
-                    .publish(Message::new(entry.topic, entry.payload))
+                    .publish_paced(Message::new(entry.topic, entry.payload))
                     .await
                     .is_err()
                 {

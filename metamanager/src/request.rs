@@ -104,8 +104,8 @@ impl Requester {
         Some(Message {
             topic,
             payload: payload.clone(),
-            response_topic: None,
             correlation: self.correlation.clone(),
+            ..Message::default()
         })
     }
 

@@ -8,21 +8,38 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use edgemeta_broker::{Message, Publisher};
+use edgemeta_broker::{Ack, Message, Publisher};
 use tokio::sync::{mpsc, oneshot, Notify};
 use tokio::time::{interval_at, Instant, MissedTickBehavior};
 use tracing::{error, warn};
 
 use crate::devices;
 use crate::error::Error;
+use crate::handon::Feed;
 use crate::meters::{self, Meters, Tally};
 use crate::outbox::{self, OutboxLimit, Read, Write};
 use crate::process::{self, Context, State, Waits};
 use crate::request::Request;
 use crate::store::{Db, StoreConfig, StoreError};
 
-/// Fired once a request has been dealt with.
-pub type Done = oneshot::Sender<Outcome>;
+/// Fired once a request has been dealt with: committed, or answered with an error.
+#[derive(Debug)]
+pub enum Done {
+    /// An in-process sender (the cloud bridge) waits for the outcome.
+    Told(oneshot::Sender<Outcome>),
+    /// A client's publish: dropping the promise sends its PUBACK (protocol §6.5).
+    Acked(Ack),
+}
+
+impl Done {
+    /// Tells whoever waits how the message ended.
+    pub fn send(self, outcome: Outcome) {
+        match self {
+            Done::Told(tx) => drop(tx.send(outcome)),
+            Done::Acked(ack) => drop(ack),
+        }
+    }
+}
 
 /// How a request submitted through [`crate::Ingress`] ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,6 +100,7 @@ pub async fn spawn(
     config: WorkerConfig,
     jobs: mpsc::Receiver<Job>,
     publisher: Publisher,
+    feed: Feed,
     outbox_changed: Arc<Notify>,
     meters: Arc<Meters>,
 ) -> Result<oneshot::Receiver<Stopped>, Error> {
@@ -124,6 +142,7 @@ pub async fn spawn(
                         db,
                         config,
                         publisher,
+                        feed,
                         outbox_changed,
                         state,
                         meters,
@@ -151,6 +170,7 @@ struct Worker {
     db: Db,
     config: WorkerConfig,
     publisher: Publisher,
+    feed: Feed,
     outbox_changed: Arc<Notify>,
     state: State,
     meters: Arc<Meters>,
@@ -301,6 +321,23 @@ impl Worker {
             count_failed(&self.meters, applied.iter().map(|(step, _)| step));
             return self.fail_batch(applied, writes, error).await;
         }
+        // What the batch hands on is committed with it, and leaves at its subscribers' pace.
+        let mut handons = Vec::with_capacity(local.len());
+        for message in local {
+            match self.db.handon_push(&message).await {
+                Ok(seq) => handons.push((seq, message)),
+                Err(e) => {
+                    if let Err(e) = tx.rollback().await {
+                        warn!(error_code = "EM-STORE-TRANSACTION", error = %e, "rollback of an aborted batch failed");
+                    }
+                    self.state.outbox = outbox_before;
+                    self.meters.committed(None);
+                    count_failed(&self.meters, applied.iter().map(|(step, _)| step));
+                    let error = Error::Commit(format!("cannot queue a hand-on: {e}"));
+                    return self.fail_batch(applied, writes, error).await;
+                }
+            }
+        }
         let mut replies = Vec::with_capacity(writes.len());
         for write in writes {
             let (reply, result, appended) = outbox::apply(
@@ -331,14 +368,7 @@ impl Worker {
             return self.fail_batch(applied, Vec::new(), error).await;
         }
         // Committed: only now may anyone hear about it.
-        for message in local {
-            if self.publisher.publish(message).await.is_err() {
-                warn!(
-                    error_code = "EM-META-PUBLISH",
-                    "broker link closed; reply dropped"
-                );
-            }
-        }
+        self.feed.committed(handons);
         for (step, outcome) in applied {
             if let Step::Request(_, Some(done)) | Step::Device(_, Some(done)) = step {
                 let _ = done.send(outcome);

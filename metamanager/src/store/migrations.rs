@@ -31,6 +31,18 @@ pub const MIGRATIONS: &[(i64, &str)] = &[
          CREATE INDEX IF NOT EXISTS device_attr_device ON device_attr(deviceid, name);
          CREATE INDEX IF NOT EXISTS device_twin_device ON device_twin(deviceid, name);",
     ),
+    (
+        3,
+        // Hand-ons waiting for their subscribers: every local message the MetaManager publishes
+        // after a commit, written in that commit, deleted once handed to the broker (flow
+        // control, protocol §6). AUTOINCREMENT: a seq is never reused, so the pump's cursor holds.
+        "CREATE TABLE IF NOT EXISTS handon (
+             seq INTEGER PRIMARY KEY AUTOINCREMENT,
+             topic TEXT NOT NULL,
+             payload BLOB NOT NULL,
+             correlation BLOB
+         );",
+    ),
 ];
 
 /// The schema version this build writes.

@@ -17,6 +17,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 
+use edgemeta_broker::Message;
 use libsql::params::IntoParams;
 use libsql::{params, Connection, Statement, Value};
 use serde::Deserialize;
@@ -393,6 +394,54 @@ impl Db {
         self.exec("DELETE FROM outbox WHERE seq <= ?1", [seq])
             .await?;
         Ok((entries, bytes))
+    }
+
+    /// Writes one hand-on; its sequence number.
+    pub async fn handon_push(&self, message: &Message) -> Result<i64, libsql::Error> {
+        self.exec(
+            "INSERT INTO handon (topic, payload, correlation) VALUES (?1, ?2, ?3)",
+            params![
+                message.topic.as_str(),
+                message.payload.to_vec(),
+                message.correlation.as_ref().map(|c| c.to_vec())
+            ],
+        )
+        .await?;
+        Ok(self.conn.last_insert_rowid())
+    }
+
+    /// The oldest `limit` hand-ons after `after`, oldest first.
+    pub async fn handon_peek(
+        &self,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<(i64, Message)>, libsql::Error> {
+        const SQL: &str =
+            "SELECT seq, topic, payload, correlation FROM handon WHERE seq > ?1 ORDER BY seq LIMIT ?2";
+        let statement = self.statement(SQL).await?;
+        let mut rows = statement.query([after, limit as i64]).await?;
+        let mut out = Vec::new();
+        while let Some(row) = rows.next().await? {
+            let payload: Vec<u8> = row.get(2)?;
+            let correlation: Option<Vec<u8>> = row.get(3)?;
+            let message = Message {
+                topic: row.get(1)?,
+                payload: payload.into(),
+                correlation: correlation.map(Into::into),
+                ..Message::default()
+            };
+            out.push((row.get(0)?, message));
+        }
+        drop(rows);
+        self.keep(SQL, statement);
+        Ok(out)
+    }
+
+    /// Removes every hand-on up to and including `seq`, once handed to the broker.
+    pub async fn handon_ack(&self, seq: i64) -> Result<(), libsql::Error> {
+        self.exec("DELETE FROM handon WHERE seq <= ?1", [seq])
+            .await
+            .map(drop)
     }
 
     /// Counts what waits in the outbox.
