@@ -474,8 +474,13 @@ impl<P: Protocol> ConnectGuard<P> {
                 return Ok(false);
             }
             Packet::Publish(publish, properties) => {
+                // Our tag travels with the message inside rumqttd; no subscriber sees it, and a
+                // 3.1.1 codec cannot write properties at all.
                 if let Some(p) = properties.as_mut() {
                     p.user_properties.retain(|(key, _)| key != ACK_PROPERTY);
+                }
+                if !self.v5 || properties.as_ref() == Some(&PublishProperties::default()) {
+                    *properties = None;
                 }
                 // Cut off for lagging: nothing after the gap rumqttd is about to skip may reach
                 // the client. The error ends rumqttd's side of the connection.

@@ -1,0 +1,413 @@
+//! Flow control end to end (protocol §6.5–6.6): publishers are slowed instead of readers being
+//! cut, hand-ons wait in the store until their subscribers have room, only a subscriber that
+//! stopped reading is cut off, and a PUBACK for a message the node consumes means it is stored.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{envelope, mosquitto_sub, unique_id, Client, Node, Options, WAIT};
+use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Outgoing, Packet, QoS};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+/// A raw MQTT client: every publish it receives, with nothing in between to slow it down.
+struct Reader {
+    client: AsyncClient,
+    rx: mpsc::UnboundedReceiver<(String, Vec<u8>)>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Reader {
+    /// Connects and subscribes to each filter at `qos`; returns once every SUBACK is in.
+    async fn subscribe(port: u16, filters: &[&str], qos: QoS) -> Reader {
+        let mut options = MqttOptions::new(unique_id("reader"), "127.0.0.1", port);
+        options.set_max_packet_size(4 << 20, 4 << 20);
+        let (client, mut events) = AsyncClient::new(options, 100);
+        for filter in filters {
+            client.subscribe(*filter, qos).await.expect("subscribe");
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (subscribed_tx, mut subscribed) = mpsc::unbounded_channel();
+        let task = tokio::spawn(async move {
+            loop {
+                match events.poll().await {
+                    Ok(Event::Incoming(Packet::Publish(p))) => {
+                        let topic = p.topic.clone();
+                        if tx.send((topic, p.payload.to_vec())).is_err() {
+                            return;
+                        }
+                    }
+                    Ok(Event::Incoming(Packet::SubAck(_))) => {
+                        let _ = subscribed_tx.send(());
+                    }
+                    Ok(_) => {}
+                    Err(_) => return,
+                }
+            }
+        });
+        for _ in filters {
+            tokio::time::timeout(WAIT, subscribed.recv())
+                .await
+                .expect("SUBACK within the wait");
+        }
+        Reader { client, rx, task }
+    }
+
+    /// Everything received until `count` messages are in or nothing came for `quiet`.
+    async fn take(&mut self, count: usize, quiet: Duration) -> Vec<(String, Vec<u8>)> {
+        let mut got = Vec::with_capacity(count);
+        while got.len() < count {
+            match tokio::time::timeout(quiet, self.rx.recv()).await {
+                Ok(Some(message)) => got.push(message),
+                _ => break,
+            }
+        }
+        got
+    }
+}
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// `(route.resource, route.operation)` of a hand-on.
+fn route(payload: &[u8]) -> (String, String) {
+    let v: Value = serde_json::from_slice(payload).expect("hand-ons are JSON envelopes");
+    let at = |k: &str| v["route"][k].as_str().unwrap_or_default().to_owned();
+    (at("resource"), at("operation"))
+}
+
+/// Checks that every resource was handed on as insert, then update, once each.
+fn assert_whole_and_in_order(got: &[(String, Vec<u8>)], resources: usize, who: &str) {
+    let mut seen: HashMap<String, Vec<String>> = HashMap::new();
+    for (_, payload) in got {
+        let (resource, operation) = route(payload);
+        seen.entry(resource).or_default().push(operation);
+    }
+    assert_eq!(seen.len(), resources, "{who}: resources handed on");
+    for (resource, operations) in &seen {
+        assert_eq!(operations, &["insert", "update"], "{who}: {resource}");
+    }
+}
+
+/// Publishes an insert and then an update of each of `names` at QoS 1, as fast as rumqttc goes.
+async fn burst(port: u16, names: Vec<String>, pad: String) {
+    let mut options = MqttOptions::new(unique_id("burst"), "127.0.0.1", port);
+    options.set_inflight(100);
+    let (client, mut events) = AsyncClient::new(options, 1000);
+    let total = names.len() * 2;
+    let poll = tokio::spawn(async move {
+        let mut acked = 0;
+        while acked < total {
+            match events.poll().await {
+                Ok(Event::Incoming(Packet::PubAck(_))) => acked += 1,
+                Ok(_) => {}
+                Err(e) => panic!("publisher connection failed: {e}"),
+            }
+        }
+    });
+    for operation in ["insert", "update"] {
+        for name in &names {
+            let resource = format!("default/pod/{name}");
+            let (_, payload) = envelope(
+                "edgecontroller",
+                operation,
+                &resource,
+                json!({"metadata": {"name": name}, "pad": pad}),
+            );
+            client
+                .publish(
+                    format!("ke/meta/edgecontroller/{operation}/default/pod"),
+                    QoS::AtLeastOnce,
+                    false,
+                    payload,
+                )
+                .await
+                .expect("publish");
+        }
+    }
+    tokio::time::timeout(Duration::from_secs(180), poll)
+        .await
+        .expect("every publish acknowledged")
+        .expect("publisher task");
+}
+
+/// A burst far larger than the broker's logs (3 × 256 KiB for `ke/edged/#`) from two publishers:
+/// a QoS 1 and a QoS 0 subscriber that keep reading get all of it, in order, and nobody is cut.
+#[tokio::test]
+async fn a_burst_reaches_qos_1_and_qos_0_readers_whole_and_in_order() {
+    const PER_PUBLISHER: usize = 2_500;
+    let node = Node::start().await;
+    let mut qos1 = Reader::subscribe(node.port, &["ke/edged/#"], QoS::AtLeastOnce).await;
+    let mut qos0 = Reader::subscribe(node.port, &["ke/edged/#"], QoS::AtMostOnce).await;
+    let pad = "x".repeat(300);
+    let publishers: Vec<_> = (0..2)
+        .map(|p| {
+            let names = (0..PER_PUBLISHER).map(|i| format!("p{p}-{i}")).collect();
+            tokio::spawn(burst(node.port, names, pad.clone()))
+        })
+        .collect();
+    let expected = 2 * PER_PUBLISHER * 2;
+    let (got1, got0) = tokio::join!(
+        qos1.take(expected, Duration::from_secs(20)),
+        qos0.take(expected, Duration::from_secs(20))
+    );
+    for publisher in publishers {
+        publisher.await.expect("publisher");
+    }
+    assert_whole_and_in_order(&got1, 2 * PER_PUBLISHER, "QoS 1 reader");
+    assert_whole_and_in_order(&got0, 2 * PER_PUBLISHER, "QoS 0 reader");
+    assert!(
+        !node.log().contains("EM-BROKER-SUBSCRIBER-LAG"),
+        "a reader that keeps up was cut off:\n{}",
+        node.log()
+    );
+}
+
+/// `kill -STOP` on a subscriber during a burst: it is cut off once it has taken nothing for the
+/// configured time, the other reader gets everything, and the store holds all of it to re-list.
+#[tokio::test]
+async fn a_subscriber_that_stops_reading_is_cut_off_after_the_stall_time_and_no_one_else_is() {
+    const RESOURCES: usize = 1_500;
+    let node = Node::start_with(Options {
+        broker_yaml: "  subscriber_stall_s: 2\n".into(),
+        ..Options::default()
+    })
+    .await;
+    let mut reader = Reader::subscribe(node.port, &["ke/edged/#"], QoS::AtLeastOnce).await;
+    let stopped = mosquitto_sub(node.port, "ke/edged/#", 1_000_000);
+    // mosquitto_sub has subscribed once the node counts its subscription: wait for a hand-on.
+    let mut probe = Reader::subscribe(node.port, &["ke/edged/#"], QoS::AtMostOnce).await;
+    let probe_client = node.client().await;
+    common::send(
+        &probe_client,
+        "edgecontroller",
+        "insert",
+        "default/pod/probe",
+        json!({"metadata": {"name": "probe"}}),
+    )
+    .await;
+    assert_eq!(probe.take(1, WAIT).await.len(), 1);
+    assert_eq!(reader.take(1, WAIT).await.len(), 1);
+    drop(probe);
+    signal(stopped.id(), "STOP");
+    // Large hand-ons, so the stopped reader's socket buffers fill and its filter log with them.
+    let pad = "x".repeat(8 * 1024);
+    let names = (0..RESOURCES).map(|i| format!("big-{i}")).collect();
+    let burst_task = tokio::spawn(burst(node.port, names, pad));
+    let got = reader.take(2 * RESOURCES, Duration::from_secs(30)).await;
+    burst_task.await.expect("publisher");
+    let log = node.log();
+    assert!(
+        log.contains("EM-BROKER-SUBSCRIBER-LAG") && log.contains("stopped reading"),
+        "the stopped reader was not cut off:\n{log}"
+    );
+    assert_whole_and_in_order(&got, RESOURCES, "the reader that kept reading");
+    signal(stopped.id(), "CONT");
+    let mut stopped = stopped;
+    let ended = wait_exit(&mut stopped, WAIT);
+    assert!(ended, "the cut-off subscriber's connection was closed");
+    // It reconnects and re-lists: the store has every pod.
+    assert_eq!(node.meta_rows().await.len(), RESOURCES + 1);
+    let mut lister = node.client().await;
+    lister.subscribe("ke/edged/meta/response/#").await;
+    common::send(&lister, "edged", "query", "default/pod", json!(null)).await;
+    let answer = lister.expect("ke/edged/meta/response/default/pod").await;
+    let listed = answer.content();
+    assert_eq!(
+        listed.as_array().map(Vec::len),
+        Some(RESOURCES + 1),
+        "the re-list holds every pod"
+    );
+}
+
+fn signal(pid: u32, name: &str) {
+    let ok = Command::new("kill")
+        .args([&format!("-{name}"), &pid.to_string()])
+        .status()
+        .expect("kill runs")
+        .success();
+    assert!(ok, "kill -{name} {pid}");
+}
+
+fn wait_exit(child: &mut std::process::Child, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    false
+}
+
+/// A KubeEdge mapper's QoS 0 wildcard subscriptions miss nothing when a thousand devices are
+/// touched at once: one membership update adding 1,000 devices with desired values sends 1,000
+/// deltas, and three back-to-back rounds of `twin/get` 3,000 results.
+#[tokio::test]
+async fn a_qos_0_wildcard_mapper_gets_every_delta_and_every_get_result() {
+    const DEVICES: usize = 1_000;
+    let node = Node::start().await;
+    let mut deltas = Reader::subscribe(
+        node.port,
+        &["$hw/events/device/+/twin/update/delta"],
+        QoS::AtMostOnce,
+    )
+    .await;
+    let mut results = Reader::subscribe(
+        node.port,
+        &["$hw/events/device/+/twin/get/result"],
+        QoS::AtMostOnce,
+    )
+    .await;
+    let cloud = node.client().await;
+    let devices: Vec<Value> = (0..DEVICES)
+        .map(|i| {
+            json!({
+                "id": format!("dev-{i}"),
+                "name": format!("dev-{i}"),
+                "twin": {"temperature": {
+                    "expected": {"value": "20", "metadata": {"timestamp": 1_732_262_400_000_i64}},
+                    "optional": false,
+                    "metadata": {"type": "int"},
+                    "expected_version": {"cloud": 1, "edge": 0},
+                }},
+            })
+        })
+        .collect();
+    let membership = json!({
+        "header": {"msg_id": unique_id("msg"), "timestamp": 1_732_262_400_000_i64},
+        "route": {"source": "devicecontroller", "group": "twin", "operation": "update",
+                  "resource": "node/membership"},
+        "content": {"event_id": "bulk", "timestamp": 1_732_262_400_000_i64,
+                    "added_devices": devices, "removed_devices": null},
+    });
+    cloud
+        .publish(
+            "ke/meta/devicecontroller/update/node/membership",
+            membership.to_string(),
+        )
+        .await;
+    let got = deltas.take(DEVICES, Duration::from_secs(20)).await;
+    let ids: HashSet<_> = got.iter().map(|(topic, _)| topic.clone()).collect();
+    assert_eq!(got.len(), DEVICES, "deltas");
+    assert_eq!(ids.len(), DEVICES, "one delta per device");
+
+    let mapper = node.client().await;
+    for round in 0..3 {
+        for i in 0..DEVICES {
+            mapper
+                .publish(
+                    &format!("$hw/events/device/dev-{i}/twin/get"),
+                    json!({"event_id": format!("get-{round}-{i}"), "timestamp": 1}).to_string(),
+                )
+                .await;
+        }
+    }
+    let got = results.take(3 * DEVICES, Duration::from_secs(20)).await;
+    let events: HashSet<String> = got
+        .iter()
+        .map(|(_, payload)| {
+            let v: Value = serde_json::from_slice(payload).expect("JSON result");
+            v["event_id"].as_str().unwrap_or_default().to_owned()
+        })
+        .collect();
+    assert_eq!(got.len(), 3 * DEVICES, "get results");
+    assert_eq!(events.len(), 3 * DEVICES, "one result per get");
+}
+
+/// `kill -9` in the middle of a QoS 1 burst: every message the node acknowledged is in the store
+/// after the restart (rumqttd alone acknowledges once a message is in its memory).
+#[tokio::test]
+async fn every_publish_acknowledged_before_a_kill_9_is_in_the_store_after_it() {
+    const TOTAL: usize = 4_000;
+    let mut node = Node::start().await;
+    let mut options = MqttOptions::new(unique_id("acked"), "127.0.0.1", node.port);
+    options.set_inflight(100);
+    let (client, events) = AsyncClient::new(options, 1000);
+    let (acked_tx, mut acked_rx) = mpsc::unbounded_channel();
+    let poll = tokio::spawn(track_acks(events, acked_tx));
+    let publishing = tokio::spawn(async move {
+        for i in 0..TOTAL {
+            let resource = format!("default/pod/k{i}");
+            let (_, payload) = envelope(
+                "edgecontroller",
+                "insert",
+                &resource,
+                json!({"metadata": {"name": format!("k{i}")}}),
+            );
+            if client
+                .publish(
+                    "ke/meta/edgecontroller/insert/default/pod",
+                    QoS::AtLeastOnce,
+                    false,
+                    payload,
+                )
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+    });
+    // Kill once a good part is acknowledged, while the rest is in flight.
+    let mut acked = Vec::new();
+    let deadline = Instant::now() + WAIT;
+    while acked.len() < TOTAL / 4 && Instant::now() < deadline {
+        if let Ok(Some(i)) = tokio::time::timeout(WAIT, acked_rx.recv()).await {
+            acked.push(i);
+        }
+    }
+    node.kill9();
+    publishing.abort();
+    poll.abort();
+    while let Ok(i) = acked_rx.try_recv() {
+        acked.push(i);
+    }
+    assert!(acked.len() >= TOTAL / 4, "acknowledged before the kill");
+    node.restart().await;
+    let stored: HashSet<String> = node
+        .meta_rows()
+        .await
+        .into_iter()
+        .map(|(key, _, _)| key)
+        .collect();
+    let lost: Vec<_> = acked
+        .iter()
+        .filter(|i| !stored.contains(&format!("default/pod/k{i}")))
+        .collect();
+    assert!(
+        lost.is_empty(),
+        "{} of {} acknowledged publishes lost, e.g. {:?}",
+        lost.len(),
+        acked.len(),
+        &lost[..lost.len().min(5)]
+    );
+}
+
+/// Sends the index of every publish the broker acknowledged (pkids are mapped back in order).
+async fn track_acks(mut events: EventLoop, acked: mpsc::UnboundedSender<usize>) {
+    let mut sent = 0;
+    let mut in_flight: HashMap<u16, usize> = HashMap::new();
+    loop {
+        match events.poll().await {
+            Ok(Event::Outgoing(Outgoing::Publish(pkid))) => {
+                in_flight.insert(pkid, sent);
+                sent += 1;
+            }
+            Ok(Event::Incoming(Packet::PubAck(ack))) => {
+                if let Some(i) = in_flight.remove(&ack.pkid) {
+                    let _ = acked.send(i);
+                }
+            }
+            Ok(_) => {}
+            Err(_) => return,
+        }
+    }
+}
