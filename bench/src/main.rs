@@ -11,6 +11,7 @@ use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Packet, QoS};
 use serde_json::json;
 use tokio::sync::mpsc;
 
+mod burst;
 mod devices;
 
 #[derive(Parser)]
@@ -48,6 +49,16 @@ struct Args {
     /// Only the long-running row (1M distinct resources into one process; 20k with --quick).
     #[arg(long)]
     long_running: bool,
+    /// Only the burst row: an open-loop burst of QoS 1 inserts (200,000 from 4 publishers, ten
+    /// runs), a QoS 1 and a QoS 0 reader of everything handed on.
+    #[arg(long)]
+    burst: bool,
+    /// With the burst row: this many inserts per run instead.
+    #[arg(long)]
+    burst_total: Option<usize>,
+    /// With the burst row: this many runs instead.
+    #[arg(long)]
+    burst_runs: Option<usize>,
     /// Only the edged rows: start of `edgemeta edged` to 1, 10 and 100 stored pods Running.
     #[arg(long)]
     edged: bool,
@@ -173,6 +184,10 @@ async fn main() -> anyhow::Result<()> {
     }
     if args.edged {
         edged_start(&args, &mut rows).await?;
+        return print_rows(rows);
+    }
+    if args.burst {
+        burst::burst(&args, &mut rows).await?;
         return print_rows(rows);
     }
     if args.devices {
@@ -340,6 +355,7 @@ async fn main() -> anyhow::Result<()> {
     });
 
     drop(edgemeta);
+    burst::burst(&args, &mut rows).await?;
     scaling(&args, &sizes, &mut rows).await?;
     long_running(&args, &sizes, &mut rows).await?;
     backlog(&args, &sizes, &mut rows).await?;

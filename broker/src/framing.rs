@@ -167,8 +167,10 @@ mod tests {
             let (a, b) = stream.split_at(cut);
             let first = boundaries.feed(a);
             assert_eq!(first, ends.iter().copied().filter(|&e| e <= cut).max());
-            let second = boundaries.feed(b).map(|at| at + cut);
-            assert_eq!(second, Some(26), "{cut}");
+            if !b.is_empty() {
+                let second = boundaries.feed(b).map(|at| at + cut);
+                assert_eq!(second, Some(26), "{cut}");
+            }
             assert!(boundaries.between());
         }
         let mut boundaries = Boundaries::default();

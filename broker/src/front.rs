@@ -319,7 +319,9 @@ where
                 // The node committed what the client published: acknowledge it now, between
                 // two of rumqttd's packets.
                 () = session.acks_ready(), if packets.between() && !client_gone => {
+                    session.writing();
                     client_gone = to_client.write_all(&session.take_acks()).await.is_err();
+                    session.written();
                     continue;
                 }
             };
@@ -340,6 +342,7 @@ where
             }
             // Keep reading after the client has gone, to see when rumqttd closes.
             let read = &buffer[..n];
+            session.writing();
             client_gone = match packets.feed(read) {
                 Some(end) if end < n => {
                     let acks = session.take_acks();
@@ -355,6 +358,7 @@ where
                 }
                 _ => to_client.write_all(read).await.is_err(),
             };
+            session.written();
         }
         state_tx.send_replace(BackendState::Closed);
         let _ = to_client.shutdown().await;

@@ -94,6 +94,9 @@ struct Connection {
     /// commit, by packet id: they are not written (counted, since a packet id can be reused
     /// before rumqttd's early answer to its previous use is written).
     swallow: HashMap<(AckKind, u16), u32>,
+    /// Filters of a SUBSCRIBE by packet id, counted once rumqttd acknowledges it: the router
+    /// has registered them by then, and a subscription delivers only what is published after.
+    subscribing: HashMap<u16, Vec<(String, QoS)>>,
 }
 
 impl<P> ConnectGuard<P> {
@@ -386,7 +389,11 @@ impl<P: Protocol> ConnectGuard<P> {
                     if allowed && room {
                         let path = path.into_owned();
                         connection.held.insert(path.clone());
-                        self.count_owed(&mut connection, &path, Some(filter.qos));
+                        connection
+                            .subscribing
+                            .entry(subscribe.pkid)
+                            .or_default()
+                            .push((path.clone(), filter.qos));
                         filter.path = path;
                         continue;
                     }
@@ -418,6 +425,9 @@ impl<P: Protocol> ConnectGuard<P> {
                         *filter = path;
                     }
                     connection.held.remove(filter.as_str());
+                    for pending in connection.subscribing.values_mut() {
+                        pending.retain(|(path, _)| path != filter);
+                    }
                     self.count_owed(&mut connection, filter, None);
                 }
             }
@@ -501,6 +511,9 @@ impl<P: Protocol> ConnectGuard<P> {
                 ack.reason = PubAckReason::NotAuthorized;
             }
             Packet::SubAck(ack, _) => {
+                for (path, qos) in connection.subscribing.remove(&ack.pkid).unwrap_or_default() {
+                    self.count_owed(&mut connection, &path, Some(qos));
+                }
                 if let Some(refused) = connection.denied_filters.remove(&ack.pkid) {
                     for index in refused {
                         if let Some(code) = ack.return_codes.get_mut(index) {

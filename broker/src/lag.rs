@@ -169,6 +169,13 @@ impl Owed {
         unpaid.bytes + size - unpaid.sizes.front().map_or(size, |s| u64::from(*s))
     }
 
+    /// Drops a count that rumqttd will never pay off.
+    fn forgive(&self) {
+        let mut unpaid = self.lock();
+        unpaid.sizes.clear();
+        unpaid.bytes = 0;
+    }
+
     /// How long it has been owed something without taking anything.
     fn stalled_for(&self, now: Instant) -> Option<Duration> {
         let unpaid = self.lock();
@@ -304,8 +311,9 @@ impl Lag {
         let _ = tokio::time::timeout(at_most, made).await;
     }
 
-    /// Cuts off every subscriber owed something that took nothing for the stall time; returns
-    /// how many. Run about every second.
+    /// Cuts off every subscriber owed something that took nothing for the stall time while the
+    /// front waited to write to it (a stopped reader); a count nothing was waiting on is
+    /// dropped instead. Returns how many changed. Run about every second.
     pub fn sweep(&self) -> usize {
         let now = Instant::now();
         let watched = self.watched.read().unwrap_or_else(|p| p.into_inner());
@@ -318,8 +326,16 @@ impl Lag {
                 let Some(stalled) = owed.stalled_for(now) else {
                     continue;
                 };
-                if stalled >= self.stall {
+                if stalled < self.stall {
+                    continue;
+                }
+                if owed.session.blocked_for() >= self.stall / 2 {
                     self.cut_off(owed, owed.bytes(), w.limit, "stopped reading");
+                    cut += 1;
+                } else {
+                    // The client takes all it is sent, and rumqttd sent nothing more for the
+                    // stall time: what the count says is owed never reached this subscriber.
+                    owed.forgive();
                     cut += 1;
                 }
             }

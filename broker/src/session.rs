@@ -4,7 +4,8 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -36,6 +37,15 @@ pub struct Session {
     /// Acknowledgements released by the node (committed), not yet written to the client.
     acks: Mutex<Vec<u8>>,
     acked: Notify,
+    /// Since when the front has been waiting to write to the client (ns after [`epoch`]); 0:
+    /// not waiting. A client that stopped reading keeps this set.
+    writing_since: AtomicU64,
+}
+
+/// The instant session times count from.
+fn epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
 }
 
 impl Session {
@@ -56,6 +66,27 @@ impl Session {
     /// Resolves once the connection has been cut.
     pub async fn cut_off(&self) {
         self.cut.cancelled().await;
+    }
+
+    /// The front starts writing to the client.
+    pub fn writing(&self) {
+        let since = epoch().elapsed().as_nanos().max(1) as u64;
+        self.writing_since.store(since, Ordering::Relaxed);
+    }
+
+    /// The front's write to the client completed.
+    pub fn written(&self) {
+        self.writing_since.store(0, Ordering::Relaxed);
+    }
+
+    /// How long the front has been waiting for the client to take what it writes.
+    pub fn blocked_for(&self) -> Duration {
+        match self.writing_since.load(Ordering::Relaxed) {
+            0 => Duration::ZERO,
+            since => epoch()
+                .elapsed()
+                .saturating_sub(Duration::from_nanos(since)),
+        }
     }
 
     /// Queues the acknowledgement of `pkid` for the front to write.

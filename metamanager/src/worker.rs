@@ -322,22 +322,20 @@ impl Worker {
             return self.fail_batch(applied, writes, error).await;
         }
         // What the batch hands on is committed with it, and leaves at its subscribers' pace.
-        let mut handons = Vec::with_capacity(local.len());
-        for message in local {
-            match self.db.handon_push(&message).await {
-                Ok(seq) => handons.push((seq, message)),
-                Err(e) => {
-                    if let Err(e) = tx.rollback().await {
-                        warn!(error_code = "EM-STORE-TRANSACTION", error = %e, "rollback of an aborted batch failed");
-                    }
-                    self.state.outbox = outbox_before;
-                    self.meters.committed(None);
-                    count_failed(&self.meters, applied.iter().map(|(step, _)| step));
-                    let error = Error::Commit(format!("cannot queue a hand-on: {e}"));
-                    return self.fail_batch(applied, writes, error).await;
+        // If the store cannot take it (a full disk), it is published at once instead: replies
+        // to queries must not depend on room to write.
+        let (handons, direct) = match self.store_handons(&tx, local).await {
+            Ok(split) => split,
+            Err(error) => {
+                if let Err(e) = tx.rollback().await {
+                    warn!(error_code = "EM-STORE-TRANSACTION", error = %e, "rollback of an aborted batch failed");
                 }
+                self.state.outbox = outbox_before;
+                self.meters.committed(None);
+                count_failed(&self.meters, applied.iter().map(|(step, _)| step));
+                return self.fail_batch(applied, writes, error).await;
             }
-        }
+        };
         let mut replies = Vec::with_capacity(writes.len());
         for write in writes {
             let (reply, result, appended) = outbox::apply(
@@ -369,6 +367,14 @@ impl Worker {
         }
         // Committed: only now may anyone hear about it.
         self.feed.committed(handons);
+        for message in direct {
+            if self.publisher.publish(message).await.is_err() {
+                warn!(
+                    error_code = "EM-META-PUBLISH",
+                    "broker link closed; reply dropped"
+                );
+            }
+        }
         for (step, outcome) in applied {
             if let Step::Request(_, Some(done)) | Step::Device(_, Some(done)) = step {
                 let _ = done.send(outcome);
@@ -380,6 +386,52 @@ impl Worker {
         if outbox_written {
             self.outbox_changed.notify_one();
         }
+    }
+
+    /// Writes the batch's local messages to the `handon` table in a savepoint of `tx`: the
+    /// stored ones with their seqs, or (the store refused them) none stored and all to publish
+    /// at once. An error only when the transaction itself is lost.
+    async fn store_handons(
+        &self,
+        tx: &crate::store::Transaction<'_>,
+        local: Vec<Message>,
+    ) -> Result<(Vec<(i64, Message)>, Vec<Message>), Error> {
+        if local.is_empty() {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let savepoint = tx
+            .savepoint()
+            .await
+            .map_err(|e| Error::Commit(format!("cannot open a savepoint: {e}")))?;
+        let mut stored = Vec::with_capacity(local.len());
+        let mut refused = None;
+        for message in &local {
+            match self.db.handon_push(message).await {
+                Ok(seq) => stored.push(seq),
+                Err(e) => {
+                    refused = Some(e);
+                    break;
+                }
+            }
+        }
+        let Some(refused) = refused else {
+            savepoint
+                .release()
+                .await
+                .map_err(|e| Error::Commit(format!("cannot release a savepoint: {e}")))?;
+            return Ok((stored.into_iter().zip(local).collect(), Vec::new()));
+        };
+        if !tx.is_open() {
+            return Err(Error::Commit(format!(
+                "the store rolled the batch back: {refused}"
+            )));
+        }
+        savepoint
+            .rollback()
+            .await
+            .map_err(|e| Error::Commit(format!("cannot undo hand-ons ({refused}): {e}")))?;
+        warn!(error_code = "EM-STORE-WRITE", error = %refused, "hand-ons not stored; published at once, unpaced");
+        Ok((Vec::new(), local))
     }
 
     /// Nothing of the batch was committed: every request is told so.
