@@ -333,10 +333,10 @@ async fn a_stalled_qos1_subscriber_is_cut_off_with_an_error_code_never_handed_a_
     .await
     .expect("SUBACK within the wait");
 
-    // The cloud sends a burst: 600 pods of ~16 KiB, more than the sockets between the node and
-    // the subscriber hold, and far more than its filter's log.
+    // The cloud sends a burst: 600 pods of ~6 KiB, far more than the subscriber's filter log and
+    // its 100 unacknowledged deliveries.
     let cloud = node.client().await;
-    let pad = "x".repeat(16_000);
+    let pad = "x".repeat(6_000);
     let names: Vec<String> = (0..PODS).map(|i| format!("p{i:04}")).collect();
     for name in &names {
         cloud

@@ -256,6 +256,9 @@ impl<P: Protocol> ConnectGuard<P> {
     fn vet(&self, packet: &mut Packet, ack: Option<(AckKind, u16)>) {
         let pkid = ack.map(|(_, pkid)| pkid);
         let mut connection = self.connection.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(session) = &connection.session {
+            session.heard(matches!(packet, Packet::PubAck(..) | Packet::PubRec(..)));
+        }
         match packet {
             Packet::Connect(connect, properties, will, _, login) => {
                 let unvouched = self.front.is_some() && !connection.vouched;
@@ -469,6 +472,11 @@ impl<P: Protocol> ConnectGuard<P> {
             .max_by_key(|o| o.bytes());
         if let (Some(owed), Some(lag)) = (owed, &self.lag) {
             lag.delivered(owed);
+            if owed.is_reliable() {
+                if let Some(session) = &connection.session {
+                    session.sent_reliable();
+                }
+            }
         }
     }
 

@@ -135,6 +135,11 @@ impl Owed {
         &self.filter
     }
 
+    /// Whether this is a QoS 1/2 subscription (rumqttd waits for its acknowledgements).
+    pub fn is_reliable(&self) -> bool {
+        self.reliable
+    }
+
     /// Everything owed, in log bytes.
     pub fn bytes(&self) -> u64 {
         self.lock().bytes
@@ -329,7 +334,7 @@ impl Lag {
                 if stalled < self.stall {
                     continue;
                 }
-                if owed.session.blocked_for() >= self.stall / 2 {
+                if owed.session.stopped_for() >= self.stall / 2 {
                     self.cut_off(owed, owed.bytes(), w.limit, "stopped reading");
                     cut += 1;
                 } else {

@@ -3,7 +3,7 @@
 //! preamble, so a decision the guard takes (cut this client off) reaches the socket.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -40,6 +40,16 @@ pub struct Session {
     /// Since when the front has been waiting to write to the client (ns after [`epoch`]); 0:
     /// not waiting. A client that stopped reading keeps this set.
     writing_since: AtomicU64,
+    /// When the client last sent anything (ns after [`epoch`]).
+    heard: AtomicU64,
+    /// QoS 1/2 publishes written to the client and not yet acknowledged by it (rumqttd stops
+    /// sending at 100: a client that stopped reading then looks idle from the socket).
+    unacked: AtomicI64,
+}
+
+/// Now, in ns after [`epoch`] (never 0).
+fn now_ns() -> u64 {
+    epoch().elapsed().as_nanos().max(1) as u64
 }
 
 /// The instant session times count from.
@@ -70,13 +80,37 @@ impl Session {
 
     /// The front starts writing to the client.
     pub fn writing(&self) {
-        let since = epoch().elapsed().as_nanos().max(1) as u64;
-        self.writing_since.store(since, Ordering::Relaxed);
+        self.writing_since.store(now_ns(), Ordering::Relaxed);
     }
 
     /// The front's write to the client completed.
     pub fn written(&self) {
         self.writing_since.store(0, Ordering::Relaxed);
+    }
+
+    /// The client sent a packet; `ack`: an acknowledgement of a publish written to it.
+    pub fn heard(&self, ack: bool) {
+        self.heard.store(now_ns(), Ordering::Relaxed);
+        if ack {
+            self.unacked.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A QoS 1/2 publish was written to the client.
+    pub fn sent_reliable(&self) {
+        self.unacked.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How long the client has shown it stopped reading: the front waiting to write to it, or,
+    /// with acknowledgements outstanding, the client silent.
+    pub fn stopped_for(&self) -> Duration {
+        let silent = if self.unacked.load(Ordering::Relaxed) > 0 {
+            let heard = self.heard.load(Ordering::Relaxed);
+            epoch().elapsed().saturating_sub(Duration::from_nanos(heard))
+        } else {
+            Duration::ZERO
+        };
+        silent.max(self.blocked_for())
     }
 
     /// How long the front has been waiting for the client to take what it writes.
