@@ -330,10 +330,25 @@ async fn a_qos_0_wildcard_mapper_gets_every_delta_and_every_get_result() {
 }
 
 /// `kill -9` in the middle of a QoS 1 burst: every message the node acknowledged is in the store
-/// after the restart (rumqttd alone acknowledges once a message is in its memory).
+/// after the restart (rumqttd alone acknowledges once a message is in its memory). One round of
+/// 4,000 here; `FLOW_KILL9_ROUNDS=20 FLOW_KILL9_TOTAL=10000` for the soak.
 #[tokio::test]
 async fn every_publish_acknowledged_before_a_kill_9_is_in_the_store_after_it() {
-    const TOTAL: usize = 4_000;
+    let knob = |name: &str, default: usize| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    for round in 0..knob("FLOW_KILL9_ROUNDS", 1) {
+        let (acked, lost) = kill9_round(knob("FLOW_KILL9_TOTAL", 4_000)).await;
+        eprintln!("kill -9 round {round}: {acked} acknowledged, {lost} of them lost");
+        assert_eq!(lost, 0, "round {round}");
+    }
+}
+
+/// One burst of `total` with a kill -9 once a quarter is acknowledged; (acknowledged, lost).
+async fn kill9_round(total: usize) -> (usize, usize) {
     let mut node = Node::start().await;
     let mut options = MqttOptions::new(unique_id("acked"), "127.0.0.1", node.port);
     options.set_inflight(100);
@@ -341,7 +356,7 @@ async fn every_publish_acknowledged_before_a_kill_9_is_in_the_store_after_it() {
     let (acked_tx, mut acked_rx) = mpsc::unbounded_channel();
     let poll = tokio::spawn(track_acks(events, acked_tx));
     let publishing = tokio::spawn(async move {
-        for i in 0..TOTAL {
+        for i in 0..total {
             let resource = format!("default/pod/k{i}");
             let (_, payload) = envelope(
                 "edgecontroller",
@@ -366,7 +381,7 @@ async fn every_publish_acknowledged_before_a_kill_9_is_in_the_store_after_it() {
     // Kill once a good part is acknowledged, while the rest is in flight.
     let mut acked = Vec::new();
     let deadline = Instant::now() + WAIT;
-    while acked.len() < TOTAL / 4 && Instant::now() < deadline {
+    while acked.len() < total / 4 && Instant::now() < deadline {
         if let Ok(Some(i)) = tokio::time::timeout(WAIT, acked_rx.recv()).await {
             acked.push(i);
         }
@@ -377,7 +392,7 @@ async fn every_publish_acknowledged_before_a_kill_9_is_in_the_store_after_it() {
     while let Ok(i) = acked_rx.try_recv() {
         acked.push(i);
     }
-    assert!(acked.len() >= TOTAL / 4, "acknowledged before the kill");
+    assert!(acked.len() >= total / 4, "acknowledged before the kill");
     node.restart().await;
     let stored: HashSet<String> = node
         .meta_rows()
@@ -389,13 +404,10 @@ async fn every_publish_acknowledged_before_a_kill_9_is_in_the_store_after_it() {
         .iter()
         .filter(|i| !stored.contains(&format!("default/pod/k{i}")))
         .collect();
-    assert!(
-        lost.is_empty(),
-        "{} of {} acknowledged publishes lost, e.g. {:?}",
-        lost.len(),
-        acked.len(),
-        &lost[..lost.len().min(5)]
-    );
+    if !lost.is_empty() {
+        eprintln!("lost, e.g. {:?}", &lost[..lost.len().min(5)]);
+    }
+    (acked.len(), lost.len())
 }
 
 /// Sends the index of every publish the broker acknowledged (pkids are mapped back in order).

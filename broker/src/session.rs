@@ -106,7 +106,9 @@ impl Session {
     pub fn stopped_for(&self) -> Duration {
         let silent = if self.unacked.load(Ordering::Relaxed) > 0 {
             let heard = self.heard.load(Ordering::Relaxed);
-            epoch().elapsed().saturating_sub(Duration::from_nanos(heard))
+            epoch()
+                .elapsed()
+                .saturating_sub(Duration::from_nanos(heard))
         } else {
             Duration::ZERO
         };
