@@ -51,6 +51,14 @@ impl Publisher {
         self.publish(message).await
     }
 
+    /// Counts `message` against its subscribers' room if it fits now (then it is marked paced
+    /// and must be published); `false` counts nothing.
+    pub fn reserve_now(&self, message: &mut Message) -> bool {
+        let size = log_size(message.topic.len(), message.payload.len());
+        message.paced = self.lag.reserve(&message.topic, size);
+        message.paced
+    }
+
     /// A publisher whose messages land in the returned receiver: for tests of broker-free code.
     pub fn channel(capacity: usize) -> (Publisher, mpsc::Receiver<Message>) {
         Self::counted(capacity, Arc::new(Lag::new(u64::MAX)))

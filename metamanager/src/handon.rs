@@ -4,7 +4,9 @@
 //! a slow subscriber waits on disk, not in memory, and the worker never waits for subscribers.
 //!
 //! The worker also passes each commit's hand-ons to the pump over a bounded channel, so the pump
-//! reads the store only when it fell behind (the channel was full) or after a restart.
+//! reads the store only when it fell behind (the channel was full) or after a restart. And when
+//! nothing waits and every subscriber has room, the worker skips the table altogether: it counts
+//! the messages against their subscribers' room before the commit and publishes them after it.
 
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
@@ -32,6 +34,17 @@ pub struct HandonGauge {
 }
 
 impl HandonGauge {
+    /// Whether the pump has handed on everything stored: a message may then go straight out
+    /// without overtaking one that waits.
+    pub fn caught_up(&self) -> bool {
+        self.handed.load(Ordering::Relaxed) >= self.committed.load(Ordering::Relaxed)
+    }
+
+    /// Hand-ons left in the store by an earlier run, up to `seq`, come first.
+    pub fn left_from_before(&self, seq: i64) {
+        self.committed.fetch_max(seq, Ordering::Relaxed);
+    }
+
     /// Hand-ons waiting for their subscribers (an estimate across restarts: seqs only grow).
     pub fn waiting(&self) -> u64 {
         let committed = self.committed.load(Ordering::Relaxed);
@@ -49,6 +62,11 @@ pub struct Feed {
 }
 
 impl Feed {
+    /// The gauge the pump keeps up to date.
+    pub fn gauge(&self) -> &HandonGauge {
+        &self.gauge
+    }
+
     /// One commit's hand-ons, in seq order. When the pump is behind they are left in the
     /// store, where it finds them.
     pub fn committed(&self, handons: Vec<(i64, Message)>) {
@@ -123,6 +141,7 @@ pub async fn run(
                     return;
                 }
                 cursor = seq;
+                pump.gauge.handed.store(cursor, Ordering::Relaxed);
             }
         } else {
             let idle = acked < cursor;
@@ -143,6 +162,7 @@ pub async fn run(
                             return;
                         }
                         cursor = seq;
+                        pump.gauge.handed.store(cursor, Ordering::Relaxed);
                     }
                 }
                 () = pump.wake.notified() => {}
@@ -152,7 +172,6 @@ pub async fn run(
                 }
             }
         }
-        pump.gauge.handed.store(cursor, Ordering::Relaxed);
         if cursor - acked >= BATCH as i64 {
             acked = forget(&store, cursor, &mut acking).await;
         }

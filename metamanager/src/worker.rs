@@ -135,6 +135,13 @@ pub async fn spawn(
                             return;
                         }
                     };
+                    match db.handon_last().await {
+                        Ok(last) => feed.gauge().left_from_before(last),
+                        Err(e) => {
+                            let _ = opened_tx.send(Err(Error::Open(e.into())));
+                            return;
+                        }
+                    }
                     let _ = opened_tx.send(Ok(()));
                     let mut state = State::new();
                     state.outbox = outbox;
@@ -366,7 +373,6 @@ impl Worker {
             return self.fail_batch(applied, Vec::new(), error).await;
         }
         // Committed: only now may anyone hear about it.
-        self.feed.committed(handons);
         for message in direct {
             if self.publisher.publish(message).await.is_err() {
                 warn!(
@@ -375,6 +381,7 @@ impl Worker {
                 );
             }
         }
+        self.feed.committed(handons);
         for (step, outcome) in applied {
             if let Step::Request(_, Some(done)) | Step::Device(_, Some(done)) = step {
                 let _ = done.send(outcome);
@@ -394,10 +401,23 @@ impl Worker {
     async fn store_handons(
         &self,
         tx: &crate::store::Transaction<'_>,
-        local: Vec<Message>,
+        mut local: Vec<Message>,
     ) -> Result<(Vec<(i64, Message)>, Vec<Message>), Error> {
+        // Nothing waits: what every subscriber has room for now goes out after the commit
+        // without a row; from the first that does not fit on, the rest wait in order.
+        let mut direct = Vec::new();
+        if self.feed.gauge().caught_up() {
+            let mut fits = 0;
+            for message in local.iter_mut() {
+                if !self.publisher.reserve_now(message) {
+                    break;
+                }
+                fits += 1;
+            }
+            direct = local.drain(..fits).collect();
+        }
         if local.is_empty() {
-            return Ok((Vec::new(), Vec::new()));
+            return Ok((Vec::new(), direct));
         }
         let savepoint = tx
             .savepoint()
@@ -419,7 +439,7 @@ impl Worker {
                 .release()
                 .await
                 .map_err(|e| Error::Commit(format!("cannot release a savepoint: {e}")))?;
-            return Ok((stored.into_iter().zip(local).collect(), Vec::new()));
+            return Ok((stored.into_iter().zip(local).collect(), direct));
         };
         if !tx.is_open() {
             return Err(Error::Commit(format!(
@@ -431,7 +451,8 @@ impl Worker {
             .await
             .map_err(|e| Error::Commit(format!("cannot undo hand-ons ({refused}): {e}")))?;
         warn!(error_code = "EM-STORE-WRITE", error = %refused, "hand-ons not stored; published at once, unpaced");
-        Ok((Vec::new(), local))
+        direct.extend(local);
+        Ok((Vec::new(), direct))
     }
 
     /// Nothing of the batch was committed: every request is told so.

@@ -437,6 +437,11 @@ impl Db {
         Ok(out)
     }
 
+    /// The highest hand-on seq waiting (0 when none).
+    pub async fn handon_last(&self) -> Result<i64, libsql::Error> {
+        self.scalar_i64("SELECT coalesce(max(seq), 0) FROM handon").await
+    }
+
     /// Removes every hand-on up to and including `seq`, once handed to the broker.
     pub async fn handon_ack(&self, seq: i64) -> Result<(), libsql::Error> {
         self.exec("DELETE FROM handon WHERE seq <= ?1", [seq])
