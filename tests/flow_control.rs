@@ -185,21 +185,39 @@ async fn a_subscriber_that_stops_reading_is_cut_off_after_the_stall_time_and_no_
     })
     .await;
     let mut reader = Reader::subscribe(node.port, &["ke/edged/#"], QoS::AtLeastOnce).await;
-    let stopped = mosquitto_sub(node.port, "ke/edged/#", 1_000_000);
-    // mosquitto_sub has subscribed once the node counts its subscription: wait for a hand-on.
-    let mut probe = Reader::subscribe(node.port, &["ke/edged/#"], QoS::AtMostOnce).await;
+    let mut stopped = mosquitto_sub(node.port, "ke/edged/#", 1_000_000);
+    // Once mosquitto_sub prints a hand-on, it is subscribed: send probes until one arrives.
+    let stdout = stopped.stdout.take().expect("piped");
+    let (line_tx, mut line_rx) = mpsc::unbounded_channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stdout).lines() {
+            if line_tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
     let probe_client = node.client().await;
-    common::send(
-        &probe_client,
-        "edgecontroller",
-        "insert",
-        "default/pod/probe",
-        json!({"metadata": {"name": "probe"}}),
-    )
-    .await;
-    assert_eq!(probe.take(1, WAIT).await.len(), 1);
-    assert_eq!(reader.take(1, WAIT).await.len(), 1);
-    drop(probe);
+    let deadline = Instant::now() + WAIT;
+    loop {
+        assert!(Instant::now() < deadline, "mosquitto_sub never subscribed");
+        common::send(
+            &probe_client,
+            "edgecontroller",
+            "insert",
+            "default/pod/probe",
+            json!({"metadata": {"name": "probe"}}),
+        )
+        .await;
+        if tokio::time::timeout(Duration::from_millis(300), line_rx.recv())
+            .await
+            .is_ok()
+        {
+            break;
+        }
+    }
+    let probes = reader.take(1_000, Duration::from_millis(300)).await;
+    assert!(!probes.is_empty(), "the reader got the probes");
     signal(stopped.id(), "STOP");
     // Large hand-ons, so the stopped reader's socket buffers fill and its filter log with them.
     let pad = "x".repeat(8 * 1024);
@@ -214,11 +232,10 @@ async fn a_subscriber_that_stops_reading_is_cut_off_after_the_stall_time_and_no_
     );
     assert_whole_and_in_order(&got, RESOURCES, "the reader that kept reading");
     signal(stopped.id(), "CONT");
-    let mut stopped = stopped;
     let ended = wait_exit(&mut stopped, WAIT);
     assert!(ended, "the cut-off subscriber's connection was closed");
     // It reconnects and resyncs from the store, which has every pod.
-    assert_eq!(node.meta_rows().await.len(), RESOURCES + 1);
+    assert_eq!(node.meta_rows().await.len(), RESOURCES + 1, "every pod and the probe");
     let mut lister = node.client().await;
     lister.subscribe("ke/edged/meta/response/#").await;
     let last = format!("default/pod/big-{}", RESOURCES - 1);
