@@ -235,7 +235,11 @@ async fn a_subscriber_that_stops_reading_is_cut_off_after_the_stall_time_and_no_
     let ended = wait_exit(&mut stopped, WAIT);
     assert!(ended, "the cut-off subscriber's connection was closed");
     // It reconnects and resyncs from the store, which has every pod.
-    assert_eq!(node.meta_rows().await.len(), RESOURCES + 1, "every pod and the probe");
+    assert_eq!(
+        node.meta_rows().await.len(),
+        RESOURCES + 1,
+        "every pod and the probe"
+    );
     let mut lister = node.client().await;
     lister.subscribe("ke/edged/meta/response/#").await;
     let last = format!("default/pod/big-{}", RESOURCES - 1);

@@ -66,6 +66,10 @@ pub struct BrokerConfig {
 pub const DEVICE_FILTERS: [&str; 2] =
     ["edgemeta$hw/events/device/#", "edgemeta$ke/events/device/#"];
 
+/// Segments per device filter: with hand-ons paced to each subscriber's room, one segment of
+/// room is enough, and rumqttd holds every full segment of every device filter for good.
+pub const DEVICE_SEGMENT_COUNT: usize = 2;
+
 /// One listener.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -251,7 +255,7 @@ impl BrokerConfig {
     /// The most a subscriber of a device filter may be owed.
     pub fn device_lag_limit(&self) -> usize {
         self.device_segment_bytes
-            .saturating_mul(self.segment_count.saturating_sub(1))
+            .saturating_mul(DEVICE_SEGMENT_COUNT - 1)
     }
 
     /// rumqttd's settings; `link_filters` (and client filters below them) get the links' logs,
@@ -269,7 +273,13 @@ impl BrokerConfig {
             .map(|filter| (filter.clone(), log(self.link_segment_bytes)))
             .collect();
         for pattern in DEVICE_FILTERS {
-            custom.insert(pattern.to_owned(), log(self.device_segment_bytes));
+            custom.insert(
+                pattern.to_owned(),
+                rumqttd::SegmentConfig {
+                    max_segment_size: self.device_segment_bytes,
+                    max_segment_count: DEVICE_SEGMENT_COUNT,
+                },
+            );
         }
         // Every field is set on purpose: rumqttd's defaults (zero segments) panic its router.
         rumqttd::RouterConfig {

@@ -439,7 +439,8 @@ impl Db {
 
     /// The highest hand-on seq waiting (0 when none).
     pub async fn handon_last(&self) -> Result<i64, libsql::Error> {
-        self.scalar_i64("SELECT coalesce(max(seq), 0) FROM handon").await
+        self.scalar_i64("SELECT coalesce(max(seq), 0) FROM handon")
+            .await
     }
 
     /// Removes every hand-on up to and including `seq`, once handed to the broker.
