@@ -174,6 +174,14 @@ pub(crate) async fn handle(
         .and_then(|a| a.to_str().ok())
         .unwrap_or_default()
         .to_owned();
+    // Protobuf and CBOR bodies are not understood: 415 makes client-go fall back to JSON.
+    let content_type = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|c| c.to_str().ok())
+        .unwrap_or("application/json");
+    if !body.is_empty() && !content_type.contains("json") {
+        return error_response(&Error::UnsupportedMediaType);
+    }
     let result = match (&method, target.name.is_some()) {
         (&Method::GET, false) if watching => return watch_response(shared, target, &params, &accept),
         (&Method::GET, false) => list(&shared, &target, &params, &accept),
