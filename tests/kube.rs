@@ -1,0 +1,451 @@
+//! Kubernetes drives edgemeta nodes, end to end: the fake API server (in-process, real HTTP
+//! and wire format), the real kube-rs client, the real `edgemeta edgecontroller`, a real
+//! mosquitto cloud broker, real nodes and the real `edgemeta edged` running `sh` pods.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::cloud::bridged;
+use common::{envelope, unique_id, Client, CloudBroker, CloudOptions, Node, WAIT};
+use edgemeta_fakeapi::FakeApi;
+use k8s_openapi::api::core::v1::{ConfigMap, Node as KubeNode, Pod, Secret};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+/// Pods start as processes and report through two brokers: allow for a loaded machine.
+const RUN_WAIT: Duration = Duration::from_secs(30);
+
+/// The fake API server with a kubeconfig on disk and a kube-rs client.
+struct Cluster {
+    api: Option<FakeApi>,
+    dir: tempfile::TempDir,
+    client: kube::Client,
+}
+
+impl Cluster {
+    async fn start() -> Cluster {
+        let api = FakeApi::start(edgemeta_fakeapi::Config::default(), CancellationToken::new())
+            .await
+            .expect("fake API server");
+        let dir = tempfile::tempdir().expect("dir");
+        std::fs::write(dir.path().join("kubeconfig"), api.kubeconfig()).expect("kubeconfig");
+        let config = kube::Config::new(api.url().parse().expect("url"));
+        let client = kube::Client::try_from(config).expect("kube client");
+        Cluster {
+            api: Some(api),
+            dir,
+            client,
+        }
+    }
+
+    fn kubeconfig(&self) -> PathBuf {
+        self.dir.path().join("kubeconfig")
+    }
+
+    fn pods(&self) -> Api<Pod> {
+        Api::namespaced(self.client.clone(), "default")
+    }
+
+    /// Registers `name` as an edge node.
+    async fn edge_node(&self, name: &str) {
+        let nodes: Api<KubeNode> = Api::all(self.client.clone());
+        let node = serde_json::from_value(json!({"metadata": {"name": name,
+            "labels": {"node-role.kubernetes.io/edge": ""}}}))
+        .expect("node");
+        nodes
+            .create(&PostParams::default(), &node)
+            .await
+            .expect("create node");
+    }
+
+    async fn create<K>(&self, object: Value) -> K
+    where
+        K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + serde::de::DeserializeOwned
+            + serde::Serialize
+            + std::fmt::Debug,
+        K::DynamicType: Default,
+    {
+        let api: Api<K> = Api::namespaced(self.client.clone(), "default");
+        let object: K = serde_json::from_value(object).expect("object");
+        api.create(&PostParams::default(), &object)
+            .await
+            .expect("create")
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if let Some(api) = self.api.take() {
+            drop(api);
+        }
+    }
+}
+
+/// A running `edgemeta edgecontroller`.
+struct Controller {
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl Controller {
+    fn start(cluster: &Cluster, cloud: &CloudBroker) -> Controller {
+        let log = cluster.dir.path().join(format!("{}.log", unique_id("controller")));
+        let file = std::fs::File::create(&log).expect("log");
+        let child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
+            .arg("edgecontroller")
+            .arg("--kubeconfig")
+            .arg(cluster.kubeconfig())
+            .arg("--broker")
+            .arg(format!("mqtt://127.0.0.1:{}", cloud.port))
+            .arg("--client-id")
+            .arg(unique_id("controller"))
+            .args(["--resend-ms", "500"])
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().expect("log"))
+            .stderr(file)
+            .spawn()
+            .expect("start edgemeta edgecontroller");
+        Controller {
+            child: Some(child),
+            log,
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Controller {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A running `edgemeta edged` for `node`.
+struct Edged {
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+}
+
+impl Edged {
+    fn start(node: &Node) -> Edged {
+        let dir = tempfile::tempdir().expect("dir");
+        let yaml = format!(
+            "log:\n  level: info,rumqttd=off\n\
+             broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\n\
+             edged:\n  client_id: {id}\n  root_dir: {root}\n  status_interval_ms: 100\n  \
+             reconnect_min_ms: 50\n  reconnect_max_ms: 500\n  query_timeout_ms: 5000\n",
+            port = node.port,
+            id = unique_id("edged"),
+            root = dir.path().join("root").display(),
+        );
+        std::fs::write(dir.path().join("edged.yaml"), yaml).expect("config");
+        let log = std::fs::File::create(dir.path().join("edged.log")).expect("log");
+        let child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
+            .arg("edged")
+            .arg("--config")
+            .arg(dir.path().join("edged.yaml"))
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("start edgemeta edged");
+        Edged {
+            child: Some(child),
+            dir,
+        }
+    }
+
+    fn pod_dir(&self, name: &str) -> PathBuf {
+        self.dir.path().join("root/pods").join(format!("default_{name}"))
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("edged.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Edged {
+    fn drop(&mut self) {
+        // SIGTERM: edged stops its pods' process groups before it exits.
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+            let started = Instant::now();
+            while child.try_wait().ok().flatten().is_none() && started.elapsed() < WAIT {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Everything of one test: cluster, cloud broker, controller, one bridged node, edged.
+struct Rig {
+    cluster: Cluster,
+    cloud: CloudBroker,
+    controller: Controller,
+    node: Node,
+    bridge: CloudOptions,
+    edged: Edged,
+}
+
+impl Rig {
+    async fn start() -> Rig {
+        let cluster = Cluster::start().await;
+        let cloud = CloudBroker::start().await;
+        let controller = Controller::start(&cluster, &cloud);
+        let (node, bridge) = bridged(&cloud).await;
+        cluster.edge_node(&bridge.node_id).await;
+        let edged = Edged::start(&node);
+        Rig {
+            cluster,
+            cloud,
+            controller,
+            node,
+            bridge,
+            edged,
+        }
+    }
+
+    /// Logs of every process, for a failing assertion.
+    fn logs(&self) -> String {
+        format!(
+            "--- controller\n{}\n--- node\n{}\n--- edged\n{}\n--- cloud\n{}",
+            self.controller.log(),
+            self.node.log(),
+            self.edged.log(),
+            self.cloud.log()
+        )
+    }
+
+    /// A pod bound to the rig's node running `script`, with `extra` merged into its spec.
+    fn pod(&self, name: &str, script: &str, extra: Value) -> Value {
+        let mut pod = json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"nodeName": self.bridge.node_id, "terminationGracePeriodSeconds": 1,
+                     "containers": [{"name": "main", "image": "busybox",
+                                     "command": ["sh", "-c", script]}]}});
+        if let Value::Object(extra) = extra {
+            for (k, v) in extra {
+                pod["spec"][k] = v;
+            }
+        }
+        pod
+    }
+
+    /// Waits until pod `name` is Running in the API.
+    async fn await_running(&self, name: &str) -> Pod {
+        let started = Instant::now();
+        loop {
+            if let Ok(pod) = self.cluster.pods().get(name).await {
+                if phase(&pod) == "Running" {
+                    return pod;
+                }
+            }
+            assert!(
+                started.elapsed() < RUN_WAIT,
+                "{name} not Running after {RUN_WAIT:?}\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+fn phase(pod: &Pod) -> String {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.phase.clone())
+        .unwrap_or_default()
+}
+
+/// Waits until `path` holds `text`.
+async fn await_file(path: &Path, text: &str, rig: &Rig) {
+    let started = Instant::now();
+    while std::fs::read_to_string(path).unwrap_or_default() != text {
+        assert!(
+            started.elapsed() < RUN_WAIT,
+            "{} never held {text:?} (has {:?})\n{}",
+            path.display(),
+            std::fs::read_to_string(path).ok(),
+            rig.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_pods_reach_running_within_five_seconds_at_p99() {
+    let rig = Rig::start().await;
+    // The controller has the node and the pipeline is warm before the clock starts.
+    let warm = rig.pod("warm", "while true; do sleep 1; done", json!({}));
+    rig.cluster.create::<Pod>(warm).await;
+    rig.await_running("warm").await;
+
+    let mut created = Vec::new();
+    for i in 0..50 {
+        let name = format!("p{i:02}");
+        let pod = rig.pod(&name, "while true; do sleep 1; done", json!({}));
+        rig.cluster.create::<Pod>(pod).await;
+        created.push((name, Instant::now()));
+    }
+    let mut latencies = Vec::new();
+    let started = Instant::now();
+    while latencies.len() < created.len() {
+        let list = rig
+            .cluster
+            .pods()
+            .list(&Default::default())
+            .await
+            .expect("list");
+        for pod in list.items.iter().filter(|p| phase(p) == "Running") {
+            let name = pod.metadata.name.clone().unwrap_or_default();
+            if let Some(i) = created.iter().position(|(n, _)| *n == name) {
+                let (_, at) = created.remove(i);
+                latencies.push(at.elapsed());
+            }
+        }
+        assert!(
+            started.elapsed() < RUN_WAIT,
+            "still not Running: {:?}\n{}",
+            created.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            rig.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    latencies.sort();
+    let p50 = latencies[latencies.len() / 2];
+    let p99 = latencies[(latencies.len() * 99).div_ceil(100) - 1];
+    println!("50 pods: create → Running p50 {p50:?}, p99 {p99:?}");
+    assert!(p99 <= Duration::from_secs(5), "p99 {p99:?} (p50 {p50:?})");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configmap_edit_reaches_the_pods_volume_file() {
+    let rig = Rig::start().await;
+    rig.cluster
+        .create::<ConfigMap>(json!({"metadata": {"name": "app"}, "data": {"mode": "eco"}}))
+        .await;
+    let pod = rig.pod(
+        "web",
+        "while true; do sleep 1; done",
+        json!({"volumes": [{"name": "conf", "configMap": {"name": "app"}}]}),
+    );
+    rig.cluster.create::<Pod>(pod).await;
+    rig.await_running("web").await;
+    let file = rig.edged.pod_dir("web").join("volumes/conf/mode");
+    await_file(&file, "eco", &rig).await;
+
+    let configmaps: Api<ConfigMap> = Api::namespaced(rig.cluster.client.clone(), "default");
+    configmaps
+        .patch(
+            "app",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"data": {"mode": "turbo"}})),
+        )
+        .await
+        .expect("edit");
+    await_file(&file, "turbo", &rig).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_delete_stops_the_pod_and_the_object_is_gone() {
+    let rig = Rig::start().await;
+    let marks = tempfile::tempdir().expect("dir");
+    let pid_file = marks.path().join("pid");
+    // `$$$$`: Kubernetes' $(VAR) expansion turns `$$` into `$`.
+    let script = format!(
+        "echo $$$$ > {}; while true; do sleep 0.1; done",
+        pid_file.display()
+    );
+    rig.cluster.create::<Pod>(rig.pod("web", &script, json!({}))).await;
+    rig.await_running("web").await;
+    let pid: u32 = std::fs::read_to_string(&pid_file)
+        .expect("pid file")
+        .trim()
+        .parse()
+        .expect("pid");
+
+    // A plain delete: the API only marks the pod; the node stops it and the controller
+    // finishes the deletion with grace 0 and the pod's UID as precondition.
+    let marked = rig
+        .cluster
+        .pods()
+        .delete("web", &DeleteParams::default())
+        .await
+        .expect("delete");
+    let marked = marked.left().expect("the pod, marked");
+    assert!(marked.metadata.deletion_timestamp.is_some());
+    let started = Instant::now();
+    loop {
+        match rig.cluster.pods().get_opt("web").await.expect("get") {
+            None => break,
+            Some(_) => assert!(
+                started.elapsed() < RUN_WAIT,
+                "pod still there\n{}",
+                rig.logs()
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        !std::path::Path::new(&format!("/proc/{pid}")).exists()
+            || std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.contains(") Z ")),
+        "the pod's process {pid} still runs"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_may_read_only_the_secrets_its_pods_reference() {
+    let rig = Rig::start().await;
+    for name in ["mine", "theirs"] {
+        rig.cluster
+            .create::<Secret>(json!({"metadata": {"name": name}, "data": {"k": "dg=="}}))
+            .await;
+    }
+    let pod = rig.pod(
+        "web",
+        "while true; do sleep 1; done",
+        json!({"volumes": [{"name": "s", "secret": {"secretName": "mine"}}]}),
+    );
+    rig.cluster.create::<Pod>(pod).await;
+    rig.await_running("web").await;
+
+    // Ask through the node as a module would: the MetaManager has no copy of "theirs", so
+    // it asks the cloud, and the controller refuses.
+    let mut module = Client::connect(rig.node.port, &unique_id("module")).await;
+    module.subscribe("ke/edged/#").await;
+    let (id, payload) = envelope("edged", "query", "default/secret/theirs", Value::Null);
+    module.publish("ke/meta/edged/query/default/secret", payload).await;
+    let refused = module
+        .expect_reply("ke/edged/meta/error/default/secret", &id)
+        .await;
+    let text = refused.content().as_str().unwrap_or_default().to_owned();
+    assert!(text.contains("forbidden"), "{text}\n{}", rig.logs());
+
+    let (id, payload) = envelope("edged", "query", "default/secret/mine", Value::Null);
+    module.publish("ke/meta/edged/query/default/secret", payload).await;
+    let answered = module
+        .expect_reply("ke/edged/meta/response/default/secret", &id)
+        .await;
+    assert!(
+        answered.content().to_string().contains("mine"),
+        "{}",
+        answered.content()
+    );
+}
