@@ -28,9 +28,12 @@ struct Cluster {
 
 impl Cluster {
     async fn start() -> Cluster {
-        let api = FakeApi::start(edgemeta_fakeapi::Config::default(), CancellationToken::new())
-            .await
-            .expect("fake API server");
+        let api = FakeApi::start(
+            edgemeta_fakeapi::Config::default(),
+            CancellationToken::new(),
+        )
+        .await
+        .expect("fake API server");
         let dir = tempfile::tempdir().expect("dir");
         std::fs::write(dir.path().join("kubeconfig"), api.kubeconfig()).expect("kubeconfig");
         let config = kube::Config::new(api.url().parse().expect("url"));
@@ -95,7 +98,10 @@ struct Controller {
 
 impl Controller {
     fn start(cluster: &Cluster, cloud: &CloudBroker) -> Controller {
-        let log = cluster.dir.path().join(format!("{}.log", unique_id("controller")));
+        let log = cluster
+            .dir
+            .path()
+            .join(format!("{}.log", unique_id("controller")));
         let file = std::fs::File::create(&log).expect("log");
         let child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
             .arg("edgecontroller")
@@ -169,7 +175,10 @@ impl Edged {
     }
 
     fn pod_dir(&self, name: &str) -> PathBuf {
-        self.dir.path().join("root/pods").join(format!("default_{name}"))
+        self.dir
+            .path()
+            .join("root/pods")
+            .join(format!("default_{name}"))
     }
 
     fn log(&self) -> String {
@@ -373,7 +382,9 @@ async fn a_graceful_delete_stops_the_pod_and_the_object_is_gone() {
         "echo $$$$ > {}; while true; do sleep 0.1; done",
         pid_file.display()
     );
-    rig.cluster.create::<Pod>(rig.pod("web", &script, json!({}))).await;
+    rig.cluster
+        .create::<Pod>(rig.pod("web", &script, json!({})))
+        .await;
     rig.await_running("web").await;
     let pid: u32 = std::fs::read_to_string(&pid_file)
         .expect("pid file")
@@ -405,7 +416,8 @@ async fn a_graceful_delete_stops_the_pod_and_the_object_is_gone() {
     }
     assert!(
         !std::path::Path::new(&format!("/proc/{pid}")).exists()
-            || std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.contains(") Z ")),
+            || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .is_ok_and(|s| s.contains(") Z ")),
         "the pod's process {pid} still runs"
     );
 }
@@ -431,7 +443,9 @@ async fn a_node_may_read_only_the_secrets_its_pods_reference() {
     let mut module = Client::connect(rig.node.port, &unique_id("module")).await;
     module.subscribe("ke/edged/#").await;
     let (id, payload) = envelope("edged", "query", "default/secret/theirs", Value::Null);
-    module.publish("ke/meta/edged/query/default/secret", payload).await;
+    module
+        .publish("ke/meta/edged/query/default/secret", payload)
+        .await;
     let refused = module
         .expect_reply("ke/edged/meta/error/default/secret", &id)
         .await;
@@ -439,7 +453,9 @@ async fn a_node_may_read_only_the_secrets_its_pods_reference() {
     assert!(text.contains("forbidden"), "{text}\n{}", rig.logs());
 
     let (id, payload) = envelope("edged", "query", "default/secret/mine", Value::Null);
-    module.publish("ke/meta/edged/query/default/secret", payload).await;
+    module
+        .publish("ke/meta/edged/query/default/secret", payload)
+        .await;
     let answered = module
         .expect_reply("ke/edged/meta/response/default/secret", &id)
         .await;

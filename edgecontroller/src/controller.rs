@@ -59,9 +59,15 @@ enum Change {
 #[derive(Debug)]
 enum Input {
     Watch(Watched, Change),
-    Up { topic: String, payload: Vec<u8> },
+    Up {
+        topic: String,
+        payload: Vec<u8>,
+    },
     /// The API write for a pod status finished (`ok`: written).
-    StatusWritten { key: (String, String), ok: bool },
+    StatusWritten {
+        key: (String, String),
+        ok: bool,
+    },
 }
 
 /// How many API writes run at once.
@@ -160,10 +166,34 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Error>
     let (up_tx, mut up_rx) = mpsc::unbounded_channel::<Input>();
 
     let edge_nodes = watcher::Config::default().labels(EDGE_LABEL);
-    spawn_watch(Api::<Node>::all(client.clone()), edge_nodes, Watched::Node, tx.clone(), cancel.clone());
-    spawn_watch(Api::<Pod>::all(client.clone()), watcher::Config::default(), Watched::Pod, tx.clone(), cancel.clone());
-    spawn_watch(Api::<ConfigMap>::all(client.clone()), watcher::Config::default(), Watched::ConfigMap, tx.clone(), cancel.clone());
-    spawn_watch(Api::<Secret>::all(client.clone()), watcher::Config::default(), Watched::Secret, tx.clone(), cancel.clone());
+    spawn_watch(
+        Api::<Node>::all(client.clone()),
+        edge_nodes,
+        Watched::Node,
+        tx.clone(),
+        cancel.clone(),
+    );
+    spawn_watch(
+        Api::<Pod>::all(client.clone()),
+        watcher::Config::default(),
+        Watched::Pod,
+        tx.clone(),
+        cancel.clone(),
+    );
+    spawn_watch(
+        Api::<ConfigMap>::all(client.clone()),
+        watcher::Config::default(),
+        Watched::ConfigMap,
+        tx.clone(),
+        cancel.clone(),
+    );
+    spawn_watch(
+        Api::<Secret>::all(client.clone()),
+        watcher::Config::default(),
+        Watched::Secret,
+        tx.clone(),
+        cancel.clone(),
+    );
 
     let filter = format!("{}/+/up/#", config.root);
     let subscriber = mqtt.clone();
@@ -260,7 +290,12 @@ fn names(object: &Value) -> (String, String) {
 
 impl Owner {
     async fn publish(&self, node: &str, envelope: &Envelope) {
-        let topic = down_topic(&self.root, node, &envelope.route.operation, &envelope.route.resource);
+        let topic = down_topic(
+            &self.root,
+            node,
+            &envelope.route.operation,
+            &envelope.route.resource,
+        );
         let payload = match serde_json::to_vec(envelope) {
             Ok(p) => p,
             Err(e) => {
@@ -269,7 +304,11 @@ impl Owner {
             }
         };
         debug!(%topic, resource = %envelope.route.resource, "down");
-        if let Err(e) = self.mqtt.publish(topic, QoS::AtLeastOnce, false, payload).await {
+        if let Err(e) = self
+            .mqtt
+            .publish(topic, QoS::AtLeastOnce, false, payload)
+            .await
+        {
             warn!(error_code = "EM-EC-MQTT", error = %e, "publish not queued; resent later");
         }
     }
@@ -479,7 +518,8 @@ impl Owner {
             let patch = status::patch(current, &wanted);
             self.written.insert(key.clone(), wanted);
             let api: Api<Pod> = Api::namespaced(self.client.clone(), ns);
-            let (writers, results, name) = (self.writers.clone(), self.results.clone(), name.to_owned());
+            let (writers, results, name) =
+                (self.writers.clone(), self.results.clone(), name.to_owned());
             tokio::spawn(async move {
                 let Ok(_permit) = writers.acquire_owned().await else {
                     return;
@@ -491,7 +531,10 @@ impl Owner {
                     warn!(error_code = "EM-EC-STATUS", pod = %name, error = %e, "pod status not written");
                 }
                 let _ = results
-                    .send(Input::StatusWritten { key, ok: written.is_ok() })
+                    .send(Input::StatusWritten {
+                        key,
+                        ok: written.is_ok(),
+                    })
                     .await;
             });
         }
@@ -523,7 +566,9 @@ impl Owner {
                 Ok(_) => info!(pod = %name, "graceful deletion finished"),
                 // Gone already, or replaced by a new pod of that name: nothing to finish.
                 Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
-                Err(e) => warn!(error_code = "EM-EC-DELETE", pod = %name, error = %e, "pod not deleted"),
+                Err(e) => {
+                    warn!(error_code = "EM-EC-DELETE", pod = %name, error = %e, "pod not deleted")
+                }
             }
         });
     }
@@ -570,7 +615,11 @@ impl Owner {
         let name = resource_name(up, envelope).unwrap_or_default();
         let answer = match up.kind.as_str() {
             kind @ ("configmap" | "secret") => {
-                let kind = if kind == "configmap" { "configmap" } else { "secret" };
+                let kind = if kind == "configmap" {
+                    "configmap"
+                } else {
+                    "secret"
+                };
                 let r = Ref {
                     kind,
                     namespace: up.namespace.clone(),

@@ -111,7 +111,8 @@ impl Delivery {
                 .in_flight
                 .as_ref()
                 .is_some_and(|f| f.rv == out.rv && f.delete == delete);
-            let nothing_to_delete = delete && slot.acked.is_none_or(|(_, d)| d) && slot.in_flight.is_none();
+            let nothing_to_delete =
+                delete && slot.acked.is_none_or(|(_, d)| d) && slot.in_flight.is_none();
             if (same_as_acked && slot.in_flight.is_none()) || same_as_flying || nothing_to_delete {
                 return None;
             }
@@ -288,7 +289,10 @@ mod tests {
             prop_assert!(v >= old, "applied {} after {}", v, old);
         }
         *applied = Some((v, e.route.operation == "delete"));
-        publish(d.ack("n", &e.header.msg_id, now).into_iter().collect(), broker);
+        publish(
+            d.ack("n", &e.header.msg_id, now).into_iter().collect(),
+            broker,
+        );
         Ok(())
     }
 

@@ -70,7 +70,9 @@ impl Config {
             .broker
             .strip_prefix("mqtt://")
             .or_else(|| self.broker.strip_prefix("tcp://"))
-            .ok_or_else(|| Error::Config(format!("broker {:?}: want mqtt://host:port", self.broker)))?;
+            .ok_or_else(|| {
+                Error::Config(format!("broker {:?}: want mqtt://host:port", self.broker))
+            })?;
         let rest = rest.trim_end_matches('/');
         match rest.rsplit_once(':') {
             Some((host, port)) => port

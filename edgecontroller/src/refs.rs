@@ -42,7 +42,11 @@ pub fn pod_refs(pod: &Value) -> BTreeSet<Ref> {
     for volume in spec["volumes"].as_array().into_iter().flatten() {
         add("configmap", &volume["configMap"]["name"]);
         add("secret", &volume["secret"]["secretName"]);
-        for source in volume["projected"]["sources"].as_array().into_iter().flatten() {
+        for source in volume["projected"]["sources"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
             add("configmap", &source["configMap"]["name"]);
             add("secret", &source["secret"]["name"]);
         }

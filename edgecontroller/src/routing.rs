@@ -119,7 +119,12 @@ impl Routing {
     pub fn desired(&self, node: &str) -> Vec<Outgoing> {
         let mut sends = Vec::new();
         if let Some(object) = self.edge_nodes.get(node) {
-            sends.push(out(node, "update", format!("{NULL_NAMESPACE}/node/{node}"), object));
+            sends.push(out(
+                node,
+                "update",
+                format!("{NULL_NAMESPACE}/node/{node}"),
+                object,
+            ));
         }
         for (r, nodes) in &self.users {
             if nodes.contains_key(node) {
@@ -194,7 +199,12 @@ impl Routing {
                 fresh = false;
             } else if let Some(old_node) = &old.node {
                 if !old.deleting {
-                    sends.push(out(old_node, "delete", pod_resource(&ns, &name), &old.object));
+                    sends.push(out(
+                        old_node,
+                        "delete",
+                        pod_resource(&ns, &name),
+                        &old.object,
+                    ));
                 }
                 for r in &old.refs {
                     self.drop_ref(old_node, r, &mut sends);
@@ -415,7 +425,10 @@ mod tests {
     #[test]
     fn a_configmap_follows_its_pods_and_leaves_with_the_last_one() {
         let mut r = Routing::default();
-        assert_eq!(ops(&r.node_applied(&edge_node("n1"))), ["n1 update null/node/n1"]);
+        assert_eq!(
+            ops(&r.node_applied(&edge_node("n1"))),
+            ["n1 update null/node/n1"]
+        );
         assert!(r.config_applied("configmap", &cm("app", 2)).is_empty());
         assert_eq!(
             ops(&r.pod_applied(&pod("a", "n1", "app", 3))),
@@ -429,14 +442,33 @@ mod tests {
             ops(&r.config_applied("configmap", &cm("app", 5))),
             ["n1 update default/configmap/app"]
         );
-        assert!(r.readable("n1", &Ref { kind: "configmap", namespace: "default".into(), name: "app".into() }).is_ok());
-        assert_eq!(ops(&r.pod_deleted("default", "a")), ["n1 delete default/pod/a"]);
+        assert!(r
+            .readable(
+                "n1",
+                &Ref {
+                    kind: "configmap",
+                    namespace: "default".into(),
+                    name: "app".into()
+                }
+            )
+            .is_ok());
+        assert_eq!(
+            ops(&r.pod_deleted("default", "a")),
+            ["n1 delete default/pod/a"]
+        );
         assert_eq!(
             ops(&r.pod_deleted("default", "b")),
             ["n1 delete default/pod/b", "n1 delete default/configmap/app"]
         );
         assert_eq!(
-            r.readable("n1", &Ref { kind: "configmap", namespace: "default".into(), name: "app".into() }),
+            r.readable(
+                "n1",
+                &Ref {
+                    kind: "configmap",
+                    namespace: "default".into(),
+                    name: "app".into()
+                }
+            ),
             Err(false)
         );
     }
@@ -468,7 +500,11 @@ mod tests {
         r.config_applied("configmap", &cm("app", 2));
         assert_eq!(
             ops(&r.node_applied(&edge_node("n1"))),
-            ["n1 update null/node/n1", "n1 insert default/configmap/app", "n1 insert default/pod/a"]
+            [
+                "n1 update null/node/n1",
+                "n1 insert default/configmap/app",
+                "n1 insert default/pod/a"
+            ]
         );
         r.node_applied(&edge_node("n2"));
         let mut moved = pod("a", "n2", "app", 6);

@@ -24,7 +24,10 @@ pub fn merge(current: &Value, reported: &Value, now: &str) -> Value {
     if let Some(start) = current.get("startTime").filter(|s| s.is_string()) {
         merged["startTime"] = start.clone();
     }
-    let old_conditions = current["conditions"].as_array().cloned().unwrap_or_default();
+    let old_conditions = current["conditions"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
     if let Some(conditions) = merged["conditions"].as_array_mut() {
         for condition in conditions {
             let old = old_conditions
@@ -36,11 +39,7 @@ pub fn merge(current: &Value, reported: &Value, now: &str) -> Value {
                 }
                 _ => condition["lastTransitionTime"].clone(),
             };
-            condition["lastTransitionTime"] = if time.is_string() {
-                time
-            } else {
-                json!(now)
-            };
+            condition["lastTransitionTime"] = if time.is_string() { time } else { json!(now) };
             if old.is_some_and(|o| o["status"] == condition["status"]) {
                 for field in ["lastProbeTime"] {
                     if let Some(v) = old.and_then(|o| o.get(field)) {
@@ -76,7 +75,10 @@ pub fn terminal(status: &Value) -> bool {
         .as_array()
         .cloned()
         .unwrap_or_default();
-    !containers.is_empty() && containers.iter().all(|c| c["state"]["running"].is_null() && c["state"]["waiting"].is_null())
+    !containers.is_empty()
+        && containers
+            .iter()
+            .all(|c| c["state"]["running"].is_null() && c["state"]["waiting"].is_null())
 }
 
 #[cfg(test)]
@@ -92,12 +94,21 @@ mod tests {
             "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "True"}]});
         let merged = merge(&current, &reported, "2026-03-03T00:00:00Z");
         assert_eq!(merged["startTime"], "2026-01-01T00:00:00Z");
-        assert_eq!(merged["conditions"][0]["lastTransitionTime"], "2026-01-01T00:00:00Z");
-        assert_eq!(merged["conditions"][1]["lastTransitionTime"], "2026-03-03T00:00:00Z");
+        assert_eq!(
+            merged["conditions"][0]["lastTransitionTime"],
+            "2026-01-01T00:00:00Z"
+        );
+        assert_eq!(
+            merged["conditions"][1]["lastTransitionTime"],
+            "2026-03-03T00:00:00Z"
+        );
         // The same report again merges to the same status: nothing to write.
         assert_eq!(merge(&merged, &reported, "2026-04-04T00:00:00Z"), merged);
         assert_eq!(
-            patch(&json!({"phase": "x", "message": "m"}), &json!({"phase": "y"})),
+            patch(
+                &json!({"phase": "x", "message": "m"}),
+                &json!({"phase": "y"})
+            ),
             json!({"status": {"phase": "y", "message": null}})
         );
     }
@@ -105,8 +116,12 @@ mod tests {
     #[test]
     fn terminal_means_finished_or_nothing_running() {
         assert!(terminal(&json!({"phase": "Succeeded"})));
-        assert!(!terminal(&json!({"phase": "Running", "containerStatuses": [{"state": {"running": {}}}]})));
-        assert!(terminal(&json!({"phase": "Running", "containerStatuses": [{"state": {"terminated": {"exitCode": 0}}}]})));
+        assert!(!terminal(
+            &json!({"phase": "Running", "containerStatuses": [{"state": {"running": {}}}]})
+        ));
+        assert!(terminal(
+            &json!({"phase": "Running", "containerStatuses": [{"state": {"terminated": {"exitCode": 0}}}]})
+        ));
         assert!(!terminal(&json!({"phase": "Pending"})));
     }
 }

@@ -161,12 +161,16 @@ pub fn resources(group: &str, version: &str) -> Option<Value> {
         .iter()
         .filter(|k| k.group == group && k.version == version)
     {
-        list.push(json!({"name": k.plural, "singularName": k.singular, "namespaced": k.namespaced,
-                         "kind": k.kind, "verbs": verbs, "shortNames": k.short_names}));
+        list.push(
+            json!({"name": k.plural, "singularName": k.singular, "namespaced": k.namespaced,
+                         "kind": k.kind, "verbs": verbs, "shortNames": k.short_names}),
+        );
         if k.status {
-            list.push(json!({"name": format!("{}/status", k.plural), "singularName": "",
+            list.push(
+                json!({"name": format!("{}/status", k.plural), "singularName": "",
                              "namespaced": k.namespaced, "kind": k.kind,
-                             "verbs": ["get", "patch", "update"]}));
+                             "verbs": ["get", "patch", "update"]}),
+            );
         }
     }
     if list.is_empty() {
@@ -177,5 +181,7 @@ pub fn resources(group: &str, version: &str) -> Option<Value> {
     } else {
         format!("{group}/{version}")
     };
-    Some(json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv, "resources": list}))
+    Some(
+        json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv, "resources": list}),
+    )
 }

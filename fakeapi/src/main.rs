@@ -67,13 +67,14 @@ fn main() {
             }
         }
         println!("{}", api.url());
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(t) => t,
-            Err(e) => {
-                eprintln!("edgemeta-fakeapi: {e}");
-                return 1;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(t) => t,
+                Err(e) => {
+                    eprintln!("edgemeta-fakeapi: {e}");
+                    return 1;
+                }
+            };
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}

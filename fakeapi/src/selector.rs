@@ -142,7 +142,8 @@ mod tests {
 
     #[test]
     fn label_terms_follow_the_api_server_syntax() {
-        let pod = json!({"metadata": {"labels": {"app": "web", "node-role.kubernetes.io/edge": ""}}});
+        let pod =
+            json!({"metadata": {"labels": {"app": "web", "node-role.kubernetes.io/edge": ""}}});
         for (selector, expected) in [
             ("", true),
             ("node-role.kubernetes.io/edge", true),

@@ -83,7 +83,9 @@ fn target(segments: &[&str]) -> Option<Target> {
     };
     let find = |plural: &str| Kind::find(group, version, plural);
     let (kind, namespace, name, sub) = match rest {
-        ["namespaces", ns, plural, tail @ ..] => (find(plural)?, Some(*ns), tail.first(), tail.get(1)),
+        ["namespaces", ns, plural, tail @ ..] => {
+            (find(plural)?, Some(*ns), tail.first(), tail.get(1))
+        }
         [plural, tail @ ..] => (find(plural)?, None, tail.first(), tail.get(1)),
         _ => return None,
     };
@@ -157,9 +159,7 @@ pub(crate) async fn handle(
     let Some(target) = target(&segments) else {
         return not_found(&path);
     };
-    let watching = params
-        .get("watch")
-        .is_some_and(|w| w == "true" || w == "1");
+    let watching = params.get("watch").is_some_and(|w| w == "true" || w == "1");
     if !watching {
         let mut faults = shared.faults();
         if faults.fail_requests > 0 {
@@ -183,7 +183,9 @@ pub(crate) async fn handle(
         return error_response(&Error::UnsupportedMediaType);
     }
     let result = match (&method, target.name.is_some()) {
-        (&Method::GET, false) if watching => return watch_response(shared, target, &params, &accept),
+        (&Method::GET, false) if watching => {
+            return watch_response(shared, target, &params, &accept)
+        }
         (&Method::GET, false) => list(&shared, &target, &params, &accept),
         (&Method::GET, true) => get(&shared, &target, &accept),
         (&Method::POST, false) => create(&shared, &target, &params, &body),
@@ -246,7 +248,9 @@ fn list(
             let mut parts = token.splitn(3, '|');
             let rv = parts.next().and_then(|r| r.parse::<u64>().ok());
             let (Some(rv), Some(ns), Some(name)) = (rv, parts.next(), parts.next()) else {
-                return Err(Error::BadRequest(format!("continue key is not valid: {token}")));
+                return Err(Error::BadRequest(format!(
+                    "continue key is not valid: {token}"
+                )));
             };
             if rv < store.floor() {
                 return Err(Error::Expired(
@@ -329,10 +333,13 @@ fn create(
 fn update(shared: &Shared, target: &Target, body: &Bytes) -> Result<(u16, Value), Error> {
     let object = parse_body(body)?;
     let name = target.name.as_deref().unwrap_or_default();
-    let updated =
-        shared
-            .store()
-            .update(target.kind, &namespace_of(target), name, object, target.status)?;
+    let updated = shared.store().update(
+        target.kind,
+        &namespace_of(target),
+        name,
+        object,
+        target.status,
+    )?;
     Ok((200, updated))
 }
 
@@ -377,9 +384,11 @@ fn delete(
     } else {
         parse_body(body)?
     };
-    let grace = options["gracePeriodSeconds"]
-        .as_i64()
-        .or_else(|| params.get("gracePeriodSeconds").and_then(|g| g.parse().ok()));
+    let grace = options["gracePeriodSeconds"].as_i64().or_else(|| {
+        params
+            .get("gracePeriodSeconds")
+            .and_then(|g| g.parse().ok())
+    });
     let uid = options["preconditions"]["uid"].as_str();
     let rv = options["preconditions"]["resourceVersion"].as_str();
     let name = target.name.as_deref().unwrap_or_default();
@@ -432,7 +441,9 @@ fn watch_response(
         .get("timeoutSeconds")
         .and_then(|t| t.parse::<u64>().ok())
         .map_or(shared.config.watch_timeout, Duration::from_secs);
-    let bookmarks = params.get("allowWatchBookmarks").is_some_and(|b| b == "true");
+    let bookmarks = params
+        .get("allowWatchBookmarks")
+        .is_some_and(|b| b == "true");
     let as_table = table::wanted(accept);
     let mut drops = shared.drops.subscribe();
     drops.mark_unchanged();

@@ -114,11 +114,7 @@ impl Store {
 
     /// Changes after `rv` still in the history, oldest first.
     pub fn since(&self, rv: u64) -> Vec<Arc<Change>> {
-        self.history
-            .iter()
-            .filter(|c| c.rv > rv)
-            .cloned()
-            .collect()
+        self.history.iter().filter(|c| c.rv > rv).cloned().collect()
     }
 
     /// Forgets the history: every watch from a version before now gets 410 Expired.
@@ -181,7 +177,12 @@ impl Store {
     }
 
     /// Creates `object` (the server fills uid, times, version); the stored object.
-    pub fn create(&mut self, kind: &Kind, namespace: &str, mut object: Value) -> Result<Value, Error> {
+    pub fn create(
+        &mut self,
+        kind: &Kind,
+        namespace: &str,
+        mut object: Value,
+    ) -> Result<Value, Error> {
         if !object["metadata"].is_object() {
             object["metadata"] = json!({});
         }
@@ -227,7 +228,11 @@ impl Store {
         object["metadata"]["creationTimestamp"] = json!(now());
         object["metadata"]["resourceVersion"] = json!(rv.to_string());
         object["metadata"]["generation"] = json!(1);
-        for field in ["deletionTimestamp", "deletionGracePeriodSeconds", "managedFields"] {
+        for field in [
+            "deletionTimestamp",
+            "deletionGracePeriodSeconds",
+            "managedFields",
+        ] {
             if let Some(meta) = object["metadata"].as_object_mut() {
                 meta.remove(field);
             }
@@ -364,7 +369,9 @@ impl Store {
                 )));
             }
         }
-        let bound = old["spec"]["nodeName"].as_str().is_some_and(|n| !n.is_empty());
+        let bound = old["spec"]["nodeName"]
+            .as_str()
+            .is_some_and(|n| !n.is_empty());
         let grace = grace.unwrap_or_else(|| {
             old["spec"]["terminationGracePeriodSeconds"]
                 .as_i64()
@@ -430,7 +437,11 @@ mod tests {
     fn versions_are_one_counter_and_no_op_writes_keep_them() {
         let mut store = Store::new(100);
         let a = store
-            .create(pods(), "default", json!({"metadata": {"name": "a"}, "spec": {}}))
+            .create(
+                pods(),
+                "default",
+                json!({"metadata": {"name": "a"}, "spec": {}}),
+            )
             .expect("create");
         assert_eq!(a["metadata"]["resourceVersion"], "2");
         assert_eq!(a["status"]["phase"], "Pending");
@@ -486,7 +497,11 @@ mod tests {
         let mut store = Store::new(2);
         for i in 0..5 {
             store
-                .create(pods(), "default", json!({"metadata": {"name": format!("p{i}")}}))
+                .create(
+                    pods(),
+                    "default",
+                    json!({"metadata": {"name": format!("p{i}")}}),
+                )
                 .expect("create");
         }
         assert_eq!(store.since(0).len(), 2);
@@ -498,7 +513,10 @@ mod tests {
     #[test]
     fn merge_patch_removes_nulls_and_replaces_lists() {
         let mut doc = json!({"data": {"a": "1", "b": "2"}, "list": [1, 2]});
-        merge_patch(&mut doc, &json!({"data": {"a": null, "c": "3"}, "list": [3]}));
+        merge_patch(
+            &mut doc,
+            &json!({"data": {"a": null, "c": "3"}, "list": [3]}),
+        );
         assert_eq!(doc, json!({"data": {"b": "2", "c": "3"}, "list": [3]}));
     }
 }

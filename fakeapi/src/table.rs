@@ -83,9 +83,7 @@ fn cells(kind: &Kind, object: &Value) -> Vec<Value> {
     let name = json!(object["metadata"]["name"].as_str().unwrap_or_default());
     match kind.plural {
         "pods" => {
-            let total = object["spec"]["containers"]
-                .as_array()
-                .map_or(0, Vec::len);
+            let total = object["spec"]["containers"].as_array().map_or(0, Vec::len);
             let statuses = object["status"]["containerStatuses"]
                 .as_array()
                 .cloned()
