@@ -34,6 +34,13 @@ impl TopicMap {
         format!("{}#", self.local_cloud)
     }
 
+    /// `<cloud_root>/<node_id>/up/edgehub/connect/node/connection`: the bridge's birth message
+    /// (`cloud_connected`, on every connection) and Last Will (`cloud_disconnected`), retained,
+    /// so the cloud's controller knows when to resync this node (protocol §5).
+    pub fn connection(&self) -> String {
+        format!("{}edgehub/connect/node/connection", self.up)
+    }
+
     /// Local cloud-bound topic → cloud topic; `None` if it is not cloud-bound.
     pub fn up(&self, local: &str) -> Option<String> {
         let rest = local
