@@ -86,6 +86,21 @@ enum Command {
         /// First resend of an unacknowledged message, in milliseconds (doubles up to 60 s).
         #[arg(long, default_value_t = 5000)]
         resend_ms: u64,
+        /// Run only while holding a Lease, so replicas are hot standbys. All replicas must use
+        /// the same `--client-id`.
+        #[arg(long)]
+        leader_elect: bool,
+        /// The Lease's namespace and name.
+        #[arg(long, default_value = "default")]
+        lease_namespace: String,
+        #[arg(long, default_value = "edgemeta-edgecontroller")]
+        lease_name: String,
+        /// How long an unrenewed Lease stays with its holder, in seconds.
+        #[arg(long, default_value_t = 15)]
+        lease_duration_s: u64,
+        /// This replica's name in the Lease (default: `$HOSTNAME`, else `edgecontroller-<pid>`).
+        #[arg(long)]
+        identity: Option<String>,
     },
     /// Print the embedded default configuration.
     DefaultConfig,
@@ -138,6 +153,11 @@ fn main() -> anyhow::Result<()> {
             client_id,
             username,
             resend_ms,
+            leader_elect,
+            lease_namespace,
+            lease_name,
+            lease_duration_s,
+            identity,
         } => {
             // The node's log settings (`RUST_LOG` wins), from the embedded defaults.
             telemetry::init(&config::Settings::load(None)?.log, None);
@@ -151,6 +171,14 @@ fn main() -> anyhow::Result<()> {
                     .and_then(|_| std::env::var("EDGEMETA_CONTROLLER_PASSWORD").ok()),
                 username,
                 resend: std::time::Duration::from_millis(resend_ms),
+                leader: leader_elect.then(|| edgemeta_edgecontroller::LeaseConfig {
+                    namespace: lease_namespace,
+                    name: lease_name,
+                    identity: identity
+                        .or_else(|| std::env::var("HOSTNAME").ok())
+                        .unwrap_or_else(|| format!("edgecontroller-{}", std::process::id())),
+                    duration: std::time::Duration::from_secs(lease_duration_s),
+                }),
                 ..edgemeta_edgecontroller::Config::default()
             };
             tokio::runtime::Builder::new_multi_thread()

@@ -94,6 +94,7 @@ impl Drop for Cluster {
 struct Controller {
     child: Option<Child>,
     log: PathBuf,
+    command: Vec<String>,
 }
 
 impl Controller {
@@ -102,25 +103,48 @@ impl Controller {
             .dir
             .path()
             .join(format!("{}.log", unique_id("controller")));
-        let file = std::fs::File::create(&log).expect("log");
+        let command = vec![
+            "edgecontroller".to_owned(),
+            "--kubeconfig".to_owned(),
+            cluster.kubeconfig().display().to_string(),
+            "--broker".to_owned(),
+            format!("mqtt://127.0.0.1:{}", cloud.port),
+            "--client-id".to_owned(),
+            unique_id("controller"),
+            "--resend-ms".to_owned(),
+            "500".to_owned(),
+        ];
+        let mut controller = Controller {
+            child: None,
+            log,
+            command,
+        };
+        controller.spawn();
+        controller
+    }
+
+    fn spawn(&mut self) {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("log");
         let child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
-            .arg("edgecontroller")
-            .arg("--kubeconfig")
-            .arg(cluster.kubeconfig())
-            .arg("--broker")
-            .arg(format!("mqtt://127.0.0.1:{}", cloud.port))
-            .arg("--client-id")
-            .arg(unique_id("controller"))
-            .args(["--resend-ms", "500"])
+            .args(&self.command)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(file.try_clone().expect("log"))
             .stderr(file)
             .spawn()
             .expect("start edgemeta edgecontroller");
-        Controller {
-            child: Some(child),
-            log,
+        self.child = Some(child);
+    }
+
+    /// `kill -9`: whatever it had in memory is gone.
+    fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
         }
     }
 
@@ -464,4 +488,138 @@ async fn a_node_may_read_only_the_secrets_its_pods_reference() {
         "{}",
         answered.content()
     );
+}
+
+/// A configmap `app` with `mode`, and a running pod `web` with it as volume `conf`.
+async fn pod_with_configmap(rig: &Rig) -> PathBuf {
+    rig.cluster
+        .create::<ConfigMap>(json!({"metadata": {"name": "app"}, "data": {"mode": "v0"}}))
+        .await;
+    let pod = rig.pod(
+        "web",
+        "while true; do sleep 1; done",
+        json!({"volumes": [{"name": "conf", "configMap": {"name": "app"}}]}),
+    );
+    rig.cluster.create::<Pod>(pod).await;
+    rig.await_running("web").await;
+    let file = rig.edged.pod_dir("web").join("volumes/conf/mode");
+    await_file(&file, "v0", rig).await;
+    file
+}
+
+async fn set_mode(rig: &Rig, mode: &str) {
+    let configmaps: Api<ConfigMap> = Api::namespaced(rig.cluster.client.clone(), "default");
+    configmaps
+        .patch(
+            "app",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"data": {"mode": mode}})),
+        )
+        .await
+        .expect("edit");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_offline_during_a_hundred_changes_converges_after_it_is_back() {
+    let mut rig = Rig::start().await;
+    let file = pod_with_configmap(&rig).await;
+    // The node dies without a word: its Last Will tells the controller.
+    rig.node.kill9();
+    for i in 1..=100 {
+        set_mode(&rig, &format!("v{i}")).await;
+    }
+    rig.node.restart().await;
+    await_file(&file, "v100", &rig).await;
+    // The node's store holds the newest version.
+    let stored = rig
+        .node
+        .stored("default/configmap/app")
+        .await
+        .expect("stored configmap");
+    assert!(stored.contains("\"v100\""), "{stored}");
+    assert!(
+        rig.controller.log().contains("node online"),
+        "no resync on the birth message\n{}",
+        rig.logs()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_controller_killed_with_sigkill_converges_when_started_again() {
+    let mut rig = Rig::start().await;
+    let file = pod_with_configmap(&rig).await;
+    rig.controller.kill9();
+    // What happens while no controller runs: an edit and a new pod.
+    set_mode(&rig, "after").await;
+    let late = rig.pod("late", "while true; do sleep 1; done", json!({}));
+    rig.cluster.create::<Pod>(late).await;
+    rig.controller.spawn();
+    await_file(&file, "after", &rig).await;
+    rig.await_running("late").await;
+}
+
+/// Waits until `controller`'s log contains `text`.
+async fn await_log(controller: &Controller, text: &str) {
+    let started = Instant::now();
+    while !controller.log().contains(text) {
+        assert!(
+            started.elapsed() < RUN_WAIT,
+            "controller never logged {text:?}:\n{}",
+            controller.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_standby_replica_takes_over_when_the_leader_is_killed() {
+    let cluster = Cluster::start().await;
+    let cloud = CloudBroker::start().await;
+    // Both replicas share the MQTT session; the Lease decides who runs.
+    let client_id = unique_id("controller");
+    let replica = |name: &'static str| {
+        [
+            "--leader-elect",
+            "--lease-duration-s",
+            "2",
+            "--identity",
+            name,
+        ]
+    };
+    let leader = Controller::start_with(&cluster, &cloud, &client_id, &replica("replica-a"));
+    await_log(&leader, "became leader").await;
+    let standby = Controller::start_with(&cluster, &cloud, &client_id, &replica("replica-b"));
+    await_log(&standby, "waiting for the lease").await;
+    let (node, bridge) = bridged(&cloud).await;
+    cluster.edge_node(&bridge.node_id).await;
+    let edged = Edged::start(&node);
+    let mut rig = Rig {
+        cluster,
+        cloud,
+        controller: leader,
+        node,
+        bridge,
+        edged,
+    };
+    let first = rig.pod("first", "while true; do sleep 1; done", json!({}));
+    rig.cluster.create::<Pod>(first).await;
+    rig.await_running("first").await;
+    assert!(
+        !standby.log().contains("became leader"),
+        "{}",
+        standby.log()
+    );
+
+    rig.controller.kill9();
+    let second = rig.pod("second", "while true; do sleep 1; done", json!({}));
+    rig.cluster.create::<Pod>(second).await;
+    rig.controller = standby;
+    rig.await_running("second").await;
+    assert!(rig.controller.log().contains("became leader"));
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(rig.cluster.client.clone(), "default");
+    let lease = leases.get("edgemeta-edgecontroller").await.expect("lease");
+    let spec = lease.spec.expect("spec");
+    assert_eq!(spec.holder_identity.as_deref(), Some("replica-b"));
+    assert_eq!(spec.lease_transitions, Some(1));
 }

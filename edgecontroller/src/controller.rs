@@ -159,6 +159,22 @@ fn mqtt_options(config: &Config) -> Result<MqttOptions, Error> {
 /// Configuration and kubeconfig errors at start-up; afterwards everything is retried.
 pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Error> {
     let client = kube_client(&config).await?;
+    // With leader election: nothing runs before the Lease is ours, everything stops when it
+    // is lost (the process exits; its supervisor starts it again as a candidate).
+    let lost = match config.leader.clone() {
+        Some(lease) => Some(crate::leader::lead(client.clone(), lease, cancel.clone()).await?),
+        None => None,
+    };
+    let cancel = cancel.child_token();
+    if let Some(lost) = lost.clone() {
+        let stop = cancel.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                () = lost.cancelled() => stop.cancel(),
+                () = stop.cancelled() => {}
+            }
+        });
+    }
     let options = mqtt_options(&config)?;
     let (mqtt, mut eventloop) = AsyncClient::new(options, 4096);
     let (tx, mut rx) = mpsc::channel::<Input>(4096);
@@ -196,6 +212,8 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Error>
     );
 
     let filter = format!("{}/+/up/#", config.root);
+    // Every node's birth message or Last Will (retained): resync on birth (protocol §5).
+    let connections = format!("{}/+/connection", config.root);
     let subscriber = mqtt.clone();
     let stop = cancel.clone();
     tokio::spawn(async move {
@@ -207,8 +225,10 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Error>
             match event {
                 Ok(MqttEvent::Incoming(Packet::ConnAck(_))) => {
                     info!(filter = %filter, "connected to the cloud broker");
-                    if let Err(e) = subscriber.try_subscribe(filter.clone(), QoS::AtLeastOnce) {
-                        warn!(error_code = "EM-EC-MQTT", error = %e, "subscribe not queued");
+                    for f in [&filter, &connections] {
+                        if let Err(e) = subscriber.try_subscribe(f.clone(), QoS::AtLeastOnce) {
+                            warn!(error_code = "EM-EC-MQTT", error = %e, "subscribe not queued");
+                        }
                     }
                 }
                 Ok(MqttEvent::Incoming(Packet::Publish(p))) => {
@@ -259,6 +279,9 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Error>
         owner.handle(input).await;
     }
     let _ = mqtt.disconnect().await;
+    if lost.is_some_and(|l| l.is_cancelled()) {
+        return Err(Error::LeadershipLost);
+    }
     Ok(())
 }
 
@@ -276,6 +299,15 @@ struct Owner {
     writers: Arc<Semaphore>,
     results: mpsc::Sender<Input>,
     cancel: CancellationToken,
+}
+
+/// The node of a `<root>/<node>/connection` topic.
+fn connection_topic<'a>(root: &str, topic: &'a str) -> Option<&'a str> {
+    topic
+        .strip_prefix(root)?
+        .strip_prefix('/')?
+        .strip_suffix("/connection")
+        .filter(|n| !n.is_empty() && !n.contains('/'))
 }
 
 fn names(object: &Value) -> (String, String) {
@@ -414,15 +446,19 @@ impl Owner {
     }
 
     async fn up(&mut self, topic: &str, payload: &[u8]) {
-        let Some(up) = UpTopic::parse(&self.root, topic) else {
-            return;
-        };
         let envelope: Envelope = match serde_json::from_slice(payload) {
             Ok(e) => e,
             Err(e) => {
                 warn!(error_code = "EM-EC-MESSAGE", %topic, error = %e, "not an envelope; dropped");
                 return;
             }
+        };
+        if let Some(node) = connection_topic(&self.root, topic) {
+            self.connection(node, &envelope).await;
+            return;
+        }
+        let Some(up) = UpTopic::parse(&self.root, topic) else {
+            return;
         };
         match (up.operation.as_str(), up.kind.as_str()) {
             ("response", _) => {
@@ -444,7 +480,6 @@ impl Owner {
                     self.publish_all(next.into_iter().collect()).await;
                 }
             }
-            ("connect", "connection") => self.connection(&up.node, &envelope).await,
             ("update", "podstatus") => self.pod_status(&up, &envelope).await,
             ("delete", "pod") => self.pod_gone(&up, &envelope).await,
             ("query", _) => self.query(&up, &envelope).await,

@@ -15,6 +15,8 @@ pub enum Error {
     Message { topic: String, detail: String },
     #[error("the controller stopped")]
     Stopped,
+    #[error("leadership lost: another replica holds the lease")]
+    LeadershipLost,
 }
 
 impl Error {
@@ -27,6 +29,7 @@ impl Error {
             Error::Mqtt(_) => "EM-EC-MQTT",
             Error::Message { .. } => "EM-EC-MESSAGE",
             Error::Stopped => "EM-EC-STOPPED",
+            Error::LeadershipLost => "EM-EC-LEASE-LOST",
         }
     }
 }

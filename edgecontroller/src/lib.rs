@@ -7,12 +7,14 @@
 //! - `routing`: which node needs which object, with reference counts.
 //! - `delivery`: per node and object: one in flight, newer versions coalesced, resends, acks.
 //! - `status`: pod status merging (transition times kept, no-op writes skipped).
+//! - `leader`: Lease-based leader election, for a hot standby.
 //! - `controller`: the owner task: watch events and node messages in, MQTT and API writes out.
 
 mod controller;
 mod delivery;
 mod envelope;
 mod error;
+mod leader;
 mod refs;
 mod routing;
 mod status;
@@ -24,6 +26,7 @@ pub use controller::run;
 pub use delivery::{Delivery, Outgoing};
 pub use envelope::{Envelope, UpTopic};
 pub use error::Error;
+pub use leader::LeaseConfig;
 pub use refs::{pod_refs, Ref};
 pub use routing::{Routing, EDGE_LABEL};
 
@@ -43,6 +46,8 @@ pub struct Config {
     /// First resend of an unacknowledged message; doubles up to `resend_max`.
     pub resend: Duration,
     pub resend_max: Duration,
+    /// Run only while holding this Lease (replicas as hot standbys); `None`: always run.
+    pub leader: Option<LeaseConfig>,
 }
 
 impl Default for Config {
@@ -56,6 +61,7 @@ impl Default for Config {
             client_id: "edgemeta-edgecontroller".to_owned(),
             resend: Duration::from_secs(5),
             resend_max: Duration::from_secs(60),
+            leader: None,
         }
     }
 }

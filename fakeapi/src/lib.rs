@@ -68,6 +68,7 @@ pub struct Faults {
 /// A running fake API server.
 pub struct FakeApi {
     address: SocketAddr,
+    shared: Arc<server::Shared>,
     cancel: CancellationToken,
     task: JoinHandle<()>,
 }
@@ -107,7 +108,7 @@ impl FakeApi {
         });
         let app = axum::Router::new()
             .fallback(server::handle)
-            .with_state(shared);
+            .with_state(shared.clone());
         let stop = cancel.clone();
         let task = tokio::spawn(async move {
             let served = axum::serve(listener, app)
@@ -119,6 +120,7 @@ impl FakeApi {
         });
         Ok(FakeApi {
             address,
+            shared,
             cancel,
             task,
         })
@@ -136,6 +138,31 @@ impl FakeApi {
     /// A kubeconfig for this server (no credentials), for `kubectl` and kube-rs.
     pub fn kubeconfig(&self) -> String {
         kubeconfig(&self.url())
+    }
+
+    /// Ends every open watch (as `POST /fake/faults {"drop_watches": true}`).
+    pub fn drop_watches(&self) {
+        self.shared.drops.send_modify(|n| *n += 1);
+    }
+
+    /// Forgets the change history: a watch from any older version gets an `ERROR` 410.
+    pub fn compact(&self) {
+        self.shared.store().compact();
+    }
+
+    /// Replaces the injected faults.
+    pub fn set_faults(&self, faults: Faults) {
+        *self.shared.faults() = faults;
+    }
+
+    /// Writes that changed something, per resource (`pods/status` for status writes).
+    pub fn writes(&self, resource: &str) -> u64 {
+        self.shared
+            .store()
+            .writes
+            .get(resource)
+            .copied()
+            .unwrap_or(0)
     }
 
     /// Stops serving and waits for the server task.
