@@ -99,21 +99,32 @@ struct Controller {
 
 impl Controller {
     fn start(cluster: &Cluster, cloud: &CloudBroker) -> Controller {
+        Controller::start_with(cluster, cloud, &unique_id("controller"), &[])
+    }
+
+    /// A controller with MQTT client id `client_id` and `extra` arguments.
+    fn start_with(
+        cluster: &Cluster,
+        cloud: &CloudBroker,
+        client_id: &str,
+        extra: &[&str],
+    ) -> Controller {
         let log = cluster
             .dir
             .path()
             .join(format!("{}.log", unique_id("controller")));
-        let command = vec![
+        let mut command = vec![
             "edgecontroller".to_owned(),
             "--kubeconfig".to_owned(),
             cluster.kubeconfig().display().to_string(),
             "--broker".to_owned(),
             format!("mqtt://127.0.0.1:{}", cloud.port),
             "--client-id".to_owned(),
-            unique_id("controller"),
+            client_id.to_owned(),
             "--resend-ms".to_owned(),
             "500".to_owned(),
         ];
+        command.extend(extra.iter().map(|a| (*a).to_owned()));
         let mut controller = Controller {
             child: None,
             log,
