@@ -63,6 +63,9 @@ pub struct Faults {
     /// The next this many non-watch requests fail with `fail_code`.
     pub fail_requests: u32,
     pub fail_code: u16,
+    /// The next this many watches get an `ERROR` event with a 410 Status at once, as after a
+    /// compaction of the version they asked for.
+    pub expire_watches: u32,
 }
 
 /// A running fake API server.

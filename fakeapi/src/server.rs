@@ -187,7 +187,7 @@ pub(crate) async fn handle(
             return watch_response(shared, target, &params, &accept)
         }
         (&Method::GET, false) => list(&shared, &target, &params, &accept),
-        (&Method::GET, true) => get(&shared, &target, &accept),
+        (&Method::GET, true) => get(&shared, &target, &params, &accept),
         (&Method::POST, false) => create(&shared, &target, &params, &body),
         (&Method::PUT, true) => update(&shared, &target, &body),
         (&Method::PATCH, true) => patch(&shared, &target, &headers, &body),
@@ -209,7 +209,16 @@ fn namespace_of(target: &Target) -> String {
     target.namespace.clone().unwrap_or_default()
 }
 
-fn get(shared: &Shared, target: &Target, accept: &str) -> Result<(u16, Value), Error> {
+fn include(params: &HashMap<String, String>) -> table::Include {
+    table::Include::from_param(params.get("includeObject").map(String::as_str))
+}
+
+fn get(
+    shared: &Shared,
+    target: &Target,
+    params: &HashMap<String, String>,
+    accept: &str,
+) -> Result<(u16, Value), Error> {
     let name = target.name.as_deref().unwrap_or_default();
     let object = shared
         .store()
@@ -219,7 +228,10 @@ fn get(shared: &Shared, target: &Target, accept: &str) -> Result<(u16, Value), E
             .as_str()
             .unwrap_or_default()
             .to_owned();
-        return Ok((200, table::of(target.kind, &[object], &rv, None)));
+        return Ok((
+            200,
+            table::of(target.kind, &[object], &rv, None, include(params)),
+        ));
     }
     Ok((200, object))
 }
@@ -290,7 +302,10 @@ fn list(
     let objects: Vec<Value> = items.into_iter().map(|(_, _, o)| o).collect();
     let rv = rv.to_string();
     if table::wanted(accept) {
-        return Ok((200, table::of(target.kind, &objects, &rv, cont.as_deref())));
+        return Ok((
+            200,
+            table::of(target.kind, &objects, &rv, cont.as_deref(), include(params)),
+        ));
     }
     let items: Vec<Value> = objects
         .into_iter()
@@ -445,6 +460,13 @@ fn watch_response(
         .get("allowWatchBookmarks")
         .is_some_and(|b| b == "true");
     let as_table = table::wanted(accept);
+    let rows = include(params);
+    let forced_expiry = {
+        let mut faults = shared.faults();
+        let forced = faults.expire_watches > 0;
+        faults.expire_watches = faults.expire_watches.saturating_sub(1);
+        forced
+    };
     let mut drops = shared.drops.subscribe();
     drops.mark_unchanged();
     let (mut changes, initial, expired, mut cursor) = {
@@ -462,7 +484,7 @@ fn watch_response(
                     .collect();
                 (changes, current, false, cursor)
             }
-            Some(rv) if rv < store.floor() => (changes, Vec::new(), true, cursor),
+            Some(rv) if rv < store.floor() || forced_expiry => (changes, Vec::new(), true, cursor),
             Some(rv) => {
                 let replay = store
                     .since(rv)
@@ -480,7 +502,7 @@ fn watch_response(
                 .as_str()
                 .unwrap_or_default()
                 .to_owned();
-            table::of(kind, std::slice::from_ref(object), &rv, None)
+            table::of(kind, std::slice::from_ref(object), &rv, None, rows)
         } else {
             object.clone()
         }
@@ -550,8 +572,8 @@ fn watch_response(
         .unwrap_or_else(|_| error_response(&Error::Injected(500)))
 }
 
-/// `POST /fake/faults` with any of `latency_ms`, `fail_requests` + `fail_code`, `drop_watches`,
-/// `compact`; `GET /fake/stats`.
+/// `POST /fake/faults` with any of `latency_ms`, `fail_requests` + `fail_code`,
+/// `expire_watches`, `drop_watches`, `compact`; `GET /fake/stats`.
 fn fake(shared: &Shared, method: &Method, knob: &str, body: &Bytes) -> Response {
     match (method.as_str(), knob) {
         ("POST", "faults") => {
@@ -563,6 +585,9 @@ fn fake(shared: &Shared, method: &Method, knob: &str, body: &Bytes) -> Response 
                 let mut faults = shared.faults();
                 if let Some(ms) = request["latency_ms"].as_u64() {
                     faults.latency_ms = ms;
+                }
+                if let Some(n) = request["expire_watches"].as_u64() {
+                    faults.expire_watches = u32::try_from(n).unwrap_or(u32::MAX);
                 }
                 if let Some(n) = request["fail_requests"].as_u64() {
                     faults.fail_requests = u32::try_from(n).unwrap_or(u32::MAX);

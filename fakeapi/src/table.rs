@@ -137,14 +137,37 @@ fn cells(kind: &Kind, object: &Value) -> Vec<Value> {
     }
 }
 
+/// What each row carries, from `includeObject` (`None`, `Metadata` (default), `Object`):
+/// `kubectl get -o custom-columns` asks for whole objects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Include {
+    Nothing,
+    Metadata,
+    Object,
+}
+
+impl Include {
+    pub fn from_param(param: Option<&str>) -> Include {
+        match param {
+            Some("None") => Include::Nothing,
+            Some("Object") => Include::Object,
+            _ => Include::Metadata,
+        }
+    }
+}
+
 /// A Table of `objects`; `rv` and `cont` go into its list metadata.
-pub fn of(kind: &Kind, objects: &[Value], rv: &str, cont: Option<&str>) -> Value {
+pub fn of(kind: &Kind, objects: &[Value], rv: &str, cont: Option<&str>, include: Include) -> Value {
     let rows: Vec<Value> = objects
         .iter()
         .map(|o| {
-            json!({"cells": cells(kind, o),
-                   "object": {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
-                              "metadata": o["metadata"]}})
+            let object = match include {
+                Include::Nothing => Value::Null,
+                Include::Metadata => json!({"kind": "PartialObjectMetadata",
+                    "apiVersion": "meta.k8s.io/v1", "metadata": o["metadata"]}),
+                Include::Object => o.clone(),
+            };
+            json!({"cells": cells(kind, o), "object": object})
         })
         .collect();
     let mut metadata = json!({"resourceVersion": rv});
