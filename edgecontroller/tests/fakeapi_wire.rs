@@ -73,7 +73,7 @@ async fn kube_rs_watcher_loses_no_event_across_dropped_watches_and_410s() {
             watcher::Event::InitDone => {}
         }
     };
-    // 300 writes over 20 objects; every 40 a dropped watch, every 100 a compaction (410).
+    // 300 writes over 20 objects; every 40 a dropped watch, every 100 a 410 Expired.
     let mut want: BTreeMap<String, String> = BTreeMap::new();
     for i in 0..300u32 {
         let name = format!("cm{}", i % 20);
@@ -83,22 +83,23 @@ async fn kube_rs_watcher_loses_no_event_across_dropped_watches_and_410s() {
                 .await
                 .ok();
             want.remove(&name);
-        } else if want.contains_key(&name) {
-            configmaps
-                .patch(
-                    &name,
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({"data": {"v": i.to_string()}})),
-                )
-                .await
-                .expect("patch");
-            want.insert(name, i.to_string());
         } else {
-            configmaps
-                .create(&PostParams::default(), &configmap(&name, i))
-                .await
-                .expect("create");
-            want.insert(name, i.to_string());
+            let exists = want.insert(name.clone(), i.to_string()).is_some();
+            if exists {
+                configmaps
+                    .patch(
+                        &name,
+                        &PatchParams::default(),
+                        &Patch::Merge(json!({"data": {"v": i.to_string()}})),
+                    )
+                    .await
+                    .expect("patch");
+            } else {
+                configmaps
+                    .create(&PostParams::default(), &configmap(&name, i))
+                    .await
+                    .expect("create");
+            }
         }
         if i % 40 == 39 {
             api.drop_watches();
