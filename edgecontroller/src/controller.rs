@@ -630,7 +630,7 @@ impl Owner {
             self.finish_delete(&up.namespace, &name, &uid);
             return;
         }
-        let mut out = Outgoing {
+        let out = Outgoing {
             node: up.node.clone(),
             operation: "insert",
             resource: format!("{}/pod/{name}", up.namespace),
@@ -640,7 +640,6 @@ impl Owner {
                 .and_then(|r| r.parse().ok()),
             force: true,
         };
-        out.force = true;
         self.submit(vec![out]).await;
     }
 

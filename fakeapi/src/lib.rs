@@ -168,6 +168,40 @@ impl FakeApi {
             .unwrap_or(0)
     }
 
+    /// Creates `object` in `namespace` ("" for cluster-scoped) as a POST would, without HTTP:
+    /// for benchmarks that load thousands of objects. `plural` is the core resource (`pods`).
+    ///
+    /// # Errors
+    /// As the POST would fail (unknown resource: [`Error::BadRequest`]).
+    pub fn create(
+        &self,
+        plural: &str,
+        namespace: &str,
+        object: serde_json::Value,
+    ) -> Result<serde_json::Value, Error> {
+        let kind = kinds::Kind::find("", "v1", plural)
+            .ok_or_else(|| Error::BadRequest(format!("no resource {plural}")))?;
+        self.shared.store().create(kind, namespace, object)
+    }
+
+    /// Replaces `object` (with its `metadata.resourceVersion`, if any, as precondition).
+    ///
+    /// # Errors
+    /// As the PUT would fail.
+    pub fn update(
+        &self,
+        plural: &str,
+        namespace: &str,
+        name: &str,
+        object: serde_json::Value,
+    ) -> Result<serde_json::Value, Error> {
+        let kind = kinds::Kind::find("", "v1", plural)
+            .ok_or_else(|| Error::BadRequest(format!("no resource {plural}")))?;
+        self.shared
+            .store()
+            .update(kind, namespace, name, object, false)
+    }
+
     /// Stops serving and waits for the server task.
     pub async fn stop(self) {
         self.cancel.cancel();
