@@ -634,3 +634,24 @@ async fn the_standby_replica_takes_over_when_the_leader_is_killed() {
     assert_eq!(spec.holder_identity.as_deref(), Some("replica-b"));
     assert_eq!(spec.lease_transitions, Some(1));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_watches_and_410s_lose_no_change_on_the_way_to_the_node() {
+    let rig = Rig::start().await;
+    let file = pod_with_configmap(&rig).await;
+    let api = rig.cluster.api.as_ref().expect("fake API server");
+    for round in 1..=3 {
+        // Every watch ends; the next ones are answered 410 Expired, so the controller's
+        // watchers list again; meanwhile the configmap changes.
+        api.set_faults(edgemeta_fakeapi::Faults {
+            expire_watches: 4,
+            ..edgemeta_fakeapi::Faults::default()
+        });
+        api.drop_watches();
+        set_mode(&rig, &format!("after-{round}")).await;
+        await_file(&file, &format!("after-{round}"), &rig).await;
+    }
+    // Each round made the controller's watches list again (4 initial lists, then one per 410).
+    let lists = rig.controller.log().matches("watch synced").count();
+    assert!(lists >= 4 + 3, "{lists} lists\n{}", rig.logs());
+}
