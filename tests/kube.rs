@@ -655,3 +655,93 @@ async fn dropped_watches_and_410s_lose_no_change_on_the_way_to_the_node() {
     let lists = rig.controller.log().matches("watch synced").count();
     assert!(lists >= 4 + 3, "{lists} lists\n{}", rig.logs());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_registers_itself_and_reports_its_status_but_only_its_own() {
+    let cluster = Cluster::start().await;
+    let cloud = CloudBroker::start().await;
+    let controller = Controller::start(&cluster, &cloud);
+    // The node's side of the cloud broker, as its bridge would speak it.
+    let node = unique_id("edge");
+    let mut link = Client::connect(cloud.port, &unique_id("bridge")).await;
+    link.subscribe(&format!("kubeedge/{node}/down/#")).await;
+    await_log(&controller, "connected to the cloud broker").await;
+    let up = |op: &str| format!("kubeedge/{node}/up/edged/{op}/default/nodestatus");
+    let down = |op: &str| format!("kubeedge/{node}/down/edgecontroller/{op}/default/nodestatus");
+
+    let (id, payload) = envelope(
+        "edged",
+        "insert",
+        &format!("default/nodestatus/{node}"),
+        json!({"metadata": {"name": node, "labels": {"site": "shop-7"}},
+               "status": {"nodeInfo": {"kubeletVersion": "edgemeta"}}}),
+    );
+    link.publish(&up("insert"), payload).await;
+    let ok = link.expect_reply(&down("response"), &id).await;
+    assert_eq!(ok.content(), json!("OK"), "{}", controller.log());
+    let nodes: Api<KubeNode> = Api::all(cluster.client.clone());
+    let registered = nodes.get(&node).await.expect("registered");
+    let labels = registered.metadata.labels.clone().unwrap_or_default();
+    assert_eq!(
+        labels
+            .get("node-role.kubernetes.io/edge")
+            .map(String::as_str),
+        Some("")
+    );
+    assert_eq!(labels.get("site").map(String::as_str), Some("shop-7"));
+
+    let ready = json!({"Status": {"conditions": [{"type": "Ready", "status": "True", "reason": "EdgeReady"}],
+                                  "addresses": [{"type": "InternalIP", "address": "10.0.0.7"}]}});
+    let (id, payload) = envelope(
+        "edged",
+        "update",
+        &format!("default/nodestatus/{node}"),
+        ready.clone(),
+    );
+    link.publish(&up("update"), payload).await;
+    link.expect_reply(&down("response"), &id).await;
+    let status = nodes
+        .get(&node)
+        .await
+        .expect("node")
+        .status
+        .expect("status");
+    let condition = &status.conditions.expect("conditions")[0];
+    assert_eq!(condition.status, "True");
+    assert!(condition.last_heartbeat_time.is_some() && condition.last_transition_time.is_some());
+    let first_transition = condition.last_transition_time.clone();
+    // The same report again: the heartbeat moves on, the transition time stays.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let (id, payload) = envelope(
+        "edged",
+        "update",
+        &format!("default/nodestatus/{node}"),
+        ready,
+    );
+    link.publish(&up("update"), payload).await;
+    link.expect_reply(&down("response"), &id).await;
+    let status = nodes
+        .get(&node)
+        .await
+        .expect("node")
+        .status
+        .expect("status");
+    let condition = &status.conditions.expect("conditions")[0];
+    assert_eq!(condition.last_transition_time, first_transition);
+
+    // Another node's name is refused.
+    let (id, payload) = envelope(
+        "edged",
+        "insert",
+        "default/nodestatus/someone-else",
+        json!({}),
+    );
+    link.publish(&up("insert"), payload).await;
+    let refused = link.expect_reply(&down("error"), &id).await;
+    assert!(
+        refused.content().to_string().contains("forbidden"),
+        "{}",
+        refused.content()
+    );
+    assert!(nodes.get_opt("someone-else").await.expect("get").is_none());
+}

@@ -481,6 +481,7 @@ impl Owner {
                 }
             }
             ("update", "podstatus") => self.pod_status(&up, &envelope).await,
+            ("insert" | "update", "nodestatus") => self.node_status(&up, envelope),
             ("delete", "pod") => self.pod_gone(&up, &envelope).await,
             ("query", _) => self.query(&up, &envelope).await,
             (op, kind) => debug!(node = %up.node, op, kind, "up message not handled"),
@@ -501,6 +502,46 @@ impl Owner {
             sends.extend(self.delivery.submit(out, now));
         }
         self.publish_all(sends).await;
+    }
+
+    /// `insert <ns>/nodestatus/<node>` registers the node: its Node is created (with the edge
+    /// label) unless it exists; `update` (KubeEdge's `NodeStatusRequest{Status}`) writes the
+    /// Node's status, unchanged conditions keeping their transition times and every condition's
+    /// heartbeat refreshed (KubeEdge v1.3 upstream.go `registerNode`, `updateNodeStatus`).
+    /// A node speaks only for itself; the answer is `response "OK"` or `error`.
+    fn node_status(&self, up: &UpTopic, envelope: Envelope) {
+        let name = resource_name(up, &envelope).unwrap_or_else(|| up.node.clone());
+        let api: Api<Node> = Api::all(self.client.clone());
+        let (mqtt, root, node) = (self.mqtt.clone(), self.root.clone(), up.node.clone());
+        let register = up.operation == "insert";
+        let writers = self.writers.clone();
+        tokio::spawn(async move {
+            let Ok(_permit) = writers.acquire_owned().await else {
+                return;
+            };
+            let outcome = if name != node {
+                Err(format!(
+                    "forbidden: node {node} may not write the status of node {name}"
+                ))
+            } else if register {
+                register_node(&api, &name, &envelope.content).await
+            } else {
+                update_node_status(&api, &name, &envelope.content).await
+            };
+            let reply = match outcome {
+                Ok(()) => Envelope::reply("response", &envelope, json!("OK")),
+                Err(text) => {
+                    warn!(error_code = "EM-EC-NODESTATUS", node = %node, error = %text, "node status not written");
+                    Envelope::reply("error", &envelope, json!(text))
+                }
+            };
+            let topic = down_topic(&root, &node, &reply.route.operation, &reply.route.resource);
+            if let Ok(payload) = serde_json::to_vec(&reply) {
+                if let Err(e) = mqtt.publish(topic, QoS::AtLeastOnce, false, payload).await {
+                    warn!(error_code = "EM-EC-MQTT", error = %e, "node status reply not queued");
+                }
+            }
+        });
     }
 
     /// `update <ns>/podstatus[/<name>]`: one `{UID, Name, Status}` or a list of them.
@@ -686,4 +727,62 @@ impl Owner {
             }
         }
     }
+}
+
+/// Creates Node `name` from the node's document unless it exists, with the edge label.
+async fn register_node(api: &Api<Node>, name: &str, content: &Value) -> Result<(), String> {
+    match api.get_opt(name).await {
+        Ok(Some(_)) => return Ok(()),
+        Ok(None) => {}
+        Err(e) => return Err(e.to_string()),
+    }
+    let mut document = if content.is_object() {
+        content.clone()
+    } else {
+        json!({})
+    };
+    document["apiVersion"] = json!("v1");
+    document["kind"] = json!("Node");
+    document["metadata"] = json!({"name": name, "labels": document["metadata"]["labels"].clone()});
+    if !document["metadata"]["labels"].is_object() {
+        document["metadata"]["labels"] = json!({});
+    }
+    document["metadata"]["labels"][EDGE_LABEL] = json!("");
+    let node: Node = serde_json::from_value(document).map_err(|e| format!("not a Node: {e}"))?;
+    match api.create(&kube::api::PostParams::default(), &node).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Writes the reported status of Node `name` (`{"Status": NodeStatus}`, or the status itself).
+async fn update_node_status(api: &Api<Node>, name: &str, content: &Value) -> Result<(), String> {
+    let reported = content
+        .get("Status")
+        .or_else(|| content.get("status"))
+        .unwrap_or(content);
+    if !reported.is_object() {
+        return Err("no node status in the message".to_owned());
+    }
+    let current = api.get(name).await.map_err(|e| e.to_string())?;
+    let current = serde_json::to_value(&current.status).unwrap_or(Value::Null);
+    let now = status::now();
+    let mut wanted = status::merge(&current, reported, &now);
+    if let Some(conditions) = wanted["conditions"].as_array_mut() {
+        for condition in conditions {
+            condition["lastHeartbeatTime"] = json!(now);
+        }
+    }
+    // What the node cannot know stays as the API has it.
+    for kept in ["daemonEndpoints", "volumesAttached"] {
+        if wanted.get(kept).is_none() && !current[kept].is_null() {
+            wanted[kept] = current[kept].clone();
+        }
+    }
+    let patch = status::patch(&current, &wanted);
+    api.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map(|_| ())
+        .map_err(|e| e.to_string())
 }

@@ -134,7 +134,13 @@ impl Delivery {
         let slot = self.slots.get_mut(&key)?;
         let flight = slot.in_flight.take()?;
         slot.acked = Some((flight.rv, flight.delete));
-        let queued = slot.queued.take()?;
+        let Some(queued) = slot.queued.take() else {
+            // A delete the node has: nothing is left to remember about that object.
+            if flight.delete {
+                self.slots.remove(&key);
+            }
+            return None;
+        };
         self.submit(queued, now)
     }
 
