@@ -657,7 +657,7 @@ async fn dropped_watches_and_410s_lose_no_change_on_the_way_to_the_node() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_node_registers_itself_and_reports_its_status_but_only_its_own() {
+async fn a_node_registers_itself_reports_its_status_and_lease_but_only_its_own() {
     let cluster = Cluster::start().await;
     let cloud = CloudBroker::start().await;
     let controller = Controller::start(&cluster, &cloud);
@@ -728,6 +728,33 @@ async fn a_node_registers_itself_and_reports_its_status_but_only_its_own() {
         .expect("status");
     let condition = &status.conditions.expect("conditions")[0];
     assert_eq!(condition.last_transition_time, first_transition);
+
+    // Its heartbeat Lease, created then renewed.
+    let lease_up = format!("kubeedge/{node}/up/edged/update/kube-node-lease/lease");
+    let lease_down = format!("kubeedge/{node}/down/edgecontroller/response/kube-node-lease/lease");
+    for renew in ["2026-11-25T15:00:00.000000Z", "2026-11-25T15:00:10.000000Z"] {
+        let (id, payload) = envelope(
+            "edged",
+            "update",
+            &format!("kube-node-lease/lease/{node}"),
+            json!({"spec": {"holderIdentity": node, "leaseDurationSeconds": 40, "renewTime": renew}}),
+        );
+        link.publish(&lease_up, payload).await;
+        let stored = link.expect_reply(&lease_down, &id).await;
+        assert_eq!(
+            stored.content()["spec"]["renewTime"],
+            renew,
+            "{}",
+            controller.log()
+        );
+    }
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(cluster.client.clone(), "kube-node-lease");
+    let lease = leases.get(&node).await.expect("lease");
+    assert_eq!(
+        lease.spec.and_then(|s| s.holder_identity).as_deref(),
+        Some(node.as_str())
+    );
 
     // Another node's name is refused.
     let (id, payload) = envelope(

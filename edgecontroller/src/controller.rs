@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
 use kube::config::{KubeConfigOptions, Kubeconfig};
@@ -69,6 +70,9 @@ enum Input {
         ok: bool,
     },
 }
+
+/// Where nodes' heartbeat Leases live (as kubelet's).
+const NODE_LEASE_NAMESPACE: &str = "kube-node-lease";
 
 /// How many API writes run at once.
 const WRITERS: usize = 32;
@@ -482,6 +486,7 @@ impl Owner {
             }
             ("update", "podstatus") => self.pod_status(&up, &envelope).await,
             ("insert" | "update", "nodestatus") => self.node_status(&up, envelope),
+            ("insert" | "update", "lease") => self.node_lease(&up, envelope),
             ("delete", "pod") => self.pod_gone(&up, &envelope).await,
             ("query", _) => self.query(&up, &envelope).await,
             (op, kind) => debug!(node = %up.node, op, kind, "up message not handled"),
@@ -512,33 +517,66 @@ impl Owner {
     fn node_status(&self, up: &UpTopic, envelope: Envelope) {
         let name = resource_name(up, &envelope).unwrap_or_else(|| up.node.clone());
         let api: Api<Node> = Api::all(self.client.clone());
-        let (mqtt, root, node) = (self.mqtt.clone(), self.root.clone(), up.node.clone());
+        let node = up.node.clone();
         let register = up.operation == "insert";
+        let content = envelope.content.clone();
+        self.answer_later(up, envelope, "EM-EC-NODESTATUS", async move {
+            if name != node {
+                return Err(format!(
+                    "forbidden: node {node} may not write the status of node {name}"
+                ));
+            }
+            if register {
+                register_node(&api, &name, &content).await?;
+            } else {
+                update_node_status(&api, &name, &content).await?;
+            }
+            Ok(json!("OK"))
+        });
+    }
+
+    /// `insert|update kube-node-lease/lease/<node>`: the node's heartbeat Lease is created or
+    /// replaced with the node's `spec`; the answer is the stored Lease. A node writes only the
+    /// Lease named after itself, in `kube-node-lease`.
+    fn node_lease(&self, up: &UpTopic, envelope: Envelope) {
+        let name = resource_name(up, &envelope).unwrap_or_else(|| up.node.clone());
+        let namespace = up.namespace.clone();
+        let api: Api<Lease> = Api::namespaced(self.client.clone(), &up.namespace);
+        let node = up.node.clone();
+        let content = envelope.content.clone();
+        self.answer_later(up, envelope, "EM-EC-LEASE-WRITE", async move {
+            if name != node || namespace != NODE_LEASE_NAMESPACE {
+                return Err(format!(
+                    "forbidden: node {node} may write only lease {NODE_LEASE_NAMESPACE}/{node}, not {namespace}/{name}"
+                ));
+            }
+            write_lease(&api, &name, &content).await
+        });
+    }
+
+    /// Runs `work` beside the owner task (bounded by the writers) and answers `request` with
+    /// `response` and its value, or `error` and its text (logged with `code`).
+    fn answer_later<F>(&self, up: &UpTopic, request: Envelope, code: &'static str, work: F)
+    where
+        F: std::future::Future<Output = Result<Value, String>> + Send + 'static,
+    {
+        let (mqtt, root, node) = (self.mqtt.clone(), self.root.clone(), up.node.clone());
         let writers = self.writers.clone();
         tokio::spawn(async move {
             let Ok(_permit) = writers.acquire_owned().await else {
                 return;
             };
-            let outcome = if name != node {
-                Err(format!(
-                    "forbidden: node {node} may not write the status of node {name}"
-                ))
-            } else if register {
-                register_node(&api, &name, &envelope.content).await
-            } else {
-                update_node_status(&api, &name, &envelope.content).await
-            };
-            let reply = match outcome {
-                Ok(()) => Envelope::reply("response", &envelope, json!("OK")),
+            let reply = match work.await {
+                Ok(content) => Envelope::reply("response", &request, content),
                 Err(text) => {
-                    warn!(error_code = "EM-EC-NODESTATUS", node = %node, error = %text, "node status not written");
-                    Envelope::reply("error", &envelope, json!(text))
+                    warn!(error_code = code, node = %node, resource = %request.route.resource, error = %text, "request refused or failed");
+                    Envelope::reply("error", &request, json!(text))
                 }
             };
             let topic = down_topic(&root, &node, &reply.route.operation, &reply.route.resource);
             if let Ok(payload) = serde_json::to_vec(&reply) {
                 if let Err(e) = mqtt.publish(topic, QoS::AtLeastOnce, false, payload).await {
-                    warn!(error_code = "EM-EC-MQTT", error = %e, "node status reply not queued");
+                    warn!(error_code = "EM-EC-MQTT", error = %e, "reply not queued");
                 }
             }
         });
@@ -785,4 +823,35 @@ async fn update_node_status(api: &Api<Node>, name: &str, content: &Value) -> Res
         .await
         .map(|_| ())
         .map_err(|e| e.to_string())
+}
+
+/// Creates or replaces Lease `name` with the node's `spec` (a concurrent change is retried).
+async fn write_lease(api: &Api<Lease>, name: &str, content: &Value) -> Result<Value, String> {
+    let spec = content.get("spec").cloned().unwrap_or_else(|| json!({}));
+    for _ in 0..3 {
+        let current = api.get_opt(name).await.map_err(|e| e.to_string())?;
+        let mut document = json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                                   "metadata": {"name": name}, "spec": spec});
+        if let Some(rv) = current
+            .as_ref()
+            .and_then(|c| c.metadata.resource_version.clone())
+        {
+            document["metadata"]["resourceVersion"] = json!(rv);
+        }
+        let lease: Lease =
+            serde_json::from_value(document).map_err(|e| format!("not a Lease spec: {e}"))?;
+        let written = match current {
+            None => api.create(&kube::api::PostParams::default(), &lease).await,
+            Some(_) => {
+                api.replace(name, &kube::api::PostParams::default(), &lease)
+                    .await
+            }
+        };
+        match written {
+            Ok(lease) => return Ok(serde_json::to_value(&lease).unwrap_or(Value::Null)),
+            Err(kube::Error::Api(s)) if s.code == 409 => continue,
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    Err(format!("lease {name} kept changing; not written"))
 }
