@@ -11,7 +11,11 @@
 //! - `table`: `meta.k8s.io/v1` Tables for `kubectl get`.
 //!
 //! Not a real API server: no authentication, admission, defaulting beyond a pod's initial
-//! status, or server-side apply; strategic merge patches are applied as JSON merge patches.
+//! status, or server-side apply; strategic merge patches are applied as JSON merge patches; no
+//! OpenAPI documents (`kubectl apply --validate=false`) and no protobuf bodies (`kubectl
+//! create <kind>` fails); a watch whose selector stops matching an object does not turn its
+//! MODIFIED into DELETED. As with the real one, a gracefully deleted pod bound to a node stays,
+//! marked, until a grace-0 delete (its node's job): nothing removes it when the period ends.
 
 mod error;
 mod kinds;
