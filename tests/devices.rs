@@ -346,7 +346,7 @@ impl Mapper {
         assert!(
             updated["removed_devices"]
                 .as_array()
-                .map_or(true, Vec::is_empty),
+                .is_none_or(Vec::is_empty),
             "{updated}"
         );
         updated
@@ -568,7 +568,7 @@ async fn a_mapper_reads_and_reports_its_twin_and_state_on_a_standalone_node() {
     assert!(
         updated["added_devices"]
             .as_array()
-            .map_or(true, Vec::is_empty),
+            .is_none_or(Vec::is_empty),
         "{updated}"
     );
     assert_eq!(device_tables(&node).await, Vec::<Value>::new());
@@ -1156,7 +1156,7 @@ async fn bad_reports_get_400_unknown_devices_404_and_nothing_changes() {
             "{case}: {answer}"
         );
         assert!(
-            answer.get("twin").map_or(true, Value::is_null),
+            answer.get("twin").is_none_or(Value::is_null),
             "{case}: {answer}"
         );
     };

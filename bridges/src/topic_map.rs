@@ -12,6 +12,7 @@ pub struct TopicMap {
     local_meta: String,
     up: String,
     down: String,
+    connection: String,
 }
 
 impl TopicMap {
@@ -21,6 +22,7 @@ impl TopicMap {
             local_meta: format!("{local_root}/meta/"),
             up: format!("{cloud_root}/{node_id}/up/"),
             down: format!("{cloud_root}/{node_id}/down/"),
+            connection: format!("{cloud_root}/{node_id}/connection"),
         }
     }
 
@@ -32,6 +34,14 @@ impl TopicMap {
     /// The local filter whose traffic goes up.
     pub fn local_cloud_filter(&self) -> String {
         format!("{}#", self.local_cloud)
+    }
+
+    /// `<cloud_root>/<node_id>/connection`: the bridge's birth message (`cloud_connected`, on
+    /// every connection) and Last Will (`cloud_disconnected`), retained, so the cloud's
+    /// controller knows when to resync this node (protocol §5). Beside `up/`, not under it: it
+    /// is session state, not outbox traffic.
+    pub fn connection(&self) -> String {
+        self.connection.clone()
     }
 
     /// Local cloud-bound topic → cloud topic; `None` if it is not cloud-bound.
@@ -55,6 +65,11 @@ mod tests {
 
     fn map() -> TopicMap {
         TopicMap::new("ke", "kubeedge", "node-1")
+    }
+
+    #[test]
+    fn the_connection_topic_sits_beside_up_and_down() {
+        assert_eq!(map().connection(), "kubeedge/node-1/connection");
     }
 
     #[test]

@@ -185,6 +185,14 @@ impl Agent {
                 &format!("{namespace}/pod"),
             );
         }
+        // Configmaps and secrets may have changed while edged was away (pushed changes were
+        // handed on to nobody): look each known one up again; a changed answer rewrites the
+        // volume files of the pods using it.
+        let known: Vec<(ConfigKind, Key)> = self.configs.keys().cloned().collect();
+        for (kind, key) in known {
+            let resource = config_resource(kind, &key);
+            self.query(Query::Config { kind, key }, &resource);
+        }
         // Pods that wait on a lookup ask again (the answers of the old session are lost).
         let waiting: Vec<Key> = self
             .pods

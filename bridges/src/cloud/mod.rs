@@ -80,8 +80,15 @@ impl CloudBridge {
         ingress: Ingress,
         outbox: OutboxHandle,
     ) -> Result<CloudBridge, Error> {
-        let options = config.mqtt_options()?;
+        let mut options = config.mqtt_options()?;
         let map = TopicMap::new(local_root, &config.root, &config.node_id);
+        // The broker publishes this when the session ends without a DISCONNECT (protocol §5).
+        options.set_last_will(rumqttc::LastWill::new(
+            map.connection(),
+            signal::envelope(LinkState::Disconnected),
+            rumqttc::QoS::AtLeastOnce,
+            true,
+        ));
         Ok(CloudBridge {
             config,
             options,

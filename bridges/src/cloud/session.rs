@@ -61,6 +61,12 @@ impl Session<'_> {
         if let Err(e) = client.try_subscribe(self.map.down_filter(), QoS::AtLeastOnce) {
             return lost(e.into());
         }
+        // The birth message, retained: the cloud's controller resyncs this node (protocol §5).
+        // It goes out before any outbox entry, so `exchange` knows the first publish is it.
+        let birth = super::signal::envelope(LinkState::Connected);
+        if let Err(e) = client.try_publish(self.map.connection(), QoS::AtLeastOnce, true, birth) {
+            return lost(e.into());
+        }
         // Not a child of `cancel`: on shutdown the acks of what is already committed may still
         // go out with the DISCONNECT; the session stops its tasks itself once that is done.
         let stop = CancellationToken::new();
@@ -143,6 +149,9 @@ async fn exchange(
     down: &mut DownQueue,
     redeliver: &Notify,
 ) -> Result<(), Error> {
+    // The birth message is the session's first publish; its packet id is not the outbox's.
+    let mut birth_pending = true;
+    let mut birth_pkid = None;
     loop {
         egress.fill(client).await?;
         tokio::select! {
@@ -151,7 +160,12 @@ async fn exchange(
             _ = redeliver.notified() => return Err(Error::Redeliver),
             handed = down.hand_over(), if down.has_pending() => handed?,
             event = eventloop.poll(), if down.has_room() => match event? {
+                Event::Outgoing(Outgoing::Publish(pkid)) if birth_pending => {
+                    birth_pending = false;
+                    birth_pkid = Some(pkid);
+                }
                 Event::Outgoing(Outgoing::Publish(pkid)) => egress.sent(pkid),
+                Event::Incoming(Packet::PubAck(ack)) if birth_pkid == Some(ack.pkid) => birth_pkid = None,
                 Event::Incoming(Packet::PubAck(ack)) => egress.acked(ack.pkid).await?,
                 Event::Incoming(Packet::Publish(publish)) => down.received(publish),
                 // From here on the cloud broker queues what it sends this node, also across

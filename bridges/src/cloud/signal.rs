@@ -13,12 +13,23 @@ pub(super) enum LinkState {
 }
 
 impl LinkState {
-    fn as_str(self) -> &'static str {
+    pub(super) fn as_str(self) -> &'static str {
         match self {
             LinkState::Connected => "cloud_connected",
             LinkState::Disconnected => "cloud_disconnected",
         }
     }
+}
+
+/// The connection signal's envelope: locally, and to the cloud as birth message and Last Will.
+pub(super) fn envelope(state: LinkState) -> Vec<u8> {
+    let route = Route {
+        source: "edgehub".to_owned(),
+        group: "meta".to_owned(),
+        operation: "connect".to_owned(),
+        resource: "node/connection".to_owned(),
+    };
+    Envelope::new(route, json_string(state.as_str())).to_bytes()
 }
 
 /// Publishes the connection signal through the bridge's link.
@@ -37,14 +48,8 @@ impl Signal {
 
     /// A signal that cannot be published is logged, not returned: the session goes on either way.
     pub(super) async fn send(&self, state: LinkState) {
+        let payload = envelope(state);
         let state = state.as_str();
-        let route = Route {
-            source: "edgehub".to_owned(),
-            group: "meta".to_owned(),
-            operation: "connect".to_owned(),
-            resource: "node/connection".to_owned(),
-        };
-        let payload = Envelope::new(route, json_string(state)).to_bytes();
         if self
             .publisher
             .publish(Message::new(self.topic.clone(), payload))

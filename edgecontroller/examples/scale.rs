@@ -1,0 +1,310 @@
+//! The edgecontroller at scale: the fake API server with N edge Nodes and P pods (P/N each,
+//! all referencing one configmap), a mosquitto cloud broker, the controller in its own process,
+//! and N simulated nodes (MQTT sessions from this process that ack like a MetaManager and
+//! report pod status like edged). Prints initial sync time, configmap fan-out latency,
+//! status writes per second and the controller's RSS.
+//!
+//! Run with:
+//! `cargo run --profile kube-bench -p edgemeta-edgecontroller --example scale -- --nodes 1000 --pods 10000`
+
+use std::collections::HashMap;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use edgemeta_fakeapi::{Config, FakeApi};
+use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+/// What the simulated nodes saw: per node, when each (resource, rv) first arrived.
+#[derive(Default)]
+struct Seen {
+    arrivals: HashMap<(usize, String), (String, Instant)>,
+}
+
+fn arg(name: &str, default: usize) -> usize {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or(18_830)
+}
+
+fn rss_kib(pid: u32, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with(field))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+fn percentile(sorted: &[Duration], p: usize) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    sorted[((sorted.len() * p).div_ceil(100)).max(1) - 1]
+}
+
+/// One simulated node: acks every down message, answers each pod with a Running status once
+/// `report` is set, and records arrivals.
+fn spawn_node(
+    i: usize,
+    port: u16,
+    seen: Arc<Mutex<Seen>>,
+    report: Arc<std::sync::atomic::AtomicBool>,
+    subscribed: tokio::sync::mpsc::UnboundedSender<usize>,
+) {
+    tokio::spawn(async move {
+        let mut options = MqttOptions::new(format!("sim-{i}"), "127.0.0.1", port);
+        options.set_keep_alive(Duration::from_secs(60));
+        options.set_max_packet_size(1 << 20, 1 << 20);
+        let (client, mut eventloop) = AsyncClient::new(options, 256);
+        let node = format!("n{i}");
+        let mut pods: Vec<(String, String)> = Vec::new();
+        let mut reported = false;
+        let mut tick = tokio::time::interval(Duration::from_millis(200));
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {
+                    if !reported && report.load(std::sync::atomic::Ordering::Relaxed) {
+                        reported = true;
+                        let items: Vec<Value> = pods.iter().map(|(name, uid)| json!({"UID": uid, "Name": name,
+                            "Status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}})).collect();
+                        let envelope = json!({"header": {"msg_id": format!("s-{i}"), "timestamp": 0},
+                            "route": {"source": "meta", "group": "meta", "operation": "update", "resource": "default/podstatus"},
+                            "content": items});
+                        let _ = client.try_publish(format!("kubeedge/{node}/up/meta/update/default/podstatus"), QoS::AtLeastOnce, false, envelope.to_string());
+                    }
+                }
+                event = eventloop.poll() => match event {
+                    Ok(Event::Incoming(Packet::ConnAck(_))) => {
+                        let _ = client.try_subscribe(format!("kubeedge/{node}/down/#"), QoS::AtLeastOnce);
+                    }
+                    Ok(Event::Incoming(Packet::SubAck(_))) => {
+                        let _ = subscribed.send(i);
+                    }
+                    Ok(Event::Incoming(Packet::Publish(p))) => {
+                        let Ok(envelope) = serde_json::from_slice::<Value>(&p.payload) else { continue };
+                        let resource = envelope["route"]["resource"].as_str().unwrap_or_default().to_owned();
+                        let rv = envelope["header"]["resourceversion"].as_str().unwrap_or_default().to_owned();
+                        if resource.contains("/pod/") && envelope["route"]["operation"] == "insert" {
+                            let name = envelope["content"]["metadata"]["name"].as_str().unwrap_or_default().to_owned();
+                            let uid = envelope["content"]["metadata"]["uid"].as_str().unwrap_or_default().to_owned();
+                            pods.push((name, uid));
+                        }
+                        if let Ok(mut seen) = seen.lock() {
+                            let slot = seen.arrivals.entry((i, resource.clone())).or_insert((String::new(), Instant::now()));
+                            if slot.0 != rv {
+                                *slot = (rv, Instant::now());
+                            }
+                        }
+                        let ack = json!({"header": {"msg_id": format!("a-{i}-{}", p.pkid), "parent_msg_id": envelope["header"]["msg_id"], "timestamp": 0},
+                            "route": {"source": "meta", "group": "resource", "operation": "response", "resource": resource},
+                            "content": "OK"});
+                        let _ = client.try_publish(format!("kubeedge/{node}/up/meta/response/default/x"), QoS::AtLeastOnce, false, ack.to_string());
+                    }
+                    Ok(_) => {}
+                    Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+                },
+            }
+        }
+    });
+}
+
+async fn controller_mode() -> Result<(), edgemeta_edgecontroller::Error> {
+    let args: Vec<String> = std::env::args().collect();
+    let value = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+            .unwrap_or_default()
+    };
+    let config = edgemeta_edgecontroller::Config {
+        kubeconfig: Some(value("--kubeconfig").into()),
+        broker: value("--broker"),
+        ..edgemeta_edgecontroller::Config::default()
+    };
+    edgemeta_edgecontroller::run(config, CancellationToken::new()).await
+}
+
+#[tokio::main]
+async fn main() {
+    if std::env::args().any(|a| a == "--controller") {
+        if let Err(e) = controller_mode().await {
+            eprintln!("controller: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
+    let nodes = arg("--nodes", 1000);
+    let pods = arg("--pods", 10_000);
+    let dir = std::env::temp_dir().join(format!("edgemeta-scale-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+
+    // The cluster.
+    let api = FakeApi::start(Config::default(), CancellationToken::new())
+        .await
+        .expect("fake API");
+    std::fs::write(dir.join("kubeconfig"), api.kubeconfig()).expect("kubeconfig");
+    api.create(
+        "configmaps",
+        "default",
+        json!({"metadata": {"name": "shared"}, "data": {"v": "0"}}),
+    )
+    .expect("configmap");
+    for n in 0..nodes {
+        api.create("nodes", "", json!({"metadata": {"name": format!("n{n}"), "labels": {"node-role.kubernetes.io/edge": ""}}}))
+            .expect("node");
+    }
+    for p in 0..pods {
+        api.create("pods", "default", json!({"metadata": {"name": format!("p{p}")},
+            "spec": {"nodeName": format!("n{}", p % nodes), "containers": [{"name": "c", "image": "x"}],
+                     "volumes": [{"name": "v", "configMap": {"name": "shared"}}]}}))
+            .expect("pod");
+    }
+
+    // The cloud broker.
+    let port = free_port();
+    std::fs::write(
+        dir.join("mosquitto.conf"),
+        format!("listener {port} 127.0.0.1\nallow_anonymous true\nmax_queued_messages 0\nmax_inflight_messages 100\n"),
+    )
+    .expect("mosquitto.conf");
+    let mut mosquitto = Command::new("/usr/sbin/mosquitto")
+        .arg("-c")
+        .arg(dir.join("mosquitto.conf"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("mosquitto");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // The simulated nodes, all subscribed before the controller starts.
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let report = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    for i in 0..nodes {
+        spawn_node(i, port, seen.clone(), report.clone(), tx.clone());
+    }
+    for _ in 0..nodes {
+        rx.recv().await;
+    }
+    eprintln!("{nodes} simulated nodes subscribed");
+
+    // The controller.
+    let started = Instant::now();
+    let mut controller = Command::new(std::env::current_exe().expect("exe"))
+        .arg("--controller")
+        .arg("--kubeconfig")
+        .arg(dir.join("kubeconfig"))
+        .arg("--broker")
+        .arg(format!("mqtt://127.0.0.1:{port}"))
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("controller");
+    let pid = controller.id();
+    // Initial sync: every node has its pods, the configmap and its Node.
+    let per_node = pods / nodes + 2;
+    let want = nodes * per_node;
+    loop {
+        let have = seen.lock().map(|s| s.arrivals.len()).unwrap_or(0);
+        if have >= want {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(600),
+            "sync stuck at {have}/{want}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let sync = started.elapsed();
+    let rss_sync = rss_kib(pid, "VmRSS:");
+    eprintln!("initial sync {sync:?}");
+
+    // Fan-out: one configmap edit reaches every node.
+    let mut latencies = Vec::new();
+    for round in 1..=3 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let edited = Instant::now();
+        let cm = api
+            .update("configmaps", "default", "shared", json!({"metadata": {"name": "shared", "namespace": "default"}, "data": {"v": round.to_string()}}))
+            .expect("edit");
+        let rv = cm["metadata"]["resourceVersion"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        loop {
+            let done: Vec<Duration> = seen
+                .lock()
+                .map(|s| {
+                    (0..nodes)
+                        .filter_map(|n| s.arrivals.get(&(n, "default/configmap/shared".to_owned())))
+                        .filter(|(v, _)| *v == rv)
+                        .map(|(_, at)| at.saturating_duration_since(edited))
+                        .collect()
+                })
+                .unwrap_or_default();
+            if done.len() == nodes {
+                latencies.extend(done);
+                break;
+            }
+            assert!(
+                edited.elapsed() < Duration::from_secs(120),
+                "fan-out stuck at {}",
+                done.len()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    latencies.sort();
+
+    // Status: every node reports all its pods Running at once (meta-internal-sync lists).
+    let before = api.writes("pods/status");
+    let reported = Instant::now();
+    report.store(true, std::sync::atomic::Ordering::Relaxed);
+    loop {
+        let written = api.writes("pods/status") - before;
+        if written >= pods as u64 {
+            break;
+        }
+        assert!(
+            reported.elapsed() < Duration::from_secs(600),
+            "status writes stuck at {written}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let status_time = reported.elapsed();
+    let rate = pods as f64 / status_time.as_secs_f64();
+    let rss = rss_kib(pid, "VmRSS:");
+    let hwm = rss_kib(pid, "VmHWM:");
+    println!(
+        "| {nodes} nodes, {pods} pods | initial sync {:.1} s | fan-out p50 {} ms, p99 {} ms | {:.0} status writes/s | controller RSS {:.1} MB after sync, {:.1} MB at the end, peak {:.1} MB |",
+        sync.as_secs_f64(),
+        percentile(&latencies, 50).as_millis(),
+        percentile(&latencies, 99).as_millis(),
+        rate,
+        rss_sync as f64 / 1024.0,
+        rss as f64 / 1024.0,
+        hwm as f64 / 1024.0,
+    );
+    let _ = controller.kill();
+    let _ = controller.wait();
+    let _ = mosquitto.kill();
+    let _ = mosquitto.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    std::process::exit(0);
+}

@@ -1,0 +1,857 @@
+//! The owner task. Watchers (kube-rs `watcher`) and the cloud broker's `up` messages feed one
+//! loop that owns the routing and delivery state; API writes run beside it, bounded.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::Client;
+use rumqttc::{AsyncClient, Event as MqttEvent, LastWill, MqttOptions, Packet, QoS};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::delivery::{Delivery, Outgoing};
+use crate::envelope::{down_topic, resource_name, Envelope, UpTopic};
+use crate::refs::Ref;
+use crate::routing::{Routing, EDGE_LABEL};
+use crate::{status, Config, Error};
+
+/// Which watch an event came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Watched {
+    Pod,
+    Node,
+    ConfigMap,
+    Secret,
+}
+
+impl Watched {
+    fn kind(self) -> &'static str {
+        match self {
+            Watched::Pod => "pod",
+            Watched::Node => "node",
+            Watched::ConfigMap => "configmap",
+            Watched::Secret => "secret",
+        }
+    }
+}
+
+/// A watch event, objects as JSON.
+#[derive(Debug)]
+enum Change {
+    Apply(Value),
+    Delete(Value),
+    Init,
+    InitApply(Value),
+    InitDone,
+}
+
+/// What the owner task reacts to.
+#[derive(Debug)]
+enum Input {
+    Watch(Watched, Change),
+    Up {
+        topic: String,
+        payload: Vec<u8>,
+    },
+    /// The API write for a pod status finished (`ok`: written).
+    StatusWritten {
+        key: (String, String),
+        ok: bool,
+    },
+}
+
+/// Where nodes' heartbeat Leases live (as kubelet's).
+const NODE_LEASE_NAMESPACE: &str = "kube-node-lease";
+
+/// How many API writes run at once.
+const WRITERS: usize = 32;
+
+async fn kube_client(config: &Config) -> Result<Client, Error> {
+    let kube_config = match &config.kubeconfig {
+        Some(path) => {
+            let file = Kubeconfig::read_from(path)
+                .map_err(|e| Error::Kubeconfig(format!("{}: {e}", path.display())))?;
+            kube::Config::from_custom_kubeconfig(file, &KubeConfigOptions::default())
+                .await
+                .map_err(|e| Error::Kubeconfig(format!("{}: {e}", path.display())))?
+        }
+        None => kube::Config::infer()
+            .await
+            .map_err(|e| Error::Kubeconfig(e.to_string()))?,
+    };
+    Ok(Client::try_from(kube_config)?)
+}
+
+/// Runs a watch, forwarding its events as JSON until cancelled. Errors are retried with
+/// kube-rs' default back-off (relisting after a 410).
+fn spawn_watch<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    watched: Watched,
+    tx: mpsc::Sender<Input>,
+    cancel: CancellationToken,
+) where
+    K: kube::Resource + Clone + DeserializeOwned + Serialize + std::fmt::Debug + Send + 'static,
+{
+    tokio::spawn(async move {
+        let stream = watcher::watcher(api, config).default_backoff();
+        futures_util::pin_mut!(stream);
+        loop {
+            let event = tokio::select! {
+                () = cancel.cancelled() => return,
+                event = stream.next() => event,
+            };
+            let change = match event {
+                None => return,
+                Some(Err(e)) => {
+                    warn!(error_code = "EM-EC-WATCH", kind = watched.kind(), error = %e, "watch failed; retrying");
+                    continue;
+                }
+                Some(Ok(event)) => {
+                    let json = |o: &K| serde_json::to_value(o).unwrap_or(Value::Null);
+                    match event {
+                        watcher::Event::Apply(o) => Change::Apply(json(&o)),
+                        watcher::Event::Delete(o) => Change::Delete(json(&o)),
+                        watcher::Event::Init => Change::Init,
+                        watcher::Event::InitApply(o) => Change::InitApply(json(&o)),
+                        watcher::Event::InitDone => Change::InitDone,
+                    }
+                }
+            };
+            if tx.send(Input::Watch(watched, change)).await.is_err() {
+                return;
+            }
+        }
+    });
+}
+
+fn mqtt_options(config: &Config) -> Result<MqttOptions, Error> {
+    let (host, port) = config.broker_address()?;
+    let mut options = MqttOptions::new(config.client_id.clone(), host, port);
+    options.set_keep_alive(Duration::from_secs(15));
+    // A persistent session: what nodes send while the controller is away waits for it.
+    options.set_clean_session(false);
+    options.set_max_packet_size(16 * 1024 * 1024, 16 * 1024 * 1024);
+    options.set_inflight(1000);
+    if let (Some(user), Some(password)) = (&config.username, &config.password) {
+        options.set_credentials(user.clone(), password.clone());
+    }
+    // Nothing depends on the controller's will today; it marks the session in broker logs.
+    options.set_last_will(LastWill::new(
+        format!("{}/_controller/{}", config.root, config.client_id),
+        "offline",
+        QoS::AtMostOnce,
+        false,
+    ));
+    Ok(options)
+}
+
+/// Runs the controller until `cancel`.
+///
+/// # Errors
+/// Configuration and kubeconfig errors at start-up; afterwards everything is retried.
+pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Error> {
+    let client = kube_client(&config).await?;
+    // With leader election: nothing runs before the Lease is ours, everything stops when it
+    // is lost (the process exits; its supervisor starts it again as a candidate).
+    let lost = match config.leader.clone() {
+        Some(lease) => Some(crate::leader::lead(client.clone(), lease, cancel.clone()).await?),
+        None => None,
+    };
+    let cancel = cancel.child_token();
+    if let Some(lost) = lost.clone() {
+        let stop = cancel.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                () = lost.cancelled() => stop.cancel(),
+                () = stop.cancelled() => {}
+            }
+        });
+    }
+    let options = mqtt_options(&config)?;
+    let (mqtt, mut eventloop) = AsyncClient::new(options, 4096);
+    let (tx, mut rx) = mpsc::channel::<Input>(4096);
+    // Node messages must never wait on the owner task while it waits on a publish.
+    let (up_tx, mut up_rx) = mpsc::unbounded_channel::<Input>();
+
+    let edge_nodes = watcher::Config::default().labels(EDGE_LABEL);
+    spawn_watch(
+        Api::<Node>::all(client.clone()),
+        edge_nodes,
+        Watched::Node,
+        tx.clone(),
+        cancel.clone(),
+    );
+    spawn_watch(
+        Api::<Pod>::all(client.clone()),
+        watcher::Config::default(),
+        Watched::Pod,
+        tx.clone(),
+        cancel.clone(),
+    );
+    spawn_watch(
+        Api::<ConfigMap>::all(client.clone()),
+        watcher::Config::default(),
+        Watched::ConfigMap,
+        tx.clone(),
+        cancel.clone(),
+    );
+    spawn_watch(
+        Api::<Secret>::all(client.clone()),
+        watcher::Config::default(),
+        Watched::Secret,
+        tx.clone(),
+        cancel.clone(),
+    );
+
+    let filter = format!("{}/+/up/#", config.root);
+    // Every node's birth message or Last Will (retained): resync on birth (protocol §5).
+    let connections = format!("{}/+/connection", config.root);
+    let subscriber = mqtt.clone();
+    let stop = cancel.clone();
+    tokio::spawn(async move {
+        loop {
+            let event = tokio::select! {
+                () = stop.cancelled() => return,
+                event = eventloop.poll() => event,
+            };
+            match event {
+                Ok(MqttEvent::Incoming(Packet::ConnAck(_))) => {
+                    info!(filter = %filter, "connected to the cloud broker");
+                    for f in [&filter, &connections] {
+                        if let Err(e) = subscriber.try_subscribe(f.clone(), QoS::AtLeastOnce) {
+                            warn!(error_code = "EM-EC-MQTT", error = %e, "subscribe not queued");
+                        }
+                    }
+                }
+                Ok(MqttEvent::Incoming(Packet::Publish(p))) => {
+                    let input = Input::Up {
+                        topic: p.topic,
+                        payload: p.payload.to_vec(),
+                    };
+                    if up_tx.send(input).is_err() {
+                        return;
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    warn!(error_code = "EM-EC-BROKER", error = %e, "cloud broker connection lost; reconnecting");
+                    tokio::select! {
+                        () = stop.cancelled() => return,
+                        () = tokio::time::sleep(Duration::from_millis(500)) => {}
+                    }
+                }
+            }
+        }
+    });
+
+    let mut owner = Owner {
+        root: config.root.clone(),
+        routing: Routing::default(),
+        delivery: Delivery::new(config.resend, config.resend_max),
+        relisting: HashMap::new(),
+        written: HashMap::new(),
+        mqtt: mqtt.clone(),
+        client,
+        writers: Arc::new(Semaphore::new(WRITERS)),
+        results: tx.clone(),
+        cancel: cancel.clone(),
+    };
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    loop {
+        let input = tokio::select! {
+            () = cancel.cancelled() => break,
+            Some(input) = rx.recv() => input,
+            Some(input) = up_rx.recv() => input,
+            _ = tick.tick() => {
+                let due = owner.delivery.due(Instant::now());
+                owner.publish_all(due).await;
+                continue;
+            }
+        };
+        owner.handle(input).await;
+    }
+    let _ = mqtt.disconnect().await;
+    if lost.is_some_and(|l| l.is_cancelled()) {
+        return Err(Error::LeadershipLost);
+    }
+    Ok(())
+}
+
+/// The state the owner task keeps, and its handles.
+struct Owner {
+    root: String,
+    routing: Routing,
+    delivery: Delivery,
+    /// Per kind, the names listed again since a watch restarted (`Init` .. `InitDone`).
+    relisting: HashMap<&'static str, HashSet<(String, String)>>,
+    /// The last status written (or being written) per pod, so a repeated report is no write.
+    written: HashMap<(String, String), Value>,
+    mqtt: AsyncClient,
+    client: Client,
+    writers: Arc<Semaphore>,
+    results: mpsc::Sender<Input>,
+    cancel: CancellationToken,
+}
+
+/// The node of a `<root>/<node>/connection` topic.
+fn connection_topic<'a>(root: &str, topic: &'a str) -> Option<&'a str> {
+    topic
+        .strip_prefix(root)?
+        .strip_prefix('/')?
+        .strip_suffix("/connection")
+        .filter(|n| !n.is_empty() && !n.contains('/'))
+}
+
+fn names(object: &Value) -> (String, String) {
+    let get = |f: &str| {
+        object["metadata"][f]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    (get("namespace"), get("name"))
+}
+
+impl Owner {
+    async fn publish(&self, node: &str, envelope: &Envelope) {
+        let topic = down_topic(
+            &self.root,
+            node,
+            &envelope.route.operation,
+            &envelope.route.resource,
+        );
+        let payload = match serde_json::to_vec(envelope) {
+            Ok(p) => p,
+            Err(e) => {
+                warn!(error_code = "EM-EC-ENCODE", error = %e, "message not encoded");
+                return;
+            }
+        };
+        debug!(%topic, resource = %envelope.route.resource, "down");
+        if let Err(e) = self
+            .mqtt
+            .publish(topic, QoS::AtLeastOnce, false, payload)
+            .await
+        {
+            warn!(error_code = "EM-EC-MQTT", error = %e, "publish not queued; resent later");
+        }
+    }
+
+    async fn publish_all(&self, sends: Vec<(String, Envelope)>) {
+        for (node, envelope) in sends {
+            self.publish(&node, &envelope).await;
+        }
+    }
+
+    async fn submit(&mut self, outgoing: Vec<Outgoing>) {
+        let now = Instant::now();
+        let mut sends = Vec::new();
+        for out in outgoing {
+            sends.extend(self.delivery.submit(out, now));
+        }
+        self.publish_all(sends).await;
+    }
+
+    async fn handle(&mut self, input: Input) {
+        match input {
+            Input::Watch(watched, change) => {
+                let sends = self.watched(watched, change);
+                self.submit(sends).await;
+            }
+            Input::Up { topic, payload } => self.up(&topic, &payload).await,
+            Input::StatusWritten { key, ok } => {
+                if !ok {
+                    self.written.remove(&key);
+                }
+            }
+        }
+    }
+
+    fn apply(&mut self, watched: Watched, object: &Value) -> Vec<Outgoing> {
+        match watched {
+            Watched::Pod => self.routing.pod_applied(object),
+            Watched::Node => self.routing.node_applied(object),
+            Watched::ConfigMap => self.routing.config_applied("configmap", object),
+            Watched::Secret => self.routing.config_applied("secret", object),
+        }
+    }
+
+    fn delete(&mut self, watched: Watched, (ns, name): (String, String)) -> Vec<Outgoing> {
+        match watched {
+            Watched::Pod => {
+                self.written.remove(&(ns.clone(), name.clone()));
+                self.routing.pod_deleted(&ns, &name)
+            }
+            Watched::Node => {
+                let sends = self.routing.node_deleted(&name);
+                self.delivery.forget_node(&name);
+                sends
+            }
+            Watched::ConfigMap => self.routing.config_deleted("configmap", &ns, &name),
+            Watched::Secret => self.routing.config_deleted("secret", &ns, &name),
+        }
+    }
+
+    fn watched(&mut self, watched: Watched, change: Change) -> Vec<Outgoing> {
+        match change {
+            Change::Apply(object) => self.apply(watched, &object),
+            Change::Delete(object) => self.delete(watched, names(&object)),
+            Change::Init => {
+                self.relisting.insert(watched.kind(), HashSet::new());
+                Vec::new()
+            }
+            Change::InitApply(object) => {
+                let (ns, name) = names(&object);
+                let key = if watched == Watched::Node {
+                    (String::new(), name)
+                } else {
+                    (ns, name)
+                };
+                self.relisting
+                    .entry(watched.kind())
+                    .or_default()
+                    .insert(key);
+                self.apply(watched, &object)
+            }
+            Change::InitDone => {
+                // What was not listed again is gone (kube-rs: "assume deleted").
+                let listed = self.relisting.remove(watched.kind()).unwrap_or_default();
+                let gone: Vec<(String, String)> = self
+                    .routing
+                    .known(watched.kind())
+                    .into_iter()
+                    .filter(|k| !listed.contains(k))
+                    .collect();
+                let mut sends = Vec::new();
+                for key in gone {
+                    sends.extend(self.delete(watched, key));
+                }
+                info!(kind = watched.kind(), listed = listed.len(), "watch synced");
+                sends
+            }
+        }
+    }
+
+    async fn reply(&self, node: &str, request: &Envelope, operation: &str, content: Value) {
+        let reply = Envelope::reply(operation, request, content);
+        self.publish(node, &reply).await;
+    }
+
+    async fn up(&mut self, topic: &str, payload: &[u8]) {
+        let envelope: Envelope = match serde_json::from_slice(payload) {
+            Ok(e) => e,
+            Err(e) => {
+                warn!(error_code = "EM-EC-MESSAGE", %topic, error = %e, "not an envelope; dropped");
+                return;
+            }
+        };
+        if let Some(node) = connection_topic(&self.root, topic) {
+            self.connection(node, &envelope).await;
+            return;
+        }
+        let Some(up) = UpTopic::parse(&self.root, topic) else {
+            return;
+        };
+        match (up.operation.as_str(), up.kind.as_str()) {
+            ("response", _) => {
+                let Some(parent) = envelope.header.parent_msg_id.as_deref() else {
+                    return;
+                };
+                if envelope.content != json!("OK") {
+                    debug!(node = %up.node, content = %envelope.content, "a response that is not an ack");
+                }
+                let next = self.delivery.ack(&up.node, parent, Instant::now());
+                self.publish_all(next.into_iter().collect()).await;
+            }
+            ("error", _) => {
+                // The node refused one of our messages for good: stop resending it.
+                if let Some(parent) = envelope.header.parent_msg_id.as_deref() {
+                    warn!(error_code = "EM-EC-NODE-REFUSED", node = %up.node, resource = %envelope.route.resource,
+                          content = %envelope.content, "node refused a message");
+                    let next = self.delivery.ack(&up.node, parent, Instant::now());
+                    self.publish_all(next.into_iter().collect()).await;
+                }
+            }
+            ("update", "podstatus") => self.pod_status(&up, &envelope).await,
+            ("insert" | "update", "nodestatus") => self.node_status(&up, envelope),
+            ("insert" | "update", "lease") => self.node_lease(&up, envelope),
+            ("delete", "pod") => self.pod_gone(&up, &envelope).await,
+            ("query", _) => self.query(&up, &envelope).await,
+            (op, kind) => debug!(node = %up.node, op, kind, "up message not handled"),
+        }
+    }
+
+    /// The node's bridge announced its session (birth) or lost it (Last Will).
+    async fn connection(&mut self, node: &str, envelope: &Envelope) {
+        let now = Instant::now();
+        if envelope.content == json!("cloud_disconnected") {
+            info!(node, "node offline");
+            self.delivery.node_offline(node);
+            return;
+        }
+        info!(node, "node online: resyncing");
+        let mut sends = self.delivery.node_online(node, now);
+        for out in self.routing.desired(node) {
+            sends.extend(self.delivery.submit(out, now));
+        }
+        self.publish_all(sends).await;
+    }
+
+    /// `insert <ns>/nodestatus/<node>` registers the node: its Node is created (with the edge
+    /// label) unless it exists; `update` (KubeEdge's `NodeStatusRequest{Status}`) writes the
+    /// Node's status, unchanged conditions keeping their transition times and every condition's
+    /// heartbeat refreshed (KubeEdge v1.3 upstream.go `registerNode`, `updateNodeStatus`).
+    /// A node speaks only for itself; the answer is `response "OK"` or `error`.
+    fn node_status(&self, up: &UpTopic, envelope: Envelope) {
+        let name = resource_name(up, &envelope).unwrap_or_else(|| up.node.clone());
+        let api: Api<Node> = Api::all(self.client.clone());
+        let node = up.node.clone();
+        let register = up.operation == "insert";
+        let content = envelope.content.clone();
+        self.answer_later(up, envelope, "EM-EC-NODESTATUS", async move {
+            if name != node {
+                return Err(format!(
+                    "forbidden: node {node} may not write the status of node {name}"
+                ));
+            }
+            if register {
+                register_node(&api, &name, &content).await?;
+            } else {
+                update_node_status(&api, &name, &content).await?;
+            }
+            Ok(json!("OK"))
+        });
+    }
+
+    /// `insert|update kube-node-lease/lease/<node>`: the node's heartbeat Lease is created or
+    /// replaced with the node's `spec`; the answer is the stored Lease. A node writes only the
+    /// Lease named after itself, in `kube-node-lease`.
+    fn node_lease(&self, up: &UpTopic, envelope: Envelope) {
+        let name = resource_name(up, &envelope).unwrap_or_else(|| up.node.clone());
+        let namespace = up.namespace.clone();
+        let api: Api<Lease> = Api::namespaced(self.client.clone(), &up.namespace);
+        let node = up.node.clone();
+        let content = envelope.content.clone();
+        self.answer_later(up, envelope, "EM-EC-LEASE-WRITE", async move {
+            if name != node || namespace != NODE_LEASE_NAMESPACE {
+                return Err(format!(
+                    "forbidden: node {node} may write only lease {NODE_LEASE_NAMESPACE}/{node}, not {namespace}/{name}"
+                ));
+            }
+            write_lease(&api, &name, &content).await
+        });
+    }
+
+    /// Runs `work` beside the owner task (bounded by the writers) and answers `request` with
+    /// `response` and its value, or `error` and its text (logged with `code`).
+    fn answer_later<F>(&self, up: &UpTopic, request: Envelope, code: &'static str, work: F)
+    where
+        F: std::future::Future<Output = Result<Value, String>> + Send + 'static,
+    {
+        let (mqtt, root, node) = (self.mqtt.clone(), self.root.clone(), up.node.clone());
+        let writers = self.writers.clone();
+        tokio::spawn(async move {
+            let Ok(_permit) = writers.acquire_owned().await else {
+                return;
+            };
+            let reply = match work.await {
+                Ok(content) => Envelope::reply("response", &request, content),
+                Err(text) => {
+                    warn!(error_code = code, node = %node, resource = %request.route.resource, error = %text, "request refused or failed");
+                    Envelope::reply("error", &request, json!(text))
+                }
+            };
+            let topic = down_topic(&root, &node, &reply.route.operation, &reply.route.resource);
+            if let Ok(payload) = serde_json::to_vec(&reply) {
+                if let Err(e) = mqtt.publish(topic, QoS::AtLeastOnce, false, payload).await {
+                    warn!(error_code = "EM-EC-MQTT", error = %e, "reply not queued");
+                }
+            }
+        });
+    }
+
+    /// `update <ns>/podstatus[/<name>]`: one `{UID, Name, Status}` or a list of them.
+    async fn pod_status(&mut self, up: &UpTopic, envelope: &Envelope) {
+        let items = match &envelope.content {
+            Value::Array(items) => items.clone(),
+            item => vec![item.clone()],
+        };
+        for item in items {
+            let name = item["Name"]
+                .as_str()
+                .map(str::to_owned)
+                .or_else(|| resource_name(up, envelope));
+            let (Some(name), Some(uid)) = (name, item["UID"].as_str()) else {
+                warn!(error_code = "EM-EC-MESSAGE", node = %up.node, "podstatus without UID and Name; dropped");
+                continue;
+            };
+            self.one_status(&up.node, &up.namespace, &name, uid, &item["Status"])
+                .await;
+        }
+    }
+
+    async fn one_status(&mut self, node: &str, ns: &str, name: &str, uid: &str, reported: &Value) {
+        let key = (ns.to_owned(), name.to_owned());
+        let Some(pod) = self.routing.pod(ns, name).filter(|p| p.uid == uid) else {
+            // No such pod (or another one of that name): the node must stop it (KubeEdge
+            // upstream.go: NotFound or UID mismatch -> delete down).
+            let out = Outgoing {
+                node: node.to_owned(),
+                operation: "delete",
+                resource: format!("{ns}/pod/{name}"),
+                content: json!({"metadata": {"name": name, "namespace": ns, "uid": uid}}),
+                rv: None,
+                force: true,
+            };
+            self.submit(vec![out]).await;
+            return;
+        };
+        if pod.node.as_deref() != Some(node) {
+            warn!(error_code = "EM-EC-FORBIDDEN", node, pod = %format!("{ns}/{name}"),
+                  "status for a pod bound elsewhere; ignored");
+            return;
+        }
+        let current = &pod.object["status"];
+        let wanted = status::merge(current, reported, &status::now());
+        let deleting = pod.deleting;
+        let finished = deleting && status::terminal(&wanted);
+        let unchanged = *current == wanted || self.written.get(&key) == Some(&wanted);
+        if !unchanged {
+            let patch = status::patch(current, &wanted);
+            self.written.insert(key.clone(), wanted);
+            let api: Api<Pod> = Api::namespaced(self.client.clone(), ns);
+            let (writers, results, name) =
+                (self.writers.clone(), self.results.clone(), name.to_owned());
+            tokio::spawn(async move {
+                let Ok(_permit) = writers.acquire_owned().await else {
+                    return;
+                };
+                let written = api
+                    .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await;
+                if let Err(e) = &written {
+                    warn!(error_code = "EM-EC-STATUS", pod = %name, error = %e, "pod status not written");
+                }
+                let _ = results
+                    .send(Input::StatusWritten {
+                        key,
+                        ok: written.is_ok(),
+                    })
+                    .await;
+            });
+        }
+        if finished {
+            self.finish_delete(ns, name, uid);
+        }
+    }
+
+    /// Deletes with grace 0 and a UID precondition: the node has stopped the pod.
+    fn finish_delete(&self, ns: &str, name: &str, uid: &str) {
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), ns);
+        let params = DeleteParams {
+            grace_period_seconds: Some(0),
+            preconditions: Some(Preconditions {
+                uid: Some(uid.to_owned()),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        let (writers, name, cancel) = (self.writers.clone(), name.to_owned(), self.cancel.clone());
+        tokio::spawn(async move {
+            let Ok(_permit) = writers.acquire_owned().await else {
+                return;
+            };
+            if cancel.is_cancelled() {
+                return;
+            }
+            match api.delete(&name, &params).await {
+                Ok(_) => info!(pod = %name, "graceful deletion finished"),
+                // Gone already, or replaced by a new pod of that name: nothing to finish.
+                Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
+                Err(e) => {
+                    warn!(error_code = "EM-EC-DELETE", pod = %name, error = %e, "pod not deleted")
+                }
+            }
+        });
+    }
+
+    /// `delete <ns>/pod`: edged stopped and removed a pod. Finishes a graceful deletion; a pod
+    /// the API still wants there is sent again (the node lost it).
+    async fn pod_gone(&mut self, up: &UpTopic, envelope: &Envelope) {
+        let Some(name) = resource_name(up, envelope) else {
+            return;
+        };
+        let uid = envelope.content["metadata"]["uid"]
+            .as_str()
+            .or_else(|| envelope.content.as_str())
+            .unwrap_or_default()
+            .to_owned();
+        let Some(pod) = self.routing.pod(&up.namespace, &name) else {
+            return;
+        };
+        if pod.node.as_deref() != Some(up.node.as_str()) || (!uid.is_empty() && pod.uid != uid) {
+            return;
+        }
+        if pod.deleting {
+            let uid = pod.uid.clone();
+            self.finish_delete(&up.namespace, &name, &uid);
+            return;
+        }
+        let out = Outgoing {
+            node: up.node.clone(),
+            operation: "insert",
+            resource: format!("{}/pod/{name}", up.namespace),
+            content: pod.object.clone(),
+            rv: pod.object["metadata"]["resourceVersion"]
+                .as_str()
+                .and_then(|r| r.parse().ok()),
+            force: true,
+        };
+        self.submit(vec![out]).await;
+    }
+
+    /// `query`: configmaps and secrets a pod on that node references, and the node's own Node;
+    /// everything else is refused (a node reads only what its pods need).
+    async fn query(&mut self, up: &UpTopic, envelope: &Envelope) {
+        let name = resource_name(up, envelope).unwrap_or_default();
+        let answer = match up.kind.as_str() {
+            kind @ ("configmap" | "secret") => {
+                let kind = if kind == "configmap" {
+                    "configmap"
+                } else {
+                    "secret"
+                };
+                let r = Ref {
+                    kind,
+                    namespace: up.namespace.clone(),
+                    name: name.clone(),
+                };
+                match self.routing.readable(&up.node, &r) {
+                    Ok(object) => Ok(object.clone()),
+                    Err(true) => Err(format!("{kind}s \"{name}\" not found")),
+                    Err(false) => Err(format!(
+                        "forbidden: node {} may not read {kind} {}/{name}: no pod bound to it references it",
+                        up.node, up.namespace
+                    )),
+                }
+            }
+            "node" if name == up.node => self
+                .routing
+                .node_object(&name)
+                .cloned()
+                .ok_or_else(|| format!("nodes \"{name}\" not found")),
+            kind => Err(format!(
+                "forbidden: node {} may not read {kind} {}/{name}",
+                up.node, up.namespace
+            )),
+        };
+        match answer {
+            Ok(object) => self.reply(&up.node, envelope, "response", object).await,
+            Err(text) => {
+                info!(node = %up.node, resource = %envelope.route.resource, reason = %text, "query refused");
+                self.reply(&up.node, envelope, "error", json!(text)).await;
+            }
+        }
+    }
+}
+
+/// Creates Node `name` from the node's document unless it exists, with the edge label.
+async fn register_node(api: &Api<Node>, name: &str, content: &Value) -> Result<(), String> {
+    match api.get_opt(name).await {
+        Ok(Some(_)) => return Ok(()),
+        Ok(None) => {}
+        Err(e) => return Err(e.to_string()),
+    }
+    let mut document = if content.is_object() {
+        content.clone()
+    } else {
+        json!({})
+    };
+    document["apiVersion"] = json!("v1");
+    document["kind"] = json!("Node");
+    document["metadata"] = json!({"name": name, "labels": document["metadata"]["labels"].clone()});
+    if !document["metadata"]["labels"].is_object() {
+        document["metadata"]["labels"] = json!({});
+    }
+    document["metadata"]["labels"][EDGE_LABEL] = json!("");
+    let node: Node = serde_json::from_value(document).map_err(|e| format!("not a Node: {e}"))?;
+    match api.create(&kube::api::PostParams::default(), &node).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Writes the reported status of Node `name` (`{"Status": NodeStatus}`, or the status itself).
+async fn update_node_status(api: &Api<Node>, name: &str, content: &Value) -> Result<(), String> {
+    let reported = content
+        .get("Status")
+        .or_else(|| content.get("status"))
+        .unwrap_or(content);
+    if !reported.is_object() {
+        return Err("no node status in the message".to_owned());
+    }
+    let current = api.get(name).await.map_err(|e| e.to_string())?;
+    let current = serde_json::to_value(&current.status).unwrap_or(Value::Null);
+    let now = status::now();
+    let mut wanted = status::merge(&current, reported, &now);
+    if let Some(conditions) = wanted["conditions"].as_array_mut() {
+        for condition in conditions {
+            condition["lastHeartbeatTime"] = json!(now);
+        }
+    }
+    // What the node cannot know stays as the API has it.
+    for kept in ["daemonEndpoints", "volumesAttached"] {
+        if wanted.get(kept).is_none() && !current[kept].is_null() {
+            wanted[kept] = current[kept].clone();
+        }
+    }
+    let patch = status::patch(&current, &wanted);
+    api.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+/// Creates or replaces Lease `name` with the node's `spec` (a concurrent change is retried).
+async fn write_lease(api: &Api<Lease>, name: &str, content: &Value) -> Result<Value, String> {
+    let spec = content.get("spec").cloned().unwrap_or_else(|| json!({}));
+    for _ in 0..3 {
+        let current = api.get_opt(name).await.map_err(|e| e.to_string())?;
+        let mut document = json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                                   "metadata": {"name": name}, "spec": spec});
+        if let Some(rv) = current
+            .as_ref()
+            .and_then(|c| c.metadata.resource_version.clone())
+        {
+            document["metadata"]["resourceVersion"] = json!(rv);
+        }
+        let lease: Lease =
+            serde_json::from_value(document).map_err(|e| format!("not a Lease spec: {e}"))?;
+        let written = match current {
+            None => api.create(&kube::api::PostParams::default(), &lease).await,
+            Some(_) => {
+                api.replace(name, &kube::api::PostParams::default(), &lease)
+                    .await
+            }
+        };
+        match written {
+            Ok(lease) => return Ok(serde_json::to_value(&lease).unwrap_or(Value::Null)),
+            Err(kube::Error::Api(s)) if s.code == 409 => continue,
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    Err(format!("lease {name} kept changing; not written"))
+}

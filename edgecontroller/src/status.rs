@@ -1,0 +1,127 @@
+//! Pod status from a node, merged into what the API has (KubeEdge v1.3 upstream.go
+//! `updatePodStatus`): transition times of unchanged conditions and the start time are kept,
+//! and a status that changes nothing is not written.
+
+use serde_json::{json, Map, Value};
+
+/// Now in the API's time format.
+pub fn now() -> String {
+    let now = time::OffsetDateTime::now_utc();
+    now.replace_nanosecond(0)
+        .unwrap_or(now)
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
+}
+
+/// The status to store: `reported`, with `lastTransitionTime` of each condition whose status
+/// did not change taken from `current` (and set to `now` for a new or changed one), and
+/// `current`'s `startTime` when it has one.
+pub fn merge(current: &Value, reported: &Value, now: &str) -> Value {
+    let mut merged = reported.clone();
+    if !merged.is_object() {
+        merged = json!({});
+    }
+    if let Some(start) = current.get("startTime").filter(|s| s.is_string()) {
+        merged["startTime"] = start.clone();
+    }
+    let old_conditions = current["conditions"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    if let Some(conditions) = merged["conditions"].as_array_mut() {
+        for condition in conditions {
+            let old = old_conditions
+                .iter()
+                .find(|c| c["type"] == condition["type"]);
+            let time = match old {
+                Some(old) if old["status"] == condition["status"] => {
+                    old["lastTransitionTime"].clone()
+                }
+                _ => condition["lastTransitionTime"].clone(),
+            };
+            condition["lastTransitionTime"] = if time.is_string() { time } else { json!(now) };
+            if old.is_some_and(|o| o["status"] == condition["status"]) {
+                for field in ["lastProbeTime"] {
+                    if let Some(v) = old.and_then(|o| o.get(field)) {
+                        condition[field] = v.clone();
+                    }
+                }
+            }
+        }
+    }
+    merged
+}
+
+/// A JSON merge patch taking the stored status `current` to `wanted` (removed keys as null).
+pub fn patch(current: &Value, wanted: &Value) -> Value {
+    let mut status = wanted.as_object().cloned().unwrap_or_else(Map::new);
+    if let Some(old) = current.as_object() {
+        for key in old.keys() {
+            if !status.contains_key(key) {
+                status.insert(key.clone(), Value::Null);
+            }
+        }
+    }
+    json!({"status": status})
+}
+
+/// Whether a pod in this status has finished for good: Succeeded or Failed, or no container
+/// running any more (KubeEdge `isPodNotRunning`).
+pub fn terminal(status: &Value) -> bool {
+    if matches!(status["phase"].as_str(), Some("Succeeded" | "Failed")) {
+        return true;
+    }
+    let containers = status["containerStatuses"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    !containers.is_empty()
+        && containers
+            .iter()
+            .all(|c| c["state"]["running"].is_null() && c["state"]["waiting"].is_null())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unchanged_conditions_keep_their_transition_time_and_the_start_time_stays() {
+        let current = json!({"phase": "Pending", "startTime": "2026-01-01T00:00:00Z",
+            "conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": "2026-01-01T00:00:00Z"},
+                           {"type": "Ready", "status": "False", "lastTransitionTime": "2026-01-01T00:00:00Z"}]});
+        let reported = json!({"phase": "Running", "startTime": "2026-02-02T00:00:00Z",
+            "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "True"}]});
+        let merged = merge(&current, &reported, "2026-03-03T00:00:00Z");
+        assert_eq!(merged["startTime"], "2026-01-01T00:00:00Z");
+        assert_eq!(
+            merged["conditions"][0]["lastTransitionTime"],
+            "2026-01-01T00:00:00Z"
+        );
+        assert_eq!(
+            merged["conditions"][1]["lastTransitionTime"],
+            "2026-03-03T00:00:00Z"
+        );
+        // The same report again merges to the same status: nothing to write.
+        assert_eq!(merge(&merged, &reported, "2026-04-04T00:00:00Z"), merged);
+        assert_eq!(
+            patch(
+                &json!({"phase": "x", "message": "m"}),
+                &json!({"phase": "y"})
+            ),
+            json!({"status": {"phase": "y", "message": null}})
+        );
+    }
+
+    #[test]
+    fn terminal_means_finished_or_nothing_running() {
+        assert!(terminal(&json!({"phase": "Succeeded"})));
+        assert!(!terminal(
+            &json!({"phase": "Running", "containerStatuses": [{"state": {"running": {}}}]})
+        ));
+        assert!(terminal(
+            &json!({"phase": "Running", "containerStatuses": [{"state": {"terminated": {"exitCode": 0}}}]})
+        ));
+        assert!(!terminal(&json!({"phase": "Pending"})));
+    }
+}

@@ -1,0 +1,774 @@
+//! Kubernetes drives edgemeta nodes, end to end: the fake API server (in-process, real HTTP
+//! and wire format), the real kube-rs client, the real `edgemeta edgecontroller`, a real
+//! mosquitto cloud broker, real nodes and the real `edgemeta edged` running `sh` pods.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::cloud::bridged;
+use common::{envelope, unique_id, Client, CloudBroker, CloudOptions, Node, WAIT};
+use edgemeta_fakeapi::FakeApi;
+use k8s_openapi::api::core::v1::{ConfigMap, Node as KubeNode, Pod, Secret};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+/// Pods start as processes and report through two brokers: allow for a loaded machine.
+const RUN_WAIT: Duration = Duration::from_secs(30);
+
+/// The fake API server with a kubeconfig on disk and a kube-rs client.
+struct Cluster {
+    api: Option<FakeApi>,
+    dir: tempfile::TempDir,
+    client: kube::Client,
+}
+
+impl Cluster {
+    async fn start() -> Cluster {
+        let api = FakeApi::start(
+            edgemeta_fakeapi::Config::default(),
+            CancellationToken::new(),
+        )
+        .await
+        .expect("fake API server");
+        let dir = tempfile::tempdir().expect("dir");
+        std::fs::write(dir.path().join("kubeconfig"), api.kubeconfig()).expect("kubeconfig");
+        let config = kube::Config::new(api.url().parse().expect("url"));
+        let client = kube::Client::try_from(config).expect("kube client");
+        Cluster {
+            api: Some(api),
+            dir,
+            client,
+        }
+    }
+
+    fn kubeconfig(&self) -> PathBuf {
+        self.dir.path().join("kubeconfig")
+    }
+
+    fn pods(&self) -> Api<Pod> {
+        Api::namespaced(self.client.clone(), "default")
+    }
+
+    /// Registers `name` as an edge node.
+    async fn edge_node(&self, name: &str) {
+        let nodes: Api<KubeNode> = Api::all(self.client.clone());
+        let node = serde_json::from_value(json!({"metadata": {"name": name,
+            "labels": {"node-role.kubernetes.io/edge": ""}}}))
+        .expect("node");
+        nodes
+            .create(&PostParams::default(), &node)
+            .await
+            .expect("create node");
+    }
+
+    async fn create<K>(&self, object: Value) -> K
+    where
+        K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + serde::de::DeserializeOwned
+            + serde::Serialize
+            + std::fmt::Debug,
+        K::DynamicType: Default,
+    {
+        let api: Api<K> = Api::namespaced(self.client.clone(), "default");
+        let object: K = serde_json::from_value(object).expect("object");
+        api.create(&PostParams::default(), &object)
+            .await
+            .expect("create")
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if let Some(api) = self.api.take() {
+            drop(api);
+        }
+    }
+}
+
+/// A running `edgemeta edgecontroller`.
+struct Controller {
+    child: Option<Child>,
+    log: PathBuf,
+    command: Vec<String>,
+}
+
+impl Controller {
+    fn start(cluster: &Cluster, cloud: &CloudBroker) -> Controller {
+        Controller::start_with(cluster, cloud, &unique_id("controller"), &[])
+    }
+
+    /// A controller with MQTT client id `client_id` and `extra` arguments.
+    fn start_with(
+        cluster: &Cluster,
+        cloud: &CloudBroker,
+        client_id: &str,
+        extra: &[&str],
+    ) -> Controller {
+        let log = cluster
+            .dir
+            .path()
+            .join(format!("{}.log", unique_id("controller")));
+        let mut command = vec![
+            "edgecontroller".to_owned(),
+            "--kubeconfig".to_owned(),
+            cluster.kubeconfig().display().to_string(),
+            "--broker".to_owned(),
+            format!("mqtt://127.0.0.1:{}", cloud.port),
+            "--client-id".to_owned(),
+            client_id.to_owned(),
+            "--resend-ms".to_owned(),
+            "500".to_owned(),
+        ];
+        command.extend(extra.iter().map(|a| (*a).to_owned()));
+        let mut controller = Controller {
+            child: None,
+            log,
+            command,
+        };
+        controller.spawn();
+        controller
+    }
+
+    fn spawn(&mut self) {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("log");
+        let child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
+            .args(&self.command)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().expect("log"))
+            .stderr(file)
+            .spawn()
+            .expect("start edgemeta edgecontroller");
+        self.child = Some(child);
+    }
+
+    /// `kill -9`: whatever it had in memory is gone.
+    fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Controller {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A running `edgemeta edged` for `node`.
+struct Edged {
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+}
+
+impl Edged {
+    fn start(node: &Node) -> Edged {
+        let dir = tempfile::tempdir().expect("dir");
+        let yaml = format!(
+            "log:\n  level: info,rumqttd=off\n\
+             broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\n\
+             edged:\n  client_id: {id}\n  root_dir: {root}\n  status_interval_ms: 100\n  \
+             reconnect_min_ms: 50\n  reconnect_max_ms: 500\n  query_timeout_ms: 5000\n",
+            port = node.port,
+            id = unique_id("edged"),
+            root = dir.path().join("root").display(),
+        );
+        std::fs::write(dir.path().join("edged.yaml"), yaml).expect("config");
+        let log = std::fs::File::create(dir.path().join("edged.log")).expect("log");
+        let child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
+            .arg("edged")
+            .arg("--config")
+            .arg(dir.path().join("edged.yaml"))
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("start edgemeta edged");
+        Edged {
+            child: Some(child),
+            dir,
+        }
+    }
+
+    fn pod_dir(&self, name: &str) -> PathBuf {
+        self.dir
+            .path()
+            .join("root/pods")
+            .join(format!("default_{name}"))
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("edged.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Edged {
+    fn drop(&mut self) {
+        // SIGTERM: edged stops its pods' process groups before it exits.
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+            let started = Instant::now();
+            while child.try_wait().ok().flatten().is_none() && started.elapsed() < WAIT {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Everything of one test: cluster, cloud broker, controller, one bridged node, edged.
+struct Rig {
+    cluster: Cluster,
+    cloud: CloudBroker,
+    controller: Controller,
+    node: Node,
+    bridge: CloudOptions,
+    edged: Edged,
+}
+
+impl Rig {
+    async fn start() -> Rig {
+        let cluster = Cluster::start().await;
+        let cloud = CloudBroker::start().await;
+        let controller = Controller::start(&cluster, &cloud);
+        let (node, bridge) = bridged(&cloud).await;
+        cluster.edge_node(&bridge.node_id).await;
+        let edged = Edged::start(&node);
+        Rig {
+            cluster,
+            cloud,
+            controller,
+            node,
+            bridge,
+            edged,
+        }
+    }
+
+    /// Logs of every process, for a failing assertion.
+    fn logs(&self) -> String {
+        format!(
+            "--- controller\n{}\n--- node\n{}\n--- edged\n{}\n--- cloud\n{}",
+            self.controller.log(),
+            self.node.log(),
+            self.edged.log(),
+            self.cloud.log()
+        )
+    }
+
+    /// A pod bound to the rig's node running `script`, with `extra` merged into its spec.
+    fn pod(&self, name: &str, script: &str, extra: Value) -> Value {
+        let mut pod = json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"nodeName": self.bridge.node_id, "terminationGracePeriodSeconds": 1,
+                     "containers": [{"name": "main", "image": "busybox",
+                                     "command": ["sh", "-c", script]}]}});
+        if let Value::Object(extra) = extra {
+            for (k, v) in extra {
+                pod["spec"][k] = v;
+            }
+        }
+        pod
+    }
+
+    /// Waits until pod `name` is Running in the API.
+    async fn await_running(&self, name: &str) -> Pod {
+        let started = Instant::now();
+        loop {
+            if let Ok(pod) = self.cluster.pods().get(name).await {
+                if phase(&pod) == "Running" {
+                    return pod;
+                }
+            }
+            assert!(
+                started.elapsed() < RUN_WAIT,
+                "{name} not Running after {RUN_WAIT:?}\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+fn phase(pod: &Pod) -> String {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.phase.clone())
+        .unwrap_or_default()
+}
+
+/// Waits until `path` holds `text`.
+async fn await_file(path: &Path, text: &str, rig: &Rig) {
+    let started = Instant::now();
+    while std::fs::read_to_string(path).unwrap_or_default() != text {
+        assert!(
+            started.elapsed() < RUN_WAIT,
+            "{} never held {text:?} (has {:?})\n{}",
+            path.display(),
+            std::fs::read_to_string(path).ok(),
+            rig.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_pods_reach_running_within_five_seconds_at_p99() {
+    let rig = Rig::start().await;
+    // The controller has the node and the pipeline is warm before the clock starts.
+    let warm = rig.pod("warm", "while true; do sleep 1; done", json!({}));
+    rig.cluster.create::<Pod>(warm).await;
+    rig.await_running("warm").await;
+
+    let mut created = Vec::new();
+    for i in 0..50 {
+        let name = format!("p{i:02}");
+        let pod = rig.pod(&name, "while true; do sleep 1; done", json!({}));
+        rig.cluster.create::<Pod>(pod).await;
+        created.push((name, Instant::now()));
+    }
+    let mut latencies = Vec::new();
+    let started = Instant::now();
+    while latencies.len() < created.len() {
+        let list = rig
+            .cluster
+            .pods()
+            .list(&Default::default())
+            .await
+            .expect("list");
+        for pod in list.items.iter().filter(|p| phase(p) == "Running") {
+            let name = pod.metadata.name.clone().unwrap_or_default();
+            if let Some(i) = created.iter().position(|(n, _)| *n == name) {
+                let (_, at) = created.remove(i);
+                latencies.push(at.elapsed());
+            }
+        }
+        assert!(
+            started.elapsed() < RUN_WAIT,
+            "still not Running: {:?}\n{}",
+            created.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            rig.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    latencies.sort();
+    let p50 = latencies[latencies.len() / 2];
+    let p99 = latencies[(latencies.len() * 99).div_ceil(100) - 1];
+    println!("50 pods: create → Running p50 {p50:?}, p99 {p99:?}");
+    assert!(p99 <= Duration::from_secs(5), "p99 {p99:?} (p50 {p50:?})");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configmap_edit_reaches_the_pods_volume_file() {
+    let rig = Rig::start().await;
+    rig.cluster
+        .create::<ConfigMap>(json!({"metadata": {"name": "app"}, "data": {"mode": "eco"}}))
+        .await;
+    let pod = rig.pod(
+        "web",
+        "while true; do sleep 1; done",
+        json!({"volumes": [{"name": "conf", "configMap": {"name": "app"}}]}),
+    );
+    rig.cluster.create::<Pod>(pod).await;
+    rig.await_running("web").await;
+    let file = rig.edged.pod_dir("web").join("volumes/conf/mode");
+    await_file(&file, "eco", &rig).await;
+
+    let configmaps: Api<ConfigMap> = Api::namespaced(rig.cluster.client.clone(), "default");
+    configmaps
+        .patch(
+            "app",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"data": {"mode": "turbo"}})),
+        )
+        .await
+        .expect("edit");
+    await_file(&file, "turbo", &rig).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_delete_stops_the_pod_and_the_object_is_gone() {
+    let rig = Rig::start().await;
+    let marks = tempfile::tempdir().expect("dir");
+    let pid_file = marks.path().join("pid");
+    // `$$$$`: Kubernetes' $(VAR) expansion turns `$$` into `$`.
+    let script = format!(
+        "echo $$$$ > {}; while true; do sleep 0.1; done",
+        pid_file.display()
+    );
+    rig.cluster
+        .create::<Pod>(rig.pod("web", &script, json!({})))
+        .await;
+    rig.await_running("web").await;
+    let pid: u32 = std::fs::read_to_string(&pid_file)
+        .expect("pid file")
+        .trim()
+        .parse()
+        .expect("pid");
+
+    // A plain delete: the API only marks the pod; the node stops it and the controller
+    // finishes the deletion with grace 0 and the pod's UID as precondition.
+    let marked = rig
+        .cluster
+        .pods()
+        .delete("web", &DeleteParams::default())
+        .await
+        .expect("delete");
+    let marked = marked.left().expect("the pod, marked");
+    assert!(marked.metadata.deletion_timestamp.is_some());
+    let started = Instant::now();
+    loop {
+        match rig.cluster.pods().get_opt("web").await.expect("get") {
+            None => break,
+            Some(_) => assert!(
+                started.elapsed() < RUN_WAIT,
+                "pod still there\n{}",
+                rig.logs()
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        !std::path::Path::new(&format!("/proc/{pid}")).exists()
+            || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .is_ok_and(|s| s.contains(") Z ")),
+        "the pod's process {pid} still runs"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_may_read_only_the_secrets_its_pods_reference() {
+    let rig = Rig::start().await;
+    for name in ["mine", "theirs"] {
+        rig.cluster
+            .create::<Secret>(json!({"metadata": {"name": name}, "data": {"k": "dg=="}}))
+            .await;
+    }
+    let pod = rig.pod(
+        "web",
+        "while true; do sleep 1; done",
+        json!({"volumes": [{"name": "s", "secret": {"secretName": "mine"}}]}),
+    );
+    rig.cluster.create::<Pod>(pod).await;
+    rig.await_running("web").await;
+
+    // Ask through the node as a module would: the MetaManager has no copy of "theirs", so
+    // it asks the cloud, and the controller refuses.
+    let mut module = Client::connect(rig.node.port, &unique_id("module")).await;
+    module.subscribe("ke/edged/#").await;
+    let (id, payload) = envelope("edged", "query", "default/secret/theirs", Value::Null);
+    module
+        .publish("ke/meta/edged/query/default/secret", payload)
+        .await;
+    let refused = module
+        .expect_reply("ke/edged/meta/error/default/secret", &id)
+        .await;
+    let text = refused.content().as_str().unwrap_or_default().to_owned();
+    assert!(text.contains("forbidden"), "{text}\n{}", rig.logs());
+
+    let (id, payload) = envelope("edged", "query", "default/secret/mine", Value::Null);
+    module
+        .publish("ke/meta/edged/query/default/secret", payload)
+        .await;
+    let answered = module
+        .expect_reply("ke/edged/meta/response/default/secret", &id)
+        .await;
+    assert!(
+        answered.content().to_string().contains("mine"),
+        "{}",
+        answered.content()
+    );
+}
+
+/// A configmap `app` with `mode`, and a running pod `web` with it as volume `conf`.
+async fn pod_with_configmap(rig: &Rig) -> PathBuf {
+    rig.cluster
+        .create::<ConfigMap>(json!({"metadata": {"name": "app"}, "data": {"mode": "v0"}}))
+        .await;
+    let pod = rig.pod(
+        "web",
+        "while true; do sleep 1; done",
+        json!({"volumes": [{"name": "conf", "configMap": {"name": "app"}}]}),
+    );
+    rig.cluster.create::<Pod>(pod).await;
+    rig.await_running("web").await;
+    let file = rig.edged.pod_dir("web").join("volumes/conf/mode");
+    await_file(&file, "v0", rig).await;
+    file
+}
+
+async fn set_mode(rig: &Rig, mode: &str) {
+    let configmaps: Api<ConfigMap> = Api::namespaced(rig.cluster.client.clone(), "default");
+    configmaps
+        .patch(
+            "app",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"data": {"mode": mode}})),
+        )
+        .await
+        .expect("edit");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_offline_during_a_hundred_changes_converges_after_it_is_back() {
+    let mut rig = Rig::start().await;
+    let file = pod_with_configmap(&rig).await;
+    // The node dies without a word: its Last Will tells the controller.
+    rig.node.kill9();
+    for i in 1..=100 {
+        set_mode(&rig, &format!("v{i}")).await;
+    }
+    rig.node.restart().await;
+    await_file(&file, "v100", &rig).await;
+    // The node's store holds the newest version.
+    let stored = rig
+        .node
+        .stored("default/configmap/app")
+        .await
+        .expect("stored configmap");
+    assert!(stored.contains("\"v100\""), "{stored}");
+    assert!(
+        rig.controller.log().contains("node online"),
+        "no resync on the birth message\n{}",
+        rig.logs()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_controller_killed_with_sigkill_converges_when_started_again() {
+    let mut rig = Rig::start().await;
+    let file = pod_with_configmap(&rig).await;
+    rig.controller.kill9();
+    // What happens while no controller runs: an edit and a new pod.
+    set_mode(&rig, "after").await;
+    let late = rig.pod("late", "while true; do sleep 1; done", json!({}));
+    rig.cluster.create::<Pod>(late).await;
+    rig.controller.spawn();
+    await_file(&file, "after", &rig).await;
+    rig.await_running("late").await;
+}
+
+/// Waits until `controller`'s log contains `text`.
+async fn await_log(controller: &Controller, text: &str) {
+    let started = Instant::now();
+    while !controller.log().contains(text) {
+        assert!(
+            started.elapsed() < RUN_WAIT,
+            "controller never logged {text:?}:\n{}",
+            controller.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_standby_replica_takes_over_when_the_leader_is_killed() {
+    let cluster = Cluster::start().await;
+    let cloud = CloudBroker::start().await;
+    // Both replicas share the MQTT session; the Lease decides who runs.
+    let client_id = unique_id("controller");
+    let replica = |name: &'static str| {
+        [
+            "--leader-elect",
+            "--lease-duration-s",
+            "2",
+            "--identity",
+            name,
+        ]
+    };
+    let leader = Controller::start_with(&cluster, &cloud, &client_id, &replica("replica-a"));
+    await_log(&leader, "became leader").await;
+    let standby = Controller::start_with(&cluster, &cloud, &client_id, &replica("replica-b"));
+    await_log(&standby, "waiting for the lease").await;
+    let (node, bridge) = bridged(&cloud).await;
+    cluster.edge_node(&bridge.node_id).await;
+    let edged = Edged::start(&node);
+    let mut rig = Rig {
+        cluster,
+        cloud,
+        controller: leader,
+        node,
+        bridge,
+        edged,
+    };
+    let first = rig.pod("first", "while true; do sleep 1; done", json!({}));
+    rig.cluster.create::<Pod>(first).await;
+    rig.await_running("first").await;
+    assert!(
+        !standby.log().contains("became leader"),
+        "{}",
+        standby.log()
+    );
+
+    rig.controller.kill9();
+    let second = rig.pod("second", "while true; do sleep 1; done", json!({}));
+    rig.cluster.create::<Pod>(second).await;
+    rig.controller = standby;
+    rig.await_running("second").await;
+    assert!(rig.controller.log().contains("became leader"));
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(rig.cluster.client.clone(), "default");
+    let lease = leases.get("edgemeta-edgecontroller").await.expect("lease");
+    let spec = lease.spec.expect("spec");
+    assert_eq!(spec.holder_identity.as_deref(), Some("replica-b"));
+    assert_eq!(spec.lease_transitions, Some(1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_watches_and_410s_lose_no_change_on_the_way_to_the_node() {
+    let rig = Rig::start().await;
+    let file = pod_with_configmap(&rig).await;
+    let api = rig.cluster.api.as_ref().expect("fake API server");
+    for round in 1..=3 {
+        // Every watch ends; the next ones are answered 410 Expired, so the controller's
+        // watchers list again; meanwhile the configmap changes.
+        api.set_faults(edgemeta_fakeapi::Faults {
+            expire_watches: 4,
+            ..edgemeta_fakeapi::Faults::default()
+        });
+        api.drop_watches();
+        set_mode(&rig, &format!("after-{round}")).await;
+        await_file(&file, &format!("after-{round}"), &rig).await;
+    }
+    // Each round made the controller's watches list again (4 initial lists, then one per 410).
+    let lists = rig.controller.log().matches("watch synced").count();
+    assert!(lists >= 4 + 3, "{lists} lists\n{}", rig.logs());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_registers_itself_reports_its_status_and_lease_but_only_its_own() {
+    let cluster = Cluster::start().await;
+    let cloud = CloudBroker::start().await;
+    let controller = Controller::start(&cluster, &cloud);
+    // The node's side of the cloud broker, as its bridge would speak it.
+    let node = unique_id("edge");
+    let mut link = Client::connect(cloud.port, &unique_id("bridge")).await;
+    link.subscribe(&format!("kubeedge/{node}/down/#")).await;
+    await_log(&controller, "connected to the cloud broker").await;
+    let up = |op: &str| format!("kubeedge/{node}/up/edged/{op}/default/nodestatus");
+    let down = |op: &str| format!("kubeedge/{node}/down/edgecontroller/{op}/default/nodestatus");
+
+    let (id, payload) = envelope(
+        "edged",
+        "insert",
+        &format!("default/nodestatus/{node}"),
+        json!({"metadata": {"name": node, "labels": {"site": "shop-7"}},
+               "status": {"nodeInfo": {"kubeletVersion": "edgemeta"}}}),
+    );
+    link.publish(&up("insert"), payload).await;
+    let ok = link.expect_reply(&down("response"), &id).await;
+    assert_eq!(ok.content(), json!("OK"), "{}", controller.log());
+    let nodes: Api<KubeNode> = Api::all(cluster.client.clone());
+    let registered = nodes.get(&node).await.expect("registered");
+    let labels = registered.metadata.labels.clone().unwrap_or_default();
+    assert_eq!(
+        labels
+            .get("node-role.kubernetes.io/edge")
+            .map(String::as_str),
+        Some("")
+    );
+    assert_eq!(labels.get("site").map(String::as_str), Some("shop-7"));
+
+    let ready = json!({"Status": {"conditions": [{"type": "Ready", "status": "True", "reason": "EdgeReady"}],
+                                  "addresses": [{"type": "InternalIP", "address": "10.0.0.7"}]}});
+    let (id, payload) = envelope(
+        "edged",
+        "update",
+        &format!("default/nodestatus/{node}"),
+        ready.clone(),
+    );
+    link.publish(&up("update"), payload).await;
+    link.expect_reply(&down("response"), &id).await;
+    let status = nodes
+        .get(&node)
+        .await
+        .expect("node")
+        .status
+        .expect("status");
+    let condition = &status.conditions.expect("conditions")[0];
+    assert_eq!(condition.status, "True");
+    assert!(condition.last_heartbeat_time.is_some() && condition.last_transition_time.is_some());
+    let first_transition = condition.last_transition_time.clone();
+    // The same report again: the heartbeat moves on, the transition time stays.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let (id, payload) = envelope(
+        "edged",
+        "update",
+        &format!("default/nodestatus/{node}"),
+        ready,
+    );
+    link.publish(&up("update"), payload).await;
+    link.expect_reply(&down("response"), &id).await;
+    let status = nodes
+        .get(&node)
+        .await
+        .expect("node")
+        .status
+        .expect("status");
+    let condition = &status.conditions.expect("conditions")[0];
+    assert_eq!(condition.last_transition_time, first_transition);
+
+    // Its heartbeat Lease, created then renewed.
+    let lease_up = format!("kubeedge/{node}/up/edged/update/kube-node-lease/lease");
+    let lease_down = format!("kubeedge/{node}/down/edgecontroller/response/kube-node-lease/lease");
+    for renew in ["2026-11-25T15:00:00.000000Z", "2026-11-25T15:00:10.000000Z"] {
+        let (id, payload) = envelope(
+            "edged",
+            "update",
+            &format!("kube-node-lease/lease/{node}"),
+            json!({"spec": {"holderIdentity": node, "leaseDurationSeconds": 40, "renewTime": renew}}),
+        );
+        link.publish(&lease_up, payload).await;
+        let stored = link.expect_reply(&lease_down, &id).await;
+        assert_eq!(
+            stored.content()["spec"]["renewTime"],
+            renew,
+            "{}",
+            controller.log()
+        );
+    }
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(cluster.client.clone(), "kube-node-lease");
+    let lease = leases.get(&node).await.expect("lease");
+    assert_eq!(
+        lease.spec.and_then(|s| s.holder_identity).as_deref(),
+        Some(node.as_str())
+    );
+
+    // Another node's name is refused.
+    let (id, payload) = envelope(
+        "edged",
+        "insert",
+        "default/nodestatus/someone-else",
+        json!({}),
+    );
+    link.publish(&up("insert"), payload).await;
+    let refused = link.expect_reply(&down("error"), &id).await;
+    assert!(
+        refused.content().to_string().contains("forbidden"),
+        "{}",
+        refused.content()
+    );
+    assert!(nodes.get_opt("someone-else").await.expect("get").is_none());
+}
