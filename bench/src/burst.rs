@@ -8,10 +8,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context as _};
-use rumqttc::{AsyncClient, QoS};
+use anyhow::Context as _;
+use rumqttc::QoS;
 
-use super::{client, insert, median, rss_of, Args, Inbox, Row, Server, PUBACK, SUBACK};
+use super::{
+    client, insert, median, rss_of, subscribe_at, Args, Inbox, Row, Server, PUBACK, SUBACK,
+};
 
 /// Inserts per run and runs per system (`--quick`: 4 × 2,500, two runs).
 fn sizes(args: &Args) -> (usize, usize) {
@@ -171,26 +173,4 @@ fn resource_of(payload: &[u8]) -> String {
             rest.find('"').map(|end| rest[..end].to_owned())
         })
         .unwrap_or_default()
-}
-
-/// Subscribes at `qos` and waits for the SUBACK.
-async fn subscribe_at(
-    client: &AsyncClient,
-    rx: &mut Inbox,
-    filter: &str,
-    qos: QoS,
-) -> anyhow::Result<()> {
-    client.subscribe(filter, qos).await?;
-    loop {
-        let (topic, _) = tokio::time::timeout(Duration::from_secs(10), rx.recv())
-            .await
-            .context("SUBACK")?
-            .context("connection gone")?;
-        if topic == SUBACK {
-            return Ok(());
-        }
-        if topic != PUBACK {
-            bail!("a message before the SUBACK on {filter}");
-        }
-    }
 }

@@ -1202,9 +1202,19 @@ const SUBACK: &str = "$suback";
 /// What `drive` passes on for a PUBACK.
 const PUBACK: &str = "$puback";
 
-/// Subscribes and waits for the SUBACK.
+/// Subscribes at QoS 1 and waits for the SUBACK.
 async fn subscribe(client: &AsyncClient, rx: &mut Inbox, filter: &str) -> anyhow::Result<()> {
-    client.subscribe(filter, QoS::AtLeastOnce).await?;
+    subscribe_at(client, rx, filter, QoS::AtLeastOnce).await
+}
+
+/// Subscribes at `qos` and waits for the SUBACK (what arrives before it is dropped).
+async fn subscribe_at(
+    client: &AsyncClient,
+    rx: &mut Inbox,
+    filter: &str,
+    qos: QoS,
+) -> anyhow::Result<()> {
+    client.subscribe(filter, qos).await?;
     loop {
         let (topic, _) = tokio::time::timeout(Duration::from_secs(10), rx.recv())
             .await

@@ -77,11 +77,14 @@ impl Link {
         link_tx: LinkTx,
         link_rx: LinkRx,
         capacity: usize,
-        backlog: Arc<Backlog>,
-        lag: Arc<Lag>,
-        sessions: Arc<Sessions>,
+        accounts: Accounts,
         links: &mut Links,
     ) -> Result<Link, Error> {
+        let Accounts {
+            backlog,
+            lag,
+            sessions,
+        } = accounts;
         let (inbox_tx, inbox) = mpsc::channel(capacity);
         let (publisher, outgoing) = Publisher::counted(capacity, lag.clone());
         let thread = std::thread::Builder::new()
@@ -101,6 +104,14 @@ impl Link {
             .spawn(receive(client_id, link_rx, inbox_tx, backlog, sessions));
         Ok(Link { inbox, publisher })
     }
+}
+
+/// The broker's shared counts a link takes part in: what its filters are owed (`backlog`), what
+/// subscribers are owed (`lag`), and the connections acknowledgements go back to (`sessions`).
+pub(crate) struct Accounts {
+    pub backlog: Arc<Backlog>,
+    pub lag: Arc<Lag>,
+    pub sessions: Arc<Sessions>,
 }
 
 /// The tasks and threads of every in-process link, kept to be joined at shutdown.

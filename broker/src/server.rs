@@ -291,9 +291,11 @@ impl Broker {
             tx,
             rx,
             capacity,
-            self.backlog.clone(),
-            self.lag.clone(),
-            self.sessions.clone(),
+            crate::link::Accounts {
+                backlog: self.backlog.clone(),
+                lag: self.lag.clone(),
+                sessions: self.sessions.clone(),
+            },
             &mut self.links,
         )
     }

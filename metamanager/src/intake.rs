@@ -95,7 +95,7 @@ async fn intake(
                 }
             }
             if let Some(done) = done {
-                let _ = done.send(Outcome::Final);
+                done.send(Outcome::Final);
             }
             return true;
         }
@@ -108,7 +108,7 @@ async fn intake(
             .is_ok(),
         Ok(None) => {
             if let Some(done) = done {
-                let _ = done.send(Outcome::Final);
+                done.send(Outcome::Final);
             }
             true
         }
@@ -127,7 +127,7 @@ async fn intake(
                 }
             }
             if let Some(done) = done {
-                let _ = done.send(Outcome::Final);
+                done.send(Outcome::Final);
             }
             true
         }

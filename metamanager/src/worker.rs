@@ -319,19 +319,14 @@ impl Worker {
             }
             applied.push((step, outcome));
         }
-        if let Some(error) = aborted {
-            if let Err(e) = tx.rollback().await {
-                warn!(error_code = "EM-STORE-TRANSACTION", error = %e, "rollback of an aborted batch failed");
-            }
-            self.state.outbox = outbox_before;
-            self.meters.committed(None);
-            count_failed(&self.meters, applied.iter().map(|(step, _)| step));
-            return self.fail_batch(applied, writes, error).await;
-        }
         // What the batch hands on is committed with it, and leaves at its subscribers' pace.
         // If the store cannot take it (a full disk), it is published at once instead: replies
         // to queries must not depend on room to write.
-        let (handons, direct) = match self.store_handons(&tx, local).await {
+        let stored = match aborted {
+            Some(error) => Err(error),
+            None => self.store_handons(&tx, local).await,
+        };
+        let (handons, direct) = match stored {
             Ok(split) => split,
             Err(error) => {
                 if let Err(e) = tx.rollback().await {
@@ -384,7 +379,7 @@ impl Worker {
         self.feed.committed(handons);
         for (step, outcome) in applied {
             if let Step::Request(_, Some(done)) | Step::Device(_, Some(done)) = step {
-                let _ = done.send(outcome);
+                done.send(outcome);
             }
         }
         for (reply, result) in replies {
@@ -463,7 +458,7 @@ impl Worker {
                 let _ = self.publisher.publish(message).await;
             }
             if let Step::Request(_, Some(done)) | Step::Device(_, Some(done)) = step {
-                let _ = done.send(Outcome::Retry);
+                done.send(Outcome::Retry);
             }
         }
         for write in writes {
