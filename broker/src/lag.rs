@@ -15,7 +15,7 @@
 //! router has moved its cursor.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -35,8 +35,8 @@ pub struct Lag {
     limit: u64,
     /// A subscriber owed something that has taken nothing for this long is cut off.
     stall: Duration,
-    /// Someone waits in [`Lag::room`]: deliveries wake them.
-    waiting: AtomicBool,
+    /// How many wait in [`Lag::room`]: deliveries wake them, and only then.
+    waiting: AtomicUsize,
     room_made: Notify,
     /// Filters below these patterns have smaller logs (`broker.device_segment_bytes`), so their
     /// subscribers may be owed less: (pattern, limit).
@@ -202,7 +202,7 @@ impl Lag {
         Lag {
             limit,
             stall: Duration::from_secs(30),
-            waiting: AtomicBool::new(false),
+            waiting: AtomicUsize::new(0),
             room_made: Notify::new(),
             smaller: Vec::new(),
             watched: RwLock::new(Watched::default()),
@@ -282,7 +282,7 @@ impl Lag {
     }
 
     fn made_room(&self) {
-        if self.waiting.load(Ordering::Relaxed) {
+        if self.waiting.load(Ordering::Relaxed) > 0 {
             self.room_made.notify_waiters();
         }
     }
@@ -312,7 +312,15 @@ impl Lag {
         let made = self.room_made.notified();
         tokio::pin!(made);
         made.as_mut().enable();
-        self.waiting.store(true, Ordering::Relaxed);
+        // Counted down however the wait ends, a cancelled one included.
+        struct Waiting<'a>(&'a AtomicUsize);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+        let _waiting = Waiting(&self.waiting);
         let _ = tokio::time::timeout(at_most, made).await;
     }
 
@@ -413,6 +421,7 @@ impl Lag {
 mod tests {
     use super::*;
     use crate::session::Sessions;
+    use std::time::Duration;
 
     #[test]
     fn a_subscriber_owed_more_than_the_limit_is_cut_once() {
@@ -475,6 +484,47 @@ mod tests {
         assert!(!module.is_cut(), "owed 120 beyond the first, limit 1000");
         lag.published("dev/d2/result", 60);
         assert_eq!(lag.watched(), 2);
+    }
+
+    #[test]
+    fn reserve_counts_only_when_every_subscriber_has_room() {
+        let lag = Lag::new(1_000);
+        let sessions = Sessions::default();
+        let (quick, reliable) = (sessions.open(), sessions.open());
+        let q = lag.subscribe("ke/edged/#", "q0", &quick, false);
+        let _r = lag.subscribe("ke/edged/#", "q1", &reliable, true);
+        assert!(lag.reserve("ke/edged/x", 600));
+        assert!(
+            lag.reserve("ke/edged/x", 600),
+            "600 beyond the one being read"
+        );
+        assert!(!lag.reserve("ke/edged/x", 600), "1,200 beyond it");
+        assert_eq!(q.bytes(), 1_200, "a refused reservation counts nothing");
+        lag.delivered(&q);
+        assert!(
+            !lag.reserve("ke/edged/x", 600),
+            "the QoS 1 reader took nothing yet"
+        );
+        assert!(lag.reserve("elsewhere/x", 100_000), "nobody reads it");
+    }
+
+    #[test]
+    fn the_sweep_cuts_a_stopped_reader_and_drops_a_count_nobody_waits_on() {
+        let lag = Lag::new(1_000).with_stall(Duration::from_millis(40));
+        let sessions = Sessions::default();
+        let (stopped, idle) = (sessions.open(), sessions.open());
+        let _s = lag.subscribe("f/#", "stopped", &stopped, true);
+        let i = lag.subscribe("f/#", "idle", &idle, true);
+        assert!(lag.reserve("f/x", 100));
+        // The front has been waiting to write to one of them; the other takes all it is sent.
+        stopped.writing();
+        std::thread::sleep(Duration::from_millis(60)); // let the stall time pass
+        assert_eq!(lag.sweep(), 2);
+        assert!(stopped.is_cut());
+        assert!(!idle.is_cut());
+        assert_eq!(i.bytes(), 0, "a count rumqttd never pays off is dropped");
+        assert_eq!(lag.cut_count(), 1);
+        assert!(lag.take_cut_client("stopped"));
     }
 
     #[test]
