@@ -131,19 +131,9 @@ fn main() -> anyhow::Result<()> {
             telemetry::init(&settings.log, None);
             let edged = settings.edged()?;
             let root = settings.broker.topic_root.clone();
-            tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .thread_name("edgemeta-edged")
-                .build()?
-                .block_on(async move {
-                    let cancel = tokio_util::sync::CancellationToken::new();
-                    let stop = cancel.clone();
-                    tokio::spawn(async move {
-                        shutdown::signal().await;
-                        stop.cancel();
-                    });
-                    edgemeta_edged::run(edged, &root, cancel).await
-                })?;
+            until_signal("edgemeta-edged", |cancel| async move {
+                edgemeta_edged::run(edged, &root, cancel).await
+            })?;
             Ok(())
         }
         Command::Edgecontroller {
@@ -181,19 +171,9 @@ fn main() -> anyhow::Result<()> {
                 }),
                 ..edgemeta_edgecontroller::Config::default()
             };
-            tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .thread_name("edgemeta-edgecontroller")
-                .build()?
-                .block_on(async move {
-                    let cancel = tokio_util::sync::CancellationToken::new();
-                    let stop = cancel.clone();
-                    tokio::spawn(async move {
-                        shutdown::signal().await;
-                        stop.cancel();
-                    });
-                    edgemeta_edgecontroller::run(config, cancel).await
-                })?;
+            until_signal("edgemeta-edgecontroller", |cancel| {
+                edgemeta_edgecontroller::run(config, cancel)
+            })?;
             Ok(())
         }
         Command::Get {
@@ -230,4 +210,28 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// Runs `job` on a runtime of its own, with a token cancelled on SIGINT/SIGTERM (the separate
+/// processes `edged` and `edgecontroller` stop this way).
+fn until_signal<F, Fut, T, E>(thread_name: &str, job: F) -> anyhow::Result<T>
+where
+    F: FnOnce(tokio_util::sync::CancellationToken) -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+    anyhow::Error: From<E>,
+{
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name(thread_name)
+        .build()?;
+    let result = runtime.block_on(async move {
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let stop = cancel.clone();
+        tokio::spawn(async move {
+            shutdown::signal().await;
+            stop.cancel();
+        });
+        job(cancel).await
+    });
+    Ok(result?)
 }
