@@ -125,18 +125,9 @@ impl Edged {
     }
 }
 
-/// Stops `child` the way an operator would: SIGTERM (edged then stops its pods' process
-/// groups), SIGKILL if it has not exited within the wait.
+/// Stops `child` the way an operator would (see [`common::terminate_child`]).
 fn terminate(child: &mut Child) {
-    let _ = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status();
-    let started = Instant::now();
-    while child.try_wait().ok().flatten().is_none() && started.elapsed() < WAIT {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let _ = child.kill();
-    let _ = child.wait();
+    common::terminate_child(child);
 }
 
 impl Drop for Edged {

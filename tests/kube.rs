@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::cloud::bridged;
-use common::{envelope, unique_id, Client, CloudBroker, CloudOptions, Node, WAIT};
+use common::{envelope, unique_id, Client, CloudBroker, CloudOptions, Node};
 use edgemeta_fakeapi::FakeApi;
 use k8s_openapi::api::core::v1::{ConfigMap, Node as KubeNode, Pod, Secret};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
@@ -225,15 +225,7 @@ impl Drop for Edged {
     fn drop(&mut self) {
         // SIGTERM: edged stops its pods' process groups before it exits.
         if let Some(mut child) = self.child.take() {
-            let _ = Command::new("kill")
-                .args(["-TERM", &child.id().to_string()])
-                .status();
-            let started = Instant::now();
-            while child.try_wait().ok().flatten().is_none() && started.elapsed() < WAIT {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
+            common::terminate_child(&mut child);
         }
     }
 }

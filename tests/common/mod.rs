@@ -1219,3 +1219,17 @@ pub fn forward_lines(
         }
     });
 }
+
+/// Stops a child process the way an operator would: SIGTERM (edged then stops its pods'
+/// process groups), SIGKILL if it has not exited within [`WAIT`].
+pub fn terminate_child(child: &mut Child) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let started = Instant::now();
+    while child.try_wait().ok().flatten().is_none() && started.elapsed() < WAIT {
+        std::thread::sleep(Duration::from_millis(10)); // polling a process for its exit
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
