@@ -91,6 +91,19 @@ impl Raw {
         }
     }
 
+    /// Waits for a publication `wanted` picks, including one that arrived while this client
+    /// waited for an ack (a query's reply can overtake its PUBACK, which follows the commit).
+    async fn until_published(&mut self, what: &str, wanted: impl Fn(&str, &[u8]) -> bool) {
+        if self.received.iter().any(|(t, p)| wanted(t, p)) {
+            return;
+        }
+        self.until(what, |p| match p {
+            Packet::Publish(p) => wanted(&p.topic, &p.payload).then_some(()),
+            _ => None,
+        })
+        .await;
+    }
+
     /// Subscribes at QoS 1; the SUBACK's return code.
     async fn subscribe(&mut self, filter: &str) -> SubscribeReasonCode {
         self.client
@@ -228,11 +241,9 @@ async fn only_the_right_password_is_admitted_when_anonymous_access_is_off() {
         .publish("ke/meta/device/query/default/sensor", query)
         .await;
     device
-        .until("the reply to the query", |p| match p {
-            Packet::Publish(p) => (p.topic == "ke/device/meta/response/default/sensor"
-                && String::from_utf8_lossy(&p.payload).contains(&id))
-            .then_some(()),
-            _ => None,
+        .until_published("the reply to the query", |topic, payload| {
+            topic == "ke/device/meta/response/default/sensor"
+                && String::from_utf8_lossy(payload).contains(&id)
         })
         .await;
 
@@ -1080,6 +1091,39 @@ async fn a_client_that_drops_its_connect_repeatedly_cannot_break_the_listener_fo
         outcome.err().unwrap_or_default(),
         node.log().contains("PoisonError")
     );
+}
+
+/// Connects as `id`, retrying while the broker refuses, for up to [`WAIT`].
+async fn admitted_soon(port: u16, id: &str) -> Raw {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match Raw::connect(port, id, None).await {
+            Ok(raw) => return raw,
+            Err(e) if Instant::now() > deadline => panic!("{id} still refused after {WAIT:?}: {e}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_client_refused_at_the_connection_limit_can_retry_and_the_listener_serves_on() {
+    let node = Node::start_with_broker("  max_connections: 1\n").await;
+    let holder = Raw::connect(node.port, &unique_id("holder"), None)
+        .await
+        .expect("the first client is admitted");
+    // Every client retries with its own id; rumqttd 0.20 refusing one itself makes the retry
+    // panic its listener (#1062), so the limit is held before rumqttd sees the CONNECT.
+    for _ in 0..3 {
+        let refusal = refused(Raw::connect(node.port, "retrying", None).await);
+        assert_eq!(refusal, "refused: ServiceUnavailable");
+    }
+    // A client that leaves without DISCONNECT holds its slot until rumqttd has let it go.
+    drop(holder);
+    let retried = admitted_soon(node.port, "retrying").await;
+    drop(retried);
+    admitted_soon(node.port, &unique_id("innocent")).await;
+    assert!(node.log().contains("EM-BROKER-CONNECTION-LIMIT"));
+    assert!(!node.log().contains("PoisonError"));
 }
 
 #[tokio::test]

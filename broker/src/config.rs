@@ -124,6 +124,9 @@ fn default_listeners() -> BTreeMap<String, ListenerConfig> {
 const fn default_max_packet_bytes() -> usize {
     2 * 1024 * 1024
 }
+/// Router slots kept for the node's in-process links beyond `max_connections` clients.
+const LOCAL_LINK_HEADROOM: usize = 64;
+
 const fn default_max_connections() -> usize {
     10_000
 }
@@ -283,7 +286,8 @@ impl BrokerConfig {
         }
         // Every field is set on purpose: rumqttd's defaults (zero segments) panic its router.
         rumqttd::RouterConfig {
-            max_connections: self.max_connections,
+            // The front's guard holds clients to max_connections; the rest is for our own links.
+            max_connections: self.max_connections + LOCAL_LINK_HEADROOM,
             max_outgoing_packet_count: 200,
             // A larger packet fills a segment by itself; the limits above still hold.
             max_segment_size: self.segment_bytes,

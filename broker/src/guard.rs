@@ -21,8 +21,8 @@ use std::sync::{Arc, Mutex};
 
 use bytes::{Bytes, BytesMut};
 use rumqttd::protocol::{
-    Error as CodecError, Login, Packet, Protocol, PubAckReason, Publish, PublishProperties, QoS,
-    SubscribeReasonCode,
+    Connect, ConnectReturnCode, Error as CodecError, Login, Packet, Protocol, PubAckReason,
+    Publish, PublishProperties, QoS, SubscribeReasonCode,
 };
 use tracing::warn;
 
@@ -97,6 +97,10 @@ struct Connection {
     /// Filters of a SUBSCRIBE by packet id, counted once rumqttd acknowledges it: the router
     /// has registered them by then, and a subscription delivers only what is published after.
     subscribing: HashMap<u16, Vec<(String, QoS)>>,
+    /// Counted among the broker's clients ([`Sessions::admit_client`]), or refused for the
+    /// connection limit.
+    admitted: bool,
+    over_limit: bool,
 }
 
 impl<P> ConnectGuard<P> {
@@ -134,11 +138,14 @@ impl<P> ConnectGuard<P> {
 /// A connection's subscriptions stop being counted when rumqttd drops its codec.
 impl<P> Drop for ConnectGuard<P> {
     fn drop(&mut self) {
+        let connection = self.connection.get_mut().unwrap_or_else(|p| p.into_inner());
         if let Some(lag) = &self.lag {
-            let connection = self.connection.get_mut().unwrap_or_else(|p| p.into_inner());
             for owed in connection.owed.values() {
                 lag.unsubscribe(owed);
             }
+        }
+        if let (true, Some((_, sessions))) = (connection.admitted, &self.front) {
+            sessions.client_left();
         }
     }
 }
@@ -269,11 +276,17 @@ impl<P: Protocol> ConnectGuard<P> {
                 };
                 if let Some(reason) = refusal {
                     warn!(error_code = "EM-BROKER-CLIENT-ID", client_id = %connect.client_id, reason, "refused MQTT client id");
-                    // An empty id with a persistent session makes rumqttd answer CONNACK
-                    // "identifier rejected" before it touches the state that #1062 poisons.
-                    connect.client_id.clear();
-                    connect.clean_session = false;
+                    refuse_before_rumqttd(connect);
                     return;
+                }
+                if let Some((_, sessions)) = &self.front {
+                    if !sessions.admit_client() {
+                        warn!(error_code = "EM-BROKER-CONNECTION-LIMIT", client_id = %connect.client_id, "refused a client: broker.max_connections reached");
+                        refuse_before_rumqttd(connect);
+                        connection.over_limit = true;
+                        return;
+                    }
+                    connection.admitted = true;
                 }
                 connection.client_id = connect.client_id.clone();
                 if let Some(lag) = &self.lag {
@@ -510,6 +523,13 @@ impl<P: Protocol> ConnectGuard<P> {
                     publish.topic = topic;
                 }
             }
+            Packet::ConnAck(ack, _) if connection.over_limit => {
+                ack.code = if self.v5 {
+                    ConnectReturnCode::QuotaExceeded
+                } else {
+                    ConnectReturnCode::ServiceUnavailable
+                };
+            }
             Packet::ConnAck(_, properties) if self.v5 && connection.keep_alive_zero => {
                 properties
                     .get_or_insert_with(Default::default)
@@ -538,6 +558,13 @@ impl<P: Protocol> ConnectGuard<P> {
         }
         Ok(true)
     }
+}
+
+/// An empty id with a persistent session makes rumqttd answer CONNACK "identifier rejected"
+/// before it touches the state that #1062 poisons.
+fn refuse_before_rumqttd(connect: &mut Connect) {
+    connect.client_id.clear();
+    connect.clean_session = false;
 }
 
 /// Whether rumqttd's answer to `pkid` is one the front sends after the commit instead.

@@ -125,6 +125,8 @@ impl Broker {
         });
         let new_server: Box<ServerFactory> =
             Box::new(move |settings, guard| Server::new(settings, listener_tx.clone(), guard));
+        let sessions = Arc::new(Sessions::default());
+        sessions.limit_clients(config.max_connections);
         Ok(Broker {
             config: config.clone(),
             listeners: JoinSet::new(),
@@ -133,7 +135,7 @@ impl Broker {
             listening: false,
             links: Links::default(),
             policy,
-            sessions: Arc::new(Sessions::default()),
+            sessions,
             backlog: Arc::new(Backlog::new(config.link_pause_bytes() as u64)),
             lag: Arc::new(
                 Lag::new(config.subscriber_lag_limit() as u64)

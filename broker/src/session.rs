@@ -3,7 +3,7 @@
 //! preamble, so a decision the guard takes (cut this client off) reaches the socket.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -194,6 +194,10 @@ pub struct Sessions {
     unclaimed: Mutex<HashMap<u64, Arc<Session>>>,
     /// Every open connection, so an acknowledgement can find its way back by number.
     live: Mutex<HashMap<u64, Weak<Session>>>,
+    /// Clients whose CONNECT went on to rumqttd and is not yet dropped, and the most allowed
+    /// (0: no limit).
+    admitted: AtomicUsize,
+    client_limit: AtomicUsize,
 }
 
 impl Sessions {
@@ -208,6 +212,28 @@ impl Sessions {
         self.lock().insert(id, session.clone());
         self.lock_live().insert(id, Arc::downgrade(&session));
         session
+    }
+
+    /// At most `max` clients connected at once, across every listener.
+    pub fn limit_clients(&self, max: usize) {
+        self.client_limit.store(max, Ordering::Relaxed);
+    }
+
+    /// Counts a client in, unless that would pass the limit. A CONNECT refused here never
+    /// reaches rumqttd, whose own refusal leaves state behind that makes the listener panic
+    /// on the client's retry with the same id (rumqttd #1062).
+    pub fn admit_client(&self) -> bool {
+        let limit = self.client_limit.load(Ordering::Relaxed);
+        self.admitted
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (limit == 0 || n < limit).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    /// A client [`Sessions::admit_client`] counted in has gone.
+    pub fn client_left(&self) {
+        self.admitted.fetch_sub(1, Ordering::AcqRel);
     }
 
     /// Hands the session to the guard that read its number in the preamble (once).

@@ -17,6 +17,9 @@ use tokio::sync::mpsc;
 
 /// How long any single network wait may take before the test fails.
 pub const WAIT: Duration = Duration::from_secs(10);
+
+/// What `edgemeta run` logs once its listeners are open.
+const SERVING: &str = "edgemeta serving";
 /// How long to watch for a message that must not arrive.
 pub const QUIET: Duration = Duration::from_millis(400);
 
@@ -251,6 +254,8 @@ impl Node {
     }
 
     async fn spawn(&mut self) -> Result<(), String> {
+        // The log is appended to across restarts: wait for this run's own line.
+        let served_before = self.log().matches(SERVING).count();
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -267,15 +272,18 @@ impl Node {
             .spawn()
             .expect("start edgemeta");
         self.child = Some(child);
-        self.wait_until_serving().await
+        self.wait_until_serving(served_before).await
     }
 
     /// `Err(log)` if the node exited during start-up.
-    async fn wait_until_serving(&mut self) -> Result<(), String> {
+    async fn wait_until_serving(&mut self, served_before: usize) -> Result<(), String> {
         let address = SocketAddr::from(([127, 0, 0, 1], self.port));
         let started = Instant::now();
-        // Listeners open only after the MetaManager is subscribed, so a connect means ready.
-        while TcpStream::connect_timeout(&address, Duration::from_millis(100)).is_err() {
+        // Listeners open only after the MetaManager is subscribed, so a connect means ready;
+        // the log line tells our node from another process that took the port before it.
+        while TcpStream::connect_timeout(&address, Duration::from_millis(100)).is_err()
+            || self.log().matches(SERVING).count() <= served_before
+        {
             if let Some(status) = self
                 .child
                 .as_mut()
