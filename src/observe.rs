@@ -32,6 +32,7 @@ use crate::config::ObserveConfig;
 pub const ERROR_CODES: &[&str] = &[
     "EM-AUTH-REFUSED",
     "EM-BROKER-CLIENT-ID",
+    "EM-BROKER-CONNECTION-LIMIT",
     "EM-ACL-PUBLISH-DENIED",
     "EM-ACL-SUBSCRIBE-DENIED",
     "EM-ACL-WILL-DENIED",
