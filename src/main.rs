@@ -7,7 +7,9 @@
 //! - `observe`: `/metrics`, `/healthz`, `/readyz` on `observe.address`.
 //! - `cli`: the operator's commands: `get` (the store, read-only) and `status` (the endpoints).
 //! - `shutdown`: SIGINT / SIGTERM.
-//! - `edgecontroller` (crate `edgemeta-edgecontroller`): the cloud side, for Kubernetes.
+//!
+//! The cloud side for Kubernetes is its own binary, `edgemeta-edgecontroller`
+//! (`src/bin/edgemeta-edgecontroller.rs`), so a node does not carry kube-rs.
 
 mod app;
 mod cli;
@@ -65,43 +67,6 @@ enum Command {
         #[arg(long, short)]
         config: Option<PathBuf>,
     },
-    /// Run the cloud side: watch Kubernetes (kube-rs) and drive edge nodes through the cloud
-    /// MQTT broker (pods, configmaps, secrets, Nodes down; pod status and queries up).
-    Edgecontroller {
-        /// A kubeconfig file (default: in-cluster config, `$KUBECONFIG` or `~/.kube/config`).
-        #[arg(long)]
-        kubeconfig: Option<PathBuf>,
-        /// The cloud MQTT broker the nodes' bridges use.
-        #[arg(long, default_value = "mqtt://127.0.0.1:1883")]
-        broker: String,
-        /// The nodes' `cloud.root`.
-        #[arg(long, default_value = "kubeedge")]
-        root: String,
-        /// MQTT client id (a persistent session at the broker).
-        #[arg(long, default_value = "edgemeta-edgecontroller")]
-        client_id: String,
-        /// MQTT username; the password comes from `EDGEMETA_CONTROLLER_PASSWORD`.
-        #[arg(long)]
-        username: Option<String>,
-        /// First resend of an unacknowledged message, in milliseconds (doubles up to 60 s).
-        #[arg(long, default_value_t = 5000)]
-        resend_ms: u64,
-        /// Run only while holding a Lease, so replicas are hot standbys. All replicas must use
-        /// the same `--client-id`.
-        #[arg(long)]
-        leader_elect: bool,
-        /// The Lease's namespace and name.
-        #[arg(long, default_value = "default")]
-        lease_namespace: String,
-        #[arg(long, default_value = "edgemeta-edgecontroller")]
-        lease_name: String,
-        /// How long an unrenewed Lease stays with its holder, in seconds.
-        #[arg(long, default_value_t = 15)]
-        lease_duration_s: u64,
-        /// This replica's name in the Lease (default: `$HOSTNAME`, else `edgecontroller-<pid>`).
-        #[arg(long)]
-        identity: Option<String>,
-    },
     /// Print the embedded default configuration.
     DefaultConfig,
     /// Read a password from standard input and print its argon2 hash for
@@ -131,48 +96,8 @@ fn main() -> anyhow::Result<()> {
             telemetry::init(&settings.log, None);
             let edged = settings.edged()?;
             let root = settings.broker.topic_root.clone();
-            until_signal("edgemeta-edged", |cancel| async move {
+            shutdown::until_signal("edgemeta-edged", |cancel| async move {
                 edgemeta_edged::run(edged, &root, cancel).await
-            })?;
-            Ok(())
-        }
-        Command::Edgecontroller {
-            kubeconfig,
-            broker,
-            root,
-            client_id,
-            username,
-            resend_ms,
-            leader_elect,
-            lease_namespace,
-            lease_name,
-            lease_duration_s,
-            identity,
-        } => {
-            // The node's log settings (`RUST_LOG` wins), from the embedded defaults.
-            telemetry::init(&config::Settings::load(None)?.log, None);
-            let config = edgemeta_edgecontroller::Config {
-                kubeconfig,
-                broker,
-                root,
-                client_id,
-                password: username
-                    .as_ref()
-                    .and_then(|_| std::env::var("EDGEMETA_CONTROLLER_PASSWORD").ok()),
-                username,
-                resend: std::time::Duration::from_millis(resend_ms),
-                leader: leader_elect.then(|| edgemeta_edgecontroller::LeaseConfig {
-                    namespace: lease_namespace,
-                    name: lease_name,
-                    identity: identity
-                        .or_else(|| std::env::var("HOSTNAME").ok())
-                        .unwrap_or_else(|| format!("edgecontroller-{}", std::process::id())),
-                    duration: std::time::Duration::from_secs(lease_duration_s),
-                }),
-                ..edgemeta_edgecontroller::Config::default()
-            };
-            until_signal("edgemeta-edgecontroller", |cancel| {
-                edgemeta_edgecontroller::run(config, cancel)
             })?;
             Ok(())
         }
@@ -210,28 +135,4 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
     }
-}
-
-/// Runs `job` on a runtime of its own, with a token cancelled on SIGINT/SIGTERM (the separate
-/// processes `edged` and `edgecontroller` stop this way).
-fn until_signal<F, Fut, T, E>(thread_name: &str, job: F) -> anyhow::Result<T>
-where
-    F: FnOnce(tokio_util::sync::CancellationToken) -> Fut,
-    Fut: std::future::Future<Output = Result<T, E>>,
-    anyhow::Error: From<E>,
-{
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .thread_name(thread_name)
-        .build()?;
-    let result = runtime.block_on(async move {
-        let cancel = tokio_util::sync::CancellationToken::new();
-        let stop = cancel.clone();
-        tokio::spawn(async move {
-            shutdown::signal().await;
-            stop.cancel();
-        });
-        job(cancel).await
-    });
-    Ok(result?)
 }

@@ -1,5 +1,5 @@
 //! Kubernetes drives edgemeta nodes, end to end: the fake API server (in-process, real HTTP
-//! and wire format), the real kube-rs client, the real `edgemeta edgecontroller`, a real
+//! and wire format), the real kube-rs client, the real `edgemeta-edgecontroller`, a real
 //! mosquitto cloud broker, real nodes and the real `edgemeta edged` running `sh` pods.
 
 mod common;
@@ -90,7 +90,7 @@ impl Drop for Cluster {
     }
 }
 
-/// A running `edgemeta edgecontroller`.
+/// A running `edgemeta-edgecontroller`.
 struct Controller {
     child: Option<Child>,
     log: PathBuf,
@@ -114,7 +114,6 @@ impl Controller {
             .path()
             .join(format!("{}.log", unique_id("controller")));
         let mut command = vec![
-            "edgecontroller".to_owned(),
             "--kubeconfig".to_owned(),
             cluster.kubeconfig().display().to_string(),
             "--broker".to_owned(),
@@ -140,14 +139,14 @@ impl Controller {
             .append(true)
             .open(&self.log)
             .expect("log");
-        let child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
+        let child = Command::new(env!("CARGO_BIN_EXE_edgemeta-edgecontroller"))
             .args(&self.command)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(file.try_clone().expect("log"))
             .stderr(file)
             .spawn()
-            .expect("start edgemeta edgecontroller");
+            .expect("start edgemeta-edgecontroller");
         self.child = Some(child);
     }
 

@@ -1,0 +1,97 @@
+//! `edgemeta-edgecontroller`: the cloud side for Kubernetes (KubeEdge's edgecontroller and
+//! cloudhub, on MQTT). Its own binary, so an edge node's `edgemeta` does not carry kube-rs and
+//! its TLS stack.
+
+#[path = "../shutdown.rs"]
+mod shutdown;
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use tracing_subscriber::EnvFilter;
+
+/// Watch Kubernetes (kube-rs) and drive edge nodes through the cloud MQTT broker (pods,
+/// configmaps, secrets, Nodes down; pod status and queries up).
+#[derive(Parser)]
+#[command(name = "edgemeta-edgecontroller", version)]
+struct Cli {
+    /// A kubeconfig file (default: in-cluster config, `$KUBECONFIG` or `~/.kube/config`).
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+    /// The cloud MQTT broker the nodes' bridges use.
+    #[arg(long, default_value = "mqtt://127.0.0.1:1883")]
+    broker: String,
+    /// The nodes' `cloud.root`.
+    #[arg(long, default_value = "kubeedge")]
+    root: String,
+    /// MQTT client id (a persistent session at the broker).
+    #[arg(long, default_value = "edgemeta-edgecontroller")]
+    client_id: String,
+    /// MQTT username; the password comes from `EDGEMETA_CONTROLLER_PASSWORD`.
+    #[arg(long)]
+    username: Option<String>,
+    /// First resend of an unacknowledged message, in milliseconds (doubles up to 60 s).
+    #[arg(long, default_value_t = 5000)]
+    resend_ms: u64,
+    /// Run only while holding a Lease, so replicas are hot standbys. All replicas must use
+    /// the same `--client-id`.
+    #[arg(long)]
+    leader_elect: bool,
+    /// The Lease's namespace and name.
+    #[arg(long, default_value = "default")]
+    lease_namespace: String,
+    #[arg(long, default_value = "edgemeta-edgecontroller")]
+    lease_name: String,
+    /// How long an unrenewed Lease stays with its holder, in seconds.
+    #[arg(long, default_value_t = 15)]
+    lease_duration_s: u64,
+    /// This replica's name in the Lease (default: `$HOSTNAME`, else `edgecontroller-<pid>`).
+    #[arg(long)]
+    identity: Option<String>,
+}
+
+fn main() -> anyhow::Result<()> {
+    let Cli {
+        kubeconfig,
+        broker,
+        root,
+        client_id,
+        username,
+        resend_ms,
+        leader_elect,
+        lease_namespace,
+        lease_name,
+        lease_duration_s,
+        identity,
+    } = Cli::parse();
+    // `RUST_LOG` wins, as for the node.
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let config = edgemeta_edgecontroller::Config {
+        kubeconfig,
+        broker,
+        root,
+        client_id,
+        password: username
+            .as_ref()
+            .and_then(|_| std::env::var("EDGEMETA_CONTROLLER_PASSWORD").ok()),
+        username,
+        resend: std::time::Duration::from_millis(resend_ms),
+        leader: leader_elect.then(|| edgemeta_edgecontroller::LeaseConfig {
+            namespace: lease_namespace,
+            name: lease_name,
+            identity: identity
+                .or_else(|| std::env::var("HOSTNAME").ok())
+                .unwrap_or_else(|| format!("edgecontroller-{}", std::process::id())),
+            duration: std::time::Duration::from_secs(lease_duration_s),
+        }),
+        ..edgemeta_edgecontroller::Config::default()
+    };
+    shutdown::until_signal("edgemeta-edgecontroller", |cancel| {
+        edgemeta_edgecontroller::run(config, cancel)
+    })?;
+    Ok(())
+}
