@@ -1121,6 +1121,59 @@ async fn a_twin_the_device_added_is_deleted_with_null_and_kept_as_deleted() {
 }
 
 #[tokio::test]
+async fn what_mappers_go_sends_is_taken_double_twins_and_disconnected_state() {
+    let node = Node::start().await;
+    let controller = Controller::local(&node).await;
+    let mut mapper = Mapper::connect(&node, "meter-1").await;
+    // A device model property of type `double` (the cloud's `DataTypeDouble`,
+    // `cloud/pkg/devicecontroller/constants/device.go`), which mappers-go converts with
+    // `ParseFloat(value, 64)` (`mappers/common/data_converter.go`).
+    controller
+        .add(cloud_device(
+            "meter-1",
+            &[("voltage", "230.0", "double")],
+            100,
+        ))
+        .await;
+    mapper.added().await;
+    let event_id = mapper.report(&[("voltage", "229.87", "double")]).await;
+    let result = mapper.answer("twin/update/result", &event_id).await;
+    assert_eq!(
+        result["twin"]["voltage"]["actual"]["value"], "229.87",
+        "{result}"
+    );
+    assert_eq!(
+        result["twin"]["voltage"]["metadata"]["type"], "double",
+        "{result}"
+    );
+    let twins = twin_rows(&node, "meter-1").await;
+    assert_eq!(
+        (&twins[0]["actual"], &twins[0]["attr_type"]),
+        (&json!("229.87"), &json!("double")),
+        "{twins:?}"
+    );
+    let event_id = mapper.report(&[("voltage", "high", "double")]).await;
+    let answer = mapper.answer("twin/update/result", &event_id).await;
+    assert_eq!(answer["code"], 400, "not a number: {answer}");
+    // `bytes` is a model type too, but no edge twin value can be checked as one: refused, as
+    // KubeEdge's `ValidateValue` (`dtcommon/util.go`) does.
+    let event_id = mapper.report(&[("blob", "AQID", "bytes")]).await;
+    let answer = mapper.answer("twin/update/result", &event_id).await;
+    assert_eq!(answer["code"], 400, "{answer}");
+
+    // mappers-go's states (`mappers/common/const.go`), upper case as it sends them.
+    for (state, online) in [("OK", true), ("DISCONNECTED", false), ("ERROR", false)] {
+        let event_id = mapper.send("state/update", json!({"state": state})).await;
+        let result = mapper.answer("state/update/result", &event_id).await;
+        assert_eq!(result["device"]["state"], state, "{result}");
+        let last_online = result["device"]["lastOnlineTime"].as_str().unwrap_or("");
+        assert_eq!(is_rfc3339(last_online), online, "{result}");
+        let rows = node.rows("SELECT state FROM device").await;
+        assert_eq!(rows, vec![json!({"state": state})]);
+    }
+}
+
+#[tokio::test]
 async fn bad_reports_get_400_unknown_devices_404_and_nothing_changes() {
     let node = Node::start().await;
     let controller = Controller::local(&node).await;
@@ -1394,7 +1447,6 @@ async fn the_readme_mapper_walkthrough_works_verbatim() {
 
     let (lines_tx, mut lines) = tokio::sync::mpsc::unbounded_channel::<String>();
     let mut seen = Vec::new();
-    let probe = device_topic("thermo-1", "twin/probe/ready");
     let prober = Client::connect(port, &unique_id("probe")).await;
     for command in &commands {
         let words = shell_words(command);
@@ -1411,7 +1463,9 @@ async fn the_readme_mapper_walkthrough_works_verbatim() {
                     .expect("mosquitto_sub is installed (scripts/test installs it)");
                 forward_lines(&mut child, lines_tx.clone());
                 spawned.0.push(child);
-                // Subscribed once it prints a probe (on `twin/+/+`, not a topic the node uses).
+                // Subscribed once it prints a probe on its last filter (`twin/+/+`: not a topic
+                // the node uses; `…/#`: a level below).
+                let probe = probe_topic(args.last().expect("a filter"));
                 let deadline = Instant::now() + WAIT;
                 'subscribed: loop {
                     assert!(Instant::now() < deadline, "`{command}` never subscribed");
@@ -1489,6 +1543,33 @@ async fn the_readme_mapper_walkthrough_works_verbatim() {
         "{got}"
     );
 
+    // The alarm on the user topic, handed to the cloud side.
+    let upload = watch_for(
+        &mut lines,
+        &mut seen,
+        "ke/cloud/eventbus/upload/node/upload",
+        |u| u["route"]["resource"] == "factory/user/line-1/alarm",
+    )
+    .await;
+    assert_eq!(upload["content"], json!({"level": "high"}), "{upload}");
+    assert_eq!(
+        (&upload["route"]["operation"], &upload["route"]["group"]),
+        (&json!("upload"), &json!("user")),
+        "{upload}"
+    );
+
     drop(spawned);
     assert!(!node_log().contains("panicked"), "{}", node_log());
+}
+
+/// A topic `filter` matches that no part of the node answers: `+` and `#` levels as `probe`.
+fn probe_topic(filter: &str) -> String {
+    filter
+        .split('/')
+        .map(|level| match level {
+            "+" | "#" => "probe",
+            other => other,
+        })
+        .collect::<Vec<_>>()
+        .join("/")
 }
