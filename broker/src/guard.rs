@@ -639,8 +639,8 @@ impl<P: Protocol> Protocol for ConnectGuard<P> {
             }
         }
         // Acknowledgements of withheld publishes first: rumqttd reads again after every write.
-        let given = self.connection.get_mut().unwrap_or_else(|p| p.into_inner());
-        if let Some(packet) = given.withheld.next() {
+        let connection = self.connection.get_mut().unwrap_or_else(|p| p.into_inner());
+        if let Some(packet) = connection.withheld.next() {
             return Ok(packet);
         }
         let ack = publish_ack(stream);
