@@ -210,6 +210,17 @@ struct Mapper {
 }
 
 impl Mapper {
+    /// A standalone node on which the cloud added device `id` with `twins` (resource version
+    /// 100), and the device's mapper, which has seen the add.
+    async fn on_new_node(id: &str, twins: &[(&str, &str, &str)]) -> (Node, Mapper) {
+        let node = Node::start().await;
+        let controller = Controller::local(&node).await;
+        let mut mapper = Mapper::connect(&node, id).await;
+        controller.add(cloud_device(id, twins, 100)).await;
+        mapper.added().await;
+        (node, mapper)
+    }
+
     async fn connect(node: &Node, id: &str) -> Mapper {
         Mapper::connect_to(node, id, NODE).await
     }
@@ -1056,17 +1067,7 @@ async fn a_twin_the_device_added_is_deleted_with_null_and_kept_as_deleted() {
     // `DealMsgTwin` and `dealTwinAdd` / `dealTwinDelete` (dtmanager/twin.go): a device may add a
     // twin of its own (optional unless it says otherwise), and delete an optional twin by
     // sending it as null; the row stays, typed `deleted`, so its versions survive.
-    let node = Node::start().await;
-    let controller = Controller::local(&node).await;
-    let mut mapper = Mapper::connect(&node, "thermo-1").await;
-    controller
-        .add(cloud_device(
-            "thermo-1",
-            &[("temperature", "20", "int")],
-            100,
-        ))
-        .await;
-    mapper.added().await;
+    let (node, mut mapper) = Mapper::on_new_node("thermo-1", &[("temperature", "20", "int")]).await;
 
     let event_id = mapper.report(&[("label", "lab-1", "string")]).await;
     let result = mapper.answer("twin/update/result", &event_id).await;
@@ -1122,20 +1123,11 @@ async fn a_twin_the_device_added_is_deleted_with_null_and_kept_as_deleted() {
 
 #[tokio::test]
 async fn what_mappers_go_sends_is_taken_double_twins_and_disconnected_state() {
-    let node = Node::start().await;
-    let controller = Controller::local(&node).await;
-    let mut mapper = Mapper::connect(&node, "meter-1").await;
     // A device model property of type `double` (the cloud's `DataTypeDouble`,
     // `cloud/pkg/devicecontroller/constants/device.go`), which mappers-go converts with
     // `ParseFloat(value, 64)` (`mappers/common/data_converter.go`).
-    controller
-        .add(cloud_device(
-            "meter-1",
-            &[("voltage", "230.0", "double")],
-            100,
-        ))
-        .await;
-    mapper.added().await;
+    let (node, mut mapper) =
+        Mapper::on_new_node("meter-1", &[("voltage", "230.0", "double")]).await;
     let event_id = mapper.report(&[("voltage", "229.87", "double")]).await;
     let result = mapper.answer("twin/update/result", &event_id).await;
     assert_eq!(
@@ -1175,17 +1167,8 @@ async fn what_mappers_go_sends_is_taken_double_twins_and_disconnected_state() {
 
 #[tokio::test]
 async fn bad_reports_get_400_unknown_devices_404_and_nothing_changes() {
-    let node = Node::start().await;
-    let controller = Controller::local(&node).await;
-    let mut mapper = Mapper::connect(&node, "thermo-1").await;
-    controller
-        .add(cloud_device(
-            "thermo-1",
-            &[("temperature", "20", "int"), ("label", "lab-1", "string")],
-            100,
-        ))
-        .await;
-    mapper.added().await;
+    let twins = [("temperature", "20", "int"), ("label", "lab-1", "string")];
+    let (node, mut mapper) = Mapper::on_new_node("thermo-1", &twins).await;
     let event_id = mapper.report(&[("temperature", "25", "int")]).await;
     mapper.answer("twin/update/result", &event_id).await;
     mapper

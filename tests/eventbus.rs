@@ -10,7 +10,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::cloud::{await_empty_outbox, await_signal, bridged, cloud_client, tail, CONNECTION};
-use common::{forward_lines, unique_id, Client, CloudBroker, Msg, Node, Options, QUIET, WAIT};
+use common::{
+    forward_lines, mosquitto_pub, unique_id, Client, CloudBroker, Msg, Node, QUIET, WAIT,
+};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -121,11 +123,7 @@ fn event(m: &Msg, kind: &str, client_id: &str) {
 
 #[tokio::test]
 async fn connections_and_disconnections_of_clients_reach_subscribers() {
-    let node = Node::start_with(Options {
-        v5: true,
-        ..Options::default()
-    })
-    .await;
+    let node = Node::start_v5().await;
     let mut watcher = node.client().await;
     watcher.subscribe("$hw/events/connected/+").await;
     watcher.subscribe("$hw/events/disconnected/+").await;
@@ -150,14 +148,22 @@ async fn connections_and_disconnections_of_clients_reach_subscribers() {
     );
 
     // A client over MQTT 5 (mosquitto_pub) that disconnects cleanly.
-    let v5 = node.v5_port.expect("v5 listener").to_string();
+    let v5 = node.v5_port.expect("v5 listener");
     let sensor = unique_id("sensor");
-    let out = Command::new("mosquitto_pub")
-        .args(["-h", "127.0.0.1", "-p", &v5, "-V", "mqttv5", "-i", &sensor])
-        .args(["-q", "1", "-t", "plain/reading", "-m", "1"])
-        .output()
-        .expect("mosquitto_pub is installed (scripts/test installs it)");
-    assert!(out.status.success(), "{out:?}");
+    let args = [
+        "-V",
+        "mqttv5",
+        "-i",
+        &sensor,
+        "-q",
+        "1",
+        "-t",
+        "plain/reading",
+        "-m",
+        "1",
+    ];
+    let (published, stderr) = mosquitto_pub(v5, &args);
+    assert!(published, "{stderr}");
     let connected = watcher
         .expect(&format!("$hw/events/connected/{sensor}"))
         .await;
@@ -168,12 +174,8 @@ async fn connections_and_disconnections_of_clients_reach_subscribers() {
     event(&disconnected, "disconnected", &sensor);
 
     // A refused client (an id rumqttd cannot take) never connected: nothing to announce.
-    let out = Command::new("mosquitto_pub")
-        .args(["-h", "127.0.0.1", "-p", &node.port.to_string()])
-        .args(["-i", "bad#id", "-t", "plain/x", "-m", "1"])
-        .output()
-        .expect("mosquitto_pub");
-    assert!(!out.status.success());
+    let (published, _) = mosquitto_pub(node.port, &["-i", "bad#id", "-t", "plain/x", "-m", "1"]);
+    assert!(!published);
     let later: Vec<String> = watcher
         .drain(QUIET)
         .await
@@ -278,11 +280,7 @@ async fn wildcard_subscribers_get_no_dollar_topic_in_mqtt_3_1_1_and_5() {
     // More than rumqttd's 100 publishes in flight per subscriber: each withheld one must be
     // acknowledged in its place, in order, or rumqttd would stall or drop the subscriber.
     const PLAIN: usize = 300;
-    let node = Node::start_with(Options {
-        v5: true,
-        ..Options::default()
-    })
-    .await;
+    let node = Node::start_v5().await;
     let v5 = node.v5_port.expect("v5 listener");
     let prober = node.client().await;
     let mut hash = node.client().await;

@@ -640,7 +640,7 @@ impl<P: Protocol> Protocol for ConnectGuard<P> {
         }
         // Acknowledgements of withheld publishes first: rumqttd reads again after every write.
         let connection = self.connection.get_mut().unwrap_or_else(|p| p.into_inner());
-        if let Some(packet) = connection.withheld.next() {
+        if let Some(packet) = connection.withheld.take_given() {
             return Ok(packet);
         }
         let ack = publish_ack(stream);

@@ -69,7 +69,7 @@ impl Withheld {
     }
 
     /// The next acknowledgement to hand rumqttd as if the client had sent it.
-    pub fn next(&mut self) -> Option<Packet> {
+    pub fn take_given(&mut self) -> Option<Packet> {
         self.given.pop_front()
     }
 
@@ -88,21 +88,9 @@ impl Withheld {
             if let Some(&(kind, pkid, true)) = self.unacked.front() {
                 self.unacked.pop_front();
                 match kind {
-                    AckKind::PubAck => self.given.push_back(Packet::PubAck(
-                        PubAck {
-                            pkid,
-                            reason: PubAckReason::Success,
-                        },
-                        None,
-                    )),
+                    AckKind::PubAck => self.given.push_back(puback(pkid)),
                     AckKind::PubComp => {
-                        self.given.push_back(Packet::PubRec(
-                            PubRec {
-                                pkid,
-                                reason: PubRecReason::Success,
-                            },
-                            None,
-                        ));
+                        self.given.push_back(pubrec(pkid));
                         self.unreleased.push_back((pkid, true));
                         *self.pubrels.entry(pkid).or_default() += 1;
                     }
@@ -111,13 +99,7 @@ impl Withheld {
             }
             if let Some(&(pkid, true)) = self.unreleased.front() {
                 self.unreleased.pop_front();
-                self.given.push_back(Packet::PubComp(
-                    PubComp {
-                        pkid,
-                        reason: PubCompReason::Success,
-                    },
-                    None,
-                ));
+                self.given.push_back(pubcomp(pkid));
                 continue;
             }
             break;
@@ -125,12 +107,45 @@ impl Withheld {
     }
 }
 
+/// A PUBACK of `pkid`, as the client would have sent it.
+fn puback(pkid: u16) -> Packet {
+    Packet::PubAck(
+        PubAck {
+            pkid,
+            reason: PubAckReason::Success,
+        },
+        None,
+    )
+}
+
+/// A PUBREC of `pkid`, as the client would have sent it.
+fn pubrec(pkid: u16) -> Packet {
+    Packet::PubRec(
+        PubRec {
+            pkid,
+            reason: PubRecReason::Success,
+        },
+        None,
+    )
+}
+
+/// A PUBCOMP of `pkid`, as the client would have sent it.
+fn pubcomp(pkid: u16) -> Packet {
+    Packet::PubComp(
+        PubComp {
+            pkid,
+            reason: PubCompReason::Success,
+        },
+        None,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn given(withheld: &mut Withheld) -> Vec<String> {
-        std::iter::from_fn(|| withheld.next())
+        std::iter::from_fn(|| withheld.take_given())
             .map(|p| match p {
                 Packet::PubAck(a, _) => format!("puback {}", a.pkid),
                 Packet::PubRec(r, _) => format!("pubrec {}", r.pkid),
@@ -138,16 +153,6 @@ mod tests {
                 other => format!("{other:?}"),
             })
             .collect()
-    }
-
-    fn puback(pkid: u16) -> Packet {
-        Packet::PubAck(
-            PubAck {
-                pkid,
-                reason: PubAckReason::Success,
-            },
-            None,
-        )
     }
 
     #[test]
@@ -175,25 +180,13 @@ mod tests {
         let mut w = Withheld::default();
         w.sent(AckKind::PubComp, 7, false);
         w.sent(AckKind::PubComp, 8, true);
-        w.client_answered(&Packet::PubRec(
-            PubRec {
-                pkid: 7,
-                reason: PubRecReason::Success,
-            },
-            None,
-        ));
+        w.client_answered(&pubrec(7));
         // 7 still awaits its PUBCOMP: 8's PUBCOMP waits behind it, its PUBREC does not.
         assert_eq!(given(&mut w), ["pubrec 8"]);
         assert!(!w.swallow_pubrel(7));
         assert!(w.swallow_pubrel(8));
         assert!(!w.swallow_pubrel(8), "once");
-        w.client_answered(&Packet::PubComp(
-            PubComp {
-                pkid: 7,
-                reason: PubCompReason::Success,
-            },
-            None,
-        ));
+        w.client_answered(&pubcomp(7));
         assert_eq!(given(&mut w), ["pubcomp 8"]);
     }
 }

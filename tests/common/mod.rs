@@ -149,6 +149,15 @@ impl Node {
         Node::start_with(Options::default()).await
     }
 
+    /// A node that also has an MQTT v5 listener (`v5_port`).
+    pub async fn start_v5() -> Node {
+        Node::start_with(Options {
+            v5: true,
+            ..Options::default()
+        })
+        .await
+    }
+
     pub async fn start_with(options: Options) -> Node {
         let dir = tempfile::tempdir().expect("temp dir");
         let v5_port = options.v5.then(free_port);
