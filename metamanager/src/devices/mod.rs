@@ -158,7 +158,9 @@ pub fn is_user_topic(topic: &str) -> bool {
 
 /// The device message a topic (clients' form) carries, if any.
 pub fn classify(topic: &str) -> Option<Kind> {
+    // `$hw/events/upload/#` matches its parent level too (MQTT 3.1.1 §4.7.1.2).
     if topic == "SYS/dis/upload_records"
+        || topic == "$hw/events/upload"
         || topic.starts_with("$hw/events/upload/")
         || is_user_topic(topic)
     {
@@ -930,6 +932,8 @@ mod tests {
         );
         assert_eq!(classify("$hw/events/upload/a/b"), Some(Kind::Upload));
         assert_eq!(classify("SYS/dis/upload_records"), Some(Kind::Upload));
+        assert_eq!(classify("$hw/events/upload"), Some(Kind::Upload));
+        assert_eq!(classify("$hw/events/uploads/x"), None);
         assert_eq!(classify("factory/user/line-1/alarm"), Some(Kind::Upload));
         assert_eq!(classify("factory/user"), Some(Kind::Upload));
         assert_eq!(classify("/user/x"), Some(Kind::Upload));
