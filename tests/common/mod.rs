@@ -801,6 +801,15 @@ impl Client {
         }
         out
     }
+
+    /// The topics of every message received during `window`.
+    pub async fn drain_topics(&mut self, window: Duration) -> Vec<String> {
+        self.drain(window)
+            .await
+            .into_iter()
+            .map(|m| m.topic)
+            .collect()
+    }
 }
 
 impl Drop for Client {
