@@ -46,6 +46,7 @@ pub async fn run(
         .link("metamanager", &meta_filters, LINK_CAPACITY)
         .await
         .context("linking the metamanager to the broker")?;
+    broker.announce_clients(link.publisher.clone());
     let cloud = settings.cloud.enabled;
     // Without a cloud bridge the outbox is relayed to the local `<root>/cloud/...` topics.
     let mut meta = MetaManager::start(

@@ -210,6 +210,17 @@ struct Mapper {
 }
 
 impl Mapper {
+    /// A standalone node on which the cloud added device `id` with `twins` (resource version
+    /// 100), and the device's mapper, which has seen the add.
+    async fn on_new_node(id: &str, twins: &[(&str, &str, &str)]) -> (Node, Mapper) {
+        let node = Node::start().await;
+        let controller = Controller::local(&node).await;
+        let mut mapper = Mapper::connect(&node, id).await;
+        controller.add(cloud_device(id, twins, 100)).await;
+        mapper.added().await;
+        (node, mapper)
+    }
+
     async fn connect(node: &Node, id: &str) -> Mapper {
         Mapper::connect_to(node, id, NODE).await
     }
@@ -1056,17 +1067,7 @@ async fn a_twin_the_device_added_is_deleted_with_null_and_kept_as_deleted() {
     // `DealMsgTwin` and `dealTwinAdd` / `dealTwinDelete` (dtmanager/twin.go): a device may add a
     // twin of its own (optional unless it says otherwise), and delete an optional twin by
     // sending it as null; the row stays, typed `deleted`, so its versions survive.
-    let node = Node::start().await;
-    let controller = Controller::local(&node).await;
-    let mut mapper = Mapper::connect(&node, "thermo-1").await;
-    controller
-        .add(cloud_device(
-            "thermo-1",
-            &[("temperature", "20", "int")],
-            100,
-        ))
-        .await;
-    mapper.added().await;
+    let (node, mut mapper) = Mapper::on_new_node("thermo-1", &[("temperature", "20", "int")]).await;
 
     let event_id = mapper.report(&[("label", "lab-1", "string")]).await;
     let result = mapper.answer("twin/update/result", &event_id).await;
@@ -1121,18 +1122,53 @@ async fn a_twin_the_device_added_is_deleted_with_null_and_kept_as_deleted() {
 }
 
 #[tokio::test]
+async fn what_mappers_go_sends_is_taken_double_twins_and_disconnected_state() {
+    // A device model property of type `double` (the cloud's `DataTypeDouble`,
+    // `cloud/pkg/devicecontroller/constants/device.go`), which mappers-go converts with
+    // `ParseFloat(value, 64)` (`mappers/common/data_converter.go`).
+    let (node, mut mapper) =
+        Mapper::on_new_node("meter-1", &[("voltage", "230.0", "double")]).await;
+    let event_id = mapper.report(&[("voltage", "229.87", "double")]).await;
+    let result = mapper.answer("twin/update/result", &event_id).await;
+    assert_eq!(
+        result["twin"]["voltage"]["actual"]["value"], "229.87",
+        "{result}"
+    );
+    assert_eq!(
+        result["twin"]["voltage"]["metadata"]["type"], "double",
+        "{result}"
+    );
+    let twins = twin_rows(&node, "meter-1").await;
+    assert_eq!(
+        (&twins[0]["actual"], &twins[0]["attr_type"]),
+        (&json!("229.87"), &json!("double")),
+        "{twins:?}"
+    );
+    let event_id = mapper.report(&[("voltage", "high", "double")]).await;
+    let answer = mapper.answer("twin/update/result", &event_id).await;
+    assert_eq!(answer["code"], 400, "not a number: {answer}");
+    // `bytes` is a model type too, but no edge twin value can be checked as one: refused, as
+    // KubeEdge's `ValidateValue` (`dtcommon/util.go`) does.
+    let event_id = mapper.report(&[("blob", "AQID", "bytes")]).await;
+    let answer = mapper.answer("twin/update/result", &event_id).await;
+    assert_eq!(answer["code"], 400, "{answer}");
+
+    // mappers-go's states (`mappers/common/const.go`), upper case as it sends them.
+    for (state, online) in [("OK", true), ("DISCONNECTED", false), ("ERROR", false)] {
+        let event_id = mapper.send("state/update", json!({"state": state})).await;
+        let result = mapper.answer("state/update/result", &event_id).await;
+        assert_eq!(result["device"]["state"], state, "{result}");
+        let last_online = result["device"]["lastOnlineTime"].as_str().unwrap_or("");
+        assert_eq!(is_rfc3339(last_online), online, "{result}");
+        let rows = node.rows("SELECT state FROM device").await;
+        assert_eq!(rows, vec![json!({"state": state})]);
+    }
+}
+
+#[tokio::test]
 async fn bad_reports_get_400_unknown_devices_404_and_nothing_changes() {
-    let node = Node::start().await;
-    let controller = Controller::local(&node).await;
-    let mut mapper = Mapper::connect(&node, "thermo-1").await;
-    controller
-        .add(cloud_device(
-            "thermo-1",
-            &[("temperature", "20", "int"), ("label", "lab-1", "string")],
-            100,
-        ))
-        .await;
-    mapper.added().await;
+    let twins = [("temperature", "20", "int"), ("label", "lab-1", "string")];
+    let (node, mut mapper) = Mapper::on_new_node("thermo-1", &twins).await;
     let event_id = mapper.report(&[("temperature", "25", "int")]).await;
     mapper.answer("twin/update/result", &event_id).await;
     mapper
@@ -1394,7 +1430,6 @@ async fn the_readme_mapper_walkthrough_works_verbatim() {
 
     let (lines_tx, mut lines) = tokio::sync::mpsc::unbounded_channel::<String>();
     let mut seen = Vec::new();
-    let probe = device_topic("thermo-1", "twin/probe/ready");
     let prober = Client::connect(port, &unique_id("probe")).await;
     for command in &commands {
         let words = shell_words(command);
@@ -1411,7 +1446,9 @@ async fn the_readme_mapper_walkthrough_works_verbatim() {
                     .expect("mosquitto_sub is installed (scripts/test installs it)");
                 forward_lines(&mut child, lines_tx.clone());
                 spawned.0.push(child);
-                // Subscribed once it prints a probe (on `twin/+/+`, not a topic the node uses).
+                // Subscribed once it prints a probe on its last filter (`twin/+/+`: not a topic
+                // the node uses; `…/#`: a level below).
+                let probe = probe_topic(args.last().expect("a filter"));
                 let deadline = Instant::now() + WAIT;
                 'subscribed: loop {
                     assert!(Instant::now() < deadline, "`{command}` never subscribed");
@@ -1489,6 +1526,33 @@ async fn the_readme_mapper_walkthrough_works_verbatim() {
         "{got}"
     );
 
+    // The alarm on the user topic, handed to the cloud side.
+    let upload = watch_for(
+        &mut lines,
+        &mut seen,
+        "ke/cloud/eventbus/upload/node/upload",
+        |u| u["route"]["resource"] == "factory/user/line-1/alarm",
+    )
+    .await;
+    assert_eq!(upload["content"], json!({"level": "high"}), "{upload}");
+    assert_eq!(
+        (&upload["route"]["operation"], &upload["route"]["group"]),
+        (&json!("upload"), &json!("user")),
+        "{upload}"
+    );
+
     drop(spawned);
     assert!(!node_log().contains("panicked"), "{}", node_log());
+}
+
+/// A topic `filter` matches that no part of the node answers: `+` and `#` levels as `probe`.
+fn probe_topic(filter: &str) -> String {
+    filter
+        .split('/')
+        .map(|level| match level {
+            "+" | "#" => "probe",
+            other => other,
+        })
+        .collect::<Vec<_>>()
+        .join("/")
 }

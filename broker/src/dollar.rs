@@ -80,6 +80,23 @@ pub fn bytes_to_client(broker: &Bytes) -> Option<Bytes> {
     is_carried(client).then(|| broker.slice(CARRIER.len()..))
 }
 
+/// Whether a client holding `filters` (broker form) may be sent `topic` (broker form). A carried
+/// topic only through a filter that names its `$` root: MQTT 3.1.1 and 5 §4.7.2 keep `$` topics
+/// from filters that start with a wildcard, which rumqttd would match against `edgemeta$...`.
+pub fn reaches<'a>(topic: &str, filters: impl IntoIterator<Item = &'a String>) -> bool {
+    if !topic.starts_with(INTERNAL_PREFIX) {
+        return true;
+    }
+    filters.into_iter().any(|filter| {
+        let shared = filter
+            .strip_prefix("$share/")
+            .and_then(|rest| rest.split_once('/'))
+            .map(|(_, filter)| filter);
+        let filter = shared.unwrap_or(filter);
+        filter.starts_with(INTERNAL_PREFIX) && rumqttd::protocol::matches(topic, filter)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -132,6 +149,24 @@ mod tests {
         assert_eq!(filter_to_broker("$share/g/ke/#"), "$share/g/ke/#");
         assert_eq!(filter_to_broker("$hw/events/#"), "edgemeta$hw/events/#");
         assert_eq!(filter_to_broker("$share/$hw/"), "$share/$hw/");
+    }
+
+    #[test]
+    fn a_carried_topic_reaches_only_filters_that_name_its_root() {
+        let held = |filters: &[&str]| filters.iter().map(|f| f.to_string()).collect::<Vec<_>>();
+        let topic = "edgemeta$hw/events/device/d/twin/update/delta";
+        assert!(!reaches(topic, &held(&["#", "+/events/#", "ke/#"])));
+        assert!(reaches(
+            topic,
+            &held(&["#", "edgemeta$hw/events/device/+/twin/#"])
+        ));
+        assert!(reaches(topic, &held(&["$share/g/edgemeta$hw/#"])));
+        assert!(!reaches(topic, &held(&["edgemeta$ke/#"])));
+        assert!(reaches("factory/user/a", &held(&["#"])));
+        assert!(
+            reaches("factory/user/a", &held(&[])),
+            "not the guard's to judge"
+        );
     }
 
     #[test]

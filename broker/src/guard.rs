@@ -13,7 +13,8 @@
 //! - what each QoS 1/2 subscriber is owed is counted, so one that lags is cut off ([`Lag`]);
 //! - `$hw/...` and `$ke/...`, which rumqttd would refuse, travel inside it as `edgemeta$...`
 //!   ([`dollar`]): clients' topics and filters are converted on the way in and out, and the ACL,
-//!   the backlog and the lag all see the broker form.
+//!   the backlog and the lag all see the broker form; such a message reaches a client only
+//!   through a filter that names `$hw` or `$ke` ([`withhold`]: not through `#` or `+/...`).
 
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
@@ -28,10 +29,12 @@ use tracing::warn;
 
 use crate::backlog::Backlog;
 use crate::dollar;
+use crate::events::ClientEvents;
 use crate::front::{take_preamble, Preamble};
 use crate::lag::{log_size, Lag, Owed};
 use crate::security::{Grants, Identity, Policy};
 use crate::session::{AckKind, Session, Sessions};
+use crate::withhold::Withheld;
 use crate::RESERVED_CLIENT_PREFIX;
 
 /// The user property that carries, from the guard to our links, which connection and packet id
@@ -61,6 +64,8 @@ pub struct ConnectGuard<P> {
     backlog: Option<Arc<Backlog>>,
     /// Counts what QoS 1/2 subscribers are owed, so a lagging one is cut off.
     lag: Option<Arc<Lag>>,
+    /// Tells subscribers when a client's connection is accepted and when it ends.
+    events: Option<Arc<ClientEvents>>,
 }
 
 /// What one connection has been granted and refused.
@@ -101,6 +106,20 @@ struct Connection {
     /// connection limit.
     admitted: bool,
     over_limit: bool,
+    /// `$` messages rumqttd sent through a wildcard filter, kept from the client.
+    withheld: Withheld,
+    /// The number [`ClientEvents`] gave this connection once it was accepted.
+    announced: Option<u64>,
+}
+
+/// What the guard does with a packet rumqttd is sending.
+enum Answer {
+    Write,
+    /// Nothing: the front writes this acknowledgement after the commit, or it is the PUBREL of a
+    /// withheld publish.
+    Skip,
+    /// A publish the client may not have; rumqttd is told it was acknowledged.
+    Withhold,
 }
 
 impl<P> ConnectGuard<P> {
@@ -113,6 +132,7 @@ impl<P> ConnectGuard<P> {
             front: None,
             backlog: None,
             lag: None,
+            events: None,
         }
     }
 
@@ -128,6 +148,12 @@ impl<P> ConnectGuard<P> {
         self
     }
 
+    /// Announces this listener's clients' connections through `events`.
+    pub fn announcing(mut self, events: Arc<ClientEvents>) -> Self {
+        self.events = Some(events);
+        self
+    }
+
     /// The guard of a listener reachable only through our front (`front.rs`).
     pub fn behind_front(mut self, secret: Arc<str>, sessions: Arc<Sessions>) -> Self {
         self.front = Some((secret, sessions));
@@ -135,7 +161,8 @@ impl<P> ConnectGuard<P> {
     }
 }
 
-/// A connection's subscriptions stop being counted when rumqttd drops its codec.
+/// A connection's subscriptions stop being counted, and its end is announced, when rumqttd
+/// drops its codec.
 impl<P> Drop for ConnectGuard<P> {
     fn drop(&mut self) {
         let connection = self.connection.get_mut().unwrap_or_else(|p| p.into_inner());
@@ -147,6 +174,9 @@ impl<P> Drop for ConnectGuard<P> {
         if let (true, Some((_, sessions))) = (connection.admitted, &self.front) {
             sessions.client_left();
         }
+        if let (Some(events), Some(number)) = (&self.events, connection.announced) {
+            events.ended(&connection.client_id, number);
+        }
     }
 }
 
@@ -157,6 +187,7 @@ impl<P: Clone> Clone for ConnectGuard<P> {
         guard.front = self.front.clone();
         guard.backlog = self.backlog.clone();
         guard.lag = self.lag.clone();
+        guard.events = self.events.clone();
         guard
     }
 }
@@ -266,6 +297,7 @@ impl<P: Protocol> ConnectGuard<P> {
         if let Some(session) = &connection.session {
             session.heard(matches!(packet, Packet::PubAck(..) | Packet::PubRec(..)));
         }
+        connection.withheld.client_answered(packet);
         match packet {
             Packet::Connect(connect, properties, will, _, login) => {
                 let unvouched = self.front.is_some() && !connection.vouched;
@@ -470,9 +502,9 @@ impl<P: Protocol> ConnectGuard<P> {
         connection.owed.insert(path.to_owned(), owed);
     }
 
-    /// rumqttd is writing a publish to this subscriber: pay it off against the subscription it
-    /// came through (with overlapping filters, the one owed most).
-    fn paid(&self, connection: &Connection, publish: &Publish) {
+    /// rumqttd is writing a publish to this subscriber (or withheld it, `written` false): pay it
+    /// off against the subscription it came through (with overlapping filters, the one owed most).
+    fn paid(&self, connection: &Connection, publish: &Publish, written: bool) {
         // Retained messages sent on subscribing come from the retained store, not the log.
         if publish.retain || connection.owed.is_empty() {
             return;
@@ -485,7 +517,7 @@ impl<P: Protocol> ConnectGuard<P> {
             .max_by_key(|o| o.bytes());
         if let (Some(owed), Some(lag)) = (owed, &self.lag) {
             lag.delivered(owed);
-            if owed.is_reliable() {
+            if owed.is_reliable() && written {
                 if let Some(session) = &connection.session {
                     session.sent_reliable();
                 }
@@ -493,16 +525,25 @@ impl<P: Protocol> ConnectGuard<P> {
         }
     }
 
-    /// Adjusts what rumqttd sends; `false`: write nothing (the front acknowledges after the
-    /// commit). An error stops rumqttd writing to a client that was cut off.
-    fn answer(&self, packet: &mut Packet) -> Result<bool, CodecError> {
+    /// Adjusts what rumqttd sends. An error stops rumqttd writing to a client that was cut off.
+    fn answer(&self, packet: &mut Packet) -> Result<Answer, CodecError> {
         let mut connection = self.connection.lock().unwrap_or_else(|p| p.into_inner());
+        if let (Packet::ConnAck(ack, _), Some(events)) = (&packet, &self.events) {
+            // A client without an id has none to announce (rumqttd makes one up).
+            let accepted = ack.code == ConnectReturnCode::Success;
+            if accepted && !connection.client_id.is_empty() && connection.announced.is_none() {
+                connection.announced = Some(events.connected(&connection.client_id));
+            }
+        }
         match packet {
             Packet::PubAck(ack, _) if swallowed(&mut connection, AckKind::PubAck, ack.pkid) => {
-                return Ok(false);
+                return Ok(Answer::Skip);
             }
             Packet::PubComp(ack, _) if swallowed(&mut connection, AckKind::PubComp, ack.pkid) => {
-                return Ok(false);
+                return Ok(Answer::Skip);
+            }
+            Packet::PubRel(rel, _) if connection.withheld.swallow_pubrel(rel.pkid) => {
+                return Ok(Answer::Skip);
             }
             Packet::Publish(publish, properties) => {
                 // Our tag travels with the message inside rumqttd; no subscriber sees it, and a
@@ -518,7 +559,12 @@ impl<P: Protocol> ConnectGuard<P> {
                 if connection.session.as_ref().is_some_and(|s| s.is_cut()) {
                     return Err(CodecError::IncorrectPacketFormat);
                 }
-                self.paid(&connection, publish);
+                let topic = String::from_utf8_lossy(&publish.topic);
+                if !dollar::reaches(&topic, &connection.held) {
+                    self.paid(&connection, publish, false);
+                    return Ok(Answer::Withhold);
+                }
+                self.paid(&connection, publish, true);
                 if let Some(topic) = dollar::bytes_to_client(&publish.topic) {
                     publish.topic = topic;
                 }
@@ -556,7 +602,7 @@ impl<P: Protocol> ConnectGuard<P> {
             }
             _ => {}
         }
-        Ok(true)
+        Ok(Answer::Write)
     }
 }
 
@@ -619,6 +665,11 @@ impl<P: Protocol> Protocol for ConnectGuard<P> {
                 connection.preamble_read = true;
             }
         }
+        // Acknowledgements of withheld publishes first: rumqttd reads again after every write.
+        let connection = self.connection.get_mut().unwrap_or_else(|p| p.into_inner());
+        if let Some(packet) = connection.withheld.take_given() {
+            return Ok(packet);
+        }
         let ack = publish_ack(stream);
         let mut packet = self.inner.read_mut(stream, max_size)?;
         self.vet(&mut packet, ack);
@@ -626,11 +677,28 @@ impl<P: Protocol> Protocol for ConnectGuard<P> {
     }
 
     fn write(&self, mut packet: Packet, write: &mut BytesMut) -> Result<usize, CodecError> {
-        if !self.answer(&mut packet)? {
-            // rumqttd ignores the count; the front writes this acknowledgement after the commit.
+        // rumqttd ignores the count of bytes written.
+        let withhold = match self.answer(&mut packet)? {
+            Answer::Skip => return Ok(0),
+            Answer::Write => false,
+            Answer::Withhold => true,
+        };
+        let publish = matches!(packet, Packet::Publish(..));
+        let start = write.len();
+        let written = self.inner.write(packet, write)?;
+        if !publish {
+            return Ok(written);
+        }
+        // QoS and packet id are private to rumqttd's `Publish`: read them off the encoding.
+        if let Some((kind, pkid)) = publish_ack(&write[start..]) {
+            let mut connection = self.connection.lock().unwrap_or_else(|p| p.into_inner());
+            connection.withheld.sent(kind, pkid, withhold);
+        }
+        if withhold {
+            write.truncate(start);
             return Ok(0);
         }
-        self.inner.write(packet, write)
+        Ok(written)
     }
 }
 

@@ -22,6 +22,7 @@ pub mod codec;
 pub mod config;
 pub mod dollar;
 pub mod error;
+pub mod events;
 pub mod framing;
 pub mod front;
 pub mod guard;
@@ -31,11 +32,14 @@ pub mod message;
 pub mod security;
 pub mod server;
 pub mod session;
+pub mod withhold;
 
 pub use config::{BrokerConfig, ListenerConfig, MqttVersion};
 pub use error::Error;
 pub use link::{Link, Publisher};
 pub use message::Message;
+/// rumqttd's topic matching (broker forms), for checks on filters our links hold.
+pub use rumqttd::protocol::matches;
 pub use server::{reachable, Broker, BrokerStats};
 pub use session::{Ack, AckKind};
 

@@ -122,6 +122,12 @@ pub struct Links {
 }
 
 impl Links {
+    /// Runs `task` until the links stop receiving ([`Links::join`] aborts it first, so the
+    /// publishers it holds are dropped before their threads are waited for).
+    pub(crate) fn spawn(&mut self, task: impl std::future::Future<Output = ()> + Send + 'static) {
+        self.receivers.spawn(task);
+    }
+
     /// Stops receiving, then waits for each publisher thread to hand over what its
     /// [`Publisher`]s queued (it ends once they are all dropped). Drop every publisher first.
     pub async fn join(mut self) -> Result<(), Error> {

@@ -13,9 +13,10 @@ use tracing::{info, warn};
 use crate::backlog::Backlog;
 use crate::codec::Codec;
 use crate::config::{BrokerConfig, ListenerConfig, MqttVersion};
+use crate::events::ClientEvents;
 use crate::guard::ConnectGuard;
 use crate::lag::Lag;
-use crate::link::{Link, Links};
+use crate::link::{Link, Links, Publisher};
 use crate::security::Policy;
 use crate::session::Sessions;
 use crate::{Error, RESERVED_CLIENT_PREFIX};
@@ -105,6 +106,7 @@ pub struct Broker {
     sessions: Arc<Sessions>,
     backlog: Arc<Backlog>,
     lag: Arc<Lag>,
+    events: Arc<ClientEvents>,
 }
 
 impl Broker {
@@ -145,6 +147,7 @@ impl Broker {
                     )
                     .with_stall(Duration::from_secs(config.subscriber_stall_s)),
             ),
+            events: Arc::new(ClientEvents::default()),
         })
     }
 
@@ -215,6 +218,7 @@ impl Broker {
         let guard = ConnectGuard::new(codec, self.policy.clone(), v5)
             .counting(self.backlog.clone())
             .watching(self.lag.clone())
+            .announcing(self.events.clone())
             .behind_front(self.policy.cert_secret(), self.sessions.clone());
         let mut server = (self.new_server)(settings, guard);
         let stopped = backend_name.clone();
@@ -261,6 +265,13 @@ impl Broker {
             lag: self.lag.clone(),
             backlog: self.backlog.clone(),
         }
+    }
+
+    /// Publishes clients' `$hw/events/connected/<id>` and `…/disconnected/<id>` through
+    /// `publisher` (docs/devices.md); until this is called, they wait (up to 1,024).
+    pub fn announce_clients(&mut self, publisher: Publisher) {
+        let events = self.events.clone();
+        self.links.spawn(async move { events.run(publisher).await });
     }
 
     /// Opens an in-process client named `edgemeta-<name>` subscribed to `filters`.

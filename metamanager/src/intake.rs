@@ -161,7 +161,8 @@ fn device_event(
         return Some(Ok(event));
     }
     if message.topic.starts_with(INTERNAL_PREFIX) {
-        // Our own results and deltas, back through the link's broad `$hw/#` filter.
+        // Our own results and deltas, back through the link's broad `$hw/events/#` filter, and
+        // `$hw/...`, `$ke/...` topics with a second level `user` (through `+/user/#`).
         return Some(Err(None));
     }
     let inbound = InboundTopic::parse(&config.root, &message.topic).ok()?;

@@ -152,6 +152,15 @@ impl Node {
         Node::start_with(Options::default()).await
     }
 
+    /// A node that also has an MQTT v5 listener (`v5_port`).
+    pub async fn start_v5() -> Node {
+        Node::start_with(Options {
+            v5: true,
+            ..Options::default()
+        })
+        .await
+    }
+
     pub async fn start_with(options: Options) -> Node {
         let dir = tempfile::tempdir().expect("temp dir");
         let v5_port = options.v5.then(free_port);
@@ -799,6 +808,15 @@ impl Client {
             out.push(m);
         }
         out
+    }
+
+    /// The topics of every message received during `window`.
+    pub async fn drain_topics(&mut self, window: Duration) -> Vec<String> {
+        self.drain(window)
+            .await
+            .into_iter()
+            .map(|m| m.topic)
+            .collect()
     }
 }
 

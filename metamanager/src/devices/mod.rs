@@ -42,8 +42,18 @@ const DEVICEDATA: &str = "devicedata";
 const MEMBERSHIP: &str = "membership";
 const MEMBERSHIP_DETAIL: &str = "membershipdetail";
 
-/// The device states a mapper may report (`dtcommon` `DeviceStatus*`).
-const STATES: [&str; 5] = ["online", "offline", "ok", "unknown", "unhealthy"];
+/// The device states a mapper may report, compared lower-cased: KubeEdge's five
+/// (`dtcommon/common.go` `DeviceStatus*`) and the two more mappers-go sends
+/// (`mappers/common/const.go` `DEVSTDISCONN`, `DEVSTERR`), which KubeEdge drops unrecorded.
+const STATES: [&str; 7] = [
+    "online",
+    "offline",
+    "ok",
+    "unknown",
+    "unhealthy",
+    "disconnected",
+    "error",
+];
 
 /// What a device message asks for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,7 +62,8 @@ pub enum Kind {
     TwinGet(String),
     StateUpdate(String),
     MembershipGet,
-    /// `$hw/events/upload/#` and `SYS/dis/upload_records`: carried to the cloud.
+    /// `$hw/events/upload/#`, `SYS/dis/upload_records` and user topics (`+/user/#`): carried
+    /// to the cloud.
     Upload,
     /// `$ke/events/device/<id>/data/update`.
     Data(String),
@@ -115,20 +126,44 @@ const LOCAL: [Shape; 4] = [
     ("$ke/events/device/", "/data/update", Kind::Data),
 ];
 
-/// The filters the MetaManager's link takes device messages on, in the broker's form. Broad on
-/// purpose: rumqttd keeps a message log per filter (up to `segment_count` × `segment_bytes`
-/// each), so three filters bound the memory where one per topic shape would hold a dozen logs.
-/// The price is that our own `$hw` results come back to the link; intake drops them unread.
+/// The filters the MetaManager's link takes device messages and uploads on, in the broker's
+/// form. Broad on purpose: rumqttd keeps a message log per filter (up to `segment_count` ×
+/// `segment_bytes` each), so four filters bound the memory where one per topic shape would
+/// hold a dozen logs. The price is that our own `$hw` results come back to the link; intake
+/// drops them unread. No topic may match two of them (each copy would be acknowledged to its
+/// publisher): `+/user/#` also matches `edgemeta$hw/user/...`, hence `$hw/events/#`.
 pub fn filters() -> Vec<String> {
-    ["$hw/#", "$ke/#", "SYS/dis/upload_records"]
-        .iter()
-        .map(|f| to_broker(f).into_owned())
-        .collect()
+    [
+        "$hw/events/#",
+        "$ke/events/#",
+        "SYS/dis/upload_records",
+        USER_FILTER,
+    ]
+    .iter()
+    .map(|f| to_broker(f).into_owned())
+    .collect()
+}
+
+/// Edge apps' user topics, carried to the cloud like edgecore's eventbus does
+/// (`edge/pkg/eventbus/mqtt/client.go` `SubTopics`, `handler.go` `handleUploadTopic`).
+pub const USER_FILTER: &str = "+/user/#";
+
+/// Whether `topic` (clients' form) is a user topic: second level `user`, first level not `$`
+/// (MQTT 3.1.1 §4.7.2: a filter starting with `+` does not match `$` topics).
+pub fn is_user_topic(topic: &str) -> bool {
+    let mut levels = topic.split('/');
+    let first = levels.next().unwrap_or_default();
+    !first.starts_with('$') && levels.next() == Some("user")
 }
 
 /// The device message a topic (clients' form) carries, if any.
 pub fn classify(topic: &str) -> Option<Kind> {
-    if topic == "SYS/dis/upload_records" || topic.starts_with("$hw/events/upload/") {
+    // `$hw/events/upload/#` matches its parent level too (MQTT 3.1.1 §4.7.1.2).
+    if topic == "SYS/dis/upload_records"
+        || topic == "$hw/events/upload"
+        || topic.starts_with("$hw/events/upload/")
+        || is_user_topic(topic)
+    {
         return Some(Kind::Upload);
     }
     if let Some(rest) = topic.strip_prefix("$hw/events/node/") {
@@ -897,6 +932,14 @@ mod tests {
         );
         assert_eq!(classify("$hw/events/upload/a/b"), Some(Kind::Upload));
         assert_eq!(classify("SYS/dis/upload_records"), Some(Kind::Upload));
+        assert_eq!(classify("$hw/events/upload"), Some(Kind::Upload));
+        assert_eq!(classify("$hw/events/uploads/x"), None);
+        assert_eq!(classify("factory/user/line-1/alarm"), Some(Kind::Upload));
+        assert_eq!(classify("factory/user"), Some(Kind::Upload));
+        assert_eq!(classify("/user/x"), Some(Kind::Upload));
+        assert_eq!(classify("$hw/user/x"), None);
+        assert_eq!(classify("factory/users/x"), None);
+        assert_eq!(classify("user/x"), None);
         // Our own results, three-level ids and wildcards are not requests.
         assert_eq!(classify("$hw/events/device/d/twin/update/result"), None);
         assert_eq!(classify("$hw/events/device/a/b/c/twin/update"), None);
@@ -907,8 +950,25 @@ mod tests {
     fn filters_are_in_the_brokers_form() {
         assert_eq!(
             filters(),
-            ["edgemeta$hw/#", "edgemeta$ke/#", "SYS/dis/upload_records"]
+            [
+                "edgemeta$hw/events/#",
+                "edgemeta$ke/events/#",
+                "SYS/dis/upload_records",
+                "+/user/#"
+            ]
         );
+        // No topic reaches the link twice.
+        for topic in [
+            "edgemeta$hw/user/x",
+            "edgemeta$hw/events/user/x",
+            "a/user/b",
+        ] {
+            let matching = filters()
+                .iter()
+                .filter(|f| edgemeta_broker::matches(topic, f))
+                .count();
+            assert_eq!(matching, 1, "{topic}");
+        }
     }
 
     #[test]
