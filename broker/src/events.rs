@@ -69,6 +69,11 @@ impl ClientEvents {
         let taken = self.rx.lock().unwrap_or_else(|p| p.into_inner()).take();
         let Some(mut rx) = taken else { return };
         while let Some(message) = rx.recv().await {
+            // rumqttd keeps state for every topic published and never frees it: with nobody
+            // listening, an event costs memory for every client id ever seen and tells no one.
+            if !publisher.reaches_anyone(&message.topic) {
+                continue;
+            }
             if publisher.publish(message).await.is_err() {
                 return;
             }

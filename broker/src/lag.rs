@@ -395,6 +395,13 @@ impl Lag {
         }
     }
 
+    /// Whether a publish to `topic` reaches any subscription counted here (shared ones are not).
+    pub fn reaches(&self, topic: &str) -> bool {
+        let watched = self.watched.read().unwrap_or_else(|p| p.into_inner());
+        let reached = watched.matching(topic).any(|w| !w.subscriptions.is_empty());
+        reached
+    }
+
     /// Whether `client_id` was cut off since it last connected (then it must start clean, and its
     /// CONNACK says no session is present, so it resubscribes and resyncs).
     pub fn take_cut_client(&self, client_id: &str) -> bool {

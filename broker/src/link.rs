@@ -51,6 +51,11 @@ impl Publisher {
         self.publish(message).await
     }
 
+    /// Whether anyone subscribes to `topic` now (shared subscriptions are not counted).
+    pub fn reaches_anyone(&self, topic: &str) -> bool {
+        self.lag.reaches(topic)
+    }
+
     /// Counts `message` against its subscribers' room if it fits now (then it is marked paced
     /// and must be published); `false` counts nothing.
     pub fn reserve_now(&self, message: &mut Message) -> bool {
