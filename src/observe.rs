@@ -82,6 +82,8 @@ pub const ERROR_CODES: &[&str] = &[
     "EM-BRIDGE-TLS",
     "EM-BRIDGE-TLS-INSECURE",
     "EM-OBSERVE-SERVE",
+    "EM-METASERVER-SERVE",
+    "EM-METASERVER-READ",
 ];
 
 /// Commit latency buckets, in seconds: from a relaxed batch (tens of µs) to a stalled disk.
