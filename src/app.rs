@@ -131,7 +131,14 @@ pub async fn run(
                 cancel.child_token(),
             )?;
             info!(address = %settings.metaserver.address, "metaserver listener ready");
-            Some(tokio::spawn(server.serve()))
+            let (listener, app) = server.into_parts();
+            Some(tokio::spawn(observe::serve_app(
+                listener,
+                app,
+                cancel.child_token(),
+                "EM-METASERVER-SERVE",
+                None::<(Duration, fn())>,
+            )))
         }
         None => None,
     };

@@ -87,7 +87,10 @@ async fn kubectl_lists_pods_inserted_over_mqtt_and_watches_each_change_once() {
         lines[1].starts_with("default") && lines[1].contains("web-1"),
         "{listed}"
     );
-    assert!(lines[2].contains("web-2") && lines[2].contains("Running"), "{listed}");
+    assert!(
+        lines[2].contains("web-2") && lines[2].contains("Running"),
+        "{listed}"
+    );
 
     let mut watch = tokio::process::Command::new("kubectl")
         .arg("--server")
@@ -118,8 +121,14 @@ async fn kubectl_lists_pods_inserted_over_mqtt_and_watches_each_change_once() {
     for _ in 0..3 {
         seen.push(next_line().await);
     }
-    assert!(seen[0].contains("web-3") && seen[0].contains("Pending"), "{seen:?}");
-    assert!(seen[1].contains("web-3") && seen[1].contains("Running"), "{seen:?}");
+    assert!(
+        seen[0].contains("web-3") && seen[0].contains("Pending"),
+        "{seen:?}"
+    );
+    assert!(
+        seen[1].contains("web-3") && seen[1].contains("Running"),
+        "{seen:?}"
+    );
     assert!(seen[2].contains("web-1"), "{seen:?}");
     // Each change once: nothing more follows.
     let more = tokio::time::timeout(Duration::from_millis(1500), out.next_line()).await;
@@ -141,7 +150,12 @@ async fn writes_are_refused_with_a_status_and_discovery_serves_the_stored_types(
         .expect("kubectl");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
-    assert!(stderr.contains("read-only") || stderr.contains("MethodNotAllowed") || stderr.contains("not allowed"), "{stderr}");
+    assert!(
+        stderr.contains("read-only")
+            || stderr.contains("MethodNotAllowed")
+            || stderr.contains("not allowed"),
+        "{stderr}"
+    );
     let out = kubectl(&node)
         .args(["api-resources", "--no-headers"])
         .output()
@@ -250,9 +264,17 @@ async fn run_history(steps: Vec<Step>, history: u64) -> usize {
             Step::Insert(i) | Step::Update(i) => {
                 let name = format!("pod-{i}");
                 generation += 1;
-                let op = if matches!(step, Step::Insert(_)) { "insert" } else { "update" };
+                let op = if matches!(step, Step::Insert(_)) {
+                    "insert"
+                } else {
+                    "update"
+                };
                 change(&client, op, &name, generation).await;
-                let event = if model.contains_key(&name) { "MODIFIED" } else { "ADDED" };
+                let event = if model.contains_key(&name) {
+                    "MODIFIED"
+                } else {
+                    "ADDED"
+                };
                 model.insert(name.clone(), generation);
                 changes.push((event, name, generation));
             }
@@ -287,7 +309,9 @@ async fn run_history(steps: Vec<Step>, history: u64) -> usize {
                         .expect("a readable event");
                     match first {
                         WatchEvent::Error(status) => assert_eq!(status.code, 410, "{status:?}"),
-                        other => panic!("version {at} of {rev} (history {history}): {other:?}, not 410"),
+                        other => {
+                            panic!("version {at} of {rev} (history {history}): {other:?}, not 410")
+                        }
                     }
                     relists += 1;
                     (view, at) = list_at(&api, rev).await;
@@ -315,9 +339,16 @@ async fn run_history(steps: Vec<Step>, history: u64) -> usize {
                         };
                         let name = pod.metadata.name.clone().unwrap_or_default();
                         let v = version_of(&pod);
-                        assert_eq!(v, at + 1, "missed or repeated: {seen:?} then {kind} {name} at {v}");
+                        assert_eq!(
+                            v,
+                            at + 1,
+                            "missed or repeated: {seen:?} then {kind} {name} at {v}"
+                        );
                         let (want_kind, want_name, want_gen) = &changes[v as usize];
-                        assert_eq!((kind, &name, gen_of(&pod)), (*want_kind, want_name, want_gen.to_string()));
+                        assert_eq!(
+                            (kind, &name, gen_of(&pod)),
+                            (*want_kind, want_name, want_gen.to_string())
+                        );
                         seen.push((kind, name.clone(), v));
                         if kind == "DELETED" {
                             view.pods.remove(&name);
@@ -327,16 +358,23 @@ async fn run_history(steps: Vec<Step>, history: u64) -> usize {
                         at = v;
                     }
                 }
-                let truth: BTreeMap<String, String> =
-                    model.iter().map(|(k, v)| (k.clone(), v.to_string())).collect();
-                assert_eq!(view.pods, truth, "the watcher at {at} differs from the store");
+                let truth: BTreeMap<String, String> = model
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.to_string()))
+                    .collect();
+                assert_eq!(
+                    view.pods, truth,
+                    "the watcher at {at} differs from the store"
+                );
             }
         }
     }
     let rev = changes.len() as u64 - 1;
     let (listed, _) = list_at(&api, rev).await;
-    let truth: BTreeMap<String, String> =
-        model.iter().map(|(k, v)| (k.clone(), v.to_string())).collect();
+    let truth: BTreeMap<String, String> = model
+        .iter()
+        .map(|(k, v)| (k.clone(), v.to_string()))
+        .collect();
     assert_eq!(listed.pods, truth, "the list differs from the model");
     relists
 }

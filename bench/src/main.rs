@@ -1371,22 +1371,17 @@ fn percentiles(mut samples: Vec<u64>) -> Percentiles {
     }
 }
 
-/// Publish → subscriber latency at a paced offered rate, and the rate actually delivered
-/// (messages over first publish → last receive).
-async fn latency(
-    port: u16,
-    watch: &str,
+/// Publishes `total` inserts at `rate` per second, a share every millisecond, to 1,000 pods
+/// of namespace `lat`, each with its send time (µs since `epoch`) in `content.t`; then idles
+/// until aborted.
+fn paced_inserts(
+    publisher: AsyncClient,
+    epoch: Instant,
     rate: u64,
-    seconds: u64,
-) -> anyhow::Result<(Percentiles, f64)> {
-    let epoch = Instant::now();
-    let (sub, mut rx) = client(port, "lsub").await?;
-    subscribe(&sub, &mut rx, watch).await?;
-    let (publisher, _) = client(port, "lpub").await?;
-    let total = rate * seconds;
+    total: u64,
+) -> tokio::task::JoinHandle<()> {
     let per_tick = (rate / 1000).max(1);
-    let started = Instant::now();
-    let producer = tokio::spawn(async move {
+    tokio::spawn(async move {
         // Every millisecond, that millisecond's share of the offered rate.
         let mut tick = tokio::time::interval(Duration::from_millis(1));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
@@ -1408,7 +1403,24 @@ async fn latency(
             }
         }
         tokio::time::sleep(Duration::from_secs(3600)).await;
-    });
+    })
+}
+
+/// Publish → subscriber latency at a paced offered rate, and the rate actually delivered
+/// (messages over first publish → last receive).
+async fn latency(
+    port: u16,
+    watch: &str,
+    rate: u64,
+    seconds: u64,
+) -> anyhow::Result<(Percentiles, f64)> {
+    let epoch = Instant::now();
+    let (sub, mut rx) = client(port, "lsub").await?;
+    subscribe(&sub, &mut rx, watch).await?;
+    let (publisher, _) = client(port, "lpub").await?;
+    let total = rate * seconds;
+    let started = Instant::now();
+    let producer = paced_inserts(publisher, epoch, rate, total);
     let mut samples = Vec::with_capacity(total as usize);
     while (samples.len() as u64) < total {
         let (_, payload) = tokio::time::timeout(Duration::from_secs(30), rx.recv())

@@ -11,12 +11,11 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
-use rumqttc::QoS;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
-use super::{client, fill, insert, median, percentiles, rss_of, verdict, Args, Row, Server};
+use super::{client, fill, median, paced_inserts, percentiles, rss_of, verdict, Args, Row, Server};
 
 const WATCHERS: usize = 10;
 
@@ -33,7 +32,10 @@ async fn get(port: u16, path: &str) -> anyhow::Result<Vec<u8>> {
         .position(|w| w == b"\r\n\r\n")
         .context("no HTTP head")?;
     if !response.starts_with(b"HTTP/1.1 200") {
-        bail!("GET {path}: {}", String::from_utf8_lossy(&response[..head_end]));
+        bail!(
+            "GET {path}: {}",
+            String::from_utf8_lossy(&response[..head_end])
+        );
     }
     Ok(response.split_off(head_end + 4))
 }
@@ -103,7 +105,10 @@ pub async fn metaserver(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> 
     times.sort_by(f64::total_cmp);
     let worst = times.last().copied().unwrap_or_default();
     rows.push(Row {
-        name: format!("MetaServer list of {listed} pods (JSON, {} KB), p50 / max of 20 (ms)", body.len() / 1024),
+        name: format!(
+            "MetaServer list of {listed} pods (JSON, {} KB), p50 / max of 20 (ms)",
+            body.len() / 1024
+        ),
         edgemeta: format!("{p50:.1} / {worst:.1}"),
         mosquitto: "—".into(),
         target: "≤ 50 ms".into(),
@@ -127,29 +132,7 @@ pub async fn metaserver(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> 
     drop(samples_tx);
     let (publisher, _) = client(server.port, "mspub").await?;
     let total = rate * seconds;
-    let per_tick = (rate / 1000).max(1);
-    let producer = tokio::spawn(async move {
-        let mut tick = tokio::time::interval(Duration::from_millis(1));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-        let mut sent = 0;
-        while sent < total {
-            tick.tick().await;
-            for _ in 0..per_tick {
-                let resource = format!("lat/pod/r{}", sent % 1000);
-                let now = epoch.elapsed().as_micros() as u64;
-                let topic = "ke/meta/edgecontroller/insert/lat/pod";
-                if publisher
-                    .publish(topic, QoS::AtLeastOnce, false, insert(&resource, now))
-                    .await
-                    .is_err()
-                {
-                    return;
-                }
-                sent += 1;
-            }
-        }
-        tokio::time::sleep(Duration::from_secs(3600)).await;
-    });
+    let producer = paced_inserts(publisher, epoch, rate, total);
     let want = (total as usize) * WATCHERS;
     let mut latencies = Vec::with_capacity(want);
     while latencies.len() < want {
@@ -173,7 +156,9 @@ pub async fn metaserver(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> 
         verdict: verdict(p.p99 <= 5_000, ""),
     });
     rows.push(Row {
-        name: format!("RSS with {WATCHERS} watches open (after that run, {listed} + 1000 pods stored)"),
+        name: format!(
+            "RSS with {WATCHERS} watches open (after that run, {listed} + 1000 pods stored)"
+        ),
         edgemeta: format!("{:.1} MB", rss as f64 / 1024.0),
         mosquitto: "—".into(),
         target: "(diagnostic)".into(),

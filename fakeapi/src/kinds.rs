@@ -1,6 +1,8 @@
 //! The resources the fake serves; the discovery documents come from `edgemeta-kubewire`.
 
-pub use edgemeta_kubewire::kinds::{core, core_versions, group, groups, resources, Kind, READ_WRITE};
+pub use edgemeta_kubewire::kinds::{
+    core, core_versions, group, groups, resources, Kind, READ_WRITE,
+};
 
 /// Everything the fake serves: what the edgecontroller reads and writes, plus what `kubectl`
 /// asks for along the way.

@@ -30,8 +30,8 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use error::Error;
 pub use edgemeta_kubewire::{FieldSelector, LabelSelector};
+pub use error::Error;
 
 /// How the fake behaves.
 #[derive(Debug, Clone)]

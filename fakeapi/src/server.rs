@@ -17,9 +17,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use crate::kinds::{self, Kind};
-use edgemeta_kubewire::{table, FieldSelector, LabelSelector};
 use crate::store::{merge_patch, Change, Store};
 use crate::{Config, Error, Faults};
+use edgemeta_kubewire::{table, FieldSelector, LabelSelector};
 
 /// What every request handler shares.
 pub(crate) struct Shared {

@@ -51,9 +51,10 @@ impl Error {
             Error::NotFound { .. } | Error::NoResource(_) => 404,
             Error::MethodNotAllowed(_) => 405,
             Error::Expired(_) => 410,
-            Error::Bind { .. } | Error::TokenFile { .. } | Error::EmptyToken(_) | Error::Store(_) => {
-                500
-            }
+            Error::Bind { .. }
+            | Error::TokenFile { .. }
+            | Error::EmptyToken(_)
+            | Error::Store(_) => 500,
         }
     }
 
@@ -65,9 +66,10 @@ impl Error {
             Error::NotFound { .. } | Error::NoResource(_) => "NotFound",
             Error::MethodNotAllowed(_) => "MethodNotAllowed",
             Error::Expired(_) => "Expired",
-            Error::Bind { .. } | Error::TokenFile { .. } | Error::EmptyToken(_) | Error::Store(_) => {
-                "InternalError"
-            }
+            Error::Bind { .. }
+            | Error::TokenFile { .. }
+            | Error::EmptyToken(_)
+            | Error::Store(_) => "InternalError",
         }
     }
 

@@ -105,7 +105,10 @@ pub(crate) async fn handle(
         ["api"] => return found(&path, Some(kinds::core_versions(&shared.address))),
         ["apis"] => return found(&path, Some(kinds::groups(kinds))),
         ["api", version] => {
-            return found(&path, kinds::resources(kinds, kinds::READ_ONLY, "", version))
+            return found(
+                &path,
+                kinds::resources(kinds, kinds::READ_ONLY, "", version),
+            )
         }
         _ => {}
     }
@@ -120,7 +123,9 @@ pub(crate) async fn handle(
     let include = table::Include::from_param(params.get("includeObject").map(String::as_str));
     let watching = params.get("watch").is_some_and(|w| w == "true" || w == "1");
     let result = match &target.name {
-        None if watching => return watch::respond(shared, target, &params, as_table, include).await,
+        None if watching => {
+            return watch::respond(shared, target, &params, as_table, include).await
+        }
         None => list(&shared, &target, &params, as_table, include).await,
         Some(name) => get(&shared, &target, name, as_table, include).await,
     };
@@ -138,7 +143,7 @@ pub(crate) fn selectors(params: &HashMap<String, String>) -> Result<Selectors, E
     )
 }
 
-/// Whether `key` (`<namespace>/<type>/<name>`) is `name` in the target's scope.
+/// The name level of a key (`<namespace>/<type>/<name>`).
 fn key_name(key: &str) -> &str {
     key.rsplit('/').next().unwrap_or_default()
 }
@@ -175,7 +180,8 @@ async fn get(
         None => return Err(Error::NoResource(format!("{}/{name}", kind.plural))),
     };
     let stored = stored.ok_or_else(not_found)?;
-    let object = Object::parse(kind, &stored.key, &stored.value, stored.rv).ok_or_else(not_found)?;
+    let object =
+        Object::parse(kind, &stored.key, &stored.value, stored.rv).ok_or_else(not_found)?;
     if as_table {
         let rv = stored.rv.to_string();
         return Ok(table::of(kind, &[object.to_value()], &rv, None, include).to_string());
@@ -229,7 +235,7 @@ async fn list(
     let mut objects = Vec::new();
     let mut last_key = None;
     let mut more = page.more;
-    for stored in page.objects {
+    for stored in &page.objects {
         if limit.is_some_and(|l| objects.len() >= l) {
             more = true;
             break;
@@ -239,7 +245,7 @@ async fn list(
                 objects.push(object);
             }
         }
-        last_key = Some(stored.key);
+        last_key = Some(stored.key.as_str());
     }
     let cont = more
         .then_some(last_key)

@@ -31,7 +31,6 @@ use serde::Deserialize;
 use tokio::net::TcpListener;
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
-use tracing::error;
 
 pub use error::Error;
 
@@ -104,9 +103,6 @@ pub(crate) struct Shared {
     pub cancel: CancellationToken,
 }
 
-/// How long open requests get once the node stops, before the server is aborted.
-const STOP_GRACE: Duration = Duration::from_secs(1);
-
 /// Binds `config.address` (start-up fails on a taken address, naming it).
 pub async fn bind(config: &MetaServerConfig) -> Result<TcpListener, Error> {
     TcpListener::bind(config.address)
@@ -164,39 +160,12 @@ impl MetaServer {
         })
     }
 
-    /// Serves until the token is cancelled; open watches end then, other requests get
-    /// [`STOP_GRACE`].
-    pub async fn serve(self) {
-        let MetaServer { shared, listener } = self;
-        let cancel = shared.cancel.clone();
+    /// The listener and the app to serve on it (with the node's other HTTP listener's serve
+    /// loop); open watches end when the token given to [`MetaServer::new`] is cancelled.
+    pub fn into_parts(self) -> (TcpListener, axum::Router) {
         let app = axum::Router::new()
             .fallback(http::handle)
-            .with_state(shared);
-        let stop = cancel.clone();
-        let mut server = tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(stop.cancelled_owned())
-                .await
-        });
-        tokio::select! {
-            _ = cancel.cancelled() => {}
-            served = &mut server => return report(served),
-        }
-        match tokio::time::timeout(STOP_GRACE, &mut server).await {
-            Ok(served) => report(served),
-            Err(_) => server.abort(),
-        }
-    }
-}
-
-fn report(served: Result<std::io::Result<()>, tokio::task::JoinError>) {
-    match served {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => {
-            error!(error_code = "EM-METASERVER-SERVE", error = %e, "MetaServer listener failed")
-        }
-        Err(e) => {
-            error!(error_code = "EM-METASERVER-SERVE", error = %e, "MetaServer task failed")
-        }
+            .with_state(self.shared);
+        (self.listener, app)
     }
 }

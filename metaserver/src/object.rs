@@ -1,21 +1,27 @@
 //! A stored object made ready to serve: the JSON the cloud sent, with `metadata.resourceVersion`
-//! set to the node-local version (and `kind`, `apiVersion`, `metadata.namespace` filled in when
-//! missing). Only `metadata` is parsed; the rest is carried as raw JSON, so a list of
-//! thousands of pods is mostly copied, not rebuilt.
+//! set to the node-local version (and `kind`, `apiVersion`, `metadata.name`,
+//! `metadata.namespace` filled in when missing). Only the top level and `metadata` are split,
+//! borrowing from the stored text; every value is copied as it is, so a list of thousands of
+//! pods is mostly copied, not rebuilt.
 
 use std::collections::BTreeMap;
 
 use edgemeta_kubewire::{FieldSelector, Kind, LabelSelector};
 use serde::Deserialize;
 use serde_json::value::RawValue;
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
 use crate::Error;
 
-/// One object to serve.
-pub struct Object {
-    fields: BTreeMap<String, Box<RawValue>>,
-    metadata: Map<String, Value>,
+/// One object to serve, borrowing the stored text.
+pub struct Object<'a> {
+    fields: BTreeMap<&'a str, &'a RawValue>,
+    metadata: BTreeMap<&'a str, &'a RawValue>,
+    kind: &'static Kind,
+    /// From the key, for a `metadata` without them.
+    namespace: &'a str,
+    name: &'a str,
+    rv: u64,
 }
 
 /// The fields a field selector may name (the API server accepts only some per type).
@@ -58,14 +64,11 @@ impl Selectors {
     }
 
     /// Whether `object` is selected.
-    pub fn matches(&self, object: &Object) -> bool {
+    pub fn matches(&self, object: &Object<'_>) -> bool {
         if !self.any {
             return true;
         }
-        let mut view = json!({"metadata": object.metadata});
-        if self.node_name {
-            view["spec"] = json!({"nodeName": object.node_name()});
-        }
+        let view = object.view(self.node_name);
         self.labels.matches(&view) && self.fields.matches(&view)
     }
 }
@@ -76,31 +79,59 @@ struct Spec {
     node_name: Option<String>,
 }
 
-impl Object {
+/// Appends `text` as a JSON string.
+fn push_string(out: &mut String, text: &str) {
+    out.push_str(&serde_json::to_string(text).unwrap_or_else(|_| "\"\"".into()));
+}
+
+impl<'a> Object<'a> {
     /// Reads the stored `value` of `key` (`<namespace>/<type>/<name>`) as an object of `kind` at
-    /// version `rv`; `None` when the value is not a JSON object.
-    pub fn parse(kind: &Kind, key: &str, value: &str, rv: u64) -> Option<Object> {
-        let mut fields: BTreeMap<String, Box<RawValue>> = serde_json::from_str(value).ok()?;
-        let mut metadata: Map<String, Value> = match fields.remove("metadata") {
+    /// version `rv`; `None` when the value is not a JSON object (or has escaped keys).
+    pub fn parse(kind: &'static Kind, key: &'a str, value: &'a str, rv: u64) -> Option<Object<'a>> {
+        let mut fields: BTreeMap<&'a str, &'a RawValue> = serde_json::from_str(value).ok()?;
+        let metadata = match fields.remove("metadata") {
             Some(raw) => serde_json::from_str(raw.get()).ok()?,
-            None => Map::new(),
+            None => BTreeMap::new(),
         };
+        fields.remove("kind");
+        fields.remove("apiVersion");
         let mut levels = key.splitn(3, '/');
         let (namespace, name) = (levels.next()?, levels.nth(1)?);
-        metadata.insert("resourceVersion".into(), Value::String(rv.to_string()));
-        if !metadata.contains_key("name") {
-            metadata.insert("name".into(), Value::String(name.to_owned()));
+        Some(Object {
+            fields,
+            metadata,
+            kind,
+            namespace,
+            name,
+            rv,
+        })
+    }
+
+    /// `metadata.<field>` as a JSON value (small: labels, name, namespace).
+    fn meta(&self, field: &str) -> Value {
+        self.metadata
+            .get(field)
+            .and_then(|raw| serde_json::from_str(raw.get()).ok())
+            .unwrap_or(Value::Null)
+    }
+
+    /// What selectors look at: name, namespace, labels (and `spec.nodeName` when asked).
+    fn view(&self, node_name: bool) -> Value {
+        let name = match self.meta("name") {
+            Value::Null => json!(self.name),
+            name => name,
+        };
+        let mut view = json!({"metadata": {"name": name, "labels": self.meta("labels")}});
+        if self.kind.namespaced {
+            view["metadata"]["namespace"] = match self.meta("namespace") {
+                Value::Null => json!(self.namespace),
+                namespace => namespace,
+            };
         }
-        if kind.namespaced {
-            if !metadata.contains_key("namespace") {
-                metadata.insert("namespace".into(), Value::String(namespace.to_owned()));
-            }
-        } else {
-            metadata.remove("namespace");
+        if node_name {
+            view["spec"] = json!({"nodeName": self.node_name()});
         }
-        fields.insert("kind".into(), raw_string(kind.kind));
-        fields.insert("apiVersion".into(), raw_string(&kind.api_version()));
-        Some(Object { fields, metadata })
+        view
     }
 
     /// `spec.nodeName`, or "" (unscheduled, or no spec).
@@ -114,19 +145,41 @@ impl Object {
 
     /// The object as JSON text.
     pub fn to_json(&self) -> String {
-        let mut out = String::with_capacity(256);
+        let mut out = String::with_capacity(512);
         self.write(&mut out);
         out
     }
 
     /// Appends the object as JSON text to `out`.
     pub fn write(&self, out: &mut String) {
-        out.push('{');
-        out.push_str("\"metadata\":");
-        out.push_str(&serde_json::to_string(&self.metadata).unwrap_or_else(|_| "{}".into()));
+        out.push_str("{\"kind\":");
+        push_string(out, self.kind.kind);
+        out.push_str(",\"apiVersion\":");
+        push_string(out, &self.kind.api_version());
+        out.push_str(",\"metadata\":{\"resourceVersion\":\"");
+        out.push_str(&self.rv.to_string());
+        out.push('"');
+        if !self.metadata.contains_key("name") {
+            out.push_str(",\"name\":");
+            push_string(out, self.name);
+        }
+        if self.kind.namespaced && !self.metadata.contains_key("namespace") {
+            out.push_str(",\"namespace\":");
+            push_string(out, self.namespace);
+        }
+        for (key, raw) in &self.metadata {
+            if *key == "resourceVersion" || (*key == "namespace" && !self.kind.namespaced) {
+                continue;
+            }
+            out.push(',');
+            push_string(out, key);
+            out.push(':');
+            out.push_str(raw.get());
+        }
+        out.push('}');
         for (key, raw) in &self.fields {
             out.push(',');
-            out.push_str(&serde_json::to_string(key).unwrap_or_default());
+            push_string(out, key);
             out.push(':');
             out.push_str(raw.get());
         }
@@ -137,12 +190,6 @@ impl Object {
     pub fn to_value(&self) -> Value {
         serde_json::from_str(&self.to_json()).unwrap_or(Value::Null)
     }
-}
-
-fn raw_string(text: &str) -> Box<RawValue> {
-    // A JSON string is always valid raw JSON.
-    RawValue::from_string(Value::String(text.to_owned()).to_string())
-        .unwrap_or_else(|_| RawValue::NULL.to_owned())
 }
 
 #[cfg(test)]

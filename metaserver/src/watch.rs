@@ -59,7 +59,13 @@ impl Render {
             return None;
         }
         let line = if self.as_table {
-            let table = table::of(kind, &[object.to_value()], &rv.to_string(), None, self.include);
+            let table = table::of(
+                kind,
+                &[object.to_value()],
+                &rv.to_string(),
+                None,
+                self.include,
+            );
             event_line(event, &table)
         } else {
             let mut line = format!("{{\"type\":\"{event}\",\"object\":");
@@ -160,9 +166,10 @@ async fn start(shared: &Shared, render: &Render, from: u64) -> Result<Start, Err
         return Ok(Start::Lines(lines, page.rev));
     }
     Ok(match shared.reader.since(res_type, from).await? {
-        Since::Changes { changes, rev } => {
-            Start::Lines(changes.iter().filter_map(|c| render.change(c)).collect(), rev)
-        }
+        Since::Changes { changes, rev } => Start::Lines(
+            changes.iter().filter_map(|c| render.change(c)).collect(),
+            rev,
+        ),
         Since::Expired { floor, rev } => Start::Expired(expired(from, floor, rev)),
     })
 }

@@ -3,10 +3,8 @@
 //! worker run these SQLite calls. Each read is one read transaction: a list and the version it
 //! reports, or a history replay and the version it reaches, are one snapshot.
 
+use libsql::Connection;
 use std::path::Path;
-use std::time::Duration;
-
-use libsql::{Connection, OpenFlags};
 use tokio::sync::{mpsc, oneshot};
 
 use super::versions::{Change, Event};
@@ -61,8 +59,14 @@ pub enum Since {
 }
 
 enum Job {
-    List(ListQuery, oneshot::Sender<Result<Option<ListPage>, StoreError>>),
-    Get(String, oneshot::Sender<Result<Option<StoredObject>, StoreError>>),
+    List(
+        ListQuery,
+        oneshot::Sender<Result<Option<ListPage>, StoreError>>,
+    ),
+    Get(
+        String,
+        oneshot::Sender<Result<Option<StoredObject>, StoreError>>,
+    ),
     Since(String, u64, oneshot::Sender<Result<Since, StoreError>>),
 }
 
@@ -90,7 +94,7 @@ impl Reader {
                     }
                 };
                 runtime.block_on(async move {
-                    let (_db, conn) = match connect(&path).await {
+                    let (_db, conn) = match super::read_only::open(&path).await {
                         Ok(opened) => opened,
                         Err(e) => {
                             let _ = opened_tx.send(Err(e));
@@ -144,17 +148,6 @@ impl Reader {
     pub async fn since(&self, res_type: &str, rv: u64) -> Result<Since, StoreError> {
         self.ask(|tx| Job::Since(res_type.to_owned(), rv, tx)).await
     }
-}
-
-async fn connect(path: &Path) -> Result<(libsql::Database, Connection), StoreError> {
-    let db = libsql::Builder::new_local(path)
-        .flags(OpenFlags::SQLITE_OPEN_READ_ONLY)
-        .build()
-        .await?;
-    let conn = db.connect()?;
-    // A checkpoint by the writer holds the lock briefly.
-    conn.busy_timeout(Duration::from_secs(5))?;
-    Ok((db, conn))
 }
 
 /// Runs `body` in one read transaction (one snapshot).

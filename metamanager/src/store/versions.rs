@@ -156,3 +156,125 @@ impl Db {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{ListQuery, Reader, Since, StoreConfig};
+
+    fn events(changes: &[Change]) -> Vec<(u64, Event, &str)> {
+        changes
+            .iter()
+            .map(|c| (c.rv, c.event, c.key.as_str()))
+            .collect()
+    }
+
+    /// Versions commit with their change, a rolled-back savepoint gives its version back, an
+    /// unchanged value takes none, and the history keeps only the last `history` changes.
+    #[tokio::test]
+    async fn versions_follow_the_transaction_and_the_history_is_bounded() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = StoreConfig {
+            path: dir.path().join("meta.db"),
+            history: 3,
+            ..StoreConfig::default()
+        };
+        let db = Db::open(&config).await.expect("open");
+        let tx = db.begin(true).await.expect("begin");
+        db.upsert("default/pod/a", "pod", "{\"v\":1}")
+            .await
+            .expect("upsert");
+        db.upsert("default/podstatus/a", "podstatus", "{}")
+            .await
+            .expect("unversioned");
+        let step = tx.savepoint().await.expect("savepoint");
+        db.upsert("default/pod/b", "pod", "{}")
+            .await
+            .expect("upsert");
+        step.rollback().await.expect("rollback to");
+        db.upsert("default/pod/a", "pod", "{\"v\":1}")
+            .await
+            .expect("same value");
+        db.upsert("default/pod/a", "pod", "{\"v\":2}")
+            .await
+            .expect("update");
+        tx.commit().await.expect("commit");
+        let committed = db.take_changes();
+        assert_eq!(
+            events(&committed),
+            [
+                (1, Event::Added, "default/pod/a"),
+                (2, Event::Modified, "default/pod/a")
+            ]
+        );
+        let tx = db.begin(true).await.expect("begin");
+        for name in ["c", "d"] {
+            db.upsert(&format!("default/pod/{name}"), "pod", "{}")
+                .await
+                .expect("upsert");
+        }
+        assert_eq!(db.delete("default/pod/a").await.expect("delete"), 1);
+        assert_eq!(db.delete("default/pod/zz").await.expect("delete"), 0);
+        tx.commit().await.expect("commit");
+        assert_eq!(
+            events(&db.take_changes()),
+            [
+                (3, Event::Added, "default/pod/c"),
+                (4, Event::Added, "default/pod/d"),
+                (5, Event::Deleted, "default/pod/a")
+            ]
+        );
+
+        let reader = Reader::open(&config.path).await.expect("reader");
+        match reader.since("pod", 1).await.expect("since") {
+            Since::Expired { floor, rev } => assert_eq!((floor, rev), (2, 5)),
+            other => panic!("{other:?}"),
+        }
+        let Since::Changes { changes, rev } = reader.since("pod", 2).await.expect("since") else {
+            panic!("version 2 is in the history");
+        };
+        assert_eq!(rev, 5);
+        assert_eq!(changes.len(), 3);
+        assert_eq!(
+            &*changes[2].value, "{\"v\":2}",
+            "a delete carries the last value"
+        );
+        assert!(matches!(
+            reader.since("pod", 6).await,
+            Ok(Since::Expired { .. })
+        ));
+        let page = reader
+            .list(ListQuery {
+                res_type: "pod".into(),
+                limit: Some(1),
+                ..ListQuery::default()
+            })
+            .await
+            .expect("list")
+            .expect("a page");
+        assert_eq!((page.rev, page.objects.len(), page.more), (5, 1, true));
+        assert_eq!(
+            (page.objects[0].key.as_str(), page.objects[0].rv),
+            ("default/pod/c", 3)
+        );
+        // The next page at version 5 holds while nothing after "c" changes.
+        let next = ListQuery {
+            res_type: "pod".into(),
+            after: Some("default/pod/c".into()),
+            at: Some(5),
+            ..ListQuery::default()
+        };
+        let page = reader
+            .list(next.clone())
+            .await
+            .expect("list")
+            .expect("a page");
+        assert_eq!(page.objects.len(), 1);
+        let tx = db.begin(true).await.expect("begin");
+        db.upsert("default/pod/e", "pod", "{}")
+            .await
+            .expect("upsert");
+        tx.commit().await.expect("commit");
+        assert!(reader.list(next).await.expect("list").is_none(), "too old");
+    }
+}
