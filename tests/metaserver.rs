@@ -421,3 +421,83 @@ async fn a_watcher_too_far_behind_gets_410_and_one_within_the_history_resumes() 
     // The third resume is 5 versions behind a history of 3; the others are within it.
     assert_eq!(run_history(steps, 3).await, 1);
 }
+
+/// `limit`/`continue` pages through kube-rs at one version; a next page whose objects changed
+/// since the first is refused with 410; with a token file, only requests bearing it get in.
+#[tokio::test]
+async fn lists_page_at_one_version_and_the_token_is_required() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let token = dir.path().join("token");
+    std::fs::write(&token, "s3cret\n").expect("token");
+    let node = Node::start_with(Options {
+        metaserver_yaml: format!("  token_file: {}\n", token.display()),
+        ..Options::default()
+    })
+    .await;
+    let client = node.client().await;
+    for name in ["a", "b", "c", "d", "e"] {
+        change(&client, "insert", name, 1).await;
+    }
+    let url = format!("http://127.0.0.1:{}", node.metaserver_port);
+    let anonymous: Api<Pod> = Api::all(
+        kube::Client::try_from(kube::Config::new(url.parse().expect("url"))).expect("client"),
+    );
+    match anonymous.list(&ListParams::default()).await {
+        Err(kube::Error::Api(status)) => assert_eq!(status.code, 401, "{status:?}"),
+        other => panic!("without the token: {other:?}"),
+    }
+    let mut config = kube::Config::new(url.parse().expect("url"));
+    config.auth_info.token = Some("s3cret".to_owned().into());
+    let api: Api<Pod> = Api::namespaced(kube::Client::try_from(config).expect("client"), "default");
+    // Everything inserted (version 5), then pages of two.
+    let started = Instant::now();
+    while api
+        .list(&ListParams::default())
+        .await
+        .expect("list")
+        .items
+        .len()
+        < 5
+    {
+        assert!(started.elapsed() < WAIT, "the pods never showed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut names = Vec::new();
+    let mut params = ListParams::default().limit(2);
+    let mut versions = Vec::new();
+    loop {
+        let page = api.list(&params).await.expect("page");
+        versions.push(page.metadata.resource_version.clone().expect("version"));
+        names.extend(page.items.iter().filter_map(|p| p.metadata.name.clone()));
+        match page.metadata.continue_ {
+            Some(token) if !token.is_empty() => params = params.continue_token(&token),
+            _ => break,
+        }
+    }
+    assert_eq!(names, ["a", "b", "c", "d", "e"]);
+    assert!(versions.iter().all(|v| v == "5"), "{versions:?}");
+    // A change after the first page's last object: the next page would not be at version 5.
+    let first = api
+        .list(&ListParams::default().limit(2))
+        .await
+        .expect("page");
+    let token = first.metadata.continue_.expect("more");
+    change(&client, "update", "d", 2).await;
+    let started = Instant::now();
+    loop {
+        match api
+            .list(&ListParams::default().limit(2).continue_token(&token))
+            .await
+        {
+            Err(kube::Error::Api(status)) => {
+                assert_eq!(status.code, 410, "{status:?}");
+                break;
+            }
+            Ok(_) => {
+                assert!(started.elapsed() < WAIT, "the update never committed");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+}

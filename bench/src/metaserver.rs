@@ -15,7 +15,9 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
-use super::{client, fill, median, paced_inserts, percentiles, rss_of, verdict, Args, Row, Server};
+use super::{
+    client, fill, median, paced_inserts, percentiles, rss_of, subscribe, verdict, Args, Row, Server,
+};
 
 const WATCHERS: usize = 10;
 
@@ -130,6 +132,23 @@ pub async fn metaserver(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> 
         ready.await.context("a watch did not start")?;
     }
     drop(samples_tx);
+    // The same changes handed on to edged over MQTT (also after the commit): the machine's
+    // baseline for publish → commit → delivery, without the MetaServer.
+    let (edged, mut handed) = client(server.port, "msedged").await?;
+    subscribe(&edged, &mut handed, "ke/edged/edgecontroller/insert/lat/#").await?;
+    let mqtt = tokio::spawn(async move {
+        let mut samples = Vec::new();
+        while let Ok(Some((_, payload))) =
+            tokio::time::timeout(Duration::from_secs(5), handed.recv()).await
+        {
+            let now = epoch.elapsed().as_micros() as u64;
+            let body: serde_json::Value = serde_json::from_slice(&payload).unwrap_or_default();
+            if let Some(sent) = body["content"]["t"].as_u64() {
+                samples.push(now.saturating_sub(sent));
+            }
+        }
+        samples
+    });
     let (publisher, _) = client(server.port, "mspub").await?;
     let total = rate * seconds;
     let producer = paced_inserts(publisher, epoch, rate, total);
@@ -148,12 +167,20 @@ pub async fn metaserver(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> 
         watcher.abort();
     }
     let p = percentiles(latencies);
+    let handed = percentiles(mqtt.await?);
     rows.push(Row {
         name: format!("MetaServer publish → watch event at {rate} changes/s, {WATCHERS} watches, {seconds} s: p50 / p99 / p999 (µs)"),
         edgemeta: p.to_string(),
         mosquitto: "—".into(),
         target: "p99 ≤ 5 ms".into(),
         verdict: verdict(p.p99 <= 5_000, ""),
+    });
+    rows.push(Row {
+        name: "the same changes handed on to an MQTT subscriber of ke/edged (same run, baseline): p50 / p99 / p999 (µs)".into(),
+        edgemeta: handed.to_string(),
+        mosquitto: "—".into(),
+        target: "(diagnostic)".into(),
+        verdict: "—".into(),
     });
     rows.push(Row {
         name: format!(
