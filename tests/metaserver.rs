@@ -24,7 +24,7 @@ fn pod(name: &str, generation: u32) -> Value {
                         "labels": {"gen": generation.to_string()},
                         "creationTimestamp": "2026-01-01T00:00:00Z"},
            "spec": {"nodeName": "edge-1", "containers": [{"name": "c", "image": "busybox"}]},
-           "status": {"phase": if generation % 2 == 0 { "Pending" } else { "Running" }}})
+           "status": {"phase": if generation.is_multiple_of(2) { "Pending" } else { "Running" }}})
 }
 
 async fn change(client: &Client, operation: &str, name: &str, generation: u32) {

@@ -188,9 +188,11 @@ impl MetaManager {
             jobs_rx,
             publisher.clone(),
             feed,
-            changed.clone(),
+            worker::Announce {
+                outbox_changed: changed.clone(),
+                changes: changes.clone(),
+            },
             meters.clone(),
-            changes.clone(),
         )
         .await?;
         let outbox = OutboxHandle::new(jobs_tx.clone(), changed.clone());

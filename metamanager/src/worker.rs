@@ -83,6 +83,14 @@ pub struct WorkerConfig {
     pub outbox_limit: OutboxLimit,
 }
 
+/// What the worker announces after a commit.
+pub struct Announce {
+    /// The outbox has new rows (relay, cloud bridge).
+    pub outbox_changed: Arc<Notify>,
+    /// Committed changes of served objects (the MetaServer's live watches).
+    pub changes: broadcast::Sender<Changes>,
+}
+
 /// How the store thread ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stopped {
@@ -101,10 +109,13 @@ pub async fn spawn(
     jobs: mpsc::Receiver<Job>,
     publisher: Publisher,
     feed: Feed,
-    outbox_changed: Arc<Notify>,
+    announce: Announce,
     meters: Arc<Meters>,
-    changes: broadcast::Sender<Changes>,
 ) -> Result<oneshot::Receiver<Stopped>, Error> {
+    let Announce {
+        outbox_changed,
+        changes,
+    } = announce;
     let (opened_tx, opened_rx) = oneshot::channel();
     let (done_tx, done_rx) = oneshot::channel();
     std::thread::Builder::new()
