@@ -10,7 +10,9 @@ use anyhow::Context as _;
 use edgemeta_bridges::topic_map::TopicMap;
 use edgemeta_bridges::CloudBridge;
 use edgemeta_broker::Broker;
+use edgemeta_metamanager::store::Reader;
 use edgemeta_metamanager::{subscriptions, MetaManager, Meters, Names};
+use edgemeta_metaserver::MetaServer;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -34,6 +36,11 @@ pub async fn run(
         Some(_) => Some(observe::bind(&settings.observe).await?),
         None => None,
     };
+    let metaserver_listener = if settings.metaserver.enabled {
+        Some(edgemeta_metaserver::bind(&settings.metaserver).await?)
+    } else {
+        None
+    };
     let meters = (registry.as_ref()).map_or_else(|| Arc::new(Meters::noop()), |r| r.meters.clone());
     let root = settings.broker.topic_root.clone();
     let map = TopicMap::new(&root, &settings.cloud.root, &settings.cloud.node_id);
@@ -49,9 +56,13 @@ pub async fn run(
     broker.announce_clients(link.publisher.clone());
     let cloud = settings.cloud.enabled;
     // Without a cloud bridge the outbox is relayed to the local `<root>/cloud/...` topics.
+    let store = edgemeta_metamanager::StoreConfig {
+        history: settings.metaserver.history,
+        ..settings.store.clone()
+    };
     let mut meta = MetaManager::start(
         &settings.metamanager,
-        &settings.store,
+        &store,
         Names {
             root: &root,
             node: &settings.cloud.node_id,
@@ -108,6 +119,30 @@ pub async fn run(
         }
         _ => None,
     };
+    let mut metaserver = match metaserver_listener {
+        Some(listener) => {
+            let reader = Reader::open(&settings.store.path)
+                .await
+                .context("opening the store for the MetaServer")?;
+            let server = MetaServer::new(
+                &settings.metaserver,
+                listener,
+                reader,
+                meta.changes(),
+                cancel.child_token(),
+            )?;
+            info!(address = %settings.metaserver.address, "metaserver listener ready");
+            let (listener, app) = server.into_parts();
+            Some(tokio::spawn(observe::serve_app(
+                listener,
+                app,
+                cancel.child_token(),
+                "EM-METASERVER-SERVE",
+                None::<(Duration, fn())>,
+            )))
+        }
+        None => None,
+    };
     info!(store = %settings.store.path.display(), "edgemeta serving");
 
     let failure: Option<anyhow::Error> = tokio::select! {
@@ -133,6 +168,11 @@ pub async fn run(
         if let Some(observer) = observer.take() {
             if observer.await.is_err() {
                 errors.push(anyhow::Error::new(Panicked("observe server")));
+            }
+        }
+        if let Some(server) = metaserver.take() {
+            if server.await.is_err() {
+                errors.push(anyhow::Error::new(Panicked("metaserver")));
             }
         }
         if let Err(e) = bridge_stopped(&mut bridge).await {

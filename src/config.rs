@@ -10,6 +10,7 @@ use edgemeta_bridges::CloudConfig;
 use edgemeta_broker::{BrokerConfig, MqttVersion};
 use edgemeta_edged::EdgedConfig;
 use edgemeta_metamanager::{MetaConfig, StoreConfig};
+use edgemeta_metaserver::MetaServerConfig;
 use serde::Deserialize;
 
 /// The default configuration, compiled in so the binary runs with no files around it.
@@ -34,6 +35,9 @@ pub struct Settings {
     pub edged: EdgedConfig,
     #[serde(default)]
     pub observe: ObserveConfig,
+    /// The node's read-only Kubernetes API (KubeEdge's MetaServer).
+    #[serde(default)]
+    pub metaserver: MetaServerConfig,
     /// How long SIGINT/SIGTERM may take to commit accepted work and stop, in milliseconds.
     #[serde(default = "default_shutdown_grace_ms")]
     pub shutdown_grace_ms: u64,

@@ -84,6 +84,8 @@ pub const ERROR_CODES: &[&str] = &[
     "EM-BRIDGE-TLS",
     "EM-BRIDGE-TLS-INSECURE",
     "EM-OBSERVE-SERVE",
+    "EM-METASERVER-SERVE",
+    "EM-METASERVER-READ",
 ];
 
 /// Commit latency buckets, in seconds: from a relaxed batch (tens of µs) to a stalled disk.
@@ -280,37 +282,62 @@ pub async fn serve(
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .with_state(node.clone());
+    let tick = move || drop(node.registry.handle.render());
+    serve_app(
+        listener,
+        app,
+        cancel,
+        "EM-OBSERVE-SERVE",
+        Some((DRAIN_EVERY, tick)),
+    )
+    .await;
+}
+
+/// Serves `app` on `listener` until `cancel`, running `tick` every period meanwhile; then open
+/// requests get [`STOP_GRACE`] before the server is aborted, so none can hold shutdown up. A
+/// server that fails is logged with `error_code`.
+pub async fn serve_app(
+    listener: TcpListener,
+    app: Router,
+    cancel: CancellationToken,
+    error_code: &'static str,
+    tick: Option<(Duration, impl FnMut())>,
+) {
     let stop = cancel.clone();
     let mut server = tokio::spawn(async move {
+        // Nagle off: a watch event or an answer leaves at once, not after the peer's delayed ACK.
         axum::serve(listener, app)
+            .tcp_nodelay(true)
             .with_graceful_shutdown(stop.cancelled_owned())
             .await
     });
-    let mut drain = tokio::time::interval(DRAIN_EVERY);
-    drain.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let (period, mut tick) = match tick {
+        Some((period, tick)) => (Some(period), Some(tick)),
+        None => (None, None),
+    };
+    let mut ticks = tokio::time::interval(period.unwrap_or(Duration::from_secs(3600)));
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = cancel.cancelled() => break,
-            _ = drain.tick() => drop(node.registry.handle.render()),
+            _ = ticks.tick() => if let Some(tick) = tick.as_mut() { tick() },
             served = &mut server => {
-                report(served);
+                report(served, error_code);
                 return;
             }
         }
     }
     match tokio::time::timeout(STOP_GRACE, &mut server).await {
-        Ok(served) => report(served),
+        Ok(served) => report(served, error_code),
         Err(_) => server.abort(),
     }
 }
 
-fn report(served: Result<std::io::Result<()>, tokio::task::JoinError>) {
+fn report(served: Result<std::io::Result<()>, tokio::task::JoinError>, error_code: &'static str) {
     match served {
         Ok(Ok(())) => {}
-        Ok(Err(e)) => {
-            error!(error_code = "EM-OBSERVE-SERVE", error = %e, "observe listener failed")
-        }
-        Err(e) => error!(error_code = "EM-OBSERVE-SERVE", error = %e, "observe listener panicked"),
+        Ok(Err(e)) => error!(error_code, error = %e, "HTTP listener failed"),
+        Err(e) => error!(error_code, error = %e, "HTTP listener panicked"),
     }
 }
 

@@ -1404,6 +1404,7 @@ async fn the_readme_mapper_walkthrough_works_verbatim() {
     let log = std::fs::File::create(dir.path().join("node.log")).expect("log");
     let node = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
         .arg("run")
+        .env("EDGEMETA_METASERVER__ADDRESS", "127.0.0.1:0")
         .current_dir(dir.path())
         .env(
             "EDGEMETA_BROKER__LISTENERS__MQTT__ADDRESS",

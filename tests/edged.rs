@@ -727,6 +727,7 @@ async fn the_readme_edged_walkthrough_works_verbatim() {
             let log = std::fs::File::create(dir.path().join(format!("{args}.log"))).expect("log");
             let child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
                 .args(args.split(' '))
+                .env("EDGEMETA_METASERVER__ADDRESS", "127.0.0.1:0")
                 .env("EDGEMETA_BROKER__LISTENERS__MQTT__ADDRESS", &address)
                 .env("EDGEMETA_OBSERVE__ADDRESS", &observe)
                 .env_remove("RUST_LOG")

@@ -503,6 +503,7 @@ async fn the_observe_listener_cannot_bind_and_start_up_stops_naming_it() {
     let dir = tempfile::tempdir().expect("temp dir");
     let out = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
         .arg("run")
+        .env("EDGEMETA_METASERVER__ADDRESS", "127.0.0.1:0")
         .current_dir(dir.path())
         .env(
             "EDGEMETA_BROKER__LISTENERS__MQTT__ADDRESS",
@@ -536,6 +537,7 @@ async fn the_readme_monitoring_commands_work_verbatim() {
     let log = std::fs::File::create(dir.path().join("node.log")).expect("log");
     let mut node = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
         .arg("run")
+        .env("EDGEMETA_METASERVER__ADDRESS", "127.0.0.1:0")
         .current_dir(dir.path())
         .envs(env.clone())
         .env_remove("RUST_LOG")

@@ -13,6 +13,7 @@ use tokio::sync::mpsc;
 
 mod burst;
 mod devices;
+mod metaserver;
 
 #[derive(Parser)]
 #[command(about = "edgemeta against mosquitto, same load, same run")]
@@ -79,6 +80,10 @@ struct Args {
     /// With the devices row: mosquitto with its default `set_tcp_nodelay false` (Nagle on).
     #[arg(long)]
     device_nagle: bool,
+    /// Only the MetaServer rows: list of 10,000 pods over HTTP, commit → watch event latency at
+    /// 1,000 changes/s with 10 watches open, and the node's RSS with them.
+    #[arg(long)]
+    metaserver: bool,
     /// Internal: run as the devices row's pass-through responder against a mosquitto on this
     /// port.
     #[arg(long, hide = true)]
@@ -192,6 +197,10 @@ async fn main() -> anyhow::Result<()> {
     }
     if args.devices {
         devices::devices(&args, &mut rows).await?;
+        return print_rows(rows);
+    }
+    if args.metaserver {
+        metaserver::metaserver(&args, &mut rows).await?;
         return print_rows(rows);
     }
 
@@ -982,6 +991,8 @@ struct Server {
     log: Option<(PathBuf, u64)>,
     /// edgemeta's observe port (`/metrics`).
     observe: Option<u16>,
+    /// edgemeta's MetaServer port (the Kubernetes API).
+    metaserver: Option<u16>,
 }
 
 /// Subscribers of this bench that a node disconnected for falling behind
@@ -1028,7 +1039,8 @@ impl Server {
         let conf = dir.join("edge.yaml");
         // The observe endpoints stay on, as by default, on a port of their own.
         let observe = free_port()?;
-        std::fs::write(&conf, format!("broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\nstore:\n  path: {}\nobserve:\n  address: 127.0.0.1:{observe}\n{extra}", dir.join("bench.db").display()))?;
+        let metaserver = free_port()?;
+        std::fs::write(&conf, format!("broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\nstore:\n  path: {}\nobserve:\n  address: 127.0.0.1:{observe}\nmetaserver:\n  address: 127.0.0.1:{metaserver}\n{extra}", dir.join("bench.db").display()))?;
         let log_path = dir.join("edgemeta.log");
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -1046,6 +1058,7 @@ impl Server {
         let mut server = Server::ready(child, port).await?;
         server.log = Some((log_path, start));
         server.observe = Some(observe);
+        server.metaserver = Some(metaserver);
         Ok(server)
     }
 
@@ -1055,6 +1068,7 @@ impl Server {
             port,
             log: None,
             observe: None,
+            metaserver: None,
         };
         let started = Instant::now();
         while tokio::net::TcpStream::connect(("127.0.0.1", port))
@@ -1357,22 +1371,17 @@ fn percentiles(mut samples: Vec<u64>) -> Percentiles {
     }
 }
 
-/// Publish → subscriber latency at a paced offered rate, and the rate actually delivered
-/// (messages over first publish → last receive).
-async fn latency(
-    port: u16,
-    watch: &str,
+/// Publishes `total` inserts at `rate` per second, a share every millisecond, to 1,000 pods
+/// of namespace `lat`, each with its send time (µs since `epoch`) in `content.t`; then idles
+/// until aborted.
+fn paced_inserts(
+    publisher: AsyncClient,
+    epoch: Instant,
     rate: u64,
-    seconds: u64,
-) -> anyhow::Result<(Percentiles, f64)> {
-    let epoch = Instant::now();
-    let (sub, mut rx) = client(port, "lsub").await?;
-    subscribe(&sub, &mut rx, watch).await?;
-    let (publisher, _) = client(port, "lpub").await?;
-    let total = rate * seconds;
+    total: u64,
+) -> tokio::task::JoinHandle<()> {
     let per_tick = (rate / 1000).max(1);
-    let started = Instant::now();
-    let producer = tokio::spawn(async move {
+    tokio::spawn(async move {
         // Every millisecond, that millisecond's share of the offered rate.
         let mut tick = tokio::time::interval(Duration::from_millis(1));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
@@ -1394,7 +1403,24 @@ async fn latency(
             }
         }
         tokio::time::sleep(Duration::from_secs(3600)).await;
-    });
+    })
+}
+
+/// Publish → subscriber latency at a paced offered rate, and the rate actually delivered
+/// (messages over first publish → last receive).
+async fn latency(
+    port: u16,
+    watch: &str,
+    rate: u64,
+    seconds: u64,
+) -> anyhow::Result<(Percentiles, f64)> {
+    let epoch = Instant::now();
+    let (sub, mut rx) = client(port, "lsub").await?;
+    subscribe(&sub, &mut rx, watch).await?;
+    let (publisher, _) = client(port, "lpub").await?;
+    let total = rate * seconds;
+    let started = Instant::now();
+    let producer = paced_inserts(publisher, epoch, rate, total);
     let mut samples = Vec::with_capacity(total as usize);
     while (samples.len() as u64) < total {
         let (_, payload) = tokio::time::timeout(Duration::from_secs(30), rx.recv())

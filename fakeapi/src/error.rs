@@ -39,6 +39,12 @@ pub enum Error {
     },
 }
 
+impl From<edgemeta_kubewire::SelectorError> for Error {
+    fn from(error: edgemeta_kubewire::SelectorError) -> Error {
+        Error::BadRequest(error.0)
+    }
+}
+
 impl Error {
     pub(crate) fn not_found(kind: &Kind, name: &str) -> Error {
         Error::NotFound {
@@ -90,8 +96,6 @@ impl Error {
             } => json!({"name": name, "group": group, "kind": plural}),
             _ => json!({}),
         };
-        json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-               "message": self.to_string(), "reason": self.reason(), "details": details,
-               "code": self.code()})
+        edgemeta_kubewire::failure(self.code(), self.reason(), &self.to_string(), details)
     }
 }

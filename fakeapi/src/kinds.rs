@@ -1,43 +1,8 @@
-//! The resources the fake serves, and the discovery documents that describe them.
+//! The resources the fake serves; the discovery documents come from `edgemeta-kubewire`.
 
-use serde_json::{json, Value};
-
-/// One served resource type.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Kind {
-    /// API group; "" is the core group (`/api/v1`).
-    pub group: &'static str,
-    pub version: &'static str,
-    /// The URL segment (`pods`).
-    pub plural: &'static str,
-    pub singular: &'static str,
-    pub kind: &'static str,
-    pub namespaced: bool,
-    /// Has a `/status` subresource: the main resource's writes keep the stored status, and
-    /// status writes change nothing else.
-    pub status: bool,
-    pub short_names: &'static [&'static str],
-}
-
-const fn core(
-    plural: &'static str,
-    singular: &'static str,
-    kind: &'static str,
-    namespaced: bool,
-    status: bool,
-    short_names: &'static [&'static str],
-) -> Kind {
-    Kind {
-        group: "",
-        version: "v1",
-        plural,
-        singular,
-        kind,
-        namespaced,
-        status,
-        short_names,
-    }
-}
+pub use edgemeta_kubewire::kinds::{
+    core, core_versions, group, groups, resources, Kind, READ_WRITE,
+};
 
 /// Everything the fake serves: what the edgecontroller reads and writes, plus what `kubectl`
 /// asks for along the way.
@@ -78,110 +43,7 @@ pub const KINDS: &[Kind] = &[
     },
 ];
 
-impl Kind {
-    /// `v1` or `<group>/<version>`, as in `apiVersion`.
-    pub fn api_version(&self) -> String {
-        if self.group.is_empty() {
-            self.version.to_owned()
-        } else {
-            format!("{}/{}", self.group, self.version)
-        }
-    }
-
-    /// The store's name for the type: `pods`, `leases.coordination.k8s.io`.
-    pub fn resource(&self) -> String {
-        if self.group.is_empty() {
-            self.plural.to_owned()
-        } else {
-            format!("{}.{}", self.plural, self.group)
-        }
-    }
-
-    /// The type served at `group`/`version` under `plural`.
-    pub fn find(group: &str, version: &str, plural: &str) -> Option<&'static Kind> {
-        KINDS
-            .iter()
-            .find(|k| k.group == group && k.version == version && k.plural == plural)
-    }
-}
-
-/// `GET /api`.
-pub fn core_versions(server: &str) -> Value {
-    json!({"kind": "APIVersions", "versions": ["v1"],
-           "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": server}]})
-}
-
-/// `GET /apis`: every non-core group.
-pub fn groups() -> Value {
-    let mut names: Vec<&str> = KINDS
-        .iter()
-        .filter(|k| !k.group.is_empty())
-        .map(|k| k.group)
-        .collect();
-    names.dedup();
-    let groups: Vec<Value> = names
-        .iter()
-        .map(|g| {
-            let gv = json!({"groupVersion": format!("{g}/v1"), "version": "v1"});
-            json!({"name": g, "versions": [gv.clone()], "preferredVersion": gv})
-        })
-        .collect();
-    json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": groups})
-}
-
-/// `GET /apis/<group>`, or `None` for a group the fake does not serve.
-pub fn group(name: &str) -> Option<Value> {
-    let groups = groups();
-    groups["groups"]
-        .as_array()?
-        .iter()
-        .find(|g| g["name"] == name)
-        .map(|g| {
-            let mut g = g.clone();
-            g["kind"] = json!("APIGroup");
-            g["apiVersion"] = json!("v1");
-            g
-        })
-}
-
-/// `GET /api/v1` or `/apis/<group>/<version>`, or `None` when nothing is served there.
-pub fn resources(group: &str, version: &str) -> Option<Value> {
-    let verbs = [
-        "create",
-        "delete",
-        "deletecollection",
-        "get",
-        "list",
-        "patch",
-        "update",
-        "watch",
-    ];
-    let mut list = Vec::new();
-    for k in KINDS
-        .iter()
-        .filter(|k| k.group == group && k.version == version)
-    {
-        list.push(
-            json!({"name": k.plural, "singularName": k.singular, "namespaced": k.namespaced,
-                         "kind": k.kind, "verbs": verbs, "shortNames": k.short_names}),
-        );
-        if k.status {
-            list.push(
-                json!({"name": format!("{}/status", k.plural), "singularName": "",
-                             "namespaced": k.namespaced, "kind": k.kind,
-                             "verbs": ["get", "patch", "update"]}),
-            );
-        }
-    }
-    if list.is_empty() {
-        return None;
-    }
-    let gv = if group.is_empty() {
-        version.to_owned()
-    } else {
-        format!("{group}/{version}")
-    };
-    Some(
-        json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv, "resources": list}),
-    )
+/// The served type at `group`/`version` under `plural`.
+pub fn find(group: &str, version: &str, plural: &str) -> Option<&'static Kind> {
+    Kind::find(KINDS, group, version, plural)
 }

@@ -19,10 +19,8 @@
 
 mod error;
 mod kinds;
-mod selector;
 mod server;
 mod store;
-mod table;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -32,8 +30,8 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+pub use edgemeta_kubewire::{FieldSelector, LabelSelector};
 pub use error::Error;
-pub use selector::{FieldSelector, LabelSelector};
 
 /// How the fake behaves.
 #[derive(Debug, Clone)]
@@ -183,7 +181,7 @@ impl FakeApi {
         namespace: &str,
         object: serde_json::Value,
     ) -> Result<serde_json::Value, Error> {
-        let kind = kinds::Kind::find("", "v1", plural)
+        let kind = kinds::find("", "v1", plural)
             .ok_or_else(|| Error::BadRequest(format!("no resource {plural}")))?;
         self.shared.store().create(kind, namespace, object)
     }
@@ -199,7 +197,7 @@ impl FakeApi {
         name: &str,
         object: serde_json::Value,
     ) -> Result<serde_json::Value, Error> {
-        let kind = kinds::Kind::find("", "v1", plural)
+        let kind = kinds::find("", "v1", plural)
             .ok_or_else(|| Error::BadRequest(format!("no resource {plural}")))?;
         self.shared
             .store()

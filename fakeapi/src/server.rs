@@ -17,9 +17,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use crate::kinds::{self, Kind};
-use crate::selector::{FieldSelector, LabelSelector};
 use crate::store::{merge_patch, Change, Store};
-use crate::{table, Config, Error, Faults};
+use crate::{Config, Error, Faults};
+use edgemeta_kubewire::{table, FieldSelector, LabelSelector};
 
 /// What every request handler shares.
 pub(crate) struct Shared {
@@ -81,7 +81,7 @@ fn target(segments: &[&str]) -> Option<Target> {
         ["apis", group, version, rest @ ..] => (*group, *version, rest),
         _ => return None,
     };
-    let find = |plural: &str| Kind::find(group, version, plural);
+    let find = |plural: &str| kinds::find(group, version, plural);
     let (kind, namespace, name, sub) = match rest {
         ["namespaces", ns, plural, tail @ ..] => {
             (find(plural)?, Some(*ns), tail.first(), tail.get(1))
@@ -126,30 +126,25 @@ pub(crate) async fn handle(
     let segments: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
     match (method.as_str(), segments.as_slice()) {
         ("GET", ["version"]) => {
-            return json_response(
-                200,
-                &json!({"major": "1", "minor": "33", "gitVersion": "v1.33.0-edgemeta-fake",
-                        "gitCommit": "", "gitTreeState": "clean", "buildDate": "",
-                        "goVersion": "", "compiler": "rustc", "platform": "linux/amd64"}),
-            )
+            return json_response(200, &edgemeta_kubewire::version("v1.33.0-edgemeta-fake"))
         }
         ("GET", ["healthz" | "readyz" | "livez"]) => return "ok".into_response(),
         ("GET", ["api"]) => return json_response(200, &kinds::core_versions(&shared.address)),
-        ("GET", ["apis"]) => return json_response(200, &kinds::groups()),
+        ("GET", ["apis"]) => return json_response(200, &kinds::groups(kinds::KINDS)),
         ("GET", ["apis", group]) => {
-            return match kinds::group(group) {
+            return match kinds::group(kinds::KINDS, group) {
                 Some(g) => json_response(200, &g),
                 None => not_found(&path),
             }
         }
         ("GET", ["api", version]) => {
-            return match kinds::resources("", version) {
+            return match kinds::resources(kinds::KINDS, kinds::READ_WRITE, "", version) {
                 Some(r) => json_response(200, &r),
                 None => not_found(&path),
             }
         }
         ("GET", ["apis", group, version]) => {
-            return match kinds::resources(group, version) {
+            return match kinds::resources(kinds::KINDS, kinds::READ_WRITE, group, version) {
                 Some(r) => json_response(200, &r),
                 None => not_found(&path),
             }
@@ -414,9 +409,7 @@ fn delete(
 }
 
 fn event_line(kind: &str, object: &Value) -> Bytes {
-    let mut line = json!({"type": kind, "object": object}).to_string();
-    line.push('\n');
-    Bytes::from(line)
+    Bytes::from(edgemeta_kubewire::event_line(kind, object))
 }
 
 /// Whether a change belongs to this watch.
@@ -541,8 +534,7 @@ fn watch_response(
                 () = &mut deadline => break,
                 () = tx.closed() => break,
                 _ = ticker.tick(), if bookmarks => {
-                    let object = json!({"kind": target.kind.kind, "apiVersion": target.kind.api_version(),
-                                        "metadata": {"resourceVersion": cursor.to_string()}});
+                    let object = edgemeta_kubewire::bookmark(target.kind, &cursor.to_string());
                     if tx.send(Ok(event_line("BOOKMARK", &object))).await.is_err() {
                         break;
                     }

@@ -35,7 +35,7 @@ use std::time::Duration;
 
 use edgemeta_broker::{Link, Message};
 use serde::Deserialize;
-use tokio::sync::{mpsc, oneshot, Notify};
+use tokio::sync::{broadcast, mpsc, oneshot, Notify};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -47,6 +47,9 @@ pub use request::Request;
 pub use store::StoreConfig;
 pub use worker::Outcome;
 use worker::Stopped;
+
+/// Committed batches of changes a live watch may fall behind by before it reads the history.
+const CHANGES_CAPACITY: usize = 1024;
 
 /// MetaManager settings (`metamanager:` in the YAML config).
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -132,6 +135,8 @@ impl Ingress {
 /// A running MetaManager: it owns its tasks (intake, the relay) and its store thread.
 pub struct MetaManager {
     outbox: OutboxHandle,
+    /// Committed changes of served objects, batch by batch (the MetaServer's live watches).
+    changes: broadcast::Sender<store::Changes>,
     ingress: Ingress,
     intake: Option<JoinHandle<()>>,
     relay: Option<JoinHandle<()>>,
@@ -176,13 +181,17 @@ impl MetaManager {
         };
         let Link { inbox, publisher } = link;
         let (feed, pump, handons) = handon::channel();
+        let (changes, _) = broadcast::channel(CHANGES_CAPACITY);
         let store_done = worker::spawn(
             store.clone(),
             worker_config,
             jobs_rx,
             publisher.clone(),
             feed,
-            changed.clone(),
+            worker::Announce {
+                outbox_changed: changed.clone(),
+                changes: changes.clone(),
+            },
             meters.clone(),
         )
         .await?;
@@ -217,6 +226,7 @@ impl MetaManager {
         ));
         Ok(MetaManager {
             outbox,
+            changes,
             ingress: Ingress { tx: submit_tx },
             intake: Some(intake),
             relay,
@@ -235,6 +245,12 @@ impl MetaManager {
     /// Hand-ons committed and waiting for their subscribers, for the node's metrics.
     pub fn handons(&self) -> Arc<handon::HandonGauge> {
         self.handons.clone()
+    }
+
+    /// Committed changes of served objects, each batch once after its `COMMIT`, in version
+    /// order: subscribe, then read the history, and skip what the history already had.
+    pub fn changes(&self) -> broadcast::Sender<store::Changes> {
+        self.changes.clone()
     }
 
     /// The outbox, for a cloud bridge.
@@ -268,6 +284,7 @@ impl MetaManager {
     pub async fn stopped(self) -> Result<(), Error> {
         let MetaManager {
             outbox,
+            changes: _,
             ingress,
             intake,
             relay,

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use edgemeta_broker::{Ack, Message, Publisher};
-use tokio::sync::{mpsc, oneshot, Notify};
+use tokio::sync::{broadcast, mpsc, oneshot, Notify};
 use tokio::time::{interval_at, Instant, MissedTickBehavior};
 use tracing::{error, warn};
 
@@ -20,7 +20,7 @@ use crate::meters::{self, Meters, Tally};
 use crate::outbox::{self, OutboxLimit, Read, Write};
 use crate::process::{self, Context, State, Waits};
 use crate::request::Request;
-use crate::store::{Db, StoreConfig, StoreError};
+use crate::store::{Changes, Db, StoreConfig, StoreError};
 
 /// Fired once a request has been dealt with: committed, or answered with an error.
 #[derive(Debug)]
@@ -83,6 +83,14 @@ pub struct WorkerConfig {
     pub outbox_limit: OutboxLimit,
 }
 
+/// What the worker announces after a commit.
+pub struct Announce {
+    /// The outbox has new rows (relay, cloud bridge).
+    pub outbox_changed: Arc<Notify>,
+    /// Committed changes of served objects (the MetaServer's live watches).
+    pub changes: broadcast::Sender<Changes>,
+}
+
 /// How the store thread ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stopped {
@@ -101,9 +109,13 @@ pub async fn spawn(
     jobs: mpsc::Receiver<Job>,
     publisher: Publisher,
     feed: Feed,
-    outbox_changed: Arc<Notify>,
+    announce: Announce,
     meters: Arc<Meters>,
 ) -> Result<oneshot::Receiver<Stopped>, Error> {
+    let Announce {
+        outbox_changed,
+        changes,
+    } = announce;
     let (opened_tx, opened_rx) = oneshot::channel();
     let (done_tx, done_rx) = oneshot::channel();
     std::thread::Builder::new()
@@ -153,6 +165,7 @@ pub async fn spawn(
                         outbox_changed,
                         state,
                         meters,
+                        changes,
                     };
                     worker.run(jobs).await;
                 })
@@ -181,6 +194,9 @@ struct Worker {
     outbox_changed: Arc<Notify>,
     state: State,
     meters: Arc<Meters>,
+    /// Committed changes of served objects, for the MetaServer's live watches. Sending never
+    /// waits: a watcher that falls behind the channel catches up from the history.
+    changes: broadcast::Sender<Changes>,
 }
 
 /// One unit of a batch, in arrival order.
@@ -368,6 +384,11 @@ impl Worker {
             return self.fail_batch(applied, Vec::new(), error).await;
         }
         // Committed: only now may anyone hear about it.
+        let changes = self.db.take_changes();
+        if !changes.is_empty() {
+            // No receiver (no watch open) is not an error.
+            let _ = self.changes.send(Arc::new(changes));
+        }
         for message in direct {
             if self.publisher.publish(message).await.is_err() {
                 warn!(

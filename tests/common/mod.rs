@@ -52,6 +52,8 @@ pub struct Options {
     pub cloud_yaml: String,
     /// `observe.max_outbox_age_s`: how old the outbox may get before `/readyz` fails.
     pub max_outbox_age_s: u64,
+    /// Extra `metaserver:` settings (history, token_file, ...), as YAML lines indented 2 spaces.
+    pub metaserver_yaml: String,
 }
 
 /// The `cloud:` section for a node under test.
@@ -109,6 +111,7 @@ impl Default for Options {
             cloud_url: None,
             cloud_yaml: String::new(),
             max_outbox_age_s: 300,
+            metaserver_yaml: String::new(),
         }
     }
 }
@@ -120,6 +123,8 @@ pub struct Node {
     pub v5_port: Option<u16>,
     /// The observe endpoints' port (`/metrics`, `/healthz`, `/readyz`).
     pub observe_port: u16,
+    /// The MetaServer's port (the Kubernetes API; 10550 by default, never in tests).
+    pub metaserver_port: u16,
     dir: tempfile::TempDir,
     pub options: Options,
 }
@@ -169,6 +174,7 @@ impl Node {
             port: free_port(),
             v5_port,
             observe_port: free_port(),
+            metaserver_port: free_port(),
             dir,
             options,
         };
@@ -185,6 +191,7 @@ impl Node {
                     node.port = free_port();
                     node.v5_port = node.options.v5.then(free_port);
                     node.observe_port = free_port();
+                    node.metaserver_port = free_port();
                 }
                 Err(log) => panic!("edgemeta did not start:\n{log}"),
             }
@@ -230,9 +237,12 @@ impl Node {
              store:\n  path: {db}\n  synchronous: normal\n  max_pages: {pages}\n  busy_timeout_ms: {busy}\n{store_yaml}\
              metamanager:\n  max_payload_bytes: {payload}\n  remote_query_timeout_ms: {rq}\n  volume_timeout_ms: {vol}\n  podstatus_sync_interval_s: {sync}\n\
              observe:\n  address: 127.0.0.1:{observe}\n  max_outbox_age_s: {age}\n\
+             metaserver:\n  address: 127.0.0.1:{metaserver}\n{metaserver_yaml}\
              shutdown_grace_ms: 5000\n{cloud}",
             port = self.port,
             observe = self.observe_port,
+            metaserver = self.metaserver_port,
+            metaserver_yaml = o.metaserver_yaml,
             age = o.max_outbox_age_s,
             packet = o.max_packet_bytes,
             extra_listeners = o.extra_listeners,
@@ -1149,6 +1159,8 @@ pub fn edgemeta(dir: &Path, yaml: &str) -> Command {
         .arg("run")
         .arg("--config")
         .arg(&config)
+        // The default 10550 is not the test's to take: any free port.
+        .env("EDGEMETA_METASERVER__ADDRESS", "127.0.0.1:0")
         .current_dir(dir);
     command
 }

@@ -43,6 +43,26 @@ pub const MIGRATIONS: &[(i64, &str)] = &[
              correlation BLOB
          );",
     ),
+    (
+        4,
+        // The MetaServer's version space (docs/protocol.md §9): one node-local sequence for every
+        // change of a served type, `meta.rv` the version of each object, `meta_history` the last
+        // changes (bounded by `metaserver.history`, pruned as it is written). AUTOINCREMENT keeps
+        // the sequence in sqlite_sequence, so a pruned or rolled-back version is never reused.
+        // Objects stored before get version 1 (the sequence starts there when there are any).
+        "ALTER TABLE meta ADD COLUMN rv INTEGER NOT NULL DEFAULT 0;
+         CREATE TABLE IF NOT EXISTS meta_history (
+             rv INTEGER PRIMARY KEY AUTOINCREMENT,
+             type TEXT NOT NULL,
+             key TEXT NOT NULL,
+             event TEXT NOT NULL,
+             value TEXT NOT NULL
+         );
+         UPDATE meta SET rv = 1
+             WHERE type IN ('pod', 'configmap', 'secret', 'service', 'endpoints', 'node');
+         INSERT INTO sqlite_sequence (name, seq)
+             SELECT 'meta_history', 1 WHERE EXISTS (SELECT 1 FROM meta WHERE rv = 1);",
+    ),
 ];
 
 /// The schema version this build writes.

@@ -6,9 +6,13 @@
 mod devices;
 mod migrations;
 mod read_only;
+mod reader;
+mod versions;
 
 pub use devices::DeviceRow;
 pub use read_only::{read_meta, MetaRow};
+pub use reader::{ListPage, ListQuery, Reader, Since, StoredObject};
+pub use versions::{versioned, Change, Changes, Event, VERSIONED};
 
 use std::path::Path;
 use std::time::Duration;
@@ -47,6 +51,10 @@ pub struct StoreConfig {
     /// Most payload bytes waiting for the cloud.
     #[serde(default = "default_outbox_max_bytes")]
     pub outbox_max_bytes: u64,
+    /// Changes of served objects kept for watches to resume from (`metaserver.history`, set by
+    /// the binary; not a `store:` key).
+    #[serde(skip, default = "default_history")]
+    pub history: u64,
 }
 
 /// SQLite `synchronous` levels offered.
@@ -73,6 +81,10 @@ const fn default_outbox_max_entries() -> u64 {
 const fn default_outbox_max_bytes() -> u64 {
     512 * 1024 * 1024
 }
+/// `metaserver.history`'s default.
+pub const fn default_history() -> u64 {
+    10_000
+}
 
 impl Default for StoreConfig {
     fn default() -> Self {
@@ -84,6 +96,7 @@ impl Default for StoreConfig {
             max_pages: 0,
             outbox_max_entries: default_outbox_max_entries(),
             outbox_max_bytes: default_outbox_max_bytes(),
+            history: default_history(),
         }
     }
 }
@@ -117,6 +130,8 @@ pub enum StoreError {
     Sql(#[from] libsql::Error),
     #[error("cannot start the store thread: {0}")]
     Thread(std::io::Error),
+    #[error("the store reader has stopped")]
+    ReaderClosed,
 }
 
 /// One row of the cloud outbox.
@@ -137,6 +152,10 @@ pub struct Db {
     /// The configured `synchronous` level, and whether the connection runs below it right now.
     synchronous: Synchronous,
     relaxed: AtomicBool,
+    /// History rows kept (`versions.rs`).
+    history: u64,
+    /// Versioned changes of the open transaction, in order (`versions.rs`).
+    pending: Mutex<Vec<Change>>,
     // Keeps the database alive as long as the connection.
     _db: libsql::Database,
 }
@@ -170,6 +189,8 @@ impl Db {
             statements: Mutex::new(HashMap::new()),
             synchronous: config.synchronous,
             relaxed: AtomicBool::new(false),
+            history: config.history,
+            pending: Mutex::new(Vec::new()),
             _db: db,
         };
         this.migrate(&config.path).await?;
@@ -268,6 +289,7 @@ impl Db {
             self.relaxed.store(!durable, Ordering::Relaxed);
         }
         self.control("BEGIN IMMEDIATE").await?;
+        self.forget_changes(0);
         Ok(Transaction { db: self })
     }
 
@@ -295,13 +317,17 @@ impl Db {
         Ok(value)
     }
 
-    /// Insert or replace one record (KubeEdge `InsertOrUpdate`).
+    /// Insert or replace one record (KubeEdge `InsertOrUpdate`); a served object's change takes
+    /// the next version (`versions.rs`).
     pub async fn upsert(
         &self,
         key: &str,
         res_type: &str,
         value: &str,
     ) -> Result<(), libsql::Error> {
+        if versioned(res_type) {
+            return self.upsert_versioned(key, res_type, value).await;
+        }
         self.exec(
             "INSERT INTO meta (key, type, value) VALUES (?1, ?2, ?3)
              ON CONFLICT(key) DO UPDATE SET type = excluded.type, value = excluded.value",
@@ -311,8 +337,11 @@ impl Db {
         .map(drop)
     }
 
-    /// Deletes `key`; the number of rows removed.
+    /// Deletes `key`; the number of rows removed. A served object's delete takes a version.
     pub async fn delete(&self, key: &str) -> Result<u64, libsql::Error> {
+        if let Some(res_type) = key.split('/').nth(1).filter(|t| versioned(t)) {
+            return self.delete_versioned(key, res_type).await;
+        }
         self.exec("DELETE FROM meta WHERE key = ?1", [key]).await
     }
 
@@ -501,7 +530,10 @@ impl<'a> Transaction<'a> {
     /// Opens a savepoint: one message's changes, which can be undone without the rest.
     pub async fn savepoint(&self) -> Result<Savepoint<'a>, libsql::Error> {
         self.db.control("SAVEPOINT step").await?;
-        Ok(Savepoint { db: self.db })
+        Ok(Savepoint {
+            db: self.db,
+            changes: self.db.pending_len(),
+        })
     }
 
     /// Whether the transaction is still open: SQLite rolls back the whole transaction by itself
@@ -513,6 +545,9 @@ impl<'a> Transaction<'a> {
     /// Commits; when that fails, rolls back, so the connection is ready for the next batch.
     pub async fn commit(self) -> Result<(), libsql::Error> {
         let committed = self.db.control("COMMIT").await;
+        if committed.is_err() {
+            self.db.forget_changes(0);
+        }
         if committed.is_err() && self.db.in_transaction() {
             if let Err(e) = self.db.control("ROLLBACK").await {
                 tracing::warn!(error_code = "EM-STORE-TRANSACTION", error = %e, "rollback after a failed commit failed");
@@ -523,6 +558,7 @@ impl<'a> Transaction<'a> {
 
     /// Undoes the whole transaction (a no-op when SQLite already did).
     pub async fn rollback(self) -> Result<(), libsql::Error> {
+        self.db.forget_changes(0);
         if self.db.in_transaction() {
             self.db.control("ROLLBACK").await?;
         }
@@ -534,6 +570,8 @@ impl<'a> Transaction<'a> {
 #[must_use = "a savepoint must be released or rolled back"]
 pub struct Savepoint<'a> {
     db: &'a Db,
+    /// Versioned changes pending when it opened.
+    changes: usize,
 }
 
 impl Savepoint<'_> {
@@ -544,6 +582,7 @@ impl Savepoint<'_> {
 
     /// Undoes the changes made since the savepoint and closes it.
     pub async fn rollback(self) -> Result<(), libsql::Error> {
+        self.db.forget_changes(self.changes);
         self.db.control("ROLLBACK TO step").await?;
         self.db.control("RELEASE step").await
     }

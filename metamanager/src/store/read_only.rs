@@ -18,12 +18,10 @@ pub struct MetaRow {
     pub value: String,
 }
 
-/// Objects of the store at `path`: the one at `key`, or with `list` every key under `key/`,
-/// sorted by key. A missing file is an error, not an empty store.
-pub async fn read_meta(path: &Path, key: &str, list: bool) -> Result<Vec<MetaRow>, StoreError> {
-    if !path.exists() {
-        return Err(StoreError::Missing(path.display().to_string()));
-    }
+/// A read-only connection to the store at `path` (the database must outlive it).
+pub(super) async fn open(
+    path: &Path,
+) -> Result<(libsql::Database, libsql::Connection), StoreError> {
     let db = libsql::Builder::new_local(path)
         .flags(OpenFlags::SQLITE_OPEN_READ_ONLY)
         .build()
@@ -31,6 +29,16 @@ pub async fn read_meta(path: &Path, key: &str, list: bool) -> Result<Vec<MetaRow
     let conn = db.connect()?;
     // A checkpoint by the node holds the lock briefly.
     conn.busy_timeout(Duration::from_secs(5))?;
+    Ok((db, conn))
+}
+
+/// Objects of the store at `path`: the one at `key`, or with `list` every key under `key/`,
+/// sorted by key. A missing file is an error, not an empty store.
+pub async fn read_meta(path: &Path, key: &str, list: bool) -> Result<Vec<MetaRow>, StoreError> {
+    if !path.exists() {
+        return Err(StoreError::Missing(path.display().to_string()));
+    }
+    let (_db, conn) = open(path).await?;
     let mut rows = if list {
         // A range, not LIKE: `_` and `%` are ordinary characters in names.
         let prefix = format!("{key}/");

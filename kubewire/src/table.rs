@@ -5,7 +5,7 @@ use serde_json::{json, Value};
 use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
 
-use crate::kinds::Kind;
+use crate::Kind;
 
 /// Whether the request's `Accept` header asks for a Table.
 pub fn wanted(accept: &str) -> bool {

@@ -2,7 +2,10 @@
 
 use serde_json::Value;
 
-use crate::Error;
+/// A selector the API server would refuse (HTTP 400).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct SelectorError(pub String);
 
 /// One `labelSelector` term.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,18 +46,18 @@ fn terms(text: &str) -> Vec<&str> {
     out.into_iter().filter(|t| !t.is_empty()).collect()
 }
 
-fn set_values(rest: &str, term: &str) -> Result<Vec<String>, Error> {
+fn set_values(rest: &str, term: &str) -> Result<Vec<String>, SelectorError> {
     let inner = rest
         .trim()
         .strip_prefix('(')
         .and_then(|r| r.strip_suffix(')'))
-        .ok_or_else(|| Error::BadRequest(format!("unable to parse requirement: {term:?}")))?;
+        .ok_or_else(|| SelectorError(format!("unable to parse requirement: {term:?}")))?;
     Ok(inner.split(',').map(|v| v.trim().to_owned()).collect())
 }
 
 impl LabelSelector {
     /// Parses the API server's selector syntax; an empty text selects everything.
-    pub fn parse(text: &str) -> Result<LabelSelector, Error> {
+    pub fn parse(text: &str) -> Result<LabelSelector, SelectorError> {
         let mut out = Vec::new();
         for term in terms(text) {
             let parsed = if let Some(key) = term.strip_prefix('!') {
@@ -70,7 +73,7 @@ impl LabelSelector {
             } else if let Some((k, rest)) = term.split_once(" in ") {
                 LabelTerm::In(k.trim().to_owned(), set_values(rest, term)?)
             } else if term.contains([' ', '(', ')']) {
-                return Err(Error::BadRequest(format!(
+                return Err(SelectorError(format!(
                     "unable to parse requirement: {term:?}"
                 )));
             } else {
@@ -98,7 +101,7 @@ impl LabelSelector {
 
 impl FieldSelector {
     /// Parses `path=value` terms; an empty text selects everything.
-    pub fn parse(text: &str) -> Result<FieldSelector, Error> {
+    pub fn parse(text: &str) -> Result<FieldSelector, SelectorError> {
         let mut out = Vec::new();
         for term in terms(text) {
             let (path, equal, value) = if let Some((p, v)) = term.split_once("!=") {
@@ -108,7 +111,7 @@ impl FieldSelector {
             } else if let Some((p, v)) = term.split_once('=') {
                 (p, true, v)
             } else {
-                return Err(Error::BadRequest(format!(
+                return Err(SelectorError(format!(
                     "invalid selector: {term:?}; can't understand it"
                 )));
             };

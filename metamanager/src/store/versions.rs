@@ -1,0 +1,280 @@
+//! The MetaServer's version space (docs/protocol.md §9), kept by the write path.
+//!
+//! Every change of a served type ([`VERSIONED`]) takes the next value of one node-local
+//! sequence, in the same transaction as the change: the object's `meta.rv` and one
+//! `meta_history` row (the event and the object as it is after it, or was before a delete).
+//! History is pruned to `history` rows in the same statement sequence. The changes of the open
+//! transaction wait in [`Db`]'s pending list until the worker has committed them, then go to
+//! the live watchers.
+
+use std::sync::Arc;
+
+use libsql::params;
+
+use super::Db;
+
+/// The `meta.type`s whose changes are versioned: what the MetaServer serves.
+pub const VERSIONED: &[&str] = &["pod", "configmap", "secret", "service", "endpoints", "node"];
+
+/// Whether changes of `res_type` take versions.
+pub fn versioned(res_type: &str) -> bool {
+    VERSIONED.contains(&res_type)
+}
+
+/// What a change did to its object, as a watch event names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    Added,
+    Modified,
+    Deleted,
+}
+
+impl Event {
+    /// `ADDED`, `MODIFIED`, `DELETED`: the watch event type, also the `meta_history.event` text.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Event::Added => "ADDED",
+            Event::Modified => "MODIFIED",
+            Event::Deleted => "DELETED",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Event> {
+        match text {
+            "ADDED" => Some(Event::Added),
+            "MODIFIED" => Some(Event::Modified),
+            "DELETED" => Some(Event::Deleted),
+            _ => None,
+        }
+    }
+}
+
+/// One committed change of a served object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Change {
+    /// Its version: the node-local sequence.
+    pub rv: u64,
+    /// `meta.type` (`pod`).
+    pub res_type: String,
+    /// `<namespace>/<type>/<name>`.
+    pub key: String,
+    pub event: Event,
+    /// The object as stored (the JSON the cloud sent); for a delete, as it was last.
+    pub value: Arc<str>,
+}
+
+/// The committed changes of one batch, oldest first, as the live watchers get them.
+pub type Changes = Arc<Vec<Change>>;
+
+impl Db {
+    /// Inserts or replaces a served object, versioning the change; an identical value is no
+    /// change (no version, no event: the cloud resends what the node already has).
+    pub(super) async fn upsert_versioned(
+        &self,
+        key: &str,
+        res_type: &str,
+        value: &str,
+    ) -> Result<(), libsql::Error> {
+        let event = match self.get(key).await? {
+            None => Event::Added,
+            Some(old) if old == value => return Ok(()),
+            Some(_) => Event::Modified,
+        };
+        let rv = self.record(res_type, key, event, value).await?;
+        self.exec(
+            "INSERT INTO meta (key, type, value, rv) VALUES (?1, ?2, ?3, ?4)
+             ON CONFLICT(key) DO UPDATE SET type = excluded.type, value = excluded.value,
+             rv = excluded.rv",
+            params![key, res_type, value, rv as i64],
+        )
+        .await
+        .map(drop)
+    }
+
+    /// Deletes a served object, versioning the change; the number of rows removed.
+    pub(super) async fn delete_versioned(
+        &self,
+        key: &str,
+        res_type: &str,
+    ) -> Result<u64, libsql::Error> {
+        let Some(old) = self.get(key).await? else {
+            return Ok(0);
+        };
+        self.record(res_type, key, Event::Deleted, &old).await?;
+        self.exec("DELETE FROM meta WHERE key = ?1", [key]).await
+    }
+
+    /// Takes the next version for a change: its history row, the prune, the pending change.
+    async fn record(
+        &self,
+        res_type: &str,
+        key: &str,
+        event: Event,
+        value: &str,
+    ) -> Result<u64, libsql::Error> {
+        self.exec(
+            "INSERT INTO meta_history (type, key, event, value) VALUES (?1, ?2, ?3, ?4)",
+            params![res_type, key, event.as_str(), value],
+        )
+        .await?;
+        let rv = self.conn.last_insert_rowid();
+        let keep = i64::try_from(self.history).unwrap_or(i64::MAX);
+        self.exec(
+            "DELETE FROM meta_history WHERE rv <= ?1",
+            [rv.saturating_sub(keep)],
+        )
+        .await?;
+        let rv = u64::try_from(rv).unwrap_or_default();
+        self.pending().push(Change {
+            rv,
+            res_type: res_type.to_owned(),
+            key: key.to_owned(),
+            event,
+            value: value.into(),
+        });
+        Ok(rv)
+    }
+
+    /// The versioned changes committed by the last transaction (taken once, after `COMMIT`).
+    pub fn take_changes(&self) -> Vec<Change> {
+        std::mem::take(&mut *self.pending())
+    }
+
+    /// Changes not yet committed, for a savepoint to cut back to.
+    pub(super) fn pending_len(&self) -> usize {
+        self.pending().len()
+    }
+
+    /// Forgets the changes after the first `len`: their savepoint or transaction was undone.
+    pub(super) fn forget_changes(&self, len: usize) {
+        self.pending().truncate(len);
+    }
+
+    fn pending(&self) -> std::sync::MutexGuard<'_, Vec<Change>> {
+        self.pending
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{ListQuery, Reader, Since, StoreConfig};
+
+    fn events(changes: &[Change]) -> Vec<(u64, Event, &str)> {
+        changes
+            .iter()
+            .map(|c| (c.rv, c.event, c.key.as_str()))
+            .collect()
+    }
+
+    /// Versions commit with their change, a rolled-back savepoint gives its version back, an
+    /// unchanged value takes none, and the history keeps only the last `history` changes.
+    #[tokio::test]
+    async fn versions_follow_the_transaction_and_the_history_is_bounded() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = StoreConfig {
+            path: dir.path().join("meta.db"),
+            history: 3,
+            ..StoreConfig::default()
+        };
+        let db = Db::open(&config).await.expect("open");
+        let tx = db.begin(true).await.expect("begin");
+        db.upsert("default/pod/a", "pod", "{\"v\":1}")
+            .await
+            .expect("upsert");
+        db.upsert("default/podstatus/a", "podstatus", "{}")
+            .await
+            .expect("unversioned");
+        let step = tx.savepoint().await.expect("savepoint");
+        db.upsert("default/pod/b", "pod", "{}")
+            .await
+            .expect("upsert");
+        step.rollback().await.expect("rollback to");
+        db.upsert("default/pod/a", "pod", "{\"v\":1}")
+            .await
+            .expect("same value");
+        db.upsert("default/pod/a", "pod", "{\"v\":2}")
+            .await
+            .expect("update");
+        tx.commit().await.expect("commit");
+        let committed = db.take_changes();
+        assert_eq!(
+            events(&committed),
+            [
+                (1, Event::Added, "default/pod/a"),
+                (2, Event::Modified, "default/pod/a")
+            ]
+        );
+        let tx = db.begin(true).await.expect("begin");
+        for name in ["c", "d"] {
+            db.upsert(&format!("default/pod/{name}"), "pod", "{}")
+                .await
+                .expect("upsert");
+        }
+        assert_eq!(db.delete("default/pod/a").await.expect("delete"), 1);
+        assert_eq!(db.delete("default/pod/zz").await.expect("delete"), 0);
+        tx.commit().await.expect("commit");
+        assert_eq!(
+            events(&db.take_changes()),
+            [
+                (3, Event::Added, "default/pod/c"),
+                (4, Event::Added, "default/pod/d"),
+                (5, Event::Deleted, "default/pod/a")
+            ]
+        );
+
+        let reader = Reader::open(&config.path).await.expect("reader");
+        match reader.since("pod", 1).await.expect("since") {
+            Since::Expired { floor, rev } => assert_eq!((floor, rev), (2, 5)),
+            other => panic!("{other:?}"),
+        }
+        let Since::Changes { changes, rev } = reader.since("pod", 2).await.expect("since") else {
+            panic!("version 2 is in the history");
+        };
+        assert_eq!(rev, 5);
+        assert_eq!(changes.len(), 3);
+        assert_eq!(
+            &*changes[2].value, "{\"v\":2}",
+            "a delete carries the last value"
+        );
+        assert!(matches!(
+            reader.since("pod", 6).await,
+            Ok(Since::Expired { .. })
+        ));
+        let page = reader
+            .list(ListQuery {
+                res_type: "pod".into(),
+                limit: Some(1),
+                ..ListQuery::default()
+            })
+            .await
+            .expect("list")
+            .expect("a page");
+        assert_eq!((page.rev, page.objects.len(), page.more), (5, 1, true));
+        assert_eq!(
+            (page.objects[0].key.as_str(), page.objects[0].rv),
+            ("default/pod/c", 3)
+        );
+        // The next page at version 5 holds while nothing after "c" changes.
+        let next = ListQuery {
+            res_type: "pod".into(),
+            after: Some("default/pod/c".into()),
+            at: Some(5),
+            ..ListQuery::default()
+        };
+        let page = reader
+            .list(next.clone())
+            .await
+            .expect("list")
+            .expect("a page");
+        assert_eq!(page.objects.len(), 1);
+        let tx = db.begin(true).await.expect("begin");
+        db.upsert("default/pod/e", "pod", "{}")
+            .await
+            .expect("upsert");
+        tx.commit().await.expect("commit");
+        assert!(reader.list(next).await.expect("list").is_none(), "too old");
+    }
+}
