@@ -69,7 +69,7 @@ pub async fn run(
         },
         link,
         !cloud,
-        meters,
+        meters.clone(),
         cancel.child_token(),
     )
     .await
@@ -129,6 +129,7 @@ pub async fn run(
                 listener,
                 reader,
                 meta.changes(),
+                meters.clone(),
                 cancel.child_token(),
             )?;
             info!(address = %settings.metaserver.address, "metaserver listener ready");

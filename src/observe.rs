@@ -121,6 +121,10 @@ impl Registry {
                 Matcher::Full("edgemeta_store_commit_seconds".into()),
                 COMMIT_BUCKETS,
             )?
+            .set_buckets_for_metric(
+                Matcher::Full("edgemeta_metaserver_event_delay_seconds".into()),
+                COMMIT_BUCKETS,
+            )?
             .build_recorder();
         let handle = recorder.handle();
         // Handles keep their atomics alive; the recorder itself is not needed after this.

@@ -39,6 +39,9 @@ pub struct Meters {
     commit_seconds: Histogram,
     /// `edgemeta_store_commits_total{result="failed"}`.
     commits_failed: Counter,
+    /// `edgemeta_metaserver_event_delay_seconds`: a committed change's `COMMIT` → its watch
+    /// event written, one sample per event per watch.
+    event_delay: Histogram,
     /// Whether the last batch failed to commit; the node's readiness reads it.
     failing: AtomicBool,
 }
@@ -62,6 +65,7 @@ impl Meters {
             devices,
             commit_seconds: histogram!("edgemeta_store_commit_seconds"),
             commits_failed: counter!("edgemeta_store_commits_total", "result" => "failed"),
+            event_delay: histogram!("edgemeta_metaserver_event_delay_seconds"),
             failing: AtomicBool::new(false),
         }
     }
@@ -73,6 +77,7 @@ impl Meters {
             devices: std::array::from_fn(|_| std::array::from_fn(|_| Counter::noop())),
             commit_seconds: Histogram::noop(),
             commits_failed: Counter::noop(),
+            event_delay: Histogram::noop(),
             failing: AtomicBool::new(false),
         }
     }
@@ -97,6 +102,11 @@ impl Meters {
             None => self.commits_failed.increment(1),
         }
         self.failing.store(took.is_none(), Ordering::Relaxed);
+    }
+
+    /// Records how long after its `COMMIT` a change reached a watch's stream.
+    pub fn watch_event(&self, took: Duration) {
+        self.event_delay.record(took.as_secs_f64());
     }
 
     /// Whether the store's last batch failed to commit.

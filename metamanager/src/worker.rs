@@ -387,7 +387,10 @@ impl Worker {
         let changes = self.db.take_changes();
         if !changes.is_empty() {
             // No receiver (no watch open) is not an error.
-            let _ = self.changes.send(Arc::new(changes));
+            let _ = self.changes.send(Arc::new(crate::store::Committed {
+                at: std::time::Instant::now(),
+                changes,
+            }));
         }
         for message in direct {
             if self.publisher.publish(message).await.is_err() {

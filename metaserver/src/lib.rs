@@ -27,6 +27,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use edgemeta_metamanager::store::{Changes, Reader};
+use edgemeta_metamanager::Meters;
 use serde::Deserialize;
 use tokio::net::TcpListener;
 use tokio::sync::broadcast;
@@ -95,6 +96,8 @@ impl Default for MetaServerConfig {
 pub(crate) struct Shared {
     pub reader: Reader,
     pub changes: broadcast::Sender<Changes>,
+    /// Where a live event's delay after its commit is recorded.
+    pub meters: Arc<Meters>,
     pub kinds: &'static [edgemeta_kubewire::Kind],
     pub token: Option<String>,
     pub watch_timeout: Duration,
@@ -120,12 +123,14 @@ pub struct MetaServer {
 }
 
 impl MetaServer {
-    /// Prepares serving on `listener` from `reader` and the committed `changes`.
+    /// Prepares serving on `listener` from `reader` and the committed `changes`; `meters`
+    /// records how long after its commit each live event reaches a watch.
     pub fn new(
         config: &MetaServerConfig,
         listener: TcpListener,
         reader: Reader,
         changes: broadcast::Sender<Changes>,
+        meters: Arc<Meters>,
         cancel: CancellationToken,
     ) -> Result<MetaServer, Error> {
         let token = match &config.token_file {
@@ -149,6 +154,7 @@ impl MetaServer {
             shared: Arc::new(Shared {
                 reader,
                 changes,
+                meters,
                 kinds: kinds::kinds(config.secrets),
                 token,
                 watch_timeout: Duration::from_secs(config.watch_timeout_s.max(1)),

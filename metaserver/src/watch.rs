@@ -231,6 +231,7 @@ async fn stream(
                             if !send(line).await {
                                 return;
                             }
+                            shared.meters.watch_event(batch.at.elapsed());
                         }
                     }
                 }

@@ -12,7 +12,7 @@ mod versions;
 pub use devices::DeviceRow;
 pub use read_only::{read_meta, MetaRow};
 pub use reader::{ListPage, ListQuery, Reader, Since, StoredObject};
-pub use versions::{versioned, Change, Changes, Event, VERSIONED};
+pub use versions::{versioned, Change, Changes, Committed, Event, VERSIONED};
 
 use std::path::Path;
 use std::time::Duration;

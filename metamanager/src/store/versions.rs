@@ -64,7 +64,22 @@ pub struct Change {
 }
 
 /// The committed changes of one batch, oldest first, as the live watchers get them.
-pub type Changes = Arc<Vec<Change>>;
+pub type Changes = Arc<Committed>;
+
+/// The changes of one committed batch, and when its `COMMIT` returned (for the MetaServer's
+/// commit → watch event delay).
+#[derive(Debug)]
+pub struct Committed {
+    pub at: std::time::Instant,
+    pub changes: Vec<Change>,
+}
+
+impl std::ops::Deref for Committed {
+    type Target = [Change];
+    fn deref(&self) -> &[Change] {
+        &self.changes
+    }
+}
 
 impl Db {
     /// Inserts or replaces a served object, versioning the change; an identical value is no
