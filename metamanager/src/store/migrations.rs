@@ -63,6 +63,14 @@ pub const MIGRATIONS: &[(i64, &str)] = &[
          INSERT INTO sqlite_sequence (name, seq)
              SELECT 'meta_history', 1 WHERE EXISTS (SELECT 1 FROM meta WHERE rv = 1);",
     ),
+    (
+        5,
+        // Lists by type (and namespace, a key range) come out of this index in key order: with
+        // `meta_type` alone SQLite sorted every list in a temporary B-tree (10,000 pods: about
+        // half of a MetaServer list's time).
+        "CREATE INDEX IF NOT EXISTS meta_type_key ON meta(type, key);
+         DROP INDEX IF EXISTS meta_type;",
+    ),
 ];
 
 /// The schema version this build writes.
