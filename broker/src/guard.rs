@@ -33,14 +33,9 @@ use crate::events::ClientEvents;
 use crate::front::{take_preamble, Preamble};
 use crate::lag::{log_size, Lag, Owed};
 use crate::security::{Grants, Identity, Policy};
-use crate::session::{AckKind, Session, Sessions};
+use crate::session::{ack_tag, AckKind, Session, Sessions, ACK_PROPERTY};
 use crate::withhold::Withheld;
 use crate::RESERVED_CLIENT_PREFIX;
-
-/// The user property that carries, from the guard to our links, which connection and packet id
-/// a consumed publish is acknowledged to once it is committed: `<session>:<kind>:<pkid>`.
-/// Clients' own properties of that name are removed, and subscribers never see it.
-pub const ACK_PROPERTY: &str = "edgemeta-ack";
 
 /// Where refused publications go: rumqttd never matches a `$` topic against any filter.
 const DENIED_TOPIC: &str = "$edgemeta/denied";
@@ -627,27 +622,6 @@ fn swallowed(connection: &mut Connection, kind: AckKind, pkid: u16) -> bool {
     true
 }
 
-/// `<session>:<kind>:<pkid>` (see [`ACK_PROPERTY`]).
-fn ack_tag(session: u64, kind: AckKind, pkid: u16) -> String {
-    let kind = match kind {
-        AckKind::PubAck => 1,
-        AckKind::PubComp => 2,
-    };
-    format!("{session}:{kind}:{pkid}")
-}
-
-/// Reads an [`ACK_PROPERTY`] value back: the session, what to send and the packet id.
-pub fn parse_ack_tag(tag: &str) -> Option<(u64, AckKind, u16)> {
-    let mut parts = tag.splitn(3, ':');
-    let session = parts.next()?.parse().ok()?;
-    let kind = match parts.next()? {
-        "1" => AckKind::PubAck,
-        "2" => AckKind::PubComp,
-        _ => return None,
-    };
-    Some((session, kind, parts.next()?.parse().ok()?))
-}
-
 impl<P: Protocol> Protocol for ConnectGuard<P> {
     fn read_mut(&mut self, stream: &mut BytesMut, max_size: usize) -> Result<Packet, CodecError> {
         if let Some((secret, sessions)) = &self.front {
@@ -784,13 +758,5 @@ mod tests {
         assert_eq!(publish_ack(&qos0), None);
         assert_eq!(publish_ack(&[0x32, 0x08, 0x00]), None);
         assert_eq!(publish_ack(&[0x82, 0x08]), None);
-    }
-
-    #[test]
-    fn an_ack_tag_round_trips() {
-        let tag = ack_tag(42, AckKind::PubComp, 65535);
-        assert_eq!(parse_ack_tag(&tag), Some((42, AckKind::PubComp, 65535)));
-        assert_eq!(parse_ack_tag("42:3:1"), None);
-        assert_eq!(parse_ack_tag("x"), None);
     }
 }

@@ -9,9 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::backlog::Backlog;
-use crate::guard::{parse_ack_tag, ACK_PROPERTY};
 use crate::lag::{log_size, Lag};
-use crate::session::{Ack, Sessions};
+use crate::session::{parse_ack_tag, Ack, Sessions, ACK_PROPERTY};
 use crate::{Error, Message};
 
 /// An in-process MQTT client: [`Link::inbox`] yields what its filters match, [`Publisher`] sends.

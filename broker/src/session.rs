@@ -276,9 +276,43 @@ impl Sessions {
     }
 }
 
+/// The user property that carries, from the guard to our links, which connection and packet id
+/// a consumed publish is acknowledged to once it is committed: `<session>:<kind>:<pkid>`.
+/// Clients' own properties of that name are removed, and subscribers never see it.
+pub const ACK_PROPERTY: &str = "edgemeta-ack";
+
+/// `<session>:<kind>:<pkid>` (see [`ACK_PROPERTY`]).
+pub(crate) fn ack_tag(session: u64, kind: AckKind, pkid: u16) -> String {
+    let kind = match kind {
+        AckKind::PubAck => 1,
+        AckKind::PubComp => 2,
+    };
+    format!("{session}:{kind}:{pkid}")
+}
+
+/// Reads an [`ACK_PROPERTY`] value back: the session, what to send and the packet id.
+pub fn parse_ack_tag(tag: &str) -> Option<(u64, AckKind, u16)> {
+    let mut parts = tag.splitn(3, ':');
+    let session = parts.next()?.parse().ok()?;
+    let kind = match parts.next()? {
+        "1" => AckKind::PubAck,
+        "2" => AckKind::PubComp,
+        _ => return None,
+    };
+    Some((session, kind, parts.next()?.parse().ok()?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_ack_tag_round_trips() {
+        let tag = ack_tag(42, AckKind::PubComp, 65535);
+        assert_eq!(parse_ack_tag(&tag), Some((42, AckKind::PubComp, 65535)));
+        assert_eq!(parse_ack_tag("42:3:1"), None);
+        assert_eq!(parse_ack_tag("x"), None);
+    }
 
     #[test]
     fn a_session_is_claimed_once_and_a_cut_reaches_every_holder() {

@@ -1,7 +1,10 @@
 //! The crate's one error type, and the `Status` body each request error is answered with.
 
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
 use edgemeta_metamanager::store::StoreError;
 use serde_json::{json, Value};
+use tracing::error;
 
 /// What starting the MetaServer or serving a request can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -81,4 +84,18 @@ impl Error {
         };
         edgemeta_kubewire::failure(self.code(), self.reason(), &self.to_string(), details)
     }
+}
+
+/// A JSON body with status `code`.
+pub(crate) fn json_response(code: u16, body: String) -> Response {
+    let code = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    (code, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+/// The reply a client sees for `error` (a Kubernetes `Status`); server-side failures are logged.
+pub(crate) fn error_response(error: &Error) -> Response {
+    if error.code() >= 500 {
+        error!(error_code = "EM-METASERVER-READ", error = %error, "request failed");
+    }
+    json_response(error.code(), error.status().to_string())
 }

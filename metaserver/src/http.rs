@@ -5,35 +5,17 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use axum::extract::{Query, State};
-use axum::http::{header, HeaderMap, Method, StatusCode, Uri};
+use axum::http::{header, HeaderMap, Method, Uri};
 use axum::response::{IntoResponse, Response};
 use edgemeta_kubewire::{kinds, table};
 use edgemeta_metamanager::store::ListQuery;
 use serde_json::{json, Value};
-use tracing::{debug, error};
+use tracing::debug;
 
-use crate::kinds::Served;
-use crate::object::{Object, Selectors};
+use crate::error::{error_response, json_response};
+use crate::kinds::{Served, Target};
+use crate::object::{selectors, Object};
 use crate::{watch, Error, Shared};
-
-/// A request's target under `/api/v1`.
-pub(crate) struct Target {
-    pub served: Served,
-    pub namespace: Option<String>,
-    pub name: Option<String>,
-}
-
-pub(crate) fn json_response(code: u16, body: String) -> Response {
-    let code = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    (code, [(header::CONTENT_TYPE, "application/json")], body).into_response()
-}
-
-pub(crate) fn error_response(error: &Error) -> Response {
-    if error.code() >= 500 {
-        error!(error_code = "EM-METASERVER-READ", error = %error, "request failed");
-    }
-    json_response(error.code(), error.status().to_string())
-}
 
 fn found(path: &str, body: Option<Value>) -> Response {
     match body {
@@ -133,14 +115,6 @@ pub(crate) async fn handle(
         Ok(body) => json_response(200, body),
         Err(e) => error_response(&e),
     }
-}
-
-/// The selectors of a list or watch request.
-pub(crate) fn selectors(params: &HashMap<String, String>) -> Result<Selectors, Error> {
-    Selectors::parse(
-        params.get("labelSelector").map(String::as_str),
-        params.get("fieldSelector").map(String::as_str),
-    )
 }
 
 /// The name level of a key (`<namespace>/<type>/<name>`).

@@ -11,6 +11,13 @@ pub struct Served {
     pub res_type: &'static str,
 }
 
+/// A request's target under `/api/v1`.
+pub(crate) struct Target {
+    pub served: Served,
+    pub namespace: Option<String>,
+    pub name: Option<String>,
+}
+
 /// Every type the node can serve (secrets only with `metaserver.secrets`).
 pub static ALL: &[Kind] = &[
     core("pods", "pod", "Pod", true, false, &["po"]),

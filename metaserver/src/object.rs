@@ -4,7 +4,7 @@
 //! borrowing from the stored text; every value is copied as it is, so a list of thousands of
 //! pods is mostly copied, not rebuilt.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use edgemeta_kubewire::{FieldSelector, Kind, LabelSelector};
 use serde::Deserialize;
@@ -71,6 +71,14 @@ impl Selectors {
         let view = object.view(self.node_name);
         self.labels.matches(&view) && self.fields.matches(&view)
     }
+}
+
+/// The selectors of a list or watch request.
+pub(crate) fn selectors(params: &HashMap<String, String>) -> Result<Selectors, crate::Error> {
+    Selectors::parse(
+        params.get("labelSelector").map(String::as_str),
+        params.get("fieldSelector").map(String::as_str),
+    )
 }
 
 #[derive(Deserialize)]

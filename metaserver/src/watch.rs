@@ -23,8 +23,9 @@ use edgemeta_metamanager::store::{Change, Event, ListQuery, Since};
 use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::http::{error_response, selectors, Target};
-use crate::object::{Object, Selectors};
+use crate::error::error_response;
+use crate::kinds::Target;
+use crate::object::{selectors, Object, Selectors};
 use crate::{Error, Shared};
 
 /// Event lines buffered towards one client before the watch waits for it.
