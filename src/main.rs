@@ -20,6 +20,11 @@ mod telemetry;
 
 use std::path::PathBuf;
 
+/// jemalloc: the store thread and rumqttd's router allocate and free per message, and glibc's
+/// malloc cost about 15 % more CPU per device report (docs/benchmarks.md, "Allocator").
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
