@@ -475,7 +475,7 @@ async fn outbox_stats(outbox: &OutboxHandle) -> Option<OutboxStats> {
 }
 
 fn oldest_age_s(stats: &OutboxStats) -> Option<f64> {
-    let now = edgemeta_metamanager::envelope::now_ms();
+    let now = edgemeta_protocol::now_ms();
     stats
         .oldest_ms
         .map(|t| now.saturating_sub(t).max(0) as f64 / 1000.0)

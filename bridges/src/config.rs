@@ -1,5 +1,6 @@
 use std::time::Duration;
 
+use edgemeta_protocol::MqttUrl;
 use rumqttc::{MqttOptions, TlsConfiguration, Transport};
 use serde::Deserialize;
 
@@ -98,9 +99,9 @@ impl CloudConfig {
     /// certificate files are read now: call it once per session to pick up rotated ones.
     pub fn mqtt_options(&self) -> Result<MqttOptions, Error> {
         let bad = |m: String| Err(Error::Config(m));
-        let (tls, host, port) = match parse_url(&self.url) {
-            Ok(url) => url,
-            Err(m) => return bad(m),
+        let (tls, host, port) = match MqttUrl::parse(&self.url) {
+            Ok(url) => (url.tls, url.host.clone(), url.port_or_default()),
+            Err(e) => return bad(format!("cloud.url {e}")),
         };
         if !tls && self.tls != TlsConfig::default() {
             return bad(format!(
@@ -154,62 +155,48 @@ impl CloudConfig {
     }
 }
 
-/// `(tls, host, port)` of a `mqtt://` or `mqtts://` url; the port defaults to 1883 or 8883.
-fn parse_url(url: &str) -> Result<(bool, String, u16), String> {
-    let (tls, rest) = if let Some(rest) = url.strip_prefix("mqtt://") {
-        (false, rest)
-    } else if let Some(rest) = url.strip_prefix("mqtts://") {
-        (true, rest)
-    } else {
-        return Err(format!(
-            "cloud.url {url:?} must start with mqtt:// or mqtts://"
-        ));
-    };
-    let (host, port) = match rest.rsplit_once(':') {
-        Some((host, port)) => {
-            let port = port
-                .parse::<u16>()
-                .map_err(|_| format!("cloud.url {url:?}: bad port {port:?}"))?;
-            (host, port)
-        }
-        None => (rest, if tls { 8883 } else { 1883 }),
-    };
-    if host.is_empty() {
-        return Err(format!("cloud.url {url:?} has no host"));
-    }
-    Ok((tls, host.to_owned(), port))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn with_url(url: &str) -> CloudConfig {
+        CloudConfig {
+            url: url.to_owned(),
+            ..CloudConfig::default()
+        }
+    }
+
     #[test]
     fn urls_give_host_and_port() {
-        assert_eq!(
-            parse_url("mqtt://cloud.example:8883").unwrap(),
-            (false, "cloud.example".into(), 8883)
-        );
-        assert_eq!(
-            parse_url("mqtt://10.0.0.1").unwrap(),
-            (false, "10.0.0.1".into(), 1883)
-        );
-        assert_eq!(
-            parse_url("mqtts://cloud.example").unwrap(),
-            (true, "cloud.example".into(), 8883)
-        );
+        let options = with_url("mqtt://cloud.example:8883")
+            .mqtt_options()
+            .unwrap();
+        assert_eq!(options.broker_address(), ("cloud.example".into(), 8883));
+        let options = with_url("mqtt://10.0.0.1").mqtt_options().unwrap();
+        assert_eq!(options.broker_address(), ("10.0.0.1".into(), 1883));
     }
 
     #[test]
     fn bad_urls_name_the_key() {
-        for url in [
-            "tcp://x:1",
-            "mqtt://:1",
-            "mqtt://x:port",
-            "mqtts://:8883",
-            "x",
+        for (url, text) in [
+            (
+                "tcp://x:1",
+                r#"cloud.url "tcp://x:1" must start with mqtt:// or mqtts://"#,
+            ),
+            ("mqtt://:1", r#"cloud.url "mqtt://:1" has no host"#),
+            (
+                "mqtt://x:port",
+                r#"cloud.url "mqtt://x:port": bad port "port""#,
+            ),
+            ("mqtts://:8883", r#"cloud.url "mqtts://:8883" has no host"#),
+            ("x", r#"cloud.url "x" must start with mqtt:// or mqtts://"#),
         ] {
-            assert!(parse_url(url).unwrap_err().contains("cloud.url"), "{url}");
+            let err = with_url(url).mqtt_options().unwrap_err();
+            assert_eq!(
+                err.to_string(),
+                format!("invalid cloud config: {text}"),
+                "{url}"
+            );
         }
     }
 

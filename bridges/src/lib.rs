@@ -5,13 +5,11 @@
 //! - [`config`]: the `cloud:` settings and the MQTT options built from them.
 //! - [`tls`]: `mqtts://`: server verification, client certificates, ALPN; files re-read per session.
 //! - [`topic_map`]: local `<root>/cloud/...` ↔ cloud `<cloud_root>/<node_id>/up|down/...` topics.
-//! - [`backoff`]: capped exponential reconnect delay with jitter.
 //! - [`cloud`]: the bridge's run loop (`mod.rs`: sessions with backoff, task ownership), one
 //!   connection's lifetime (`session.rs`), egress (`egress.rs`: local traffic → outbox → cloud,
 //!   deleted after the cloud broker's PUBACK, the in-flight `Window`), ingress (`ingress.rs`:
 //!   cloud → MetaManager, acknowledged after commit), the connection signal (`signal.rs`).
 
-pub mod backoff;
 pub mod cloud;
 pub mod config;
 pub mod error;

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use edgemeta_protocol::Operation;
 use rumqttc::{AsyncClient, QoS};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -22,14 +23,6 @@ use crate::runtime::Runtime;
 use crate::session::Inbound;
 use crate::spec::{self, ConfigKind, Key, Pod};
 use crate::status::{self, ContainerStatus, PodFacts, Report, State};
-
-/// The CSI operations the MetaManager forwards to edged (protocol §3.5).
-const VOLUME_OPERATIONS: [&str; 4] = [
-    "createvolume",
-    "deletevolume",
-    "controllerpublishvolume",
-    "controllerunpublishvolume",
-];
 
 /// How often timed-out queries are looked for.
 const TICK: Duration = Duration::from_millis(500);
@@ -210,8 +203,8 @@ impl Agent {
         let (Some(namespace), Some(resource_type)) = (levels.next(), levels.next()) else {
             return;
         };
-        let (id, payload) = message::envelope(None, "query", resource, Value::Null);
-        let topic = message::topic(&self.root, "query", namespace, resource_type);
+        let (id, payload) = message::envelope(None, Operation::Query, resource, Value::Null);
+        let topic = message::topic(&self.root, Operation::Query, namespace, resource_type);
         match self
             .client
             .try_publish(topic, QoS::AtLeastOnce, false, payload)
@@ -261,7 +254,11 @@ impl Agent {
     }
 
     async fn handle(&mut self, m: Incoming) {
-        if m.operation == "response" || m.operation == "error" {
+        let Some(operation) = m.operation else {
+            debug!(resource = %m.resource, "ignored: an operation this node does not implement");
+            return;
+        };
+        if matches!(operation, Operation::Response | Operation::Error) {
             if let Some(p) = m
                 .parent_msg_id
                 .as_ref()
@@ -271,16 +268,17 @@ impl Agent {
                 return;
             }
         }
-        if VOLUME_OPERATIONS.contains(&m.operation.as_str()) {
-            self.refuse_volume(&m);
+        // The CSI operations the MetaManager forwards to edged (protocol §3.5).
+        if operation.is_volume() {
+            self.refuse_volume(operation, &m);
             return;
         }
         if !self.namespaces.contains(&m.namespace) {
             debug!(namespace = %m.namespace, "not one of this agent's namespaces");
             return;
         }
-        match (m.operation.as_str(), m.resource_type.as_str()) {
-            ("insert" | "update", "pod") => {
+        match (operation, m.resource_type.as_str()) {
+            (Operation::Insert | Operation::Update, "pod") => {
                 let Some(name) = m.name.clone() else {
                     warn!(error_code = "EM-EDGED-MESSAGE", resource = %m.resource, "pod without a name");
                     return;
@@ -296,12 +294,12 @@ impl Agent {
                 }
                 self.apply_pod(&m.namespace, &name, document).await;
             }
-            ("delete", "pod") => {
+            (Operation::Delete, "pod") => {
                 if let Some(name) = &m.name {
                     self.remove_pod(&format!("{}/{name}", m.namespace), true);
                 }
             }
-            ("insert" | "update", t) | ("response", t)
+            (Operation::Insert | Operation::Update | Operation::Response, t)
                 if ConfigKind::from_resource_type(t).is_some() =>
             {
                 if let (Some(kind), Some(name)) = (ConfigKind::from_resource_type(t), &m.name) {
@@ -311,20 +309,20 @@ impl Agent {
                     }
                 }
             }
-            ("delete", t) if ConfigKind::from_resource_type(t).is_some() => {
+            (Operation::Delete, t) if ConfigKind::from_resource_type(t).is_some() => {
                 if let (Some(kind), Some(name)) = (ConfigKind::from_resource_type(t), &m.name) {
                     self.configs
                         .insert((kind, format!("{}/{name}", m.namespace)), Lookup::Missing);
                 }
             }
-            _ => debug!(operation = %m.operation, resource = %m.resource, "ignored"),
+            _ => debug!(%operation, resource = %m.resource, "ignored"),
         }
     }
 
     /// The answer to one of our queries.
     async fn answer(&mut self, query: Query, m: &Incoming) {
-        let documents: Vec<Value> = match (&m.operation[..], &m.content) {
-            ("response", Value::Array(items)) => items
+        let documents: Vec<Value> = match (m.operation, &m.content) {
+            (Some(Operation::Response), Value::Array(items)) => items
                 .iter()
                 .filter_map(|item| match item {
                     Value::String(text) => serde_json::from_str(text).ok(),
@@ -671,13 +669,14 @@ impl Agent {
 
     /// CSI calls: this runtime has no volume driver; say so at once instead of letting the
     /// caller time out.
-    fn refuse_volume(&self, m: &Incoming) {
+    fn refuse_volume(&self, operation: Operation, m: &Incoming) {
         let text = format!(
-            "{} {}: not supported by this runtime (edged runs pods as local processes and has no CSI driver)",
-            m.operation, m.resource
+            "{operation} {}: not supported by this runtime (edged runs pods as local processes and has no CSI driver)",
+            m.resource
         );
-        let (_, payload) = message::envelope(Some(&m.msg_id), "error", &m.resource, json!(text));
-        let topic = message::topic(&self.root, "error", &m.namespace, &m.resource_type);
+        let (_, payload) =
+            message::envelope(Some(&m.msg_id), Operation::Error, &m.resource, json!(text));
+        let topic = message::topic(&self.root, Operation::Error, &m.namespace, &m.resource_type);
         if let Err(e) = self
             .client
             .try_publish(topic, QoS::AtLeastOnce, false, payload)

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use edgemeta_protocol::MqttUrl;
 use serde::Deserialize;
 
 use crate::Error;
@@ -168,15 +169,18 @@ impl EdgedConfig {
     }
 }
 
+/// `(host, port)` of a plain `mqtt://host:port` URL: the node's broker is local, so no TLS, and
+/// the port must be given. A trailing `/` and brackets around an IPv6 host are accepted.
 fn parse_url(url: &str) -> Result<(String, u16), Error> {
     let bad = || Error::Config(format!("edged.broker_url {url:?}: want mqtt://host:port"));
-    let rest = url.strip_prefix("mqtt://").ok_or_else(bad)?;
-    let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
-    let port: u16 = port.trim_end_matches('/').parse().map_err(|_| bad())?;
-    if host.is_empty() {
-        return Err(bad());
+    match MqttUrl::parse(url.trim_end_matches('/')) {
+        Ok(MqttUrl {
+            tls: false,
+            host,
+            port: Some(port),
+        }) => Ok((host.trim_matches(['[', ']']).to_owned(), port)),
+        _ => Err(bad()),
     }
-    Ok((host.trim_matches(['[', ']']).to_owned(), port))
 }
 
 #[cfg(test)]
@@ -189,9 +193,15 @@ mod tests {
             parse_url("mqtt://127.0.0.1:1883").ok(),
             Some(("127.0.0.1".to_owned(), 1883))
         );
+        assert_eq!(
+            parse_url("mqtt://[::1]:1883/").ok(),
+            Some(("::1".to_owned(), 1883))
+        );
         assert!(parse_url("tcp://x:1").is_err());
         assert!(parse_url("mqtt://x").is_err());
         assert!(parse_url("mqtt://:1").is_err());
+        assert!(parse_url("mqtts://x:8883").is_err());
+        assert!(parse_url("mqtt://x:1883x").is_err());
     }
 
     #[test]

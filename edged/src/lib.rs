@@ -75,7 +75,7 @@ pub async fn run(config: EdgedConfig, root: &str, cancel: CancellationToken) -> 
         eventloop,
         client.clone(),
         root.to_owned(),
-        edgemeta_bridges::backoff::Backoff::new(
+        edgemeta_protocol::Backoff::new(
             EdgedConfig::ms(config.reconnect_min_ms),
             EdgedConfig::ms(config.reconnect_max_ms),
         ),

@@ -2,7 +2,8 @@
 //! edged publishes on `<root>/meta/edged/<op>/<ns>/<type>` with the object in `route.resource`,
 //! and reads `<root>/edged/<from>/<op>/<ns>/<type>[/<name>]`.
 
-use edgemeta_metamanager::envelope::{new_msg_id, null, Envelope, Route};
+use edgemeta_protocol::{new_msg_id, null, outbound, Envelope, Operation, Route};
+use edgemeta_protocol::{InboundTopic, EDGED, META};
 use serde_json::Value;
 
 use crate::Error;
@@ -11,7 +12,8 @@ use crate::Error;
 #[derive(Debug, Clone, PartialEq)]
 pub struct Incoming {
     pub from: String,
-    pub operation: String,
+    /// `None` for an operation this node does not implement (the agent ignores it).
+    pub operation: Option<Operation>,
     pub namespace: String,
     pub resource_type: String,
     /// From the topic, else `route.resource`, else `content.metadata.name`.
@@ -25,12 +27,18 @@ pub struct Incoming {
 
 /// The subscription that brings everything addressed to edged.
 pub fn filter(root: &str) -> String {
-    format!("{root}/edged/#")
+    format!("{root}/{EDGED}/#")
 }
 
 /// `<root>/meta/edged/<operation>/<namespace>/<type>`.
-pub fn topic(root: &str, operation: &str, namespace: &str, resource_type: &str) -> String {
-    format!("{root}/meta/edged/{operation}/{namespace}/{resource_type}")
+pub fn topic(root: &str, operation: Operation, namespace: &str, resource_type: &str) -> String {
+    outbound(
+        root,
+        META,
+        EDGED,
+        operation.as_str(),
+        &format!("{namespace}/{resource_type}"),
+    )
 }
 
 /// A fresh message id.
@@ -41,14 +49,14 @@ pub fn new_id() -> String {
 /// An envelope from edged (built as the MetaManager builds its own); returns `(msg_id, payload)`.
 pub fn envelope(
     parent: Option<&str>,
-    operation: &str,
+    operation: Operation,
     resource: &str,
     content: Value,
 ) -> (String, Vec<u8>) {
     let route = Route {
-        source: "edged".to_owned(),
-        group: "meta".to_owned(),
-        operation: operation.to_owned(),
+        source: EDGED.to_owned(),
+        group: META.to_owned(),
+        operation: operation.as_str().to_owned(),
         resource: resource.to_owned(),
     };
     let content = serde_json::value::to_raw_value(&content).unwrap_or_else(|_| null());
@@ -63,16 +71,17 @@ pub fn parse(root: &str, topic: &str, payload: &[u8]) -> Result<Incoming, Error>
         topic: topic.to_owned(),
         detail: detail.to_owned(),
     };
-    let rest = topic
-        .strip_prefix(root)
-        .and_then(|t| t.strip_prefix("/edged/"))
-        .ok_or_else(|| bad("not under <root>/edged/"))?;
-    let levels: Vec<&str> = rest.split('/').collect();
-    if !(4..=5).contains(&levels.len()) || levels.iter().any(|l| l.is_empty()) {
+    // The MetaManager's grammar, stricter: an operation and a well-formed resource too.
+    let inbound = InboundTopic::addressed_to(root, EDGED, topic)
+        .ok()
+        .filter(|t| !t.operation.is_empty());
+    let Some((inbound, addressed)) =
+        inbound.and_then(|t| t.resource().ok().map(|resource| (t, resource)))
+    else {
         return Err(bad(
             "want <root>/edged/<from>/<op>/<namespace>/<type>[/<name>]",
         ));
-    }
+    };
     let value: Value = if payload.is_empty() {
         Value::Null
     } else {
@@ -87,9 +96,9 @@ pub fn parse(root: &str, topic: &str, payload: &[u8]) -> Result<Incoming, Error>
         _ => (Value::Null, Value::Null, value),
     };
     let resource = route["resource"].as_str().unwrap_or_default().to_owned();
-    let name = levels
-        .get(4)
-        .map(|n| (*n).to_owned())
+    let name = addressed
+        .id()
+        .map(str::to_owned)
         .or_else(|| resource.split('/').nth(2).map(str::to_owned))
         .or_else(|| {
             content
@@ -99,15 +108,15 @@ pub fn parse(root: &str, topic: &str, payload: &[u8]) -> Result<Incoming, Error>
         })
         .filter(|n| !n.is_empty());
     Ok(Incoming {
-        from: levels[0].to_owned(),
-        operation: levels[1].to_owned(),
-        namespace: levels[2].to_owned(),
-        resource_type: levels[3].to_owned(),
+        from: inbound.from.to_owned(),
+        operation: inbound.operation(),
+        namespace: addressed.namespace().to_owned(),
+        resource_type: addressed.res_type().to_owned(),
         name,
         msg_id: header["msg_id"].as_str().map_or_else(new_id, str::to_owned),
         parent_msg_id: header["parent_msg_id"].as_str().map(str::to_owned),
         resource: if resource.is_empty() {
-            levels[2..].join("/")
+            addressed.key().to_owned()
         } else {
             resource
         },
@@ -122,17 +131,22 @@ mod tests {
 
     #[test]
     fn the_topic_names_the_type_and_the_envelope_the_object() {
-        let (_, payload) = envelope(Some("p1"), "insert", "default/pod/web", json!({"spec": {}}));
+        let (_, payload) = envelope(
+            Some("p1"),
+            Operation::Insert,
+            "default/pod/web",
+            json!({"spec": {}}),
+        );
         let m =
             parse("ke", "ke/edged/edgecontroller/insert/default/pod", &payload).expect("parses");
         assert_eq!(
             (
                 m.from.as_str(),
-                m.operation.as_str(),
+                m.operation,
                 m.namespace.as_str(),
                 m.resource_type.as_str()
             ),
-            ("edgecontroller", "insert", "default", "pod")
+            ("edgecontroller", Some(Operation::Insert), "default", "pod")
         );
         assert_eq!(m.name.as_deref(), Some("web"));
         assert_eq!(m.parent_msg_id.as_deref(), Some("p1"));
@@ -150,5 +164,32 @@ mod tests {
         assert!(parse("ke", "ke/edged/x/insert/ns", b"{}").is_err());
         assert!(parse("ke", "ke/edged/x/insert/ns/pod", b"{oops").is_err());
         assert!(parse("ke", "other/edged/x/insert/ns/pod", b"").is_err());
+    }
+
+    #[test]
+    fn other_shapes_are_refused_and_unknown_operations_are_kept_as_none() {
+        for topic in [
+            "ke/edged//insert/ns/pod",
+            "ke/edged/x//ns/pod",
+            "ke/edged/x/insert/ns/pod/a/b",
+            "ke/edged/x/insert/ns//a",
+            "ke/edged/x/insert/ns/pod/",
+            "ke/edgedx/x/insert/ns/pod",
+        ] {
+            assert!(parse("ke", topic, b"").is_err(), "{topic}");
+        }
+        let m = parse("ke", "ke/edged/x/frobnicate/ns/pod/a", b"").expect("parses");
+        assert_eq!(
+            (m.operation, m.name.as_deref(), m.resource.as_str()),
+            (None, Some("a"), "ns/pod/a")
+        );
+    }
+
+    #[test]
+    fn edged_publishes_to_the_metamanager_by_type() {
+        assert_eq!(
+            topic("ke", Operation::Update, "default", "podstatus"),
+            "ke/meta/edged/update/default/podstatus"
+        );
     }
 }

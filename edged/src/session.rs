@@ -2,9 +2,9 @@
 //! `<root>/edged/#`, hands every message to the agent, and reconnects with back-off. Each new
 //! subscription is announced as [`Inbound::Connected`], so the agent re-lists.
 
-use edgemeta_bridges::backoff::Backoff;
 use std::time::Duration;
 
+use edgemeta_protocol::Backoff;
 use rumqttc::{AsyncClient, Event, EventLoop, Packet, QoS};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;

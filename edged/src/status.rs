@@ -5,13 +5,12 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime};
 
+use edgemeta_protocol::{rfc3339, Operation};
 use rumqttc::{AsyncClient, QoS};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
-
-use edgemeta_metamanager::envelope::rfc3339;
 
 use crate::message;
 use crate::spec::{Key, RestartPolicy};
@@ -297,11 +296,12 @@ impl Reporter {
                     }
                     let (id, payload) = message::envelope(
                         None,
-                        "delete",
+                        Operation::Delete,
                         &format!("{}/pod/{}", entry.namespace, entry.name),
                         json!({"metadata": {"name": entry.name, "namespace": entry.namespace, "uid": entry.uid}}),
                     );
-                    let topic = message::topic(&self.root, "delete", &entry.namespace, "pod");
+                    let topic =
+                        message::topic(&self.root, Operation::Delete, &entry.namespace, "pod");
                     if let Err(e) = self
                         .client
                         .try_publish(topic, QoS::AtLeastOnce, false, payload)
@@ -351,8 +351,8 @@ impl Reporter {
         let resource = format!("{}/podstatus/{}", entry.namespace, entry.name);
         // KubeEdge's PodStatusRequest: the cloud's edgecontroller reads UID, Name and Status.
         let content = json!({"UID": entry.uid, "Name": entry.name, "Status": entry.latest});
-        let (_, payload) = message::envelope(None, "update", &resource, content);
-        let topic = message::topic(&self.root, "update", &entry.namespace, "podstatus");
+        let (_, payload) = message::envelope(None, Operation::Update, &resource, content);
+        let topic = message::topic(&self.root, Operation::Update, &entry.namespace, "podstatus");
         entry.last_sent = Some(now);
         match self
             .client

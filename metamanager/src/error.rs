@@ -1,5 +1,5 @@
-use crate::envelope::EnvelopeError;
-use crate::resource::InvalidResource;
+use edgemeta_protocol::Error as ProtocolError;
+
 use crate::store::StoreError;
 
 /// Everything a message can fail with. `Display` is the text the requester reads in its `error`
@@ -8,8 +8,9 @@ use crate::store::StoreError;
 pub enum Error {
     #[error("unsupported operation {0:?}")]
     UnsupportedOperation(String),
+    /// [`ProtocolError::InvalidResource`].
     #[error(transparent)]
-    InvalidResource(#[from] InvalidResource),
+    InvalidResource(ProtocolError),
     /// A type-level topic, and the content belongs to another namespace (protocol §2, v2).
     #[error("namespace mismatch: the topic names namespace {topic:?}, content.metadata.namespace is {content:?}")]
     NamespaceMismatch { topic: String, content: String },
@@ -18,8 +19,10 @@ pub enum Error {
     NoName { metadata_name: Option<String> },
     #[error("payload of {size} bytes exceeds the limit of {limit} bytes")]
     PayloadTooLarge { size: usize, limit: usize },
+    /// A payload that is not a message: [`ProtocolError::NotText`], `MalformedJson` or
+    /// `InvalidEnvelope`.
     #[error(transparent)]
-    Envelope(#[from] EnvelopeError),
+    Envelope(ProtocolError),
     #[error("invalid {what} content: {reason}")]
     Content { what: &'static str, reason: String },
     #[error("{action} failed: {source}")]
@@ -63,9 +66,9 @@ impl Error {
             Error::NamespaceMismatch { .. } => "EM-META-NAMESPACE",
             Error::NoName { .. } => "EM-META-NO-NAME",
             Error::PayloadTooLarge { .. } => "EM-META-PAYLOAD-SIZE",
-            Error::Envelope(EnvelopeError::NotText) => "EM-META-PAYLOAD-BINARY",
-            Error::Envelope(EnvelopeError::Invalid(_)) => "EM-META-ENVELOPE",
-            Error::Envelope(EnvelopeError::Malformed(_)) => "EM-META-JSON",
+            Error::Envelope(ProtocolError::NotText) => "EM-META-PAYLOAD-BINARY",
+            Error::Envelope(ProtocolError::MalformedJson(_)) => "EM-META-JSON",
+            Error::Envelope(_) => "EM-META-ENVELOPE",
             Error::Content { .. } => "EM-META-CONTENT",
             Error::Store { .. } => "EM-STORE-WRITE",
             Error::RemoteTimeout { .. } => "EM-META-REMOTE-TIMEOUT",
@@ -101,6 +104,18 @@ impl Error {
                 | Error::Envelope(_)
                 | Error::Content { .. }
         )
+    }
+}
+
+/// `?` on the protocol's parsers: a resource string that is not one is `InvalidResource`; the
+/// rest are payloads that are not messages (topics are matched where they are read, and the
+/// MetaManager parses no URLs).
+impl From<ProtocolError> for Error {
+    fn from(error: ProtocolError) -> Error {
+        match error {
+            ProtocolError::InvalidResource(_) => Error::InvalidResource(error),
+            _ => Error::Envelope(error),
+        }
     }
 }
 

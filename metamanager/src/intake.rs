@@ -7,18 +7,15 @@ use std::sync::Arc;
 
 use edgemeta_broker::dollar::{to_client, INTERNAL_PREFIX};
 use edgemeta_broker::{Message, Publisher};
+use edgemeta_protocol::{is_name, Envelope, InboundTopic, ObjectMeta, Operation, Resource, META};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::devices;
-use crate::envelope::{Envelope, ObjectMeta};
 use crate::error::Error;
 use crate::meters::{self, Meters};
-use crate::operation::Operation;
 use crate::request::{Request, Requester};
-use crate::resource::{is_name, Resource};
-use crate::topic::{InboundTopic, META};
 use crate::worker::{Done, Job, Outcome};
 
 /// Limits and names the intake needs.
@@ -236,7 +233,7 @@ pub fn parse(config: &IntakeConfig, message: &Message) -> Result<Option<Request>
         Err(error) => {
             // A payload within the limit may still name the request it carries.
             if !matches!(error, Error::PayloadTooLarge { .. }) {
-                requester.msg_id = crate::envelope::sender_msg_id(&message.payload);
+                requester.msg_id = edgemeta_protocol::sender_msg_id(&message.payload);
             }
             return Err(refuse(requester, error, topic.operation));
         }

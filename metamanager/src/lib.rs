@@ -4,7 +4,7 @@
 //!
 //! # Layout (in the order a message flows)
 //! - [`intake`]: link inbox → topic and envelope checks → [`Request`]; malformed input answered.
-//! - [`topic`], [`envelope`], [`operation`], [`resource`]: the grammar.
+//! - the grammar (topics, envelope, operations, resources) is `edgemeta-protocol`'s.
 //! - [`worker`]: the store owner thread; group commit, one savepoint per message.
 //! - [`process`]: what each operation does, driven by the [`routing`] table.
 //! - [`store`]: libsql on a local file: `meta` (KubeEdge's table), `outbox` and `handon`.
@@ -14,20 +14,16 @@
 //! - [`relay`]: without a cloud bridge, the outbox goes to the local `<root>/cloud/...` topics.
 
 pub mod devices;
-pub mod envelope;
 pub mod error;
 pub mod handon;
 pub mod intake;
 pub mod meters;
-pub mod operation;
 pub mod outbox;
 pub mod process;
 pub mod relay;
 pub mod request;
-pub mod resource;
 pub mod routing;
 pub mod store;
-pub mod topic;
 pub mod worker;
 
 use std::sync::Arc;
@@ -39,9 +35,9 @@ use tokio::sync::{broadcast, mpsc, oneshot, Notify};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+pub use edgemeta_protocol::Operation;
 pub use error::Error;
 pub use meters::Meters;
-pub use operation::Operation;
 pub use outbox::{OutboxEntry, OutboxHandle, OutboxStats, PendingAck};
 pub use request::Request;
 pub use store::StoreConfig;
@@ -107,7 +103,7 @@ pub struct Names<'a> {
 
 /// The filters the MetaManager's link subscribes to: its own topics and the devices' ones.
 pub fn subscriptions(root: &str) -> Vec<String> {
-    let mut filters = vec![format!("{root}/{}/#", topic::META)];
+    let mut filters = vec![format!("{root}/{}/#", edgemeta_protocol::META)];
     filters.extend(devices::filters());
     filters
 }

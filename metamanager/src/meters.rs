@@ -4,10 +4,10 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use edgemeta_protocol::Operation;
 use metrics::{counter, histogram, Counter, Histogram};
 
 use crate::devices;
-use crate::operation::Operation;
 
 /// What became of a message, as the `result` label says it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

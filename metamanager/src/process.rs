@@ -6,20 +6,18 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use edgemeta_broker::Message;
+use edgemeta_protocol::{json_string, new_msg_id, null, raw, Envelope, Route};
+use edgemeta_protocol::{outbound, Operation, Resource, CLOUD, META};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use tokio_util::time::{delay_queue, DelayQueue};
 use tracing::{debug, info, warn};
 
-use crate::envelope::{json_string, new_msg_id, null, raw, Envelope, Route};
 use crate::error::Error;
-use crate::operation::Operation;
 use crate::outbox::{self, OutboxLimit};
 use crate::request::{Request, Requester};
-use crate::resource::Resource;
 use crate::routing::{self, Forward, Reply, Rule, Special, Store, When};
 use crate::store::{Db, OutboxStats};
-use crate::topic::{outbound, CLOUD, META};
 
 /// State the MetaManager keeps besides the store; owned by the store worker.
 pub struct State {

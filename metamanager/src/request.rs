@@ -2,13 +2,11 @@
 
 use bytes::Bytes;
 use edgemeta_broker::Message;
+use edgemeta_protocol::{json_string, Envelope, Route};
+use edgemeta_protocol::{outbound, reply_module, Operation, Resource, META};
 use serde_json::value::RawValue;
 
-use crate::envelope::{json_string, Envelope, Route};
 use crate::error::Error;
-use crate::operation::Operation;
-use crate::resource::Resource;
-use crate::topic::{outbound, reply_module, META};
 
 /// A well-formed request: the topic has been checked and wins over the envelope's route.
 #[derive(Debug, Clone)]

@@ -7,8 +7,7 @@
 //! difference. Queries, connection signals, pod-status sync and CSI volume calls need state
 //! beyond one row (cache, timers, waits) and are dispatched to their handlers by [`Special`].
 
-use crate::operation::Operation;
-use crate::topic::CLOUD_SOURCES;
+use edgemeta_protocol::{Operation, CLOUD_SOURCES};
 
 /// Resource types that belong to EdgeMesh (`isEdgeMeshResource`, plus `endpoints` on delete).
 pub const EDGEMESH_TYPES: &[&str] = &["service", "servicelist", "endpoints", "podlist"];
@@ -66,7 +65,7 @@ impl Forward {
             Forward::Edged => "edged",
             Forward::EdgeMesh => "edgemesh",
             Forward::EdgeFunction => "edgefunction",
-            Forward::Cloud => crate::topic::CLOUD,
+            Forward::Cloud => edgemeta_protocol::CLOUD,
         }
     }
 }

@@ -2,10 +2,8 @@
 //! error, never a panic, and every error reply is itself a well-formed message.
 
 use edgemeta_broker::Message;
-use edgemeta_metamanager::envelope::Envelope;
 use edgemeta_metamanager::intake::{parse, IntakeConfig};
-use edgemeta_metamanager::resource::Resource;
-use edgemeta_metamanager::topic::InboundTopic;
+use edgemeta_protocol::{Envelope, InboundTopic, Resource};
 use proptest::prelude::*;
 
 fn config() -> IntakeConfig {

@@ -226,7 +226,7 @@ pub(super) async fn report_outbox(outbox: OutboxHandle, cancel: CancellationToke
         if (stats.entries, stats.bytes) != (last.entries, last.bytes) {
             let oldest_age_ms = stats
                 .oldest_ms
-                .map(|t| edgemeta_metamanager::envelope::now_ms().saturating_sub(t));
+                .map(|t| edgemeta_protocol::now_ms().saturating_sub(t));
             info!(
                 entries = stats.entries,
                 bytes = stats.bytes,

@@ -13,12 +13,12 @@ use std::time::Duration;
 
 use edgemeta_broker::Link;
 use edgemeta_metamanager::{Ingress, OutboxHandle};
+use edgemeta_protocol::Backoff;
 use rumqttc::MqttOptions;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use crate::backoff::Backoff;
 use crate::topic_map::TopicMap;
 use crate::{CloudConfig, Error};
 use session::{Session, SessionEnd};

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use edgemeta_metamanager::{Ingress, OutboxHandle};
+use edgemeta_protocol::Backoff;
 use rumqttc::{
     AsyncClient, ConnectReturnCode, Event, EventLoop, MqttOptions, Outgoing, Packet, QoS,
 };
@@ -17,7 +18,6 @@ use super::egress::Egress;
 use super::ingress::{self, DownQueue};
 use super::signal::{LinkState, Signal};
 use super::Tasks;
-use crate::backoff::Backoff;
 use crate::topic_map::TopicMap;
 use crate::Error;
 

@@ -2,7 +2,7 @@
 //! MetaManager and every other module learn the cloud link's state as KubeEdge's edgehub tells it.
 
 use edgemeta_broker::{Message, Publisher};
-use edgemeta_metamanager::envelope::{json_string, Envelope, Route};
+use edgemeta_protocol::{json_string, Envelope, Route};
 use tracing::{error, info};
 
 /// The cloud link's state as the signal names it.

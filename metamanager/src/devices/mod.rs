@@ -11,15 +11,14 @@ use std::collections::BTreeMap;
 use bytes::Bytes;
 use edgemeta_broker::dollar::to_broker;
 use edgemeta_broker::Message;
+use edgemeta_protocol::{new_msg_id, now_ms, raw, rfc3339, Envelope, Header, Route, CLOUD};
 use serde::Serialize;
 use serde_json::value::RawValue;
 use tracing::{info, warn};
 
-use crate::envelope::{new_msg_id, now_ms, raw, rfc3339, Envelope, Header, Route};
 use crate::error::Error;
 use crate::process::Context;
 use crate::store::DeviceRow;
-use crate::topic::CLOUD;
 use twin::{Source, Twin};
 use wire::{
     Base, DetailRequest, Device, DeviceState, ErrorResult, Membership, MembershipUpdate,
@@ -804,7 +803,7 @@ async fn up(
         },
         content: to_raw(content),
     };
-    let topic = crate::topic::outbound(cx.root, CLOUD, from, operation, resource);
+    let topic = edgemeta_protocol::outbound(cx.root, CLOUD, from, operation, resource);
     cx.queue_for_cloud(&topic, &envelope.to_bytes()).await
 }
 
@@ -878,7 +877,7 @@ fn to_raw(body: &impl Serialize) -> Box<RawValue> {
 fn content_of(payload: &[u8]) -> Box<RawValue> {
     match serde_json::from_slice::<Box<RawValue>>(payload) {
         Ok(json) => json,
-        Err(_) => crate::envelope::json_string(&String::from_utf8_lossy(payload)),
+        Err(_) => edgemeta_protocol::json_string(&String::from_utf8_lossy(payload)),
     }
 }
 

@@ -19,7 +19,7 @@ impl Base {
     pub fn now(event_id: impl Into<String>) -> Base {
         Base {
             event_id: event_id.into(),
-            timestamp: crate::envelope::now_ms(),
+            timestamp: edgemeta_protocol::now_ms(),
         }
     }
 }

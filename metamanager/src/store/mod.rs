@@ -379,7 +379,7 @@ impl Db {
     pub async fn outbox_push(&self, topic: &str, payload: &[u8]) -> Result<(), libsql::Error> {
         self.exec(
             "INSERT INTO outbox (topic, payload, created_ms) VALUES (?1, ?2, ?3)",
-            params![topic, payload.to_vec(), crate::envelope::now_ms()],
+            params![topic, payload.to_vec(), edgemeta_protocol::now_ms()],
         )
         .await
         .map(drop)

@@ -1,5 +1,7 @@
 use std::fmt;
 
+use crate::Error;
+
 /// A KubeEdge edge resource `<namespace>/<type>[/<id>]`; the whole string is the store key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Resource {
@@ -8,17 +10,12 @@ pub struct Resource {
     namespace_end: usize,
 }
 
-/// A resource string that is not `<namespace>/<type>[/<id>]`.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid resource {0:?}: want <namespace>/<type>[/<id>]")]
-pub struct InvalidResource(pub String);
-
 impl Resource {
     /// Parses `<namespace>/<type>[/<id>]`: two or three non-empty levels.
-    pub fn parse(raw: &str) -> Result<Resource, InvalidResource> {
+    pub fn parse(raw: &str) -> Result<Resource, Error> {
         let levels: Vec<&str> = raw.split('/').collect();
         if !(2..=3).contains(&levels.len()) || levels.iter().any(|l| l.is_empty()) {
-            return Err(InvalidResource(raw.to_owned()));
+            return Err(Error::InvalidResource(raw.to_owned()));
         }
         let namespace_end = levels[0].len();
         Ok(Resource {
@@ -29,11 +26,7 @@ impl Resource {
     }
 
     /// Builds `<namespace>/<type>/<id>` from parts already known to be single levels.
-    pub fn from_parts(
-        namespace: &str,
-        res_type: &str,
-        id: &str,
-    ) -> Result<Resource, InvalidResource> {
+    pub fn from_parts(namespace: &str, res_type: &str, id: &str) -> Result<Resource, Error> {
         Resource::parse(&format!("{namespace}/{res_type}/{id}"))
     }
 

@@ -6,6 +6,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
+use crate::Error;
+
 /// `header` of a message.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Header {
@@ -42,17 +44,6 @@ pub struct Envelope {
     pub content: Box<RawValue>,
 }
 
-/// Why a payload cannot be read as a message.
-#[derive(Debug, thiserror::Error)]
-pub enum EnvelopeError {
-    #[error("payload is neither JSON nor UTF-8 text")]
-    NotText,
-    #[error("malformed JSON: {0}")]
-    Malformed(#[source] serde_json::Error),
-    #[error("invalid envelope: {0}")]
-    Invalid(#[source] serde_json::Error),
-}
-
 /// `t` as `YYYY-MM-DDTHH:MM:SSZ`, as Kubernetes and Go's `time.RFC3339` write UTC times.
 pub fn rfc3339(t: SystemTime) -> String {
     let t = time::OffsetDateTime::from(t);
@@ -79,8 +70,8 @@ pub fn null() -> Box<RawValue> {
     raw("null")
 }
 
-/// Wraps JSON text that is known to be valid.
-pub(crate) fn raw(json: &str) -> Box<RawValue> {
+/// Wraps JSON text that is known to be valid (it panics on anything else).
+pub fn raw(json: &str) -> Box<RawValue> {
     RawValue::from_string(json.to_owned()).expect("caller passes valid JSON")
 }
 
@@ -171,7 +162,7 @@ struct Probe<'a> {
 impl Envelope {
     /// Reads a payload: a JSON object with `header` and `route` is a full envelope; anything else
     /// is the content of a new message (invalid JSON becomes a JSON string, empty becomes `null`).
-    pub fn parse(payload: &[u8]) -> Result<Envelope, EnvelopeError> {
+    pub fn parse(payload: &[u8]) -> Result<Envelope, Error> {
         let content = match serde_json::from_slice::<Probe<'_>>(payload) {
             Ok(Probe {
                 header: Some(header),
@@ -187,7 +178,7 @@ impl Envelope {
                     content,
                 });
             }
-            Ok(_) => raw_json(payload).ok_or(EnvelopeError::NotText)?,
+            Ok(_) => raw_json(payload).ok_or(Error::NotText)?,
             Err(_) => bare_content(payload)?,
         };
         Ok(Envelope::new(Route::default(), content))
@@ -220,14 +211,14 @@ impl Envelope {
 }
 
 /// Deserializes a header or route, which must be a JSON object (serde would also take an array).
-fn object<T: serde::de::DeserializeOwned>(raw: &RawValue, what: &str) -> Result<T, EnvelopeError> {
+fn object<T: serde::de::DeserializeOwned>(raw: &RawValue, what: &str) -> Result<T, Error> {
     if !raw.get().starts_with('{') {
         let e = <serde_json::Error as serde::de::Error>::custom(format!(
             "{what} must be a JSON object"
         ));
-        return Err(EnvelopeError::Invalid(e));
+        return Err(Error::InvalidEnvelope(e));
     }
-    serde_json::from_str(raw.get()).map_err(EnvelopeError::Invalid)
+    serde_json::from_str(raw.get()).map_err(Error::InvalidEnvelope)
 }
 
 fn raw_json(payload: &[u8]) -> Option<Box<RawValue>> {
@@ -236,22 +227,22 @@ fn raw_json(payload: &[u8]) -> Option<Box<RawValue>> {
 }
 
 /// A payload that is not a JSON object with header and route.
-fn bare_content(payload: &[u8]) -> Result<Box<RawValue>, EnvelopeError> {
+fn bare_content(payload: &[u8]) -> Result<Box<RawValue>, Error> {
     if payload.iter().all(u8::is_ascii_whitespace) {
         return Ok(null());
     }
     if let Some(json) = raw_json(payload) {
         return Ok(json);
     }
-    let text = std::str::from_utf8(payload).map_err(|_| EnvelopeError::NotText)?;
+    let text = std::str::from_utf8(payload).map_err(|_| Error::NotText)?;
     if text.contains('\0') {
-        return Err(EnvelopeError::NotText);
+        return Err(Error::NotText);
     }
     // Text that opens like an object or array was meant as JSON: storing it as a string would
     // keep a truncated document and tell the sender "OK".
     if text.trim_start().starts_with(['{', '[']) {
         let error = serde_json::from_str::<&RawValue>(text).expect_err("it did not parse before");
-        return Err(EnvelopeError::Malformed(error));
+        return Err(Error::MalformedJson(error));
     }
     Ok(json_string(text))
 }
@@ -330,7 +321,7 @@ mod tests {
             "{'single':'quotes'}",
         ] {
             let err = Envelope::parse(payload.as_bytes()).unwrap_err();
-            assert!(matches!(err, EnvelopeError::Malformed(_)), "{payload}");
+            assert!(matches!(err, Error::MalformedJson(_)), "{payload}");
             assert!(err.to_string().starts_with("malformed JSON: "), "{err}");
         }
     }
@@ -339,7 +330,7 @@ mod tests {
     fn binary_garbage_is_refused() {
         for payload in [&[0xff, 0xfe, 0x00, 0x80][..], &[0xc3, 0x28], b"a\0b"] {
             assert!(
-                matches!(Envelope::parse(payload), Err(EnvelopeError::NotText)),
+                matches!(Envelope::parse(payload), Err(Error::NotText)),
                 "{payload:?}"
             );
         }
@@ -355,7 +346,7 @@ mod tests {
             r#"{"header":{},"route":{"source":7}}"#,
         ] {
             let err = Envelope::parse(payload.as_bytes()).unwrap_err();
-            assert!(matches!(err, EnvelopeError::Invalid(_)), "{payload}");
+            assert!(matches!(err, Error::InvalidEnvelope(_)), "{payload}");
             assert!(err.to_string().starts_with("invalid envelope: "));
         }
     }

@@ -2,12 +2,15 @@
 //! requests may carry the name level, everything the node publishes leaves it out.
 
 use crate::operation::Operation;
-use crate::resource::{InvalidResource, Resource};
+use crate::resource::Resource;
+use crate::Error;
 
 /// The module name the MetaManager uses as `<to>` and `<from>`.
 pub const META: &str = "meta";
 /// The module that stands for everything the cloud bridge carries up.
 pub const CLOUD: &str = "cloud";
+/// The module name of the edge agent, edged.
+pub const EDGED: &str = "edged";
 
 /// Cloud-side sources relayed by the bridge; their replies go to the `cloud` module.
 pub const CLOUD_SOURCES: [&str; 3] = ["edgecontroller", "funcmgr", "devicecontroller"];
@@ -21,8 +24,9 @@ pub fn reply_module(source: &str) -> &str {
     }
 }
 
-/// A `ke/meta/...` topic split into its parts; the operation and resource are checked later so
-/// that a bad one can still be answered on the sender's error topic.
+/// A topic addressed to a module (`ke/meta/...`, `ke/edged/...`) split into its parts; the
+/// operation and resource are checked later so that a bad one can still be answered on the
+/// sender's error topic.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InboundTopic<'a> {
     pub from: &'a str,
@@ -32,19 +36,27 @@ pub struct InboundTopic<'a> {
     pub resource: &'a str,
 }
 
-/// Why a topic cannot even be answered (no sender to reply to).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("topic {0:?} is not <root>/meta/<from>/<operation>/<namespace>/<type>[/<name>]")]
-pub struct UnaddressableTopic(pub String);
-
 impl<'a> InboundTopic<'a> {
     /// Splits a topic addressed to the MetaManager.
-    pub fn parse(root: &str, topic: &'a str) -> Result<InboundTopic<'a>, UnaddressableTopic> {
-        let bad = || UnaddressableTopic(topic.to_owned());
+    pub fn parse(root: &str, topic: &'a str) -> Result<InboundTopic<'a>, Error> {
+        InboundTopic::addressed_to(root, META, topic)
+    }
+
+    /// Splits a topic addressed to `module`; [`Error::UnaddressableTopic`] when it is not under
+    /// `<root>/<module>/` or names no sender (there is nobody to answer).
+    pub fn addressed_to(
+        root: &str,
+        module: &str,
+        topic: &'a str,
+    ) -> Result<InboundTopic<'a>, Error> {
+        let bad = || Error::UnaddressableTopic {
+            topic: topic.to_owned(),
+            module: module.to_owned(),
+        };
         let rest = topic
             .strip_prefix(root)
             .and_then(|t| t.strip_prefix('/'))
-            .and_then(|t| t.strip_prefix(META))
+            .and_then(|t| t.strip_prefix(module))
             .and_then(|t| t.strip_prefix('/'))
             .ok_or_else(bad)?;
         let mut parts = rest.splitn(3, '/');
@@ -63,7 +75,7 @@ impl<'a> InboundTopic<'a> {
         Operation::parse(self.operation)
     }
 
-    pub fn resource(&self) -> Result<Resource, InvalidResource> {
+    pub fn resource(&self) -> Result<Resource, Error> {
         Resource::parse(self.resource)
     }
 }
@@ -147,6 +159,29 @@ mod tests {
         ] {
             assert!(InboundTopic::parse("ke", topic).is_err(), "{topic}");
         }
+    }
+
+    #[test]
+    fn topics_to_other_modules_split_the_same_way() {
+        let t =
+            InboundTopic::addressed_to("ke", EDGED, "ke/edged/meta/response/default/pod").unwrap();
+        assert_eq!(
+            (t.from, t.operation, t.resource),
+            ("meta", "response", "default/pod")
+        );
+        assert!(
+            InboundTopic::addressed_to("ke", EDGED, "ke/meta/edged/query/default/pod").is_err()
+        );
+        let err = InboundTopic::addressed_to("ke", EDGED, "ke/edged").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            r#"topic "ke/edged" is not <root>/edged/<from>/<operation>/<namespace>/<type>[/<name>]"#
+        );
+        let err = InboundTopic::parse("ke", "ke/meta").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            r#"topic "ke/meta" is not <root>/meta/<from>/<operation>/<namespace>/<type>[/<name>]"#
+        );
     }
 
     #[test]
