@@ -81,6 +81,7 @@ async fn an_upward_stream_survives_ten_cloud_restarts_in_order_and_complete() {
         restarts_during_stream += usize::from(!producer.is_finished());
         cloud.stop();
         await_signal(&mut watcher, "cloud_disconnected", common::WAIT, &node).await;
+        // fault injection: the cloud stays away a while, so the node queues meanwhile.
         tokio::time::sleep(Duration::from_millis(100)).await;
         cloud.restart().await;
         await_signal(&mut watcher, "cloud_connected", common::WAIT, &node).await;
@@ -170,6 +171,8 @@ async fn cloud_messages_in_flight_at_a_kill_9_are_applied_once_after_restart() {
     let cloud = CloudBroker::start().await;
     let (mut node, bridge) = bridged(&cloud).await;
     let mut controller = cloud_client(&cloud, &bridge.up("meta/response/#")).await;
+    // Sees what the cloud broker routes to the node: then it is also queued for its session.
+    let mut spy = cloud_client(&cloud, &bridge.down("#")).await;
 
     // mosquitto drops what is published before the bridge's first SUBSCRIBE: repeat a harmless
     // insert until one is acknowledged, so the node's persistent session exists.
@@ -197,13 +200,19 @@ async fn cloud_messages_in_flight_at_a_kill_9_are_applied_once_after_restart() {
         let id = cloud_insert(&controller, &bridge, &resource, json!({"i": i})).await;
         want.insert(id, resource);
     }
+    // fault injection: the kill falls while the batch is on its way to, or inside, the node.
     tokio::time::sleep(Duration::from_millis(30)).await;
     node.kill9();
     // One published while the node is down: mosquitto queues it for the node's session.
     let resource = "default/configmap/while-down";
     let down_id = cloud_insert(&controller, &bridge, resource, json!({"data": {"k": "v"}})).await;
-    want.insert(down_id, resource.to_owned());
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    want.insert(down_id.clone(), resource.to_owned());
+    spy.expect_matching(
+        &bridge.down(&topic("edgecontroller/insert", resource)),
+        "the insert published while the node is down",
+        |m| m.msg_id() == down_id,
+    )
+    .await;
     node.restart().await;
 
     let deadline = Instant::now() + Duration::from_secs(60);

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::cloud::{bridged, cloud_client, cloud_insert};
 use common::{
-    envelope, forward_lines, send, shell_words, topic, unique_id, Client, CloudBroker, Node, WAIT,
+    envelope, send, shell_words, topic, unique_id, wait_until, Client, CloudBroker, Node, WAIT,
 };
 use serde_json::{json, Value};
 
@@ -84,6 +84,19 @@ impl Edged {
         std::fs::read_to_string(self.log_path()).unwrap_or_default()
     }
 
+    /// Waits (at most [`WAIT`]) until edged's log contains `needle`.
+    async fn await_log(&self, needle: &str) {
+        wait_until(format_args!("{needle:?} in edged's log"), WAIT, || {
+            let log = self.log();
+            std::future::ready(if log.contains(needle) {
+                Ok(())
+            } else {
+                Err(log)
+            })
+        })
+        .await;
+    }
+
     /// `<root_dir>/pods/<namespace>_<name>`.
     fn pod_dir(&self, name: &str) -> PathBuf {
         self.dir
@@ -113,13 +126,10 @@ impl Edged {
             .args(["-TERM", &child.id().to_string()])
             .status()
             .expect("kill");
-        while child.try_wait().expect("wait").is_none() {
-            assert!(
-                started.elapsed() < WAIT,
-                "edged ignored SIGTERM:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(10));
+        if common::exit_within(&mut child, WAIT).is_none() {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("edged ignored SIGTERM:\n{}", self.log());
         }
         started.elapsed()
     }
@@ -211,20 +221,32 @@ fn container(status: &Value) -> &Value {
 
 /// Waits until `path` exists and holds text; returns it.
 async fn await_file(path: &Path) -> String {
-    let started = Instant::now();
-    loop {
-        if let Ok(text) = std::fs::read_to_string(path) {
-            if !text.trim().is_empty() {
-                return text;
-            }
-        }
-        assert!(
-            started.elapsed() < STATUS_WAIT,
-            "{} never written",
-            path.display()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until(
+        format_args!("{} written", path.display()),
+        STATUS_WAIT,
+        || {
+            let text = std::fs::read_to_string(path).unwrap_or_default();
+            std::future::ready((!text.trim().is_empty()).then_some(text))
+        },
+    )
+    .await
+}
+
+/// Waits (at most `limit`) until `path` holds `wanted` (`count` times at least).
+async fn await_text(path: &Path, wanted: &str, count: usize, limit: Duration) {
+    wait_until(
+        format_args!("{wanted:?} ×{count} in {}", path.display()),
+        limit,
+        || {
+            let text = std::fs::read_to_string(path).unwrap_or_default();
+            std::future::ready(if text.matches(wanted).count() >= count {
+                Ok(())
+            } else {
+                Err(text)
+            })
+        },
+    )
+    .await;
 }
 
 fn alive(pid: u32) -> bool {
@@ -233,13 +255,10 @@ fn alive(pid: u32) -> bool {
 
 async fn await_dead(pid: u32, limit: Duration) -> Duration {
     let started = Instant::now();
-    while alive(pid) {
-        assert!(
-            started.elapsed() < limit,
-            "process {pid} still alive after {limit:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until(format_args!("process {pid} gone"), limit, || {
+        std::future::ready(!alive(pid))
+    })
+    .await;
     started.elapsed()
 }
 
@@ -309,15 +328,8 @@ async fn a_pod_from_the_cloud_runs_with_its_config_and_reports_running_to_the_cl
     );
     let pid = read_pid(&await_file(&marks.path().join("web.pid")).await);
     let log_path = edged.pod_dir("web").join("logs/main.log");
-    let log = await_file(&log_path).await;
-    let started = Instant::now();
-    while !std::fs::read_to_string(&log_path)
-        .unwrap_or_default()
-        .contains("/work")
-    {
-        assert!(started.elapsed() < WAIT, "log: {log}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    await_file(&log_path).await;
+    await_text(&log_path, "/work", 1, WAIT).await;
     let log = std::fs::read_to_string(&log_path).expect("log");
     assert!(log.contains("MODE=eco LEVEL=3 PW=hunter2"), "{log}");
     assert!(log.contains("eco\nhunter2\n"), "{log}");
@@ -374,13 +386,15 @@ async fn a_crashing_container_restarts_with_back_off_and_its_restart_count_reach
             .map(|l| l.trim().parse().expect("nanoseconds"))
             .collect()
     };
-    let deadline = Instant::now() + WAIT;
-    let mut starts = read_starts();
-    while starts.len() < 4 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        starts = read_starts();
-    }
-    assert!(starts.len() >= 4, "{starts:?}");
+    let starts = wait_until("four starts recorded", WAIT, || {
+        let starts = read_starts();
+        std::future::ready(if starts.len() >= 4 {
+            Ok(starts)
+        } else {
+            Err(format!("{starts:?}"))
+        })
+    })
+    .await;
     let gaps: Vec<u128> = starts
         .windows(2)
         .map(|w| (w[1] - w[0]) / 1_000_000)
@@ -476,11 +490,11 @@ async fn bad_pods_get_a_reason_and_edged_keeps_running() {
 #[tokio::test]
 async fn csi_volume_calls_are_refused_at_once() {
     let node = Node::start().await;
-    let _edged = Edged::start(&node, &[]);
+    let edged = Edged::start(&node, &[]);
     let mut cloud_side = node.client().await;
     cloud_side.subscribe("ke/cloud/#").await;
-    // edged is subscribed once it has listed its pods; give it that moment.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // edged is subscribed once it has listed its pods.
+    edged.await_log("pod list synced").await;
     for operation in [
         "createvolume",
         "deletevolume",
@@ -713,48 +727,49 @@ async fn the_readme_edged_walkthrough_works_verbatim() {
         })
         .collect();
     assert!(commands.len() >= 7, "{commands:?}");
-    let port = common::free_port();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let address = format!("127.0.0.1:{port}");
-    // Each test node's health listener on its own port, so tests can run in parallel.
-    let observe = format!("127.0.0.1:{}", common::free_port());
+    // The node as the README runs it: the embedded default configuration in its own directory,
+    // its ports (free ones, so tests can run in parallel) moved through the environment.
+    let mut node: Option<Node> = None;
     let mut spawned = Spawned(Vec::new());
     let (lines_tx, mut lines) = tokio::sync::mpsc::unbounded_channel::<String>();
     let mut pod_log = None;
     for command in &commands {
         let words = shell_words(command);
-        if let Some(args) = command.strip_prefix("cargo run --release -- ") {
-            let log = std::fs::File::create(dir.path().join(format!("{args}.log"))).expect("log");
+        let cargo_run = command.strip_prefix("cargo run --release -- ");
+        if cargo_run == Some("run") {
+            let started = Node::start_with(common::Options {
+                embedded_config: true,
+                ..common::Options::default()
+            })
+            .await;
+            node = Some(started);
+        } else if let Some(args) = cargo_run {
+            // edged, with the node's environment in the node's directory.
+            let node = node.as_ref().expect("the node runs first");
+            let log = std::fs::File::create(node.dir().join(format!("{args}.log"))).expect("log");
             let child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
                 .args(args.split(' '))
-                .env("EDGEMETA_METASERVER__ADDRESS", "127.0.0.1:0")
-                .env("EDGEMETA_BROKER__LISTENERS__MQTT__ADDRESS", &address)
-                .env("EDGEMETA_OBSERVE__ADDRESS", &observe)
+                .envs(node.env())
                 .env_remove("RUST_LOG")
-                .current_dir(dir.path())
+                .current_dir(node.dir())
                 .stdin(Stdio::null())
                 .stdout(log.try_clone().expect("log"))
                 .stderr(log)
                 .spawn()
                 .expect("start edgemeta");
             spawned.0.push(child);
-            if args == "run" {
-                let started = Instant::now();
-                while std::net::TcpStream::connect(&address).is_err() {
-                    assert!(started.elapsed() < WAIT, "the node is not serving");
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-            }
         } else if words[0] == "mosquitto_sub" {
-            let mut child = Command::new("mosquitto_sub")
-                .args(["-p", &port.to_string()])
-                .args(&words[1..])
-                .stdout(Stdio::piped())
-                .spawn()
-                .expect("mosquitto_sub");
-            forward_lines(&mut child, lines_tx.clone());
+            let port = node.as_ref().expect("the node runs first").port.to_string();
+            let mut args = vec!["-p", port.as_str()];
+            args.extend(words[1..].iter().map(String::as_str));
+            let (child, mut printed) = common::MosquittoSub::start(&args).await.split();
+            let forward = lines_tx.clone();
+            tokio::spawn(async move {
+                while let Some(line) = printed.recv().await {
+                    let _ = forward.send(line);
+                }
+            });
             spawned.0.insert(0, child);
-            tokio::time::sleep(Duration::from_millis(300)).await;
         } else if words[0] == "mosquitto_pub" {
             if command.contains("/delete/") {
                 // The pod must be running before it is deleted.
@@ -773,6 +788,7 @@ async fn the_readme_edged_walkthrough_works_verbatim() {
                     }
                 }
             }
+            let port = node.as_ref().expect("the node runs first").port;
             let ok = Command::new("mosquitto_pub")
                 .args(["-p", &port.to_string()])
                 .args(&words[1..])
@@ -781,21 +797,12 @@ async fn the_readme_edged_walkthrough_works_verbatim() {
                 .success();
             assert!(ok, "{command}");
         } else if words[0] == "cat" {
-            let path = dir.path().join(&words[1]);
-            let started = Instant::now();
-            while std::fs::read_to_string(&path)
-                .unwrap_or_default()
-                .matches("hello from the edge")
-                .count()
-                < 2
-            {
-                assert!(
-                    started.elapsed() < STATUS_WAIT,
-                    "{} never said hello twice",
-                    path.display()
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            let path = node
+                .as_ref()
+                .expect("the node runs first")
+                .dir()
+                .join(&words[1]);
+            await_text(&path, "hello from the edge", 2, STATUS_WAIT).await;
             pod_log = Some(path);
         }
     }
@@ -806,14 +813,10 @@ async fn the_readme_edged_walkthrough_works_verbatim() {
         .and_then(Path::parent)
         .map(Path::to_path_buf)
         .expect("pod dir");
-    let started = Instant::now();
-    while pod_dir.join("main.pid").exists() {
-        assert!(
-            started.elapsed() < WAIT,
-            "the pod still runs after its delete"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until("the pod's pid file gone after its delete", WAIT, || {
+        std::future::ready(!pod_dir.join("main.pid").exists())
+    })
+    .await;
 }
 
 #[tokio::test]
@@ -843,11 +846,7 @@ async fn with_the_acl_on_edged_works_as_the_module_edged_and_a_wrong_password_on
         phase(s) == "Running"
     })
     .await;
-    let started = Instant::now();
-    while !intruder.log().contains("EM-EDGED-CONNECT") {
-        assert!(started.elapsed() < WAIT, "{}", intruder.log());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    intruder.await_log("EM-EDGED-CONNECT").await;
     assert!(intruder.is_running(), "a refused login stopped edged");
 }
 
@@ -929,14 +928,11 @@ async fn a_configmap_update_rewrites_the_volume_files_of_a_running_pod() {
         json!({"metadata": {"name": "tune"}, "data": {"mode": "turbo"}}),
     )
     .await;
-    let started = Instant::now();
-    while std::fs::read_to_string(&file).unwrap_or_default() != "turbo" {
-        assert!(
-            started.elapsed() < WAIT,
-            "the volume file was not rewritten"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until("the volume file rewritten", WAIT, || {
+        let now = std::fs::read_to_string(&file).unwrap_or_default();
+        std::future::ready(if now == "turbo" { Ok(()) } else { Err(now) })
+    })
+    .await;
     assert!(alive(pid), "the pod was restarted for a configmap change");
 }
 
@@ -984,6 +980,8 @@ async fn an_http_readiness_probe_gates_ready_on_the_status_code() {
     let port = listener.local_addr().expect("address").port();
     let healthy = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let flag = healthy.clone();
+    let refusals = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let refused = refusals.clone();
     let server = tokio::spawn(async move {
         use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
         loop {
@@ -998,6 +996,7 @@ async fn an_http_readiness_probe_gates_ready_on_the_status_code() {
             } else if flag.load(std::sync::atomic::Ordering::SeqCst) {
                 200
             } else {
+                refused.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 503
             };
             let _ = socket
@@ -1023,7 +1022,11 @@ async fn an_http_readiness_probe_gates_ready_on_the_status_code() {
     let prefix = "ke/meta/edged/update";
     let s = await_status(&mut watcher, prefix, "web", |s| phase(s) == "Running").await;
     assert_eq!(container(&s)["ready"], false, "{s}");
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Not ready while the probe is refused, more than once.
+    wait_until("two refused readiness probes", WAIT, || {
+        std::future::ready(refusals.load(std::sync::atomic::Ordering::SeqCst) >= 2)
+    })
+    .await;
     healthy.store(true, std::sync::atomic::Ordering::SeqCst);
     let s = await_status(&mut watcher, prefix, "web", |s| {
         container(s)["ready"] == true

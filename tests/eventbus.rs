@@ -9,7 +9,9 @@ use std::collections::HashSet;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::cloud::{await_empty_outbox, await_signal, bridged, cloud_client, tail, CONNECTION};
+use common::cloud::{
+    await_empty_outbox, await_outbox, await_signal, bridged, cloud_client, tail, CONNECTION,
+};
 use common::{
     forward_lines, mosquitto_pub, unique_id, Client, CloudBroker, Msg, Node, QUIET, WAIT,
 };
@@ -24,20 +26,6 @@ async fn alarms(app: &Client, range: std::ops::Range<usize>) {
     for seq in range {
         app.publish(ALARM, json!({"level": "high", "seq": seq}).to_string())
             .await;
-    }
-}
-
-/// Waits until the outbox holds `len` entries: what the node acknowledged is stored.
-async fn await_outbox(node: &Node, len: i64) {
-    let deadline = Instant::now() + WAIT;
-    while node.outbox_len().await != len {
-        assert!(
-            Instant::now() < deadline,
-            "outbox never held {len}: {} now; node log:\n{}",
-            node.outbox_len().await,
-            tail(&node.log(), 40)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -72,7 +60,8 @@ async fn user_topics_reach_the_cloud_in_order_across_an_outage_with_nothing_lost
     cloud.stop();
     await_signal(&mut watcher, "cloud_disconnected", WAIT, &node).await;
     alarms(&app, BEFORE..BEFORE + DURING).await;
-    await_outbox(&node, DURING as i64).await;
+    // What the node acknowledged is stored.
+    await_outbox(&node, DURING as i64, WAIT).await;
     cloud.restart().await;
     await_signal(&mut watcher, "cloud_connected", WAIT, &node).await;
     alarms(&app, BEFORE + DURING..TOTAL).await;

@@ -81,14 +81,8 @@ async fn the_local_relay_delivers_every_cloud_message_once_in_order_and_empties_
         "answers on ke/cloud: missing, repeated or out of order"
     );
 
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while node.outbox_len().await > 0 {
-        assert!(
-            Instant::now() < deadline,
-            "outbox not emptied after delivery"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    // The outbox is emptied after delivery.
+    common::cloud::await_empty_outbox(&node, Duration::from_secs(10)).await;
     node.terminate();
     node.restart().await;
     let mut watcher = node.client().await;

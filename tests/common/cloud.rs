@@ -8,8 +8,8 @@ use serde_json::{json, Value};
 use tokio::task::JoinHandle;
 
 use super::{
-    envelope, free_port, send, topic, unique_id, Client, CloudBroker, CloudOptions, Msg, Node,
-    Options, WAIT,
+    envelope, free_port, send, topic, unique_id, wait_until, Client, CloudBroker, CloudOptions,
+    Msg, Node, Options,
 };
 
 /// Where the cloud bridge announces its session state on the local broker.
@@ -120,6 +120,7 @@ pub fn spawn_status_stream(
             ids.insert(id);
             if let Some((every, pause)) = pace {
                 if seq % every == every - 1 {
+                    // pacing: the stream is spread out so that cloud restarts fall inside it.
                     tokio::time::sleep(pause).await;
                 }
             }
@@ -237,32 +238,32 @@ fn assert_ordered_per_resource(received: &[Msg]) -> usize {
 
 /// Waits until the node's outbox is empty (everything acknowledged by the cloud was deleted).
 pub async fn await_empty_outbox(node: &Node, limit: Duration) {
-    let deadline = Instant::now() + limit;
-    loop {
-        let len = node.outbox_len().await;
-        if len == 0 {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{len} entries still in the outbox after {limit:?}; node log:\n{}",
-            tail(&node.log(), 40)
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    await_outbox(node, 0, limit).await;
 }
 
-/// Waits (at most [`WAIT`]) until the node's log contains `needle`, e.g. an event code.
+/// Waits until the node's outbox holds `len` entries.
+pub async fn await_outbox(node: &Node, len: i64, limit: Duration) {
+    wait_until(
+        format_args!("{len} entries in the outbox"),
+        limit,
+        || async {
+            let now = node.outbox_len().await;
+            if now == len {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{now} entries; node log:\n{}",
+                    tail(&node.log(), 40)
+                ))
+            }
+        },
+    )
+    .await;
+}
+
+/// Waits (at most [`super::WAIT`]) until the node's log contains `needle`, e.g. an event code.
 pub async fn await_log(node: &Node, needle: &str) {
-    let deadline = Instant::now() + WAIT;
-    while !node.log().contains(needle) {
-        assert!(
-            Instant::now() < deadline,
-            "{needle} not logged within {WAIT:?}:\n{}",
-            node.log()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    node.await_log(needle).await;
 }
 
 /// Queries `resource` as edged and returns the documents in the answer, sorted, failing unless
