@@ -9,7 +9,7 @@ use common::cloud::{
     cut_off_node, expect_applied, expect_delivered, local_query, next_signal, spawn_status_stream,
     stream_finished, tail, CONNECTION,
 };
-use common::{topic, CloudBroker, Msg, Options};
+use common::{topic, wait_until, CloudBroker, Msg, Options};
 use serde_json::json;
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -176,22 +176,23 @@ async fn cloud_messages_in_flight_at_a_kill_9_are_applied_once_after_restart() {
 
     // mosquitto drops what is published before the bridge's first SUBSCRIBE: repeat a harmless
     // insert until one is acknowledged, so the node's persistent session exists.
-    let deadline = Instant::now() + common::WAIT;
     let mut warm_ids = HashSet::new();
-    'warm: loop {
-        assert!(
-            Instant::now() < deadline,
-            "the bridge never subscribed to its down topics; node log:\n{}",
-            tail(&node.log(), 40)
-        );
-        warm_ids.insert(cloud_insert(&controller, &bridge, "default/pod/warm", json!({})).await);
-        for m in controller.drain(Duration::from_millis(500)).await {
-            if m.parent_id().is_some_and(|p| warm_ids.contains(&p)) {
-                assert_eq!(m.content(), json!("OK"));
-                break 'warm;
+    wait_until(
+        "the bridge subscribed to its down topics (a warm-up insert acknowledged)",
+        common::WAIT,
+        async || {
+            warm_ids
+                .insert(cloud_insert(&controller, &bridge, "default/pod/warm", json!({})).await);
+            for m in controller.drain(Duration::from_millis(500)).await {
+                if m.parent_id().is_some_and(|p| warm_ids.contains(&p)) {
+                    assert_eq!(m.content(), json!("OK"));
+                    return Ok(());
+                }
             }
-        }
-    }
+            Err(format!("node log:\n{}", tail(&node.log(), 40)))
+        },
+    )
+    .await;
 
     // A batch published just before the kill: some are in flight to, or inside, the node.
     let mut want: HashMap<String, String> = HashMap::new();
@@ -215,36 +216,39 @@ async fn cloud_messages_in_flight_at_a_kill_9_are_applied_once_after_restart() {
     .await;
     node.restart().await;
 
-    let deadline = Instant::now() + Duration::from_secs(60);
     let mut oks: HashSet<String> = HashSet::new();
-    loop {
-        for m in controller.drain(Duration::from_millis(300)).await {
-            if m.content() == json!("OK") {
-                let parent = m.parent_id().expect("ack names its request");
-                if let Some(resource) = want.get(&parent) {
-                    assert_eq!(m.topic, topic(&bridge.up("meta/response"), resource));
-                    assert_eq!(&m.resource(), resource);
+    wait_until(
+        "every cloud insert acknowledged",
+        Duration::from_secs(60),
+        async || {
+            for m in controller.drain(Duration::from_millis(300)).await {
+                if m.content() == json!("OK") {
+                    let parent = m.parent_id().expect("ack names its request");
+                    if let Some(resource) = want.get(&parent) {
+                        assert_eq!(m.topic, topic(&bridge.up("meta/response"), resource));
+                        assert_eq!(&m.resource(), resource);
+                    }
+                    oks.insert(parent);
                 }
-                oks.insert(parent);
             }
-        }
-        let missing: Vec<&String> = want.keys().filter(|id| !oks.contains(*id)).collect();
-        if missing.is_empty() {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{} of {} cloud inserts never acked (e.g. {:?}); node log:\n{}",
-            missing.len(),
-            want.len(),
-            missing
-                .iter()
-                .take(3)
-                .map(|id| &want[*id])
-                .collect::<Vec<_>>(),
-            tail(&node.log(), 60)
-        );
-    }
+            let missing: Vec<&String> = want.keys().filter(|id| !oks.contains(*id)).collect();
+            if missing.is_empty() {
+                return Ok(());
+            }
+            Err(format!(
+                "{} of {} never acked (e.g. {:?}); node log:\n{}",
+                missing.len(),
+                want.len(),
+                missing
+                    .iter()
+                    .take(3)
+                    .map(|id| &want[*id])
+                    .collect::<Vec<_>>(),
+                tail(&node.log(), 60)
+            ))
+        },
+    )
+    .await;
     assert_eq!(
         node.stored(resource).await.as_deref(),
         Some(r#"{"data":{"k":"v"}}"#)

@@ -803,24 +803,31 @@ async fn reports_made_while_the_cloud_is_away_are_answered_at_once_and_reach_it_
     cloud.restart().await;
     let reports = bridge.up("twin/update/_/devicetwin");
     let detail = bridge.up("twin/query/node/membershipdetail");
-    let deadline = Instant::now() + Duration::from_secs(30);
     let mut first_seen: Vec<(String, Value)> = Vec::new();
     let mut detail_request = None;
-    while first_seen.len() < 3 || detail_request.is_none() {
-        assert!(
-            Instant::now() < deadline,
-            "reports {first_seen:?}, detail request {detail_request:?} after 30 s; node log:\n{}",
-            tail(&node.log(), 40)
-        );
-        for m in up.drain(Duration::from_millis(250)).await {
-            if m.topic == reports && !first_seen.iter().any(|(id, _)| *id == m.msg_id()) {
-                assert_eq!(m.resource(), "_/devicetwin/thermo-1");
-                first_seen.push((m.msg_id(), m.content()["twin"]["temperature"].clone()));
-            } else if m.topic == detail {
-                detail_request = Some(m);
+    wait_until(
+        "three reports and the detail request in the cloud",
+        Duration::from_secs(30),
+        async || {
+            for m in up.drain(Duration::from_millis(250)).await {
+                if m.topic == reports && !first_seen.iter().any(|(id, _)| *id == m.msg_id()) {
+                    assert_eq!(m.resource(), "_/devicetwin/thermo-1");
+                    first_seen.push((m.msg_id(), m.content()["twin"]["temperature"].clone()));
+                } else if m.topic == detail {
+                    detail_request = Some(m);
+                }
             }
-        }
-    }
+            if first_seen.len() >= 3 && detail_request.is_some() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "reports {first_seen:?}, detail request {detail_request:?}; node log:\n{}",
+                    tail(&node.log(), 40)
+                ))
+            }
+        },
+    )
+    .await;
     let values: Vec<&Value> = first_seen
         .iter()
         .map(|(_, t)| &t["actual"]["value"])
@@ -1432,19 +1439,19 @@ async fn the_readme_mapper_walkthrough_works_verbatim() {
                 // Subscribed once it prints a probe on its last filter (`twin/+/+`: not a topic
                 // the node uses; `…/#`: a level below).
                 let probe = probe_topic(args.last().expect("a filter"));
-                let deadline = Instant::now() + WAIT;
-                'subscribed: loop {
-                    assert!(Instant::now() < deadline, "`{command}` never subscribed");
+                wait_until(format_args!("`{command}` subscribed"), WAIT, async || {
                     prober.publish(&probe, "{}").await;
                     while let Ok(Some(line)) =
                         tokio::time::timeout(Duration::from_millis(200), lines.recv()).await
                     {
                         if line.starts_with(&format!("{probe} ")) {
-                            break 'subscribed;
+                            return true;
                         }
                         seen.push(line);
                     }
-                }
+                    false
+                })
+                .await;
             }
             "mosquitto_pub" => {
                 let out = Command::new("mosquitto_pub")

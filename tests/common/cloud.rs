@@ -177,26 +177,29 @@ pub async fn expect_delivered(
     into: &mut Vec<Msg>,
     node: &Node,
 ) -> usize {
-    let deadline = Instant::now() + limit;
     let mut seen: HashSet<String> = into.iter().map(Msg::msg_id).collect();
-    loop {
-        let missing = want.iter().filter(|id| !seen.contains(*id)).count();
-        if missing == 0 {
-            return assert_ordered_per_resource(into);
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{missing} of {} messages never reached the cloud within {limit:?}; {} entries in \
-             the outbox; node log:\n{}",
-            want.len(),
-            node.outbox_len().await,
-            tail(&node.log(), 60)
-        );
-        for m in cloud_side.drain(Duration::from_millis(250)).await {
-            seen.insert(m.msg_id());
-            into.push(m);
-        }
-    }
+    wait_until(
+        format_args!("all {} messages in the cloud", want.len()),
+        limit,
+        async || {
+            let missing = want.iter().filter(|id| !seen.contains(*id)).count();
+            if missing == 0 {
+                return Ok(());
+            }
+            let report = format!(
+                "{missing} missing; {} entries in the outbox; node log:\n{}",
+                node.outbox_len().await,
+                tail(&node.log(), 60)
+            );
+            for m in cloud_side.drain(Duration::from_millis(250)).await {
+                seen.insert(m.msg_id());
+                into.push(m);
+            }
+            Err(report)
+        },
+    )
+    .await;
+    assert_ordered_per_resource(into)
 }
 
 /// Per resource, the first delivery of each message carries a larger `seq` than the previous

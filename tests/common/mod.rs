@@ -1091,7 +1091,8 @@ pub async fn sub_output(sub: MosquittoSub) -> Vec<String> {
 }
 
 /// A running `mosquitto_sub` whose subscription is in place: it runs with `-d`, whose
-/// `Subscribed (mid: …)` line follows the SUBACK; the debug lines are left out of its output.
+/// `Subscribed (mid: …)` line follows the SUBACK, and line-buffered; the debug lines are left
+/// out of its output.
 pub struct MosquittoSub {
     child: Option<Child>,
     lines: mpsc::UnboundedReceiver<String>,
@@ -1100,8 +1101,10 @@ pub struct MosquittoSub {
 impl MosquittoSub {
     /// Starts `mosquitto_sub -d <args>` and waits (at most [`WAIT`]) for its SUBACK.
     pub async fn start(args: &[&str]) -> MosquittoSub {
-        let mut child = Command::new("mosquitto_sub")
-            .arg("-d")
+        // `stdbuf -oL`: line-buffered, so `-d`'s lines arrive as printed (stdbuf execs
+        // mosquitto_sub: the pid is its own).
+        let mut child = Command::new("stdbuf")
+            .args(["-oL", "mosquitto_sub", "-d"])
             .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
