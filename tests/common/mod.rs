@@ -1011,8 +1011,8 @@ async fn drive(
                 let _ = acks.send(s.pkid);
             }
             Ok(_) => {}
-            // pacing: the node may be restarting; rumqttc reconnects on the next poll, and this
-            // keeps it from spinning meanwhile.
+            // The node may be restarting; rumqttc reconnects on the next poll.
+            // pacing: no tight reconnect loop while the node is down.
             Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
         }
     }
