@@ -3,11 +3,12 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::cloud::{bridged, cloud_client, cloud_insert};
+use common::edged::Edged;
 use common::{
     envelope, send, shell_words, topic, unique_id, wait_until, Client, CloudBroker, Node, WAIT,
 };
@@ -15,139 +16,6 @@ use serde_json::{json, Value};
 
 /// Pod statuses may take a few restarts and the rate limit to arrive.
 const STATUS_WAIT: Duration = Duration::from_secs(20);
-
-/// A running `edgemeta edged` with its own directory, aimed at `node`.
-struct Edged {
-    child: Option<Child>,
-    dir: tempfile::TempDir,
-}
-
-impl Edged {
-    /// Starts edged with quick timings, `overrides` replacing keys of the `edged:` section.
-    fn start(node: &Node, overrides: &[(&str, &str)]) -> Edged {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let root = dir.path().join("root").display().to_string();
-        let client_id = unique_id("edged");
-        let mut keys: Vec<(&str, &str)> = vec![
-            ("client_id", &client_id),
-            ("root_dir", &root),
-            ("status_interval_ms", "100"),
-            ("restart_backoff_base_ms", "300"),
-            ("restart_backoff_max_ms", "2000"),
-            ("reconnect_min_ms", "50"),
-            ("reconnect_max_ms", "500"),
-            ("query_timeout_ms", "5000"),
-        ];
-        for (key, value) in overrides {
-            match keys.iter_mut().find(|(k, _)| k == key) {
-                Some(slot) => slot.1 = value,
-                None => keys.push((key, value)),
-            }
-        }
-        let section: String = keys.iter().map(|(k, v)| format!("  {k}: {v}\n")).collect();
-        let yaml = format!(
-            "log:\n  level: info,rumqttd=off\n\
-             broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\n\
-             edged:\n{section}",
-            port = node.port,
-        );
-        std::fs::write(dir.path().join("edged.yaml"), yaml).expect("edged config");
-        let mut edged = Edged { child: None, dir };
-        edged.spawn();
-        edged
-    }
-
-    fn spawn(&mut self) {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.log_path())
-            .expect("log");
-        let child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
-            .arg("edged")
-            .arg("--config")
-            .arg(self.dir.path().join("edged.yaml"))
-            .env_remove("RUST_LOG")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .expect("start edgemeta edged");
-        self.child = Some(child);
-    }
-
-    fn log_path(&self) -> PathBuf {
-        self.dir.path().join("edged.log")
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.log_path()).unwrap_or_default()
-    }
-
-    /// Waits (at most [`WAIT`]) until edged's log contains `needle`.
-    async fn await_log(&self, needle: &str) {
-        wait_until(format_args!("{needle:?} in edged's log"), WAIT, || {
-            let log = self.log();
-            std::future::ready(if log.contains(needle) {
-                Ok(())
-            } else {
-                Err(log)
-            })
-        })
-        .await;
-    }
-
-    /// `<root_dir>/pods/<namespace>_<name>`.
-    fn pod_dir(&self, name: &str) -> PathBuf {
-        self.dir
-            .path()
-            .join("root/pods")
-            .join(format!("default_{name}"))
-    }
-
-    fn kill9(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    fn is_running(&mut self) -> bool {
-        self.child
-            .as_mut()
-            .is_some_and(|c| c.try_wait().ok().flatten().is_none())
-    }
-
-    /// SIGTERM; returns how long edged took to stop its pods and exit.
-    fn terminate(&mut self) -> Duration {
-        let mut child = self.child.take().expect("edged runs");
-        let started = Instant::now();
-        Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status()
-            .expect("kill");
-        if common::exit_within(&mut child, WAIT).is_none() {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("edged ignored SIGTERM:\n{}", self.log());
-        }
-        started.elapsed()
-    }
-}
-
-/// Stops `child` the way an operator would (see [`common::terminate_child`]).
-fn terminate(child: &mut Child) {
-    common::terminate_child(child);
-}
-
-impl Drop for Edged {
-    fn drop(&mut self) {
-        // Its pods are process groups of their own: stop them the way edged does at shutdown.
-        if let Some(mut child) = self.child.take() {
-            terminate(&mut child);
-        }
-    }
-}
 
 /// A pod running `script` under `sh -c`, with `spec` merged into its spec.
 fn pod(name: &str, script: &str, spec: Value) -> Value {
@@ -703,7 +571,7 @@ struct Spawned(Vec<Child>);
 impl Drop for Spawned {
     fn drop(&mut self) {
         for child in self.0.iter_mut().rev() {
-            terminate(child);
+            common::terminate_child(child);
         }
     }
 }

@@ -9,6 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::cloud::bridged;
+use common::edged::Edged;
 use common::{envelope, unique_id, wait_until, Client, CloudBroker, CloudOptions, Node};
 use edgemeta_fakeapi::FakeApi;
 use k8s_openapi::api::core::v1::{ConfigMap, Node as KubeNode, Pod, Secret};
@@ -172,62 +173,11 @@ impl Drop for Controller {
     }
 }
 
-/// A running `edgemeta edged` for `node`.
-struct Edged {
-    child: Option<Child>,
-    dir: tempfile::TempDir,
-}
-
-impl Edged {
-    fn start(node: &Node) -> Edged {
-        let dir = tempfile::tempdir().expect("dir");
-        let yaml = format!(
-            "log:\n  level: info,rumqttd=off\n\
-             broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\n\
-             edged:\n  client_id: {id}\n  root_dir: {root}\n  status_interval_ms: 100\n  \
-             reconnect_min_ms: 50\n  reconnect_max_ms: 500\n  query_timeout_ms: 5000\n",
-            port = node.port,
-            id = unique_id("edged"),
-            root = dir.path().join("root").display(),
-        );
-        std::fs::write(dir.path().join("edged.yaml"), yaml).expect("config");
-        let log = std::fs::File::create(dir.path().join("edged.log")).expect("log");
-        let child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
-            .arg("edged")
-            .arg("--config")
-            .arg(dir.path().join("edged.yaml"))
-            .env_remove("RUST_LOG")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .expect("start edgemeta edged");
-        Edged {
-            child: Some(child),
-            dir,
-        }
-    }
-
-    fn pod_dir(&self, name: &str) -> PathBuf {
-        self.dir
-            .path()
-            .join("root/pods")
-            .join(format!("default_{name}"))
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("edged.log")).unwrap_or_default()
-    }
-}
-
-impl Drop for Edged {
-    fn drop(&mut self) {
-        // SIGTERM: edged stops its pods' process groups before it exits.
-        if let Some(mut child) = self.child.take() {
-            common::terminate_child(&mut child);
-        }
-    }
-}
+/// edged's timings here: the harness's quick ones, but kubelet's restart back-off.
+const EDGED: [(&str, &str); 2] = [
+    ("restart_backoff_base_ms", "10000"),
+    ("restart_backoff_max_ms", "300000"),
+];
 
 /// Everything of one test: cluster, cloud broker, controller, one bridged node, edged.
 struct Rig {
@@ -246,7 +196,7 @@ impl Rig {
         let controller = Controller::start(&cluster, &cloud);
         let (node, bridge) = bridged(&cloud).await;
         cluster.edge_node(&bridge.node_id).await;
-        let edged = Edged::start(&node);
+        let edged = Edged::start(&node, &EDGED);
         Rig {
             cluster,
             cloud,
@@ -586,7 +536,7 @@ async fn the_standby_replica_takes_over_when_the_leader_is_killed() {
     await_log(&standby, "waiting for the lease").await;
     let (node, bridge) = bridged(&cloud).await;
     cluster.edge_node(&bridge.node_id).await;
-    let edged = Edged::start(&node);
+    let edged = Edged::start(&node, &EDGED);
     let mut rig = Rig {
         cluster,
         cloud,

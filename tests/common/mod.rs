@@ -3,6 +3,7 @@
 #![allow(dead_code)] // each test file uses a different part of the harness
 
 pub mod cloud;
+pub mod edged;
 pub mod pki;
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
