@@ -60,7 +60,8 @@ impl<T, E: std::fmt::Display> Check for Result<T, E> {
 }
 
 /// Polls `check` until it holds and returns what it found; panics naming `what` (and the last
-/// state `check` reported) once `limit` has passed. Every wait of the tests goes through here.
+/// state `check` reported) once `limit` has passed. The tests' one polling wait: a test waits
+/// for something it can observe (a row, a log line, a metric, a file, a port), never a fixed time.
 pub async fn wait_until<C: Check>(
     what: impl std::fmt::Display,
     limit: Duration,
