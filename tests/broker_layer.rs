@@ -6,9 +6,9 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{unique_id, Client, Node, Options, WAIT};
+use common::{unique_id, wait_until, Client, Node, Options, WAIT};
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use serde_json::{json, Value};
 
@@ -76,14 +76,10 @@ async fn a_311_client_with_keep_alive_0_is_accepted_and_served() {
     packet.extend(publish);
     stream.write_all(&packet).expect("PUBLISH");
     assert_eq!(read_packet(&mut stream), [0x40, 0x02, 0x00, 0x01], "PUBACK");
-    let deadline = Instant::now() + WAIT;
-    while node.stored("default/configmap/ka0").await.is_none() {
-        assert!(
-            Instant::now() < deadline,
-            "the keep-alive 0 publish was not stored"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_until("the keep-alive 0 publish stored", WAIT, || async {
+        node.stored("default/configmap/ka0").await.is_some()
+    })
+    .await;
 }
 
 #[tokio::test]
@@ -346,28 +342,16 @@ async fn a_stalled_qos1_subscriber_is_cut_off_with_an_error_code_never_handed_a_
             )
             .await;
     }
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while node.meta_rows().await.len() < PODS {
-        assert!(
-            Instant::now() < deadline,
-            "the burst was not stored: {} rows\n{}",
-            node.meta_rows().await.len(),
-            node.log()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let deadline = Instant::now() + WAIT;
-    let cut = loop {
-        let log = node.log();
-        if let Some(cut) = log.lines().find(|l| l.contains("EM-BROKER-SUBSCRIBER-LAG")) {
-            break cut.to_owned();
+    wait_until("the burst stored", Duration::from_secs(60), || async {
+        let rows = node.meta_rows().await.len();
+        if rows >= PODS {
+            Ok(())
+        } else {
+            Err(format!("{rows} rows\n{}", node.log()))
         }
-        assert!(
-            Instant::now() < deadline,
-            "no EM-BROKER-SUBSCRIBER-LAG in the log:\n{log}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    })
+    .await;
+    let cut = node.await_log("EM-BROKER-SUBSCRIBER-LAG").await;
     assert!(cut.contains(&edged_id), "the cut names the client: {cut}");
     assert!(cut.contains("stopped reading"), "the cut says why: {cut}");
 
@@ -402,6 +386,7 @@ async fn a_stalled_qos1_subscriber_is_cut_off_with_an_error_code_never_handed_a_
             match events.poll().await {
                 Ok(Event::Incoming(Packet::ConnAck(ack))) => return ack,
                 Ok(_) => {}
+                // pacing: rumqttc reconnects on the next poll; don't spin meanwhile.
                 Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
             }
         }

@@ -9,7 +9,7 @@ use common::cloud::{
     cut_off_node, expect_applied, expect_delivered, local_query, next_signal, spawn_status_stream,
     stream_finished, tail, CONNECTION,
 };
-use common::{topic, CloudBroker, Msg, Options};
+use common::{topic, wait_until, CloudBroker, Msg, Options};
 use serde_json::json;
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -81,6 +81,7 @@ async fn an_upward_stream_survives_ten_cloud_restarts_in_order_and_complete() {
         restarts_during_stream += usize::from(!producer.is_finished());
         cloud.stop();
         await_signal(&mut watcher, "cloud_disconnected", common::WAIT, &node).await;
+        // fault injection: the cloud stays away a while, so the node queues meanwhile.
         tokio::time::sleep(Duration::from_millis(100)).await;
         cloud.restart().await;
         await_signal(&mut watcher, "cloud_connected", common::WAIT, &node).await;
@@ -170,25 +171,28 @@ async fn cloud_messages_in_flight_at_a_kill_9_are_applied_once_after_restart() {
     let cloud = CloudBroker::start().await;
     let (mut node, bridge) = bridged(&cloud).await;
     let mut controller = cloud_client(&cloud, &bridge.up("meta/response/#")).await;
+    // Sees what the cloud broker routes to the node: then it is also queued for its session.
+    let mut spy = cloud_client(&cloud, &bridge.down("#")).await;
 
     // mosquitto drops what is published before the bridge's first SUBSCRIBE: repeat a harmless
     // insert until one is acknowledged, so the node's persistent session exists.
-    let deadline = Instant::now() + common::WAIT;
     let mut warm_ids = HashSet::new();
-    'warm: loop {
-        assert!(
-            Instant::now() < deadline,
-            "the bridge never subscribed to its down topics; node log:\n{}",
-            tail(&node.log(), 40)
-        );
-        warm_ids.insert(cloud_insert(&controller, &bridge, "default/pod/warm", json!({})).await);
-        for m in controller.drain(Duration::from_millis(500)).await {
-            if m.parent_id().is_some_and(|p| warm_ids.contains(&p)) {
-                assert_eq!(m.content(), json!("OK"));
-                break 'warm;
+    wait_until(
+        "the bridge subscribed to its down topics (a warm-up insert acknowledged)",
+        common::WAIT,
+        async || {
+            warm_ids
+                .insert(cloud_insert(&controller, &bridge, "default/pod/warm", json!({})).await);
+            for m in controller.drain(Duration::from_millis(500)).await {
+                if m.parent_id().is_some_and(|p| warm_ids.contains(&p)) {
+                    assert_eq!(m.content(), json!("OK"));
+                    return Ok(());
+                }
             }
-        }
-    }
+            Err(format!("node log:\n{}", tail(&node.log(), 40)))
+        },
+    )
+    .await;
 
     // A batch published just before the kill: some are in flight to, or inside, the node.
     let mut want: HashMap<String, String> = HashMap::new();
@@ -197,45 +201,54 @@ async fn cloud_messages_in_flight_at_a_kill_9_are_applied_once_after_restart() {
         let id = cloud_insert(&controller, &bridge, &resource, json!({"i": i})).await;
         want.insert(id, resource);
     }
+    // fault injection: the kill falls while the batch is on its way to, or inside, the node.
     tokio::time::sleep(Duration::from_millis(30)).await;
     node.kill9();
     // One published while the node is down: mosquitto queues it for the node's session.
     let resource = "default/configmap/while-down";
     let down_id = cloud_insert(&controller, &bridge, resource, json!({"data": {"k": "v"}})).await;
-    want.insert(down_id, resource.to_owned());
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    want.insert(down_id.clone(), resource.to_owned());
+    spy.expect_matching(
+        &bridge.down(&topic("edgecontroller/insert", resource)),
+        "the insert published while the node is down",
+        |m| m.msg_id() == down_id,
+    )
+    .await;
     node.restart().await;
 
-    let deadline = Instant::now() + Duration::from_secs(60);
     let mut oks: HashSet<String> = HashSet::new();
-    loop {
-        for m in controller.drain(Duration::from_millis(300)).await {
-            if m.content() == json!("OK") {
-                let parent = m.parent_id().expect("ack names its request");
-                if let Some(resource) = want.get(&parent) {
-                    assert_eq!(m.topic, topic(&bridge.up("meta/response"), resource));
-                    assert_eq!(&m.resource(), resource);
+    wait_until(
+        "every cloud insert acknowledged",
+        Duration::from_secs(60),
+        async || {
+            for m in controller.drain(Duration::from_millis(300)).await {
+                if m.content() == json!("OK") {
+                    let parent = m.parent_id().expect("ack names its request");
+                    if let Some(resource) = want.get(&parent) {
+                        assert_eq!(m.topic, topic(&bridge.up("meta/response"), resource));
+                        assert_eq!(&m.resource(), resource);
+                    }
+                    oks.insert(parent);
                 }
-                oks.insert(parent);
             }
-        }
-        let missing: Vec<&String> = want.keys().filter(|id| !oks.contains(*id)).collect();
-        if missing.is_empty() {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{} of {} cloud inserts never acked (e.g. {:?}); node log:\n{}",
-            missing.len(),
-            want.len(),
-            missing
-                .iter()
-                .take(3)
-                .map(|id| &want[*id])
-                .collect::<Vec<_>>(),
-            tail(&node.log(), 60)
-        );
-    }
+            let missing: Vec<&String> = want.keys().filter(|id| !oks.contains(*id)).collect();
+            if missing.is_empty() {
+                return Ok(());
+            }
+            Err(format!(
+                "{} of {} never acked (e.g. {:?}); node log:\n{}",
+                missing.len(),
+                want.len(),
+                missing
+                    .iter()
+                    .take(3)
+                    .map(|id| &want[*id])
+                    .collect::<Vec<_>>(),
+                tail(&node.log(), 60)
+            ))
+        },
+    )
+    .await;
     assert_eq!(
         node.stored(resource).await.as_deref(),
         Some(r#"{"data":{"k":"v"}}"#)

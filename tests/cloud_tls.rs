@@ -4,11 +4,10 @@
 mod common;
 
 use std::path::Path;
-use std::time::{Duration, Instant};
 
 use common::cloud::{await_log, cloud_client, cloud_insert, expect_applied, SUBSCRIBED};
 use common::pki::Pki;
-use common::{run_expecting_exit, CloudBroker, CloudOptions, Node, Options, WAIT};
+use common::{run_expecting_exit, wait_until, CloudBroker, CloudOptions, Node, Options, WAIT};
 use serde_json::json;
 
 /// The TLS listener: the server certificate for `localhost` and the CA that client certificates
@@ -156,16 +155,15 @@ async fn mutual_tls_carries_both_ways_across_an_outage_and_picks_up_a_rotated_ce
 
 /// Waits until the node's log has `wanted`, or fails with both logs.
 async fn node_logs(node: &Node, cloud: &CloudBroker, wanted: &str) {
-    let started = Instant::now();
-    while !node.log().contains(wanted) {
-        assert!(
-            started.elapsed() < WAIT,
-            "no {wanted:?} in the node's log:\n{}\ncloud:\n{}",
-            node.log(),
-            cloud.log()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_until(format_args!("{wanted:?} in the node's log"), WAIT, || {
+        let log = node.log();
+        std::future::ready(if log.contains(wanted) {
+            Ok(())
+        } else {
+            Err(format!("{log}\ncloud:\n{}", cloud.log()))
+        })
+    })
+    .await;
 }
 
 #[tokio::test]
@@ -254,14 +252,14 @@ async fn a_wrong_ca_an_expired_certificate_or_a_wrong_host_name_never_connect() 
 
 /// Runs `edgemeta run` with a cloud over TLS configured by `tls` lines; it must refuse to start.
 fn refused_start(tls: &str) -> String {
-    let (ok, text) = run_expecting_exit(
+    let (status, text) = run_expecting_exit(
         &format!(
             "broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{}\nstore:\n  path: store.db\nobserve:\n  enabled: false\ncloud:\n  enabled: true\n  url: mqtts://localhost:8883\n{tls}",
             common::free_port()
         ),
         &[],
     );
-    assert!(!ok, "{tls}");
+    assert!(!status.success(), "{tls}");
     text
 }
 
@@ -324,14 +322,13 @@ async fn the_readme_tls_section_connects_verbatim() {
     let node_cert = pki.client("edge-1", "ca");
     let cloud = CloudBroker::start_tls(tls_listener(&pki)).await;
     // The files the README names, in the node's working directory.
-    let dir = tempfile::tempdir().expect("temp dir");
-    for (from, to) in [
+    let files = [
         ("ca.pem".to_owned(), "ca.pem"),
         (format!("{node_cert}.pem"), "edge-1.pem"),
         (format!("{node_cert}.key"), "edge-1.key"),
-    ] {
-        std::fs::copy(pki.path(&from), dir.path().join(to)).expect("copy");
-    }
+    ]
+    .map(|(from, to)| (pki.path(&from), to.to_owned()))
+    .to_vec();
     let tls_port = cloud.tls_port.expect("a TLS listener");
     let env: Vec<(String, String)> = run
         .split(' ')
@@ -341,34 +338,14 @@ async fn the_readme_tls_section_connects_verbatim() {
             (k.to_owned(), v.replace(":8883", &format!(":{tls_port}")))
         })
         .collect();
-    let log_path = dir.path().join("node.log");
-    let log = std::fs::File::create(&log_path).expect("log");
-    let port = common::free_port();
-    let mut node = common::edgemeta(
-        dir.path(),
-        &format!("broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\nstore:\n  path: store.db\nobserve:\n  enabled: false\n"),
-    )
-    .envs(env)
-    .stdout(log.try_clone().expect("log"))
-    .stderr(log)
-    .spawn()
-    .expect("start edgemeta");
-    let started = Instant::now();
-    while !std::fs::read_to_string(&log_path)
-        .unwrap_or_default()
-        .contains("cloud_connected")
-    {
-        if started.elapsed() > WAIT {
-            let _ = node.kill();
-            panic!(
-                "the README's TLS settings never connected:\n{}\ncloud:\n{}",
-                std::fs::read_to_string(&log_path).unwrap_or_default(),
-                cloud.log()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let _ = node.kill();
-    let _ = node.wait();
+    let mut node = Node::start_with(Options {
+        env,
+        files,
+        ..Options::default()
+    })
+    .await;
+    // The README's TLS settings connect.
+    node_logs(&node, &cloud, "cloud_connected").await;
+    node.kill9();
     assert!(connected_as(&cloud, "edge-1"), "{}", cloud.log());
 }

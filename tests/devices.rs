@@ -10,8 +10,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::cloud::{await_signal, bridged, cloud_client, tail, CONNECTION};
+use common::Options;
 use common::{forward_lines, readme_section_commands, QUIET, WAIT};
-use common::{free_port, shell_words, unique_id, Client, CloudBroker, CloudOptions, Msg, Node};
+use common::{shell_words, unique_id, wait_until, Client, CloudBroker, CloudOptions, Msg, Node};
 use serde_json::{json, Value};
 
 /// `cloud.node_id` when the configuration sets none: what a standalone node calls itself.
@@ -802,24 +803,31 @@ async fn reports_made_while_the_cloud_is_away_are_answered_at_once_and_reach_it_
     cloud.restart().await;
     let reports = bridge.up("twin/update/_/devicetwin");
     let detail = bridge.up("twin/query/node/membershipdetail");
-    let deadline = Instant::now() + Duration::from_secs(30);
     let mut first_seen: Vec<(String, Value)> = Vec::new();
     let mut detail_request = None;
-    while first_seen.len() < 3 || detail_request.is_none() {
-        assert!(
-            Instant::now() < deadline,
-            "reports {first_seen:?}, detail request {detail_request:?} after 30 s; node log:\n{}",
-            tail(&node.log(), 40)
-        );
-        for m in up.drain(Duration::from_millis(250)).await {
-            if m.topic == reports && !first_seen.iter().any(|(id, _)| *id == m.msg_id()) {
-                assert_eq!(m.resource(), "_/devicetwin/thermo-1");
-                first_seen.push((m.msg_id(), m.content()["twin"]["temperature"].clone()));
-            } else if m.topic == detail {
-                detail_request = Some(m);
+    wait_until(
+        "three reports and the detail request in the cloud",
+        Duration::from_secs(30),
+        async || {
+            for m in up.drain(Duration::from_millis(250)).await {
+                if m.topic == reports && !first_seen.iter().any(|(id, _)| *id == m.msg_id()) {
+                    assert_eq!(m.resource(), "_/devicetwin/thermo-1");
+                    first_seen.push((m.msg_id(), m.content()["twin"]["temperature"].clone()));
+                } else if m.topic == detail {
+                    detail_request = Some(m);
+                }
             }
-        }
-    }
+            if first_seen.len() >= 3 && detail_request.is_some() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "reports {first_seen:?}, detail request {detail_request:?}; node log:\n{}",
+                    tail(&node.log(), 40)
+                ))
+            }
+        },
+    )
+    .await;
     let values: Vec<&Value> = first_seen
         .iter()
         .map(|(_, t)| &t["actual"]["value"])
@@ -859,30 +867,32 @@ async fn a_desired_value_sent_while_the_node_was_killed_is_applied_after_restart
             .await;
         mapper.added().await;
     }
+    // Sees what the cloud broker routes to the node: then it is also queued for its session.
+    let mut spy = cloud_client(&cloud, &bridge.down("#")).await;
     node.kill9();
     // mosquitto queues it in the bridge's persistent session.
     controller
         .desire("thermo-1", &[("temperature", "35", "int")], 101)
         .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let twin_topic = format!(
+        "devicecontroller/update/{}/devicetwin",
+        namespace_of("thermo-1")
+    );
+    spy.expect(&bridge.down(&twin_topic)).await;
     node.restart().await;
 
     // The mapper's broker restarted with the node: it connects again and asks for its twin
     // until the desired value is there.
     let mut mapper = Mapper::connect_to(&node, "thermo-1", &bridge.node_id).await;
-    let deadline = Instant::now() + WAIT;
-    loop {
+    wait_until("desired 35 applied after the restart", WAIT, async || {
         let got = mapper.get().await;
         if got["twin"]["temperature"]["expected"]["value"] == "35" {
-            break;
+            Ok(())
+        } else {
+            Err(format!("{got}; node log:\n{}", tail(&node.log(), 40)))
         }
-        assert!(
-            Instant::now() < deadline,
-            "desired 35 not applied after restart: {got}; node log:\n{}",
-            tail(&node.log(), 40)
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    })
+    .await;
     let twins = twin_rows(&node, "thermo-1").await;
     assert_eq!(
         version(&twins[0]["expected_version"]),
@@ -1399,35 +1409,14 @@ async fn the_readme_mapper_walkthrough_works_verbatim() {
     assert!(commands.len() >= 4, "{commands:?}");
     // A node as the README runs it: the embedded default configuration (node id `edge-node`)
     // in its own directory, moved to free ports through the environment.
-    let dir = tempfile::tempdir().expect("temp dir");
-    let port = free_port();
-    let log = std::fs::File::create(dir.path().join("node.log")).expect("log");
-    let node = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
-        .arg("run")
-        .env("EDGEMETA_METASERVER__ADDRESS", "127.0.0.1:0")
-        .current_dir(dir.path())
-        .env(
-            "EDGEMETA_BROKER__LISTENERS__MQTT__ADDRESS",
-            format!("127.0.0.1:{port}"),
-        )
-        .env(
-            "EDGEMETA_OBSERVE__ADDRESS",
-            format!("127.0.0.1:{}", free_port()),
-        )
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().expect("log"))
-        .stderr(log)
-        .spawn()
-        .expect("edgemeta run");
-    // Killed at the end, or when an assertion fails, with the watchers.
-    let mut spawned = Spawned(vec![node]);
-    let started = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(started.elapsed() < WAIT, "the node did not start");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let node_log = || std::fs::read_to_string(dir.path().join("node.log")).unwrap_or_default();
+    let node = Node::start_with(Options {
+        embedded_config: true,
+        ..Options::default()
+    })
+    .await;
+    let port = node.port;
+    // Killed at the end, or when an assertion fails.
+    let mut spawned = Spawned(Vec::new());
 
     let (lines_tx, mut lines) = tokio::sync::mpsc::unbounded_channel::<String>();
     let mut seen = Vec::new();
@@ -1450,19 +1439,19 @@ async fn the_readme_mapper_walkthrough_works_verbatim() {
                 // Subscribed once it prints a probe on its last filter (`twin/+/+`: not a topic
                 // the node uses; `…/#`: a level below).
                 let probe = probe_topic(args.last().expect("a filter"));
-                let deadline = Instant::now() + WAIT;
-                'subscribed: loop {
-                    assert!(Instant::now() < deadline, "`{command}` never subscribed");
+                wait_until(format_args!("`{command}` subscribed"), WAIT, async || {
                     prober.publish(&probe, "{}").await;
                     while let Ok(Some(line)) =
                         tokio::time::timeout(Duration::from_millis(200), lines.recv()).await
                     {
                         if line.starts_with(&format!("{probe} ")) {
-                            break 'subscribed;
+                            return true;
                         }
                         seen.push(line);
                     }
-                }
+                    false
+                })
+                .await;
             }
             "mosquitto_pub" => {
                 let out = Command::new("mosquitto_pub")
@@ -1543,7 +1532,7 @@ async fn the_readme_mapper_walkthrough_works_verbatim() {
     );
 
     drop(spawned);
-    assert!(!node_log().contains("panicked"), "{}", node_log());
+    assert!(!node.log().contains("panicked"), "{}", node.log());
 }
 
 /// A topic `filter` matches that no part of the node answers: `+` and `#` levels as `probe`.

@@ -3,141 +3,19 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::cloud::{bridged, cloud_client, cloud_insert};
+use common::edged::Edged;
 use common::{
-    envelope, forward_lines, send, shell_words, topic, unique_id, Client, CloudBroker, Node, WAIT,
+    envelope, send, shell_words, topic, unique_id, wait_until, Client, CloudBroker, Node, WAIT,
 };
 use serde_json::{json, Value};
 
 /// Pod statuses may take a few restarts and the rate limit to arrive.
 const STATUS_WAIT: Duration = Duration::from_secs(20);
-
-/// A running `edgemeta edged` with its own directory, aimed at `node`.
-struct Edged {
-    child: Option<Child>,
-    dir: tempfile::TempDir,
-}
-
-impl Edged {
-    /// Starts edged with quick timings, `overrides` replacing keys of the `edged:` section.
-    fn start(node: &Node, overrides: &[(&str, &str)]) -> Edged {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let root = dir.path().join("root").display().to_string();
-        let client_id = unique_id("edged");
-        let mut keys: Vec<(&str, &str)> = vec![
-            ("client_id", &client_id),
-            ("root_dir", &root),
-            ("status_interval_ms", "100"),
-            ("restart_backoff_base_ms", "300"),
-            ("restart_backoff_max_ms", "2000"),
-            ("reconnect_min_ms", "50"),
-            ("reconnect_max_ms", "500"),
-            ("query_timeout_ms", "5000"),
-        ];
-        for (key, value) in overrides {
-            match keys.iter_mut().find(|(k, _)| k == key) {
-                Some(slot) => slot.1 = value,
-                None => keys.push((key, value)),
-            }
-        }
-        let section: String = keys.iter().map(|(k, v)| format!("  {k}: {v}\n")).collect();
-        let yaml = format!(
-            "log:\n  level: info,rumqttd=off\n\
-             broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\n\
-             edged:\n{section}",
-            port = node.port,
-        );
-        std::fs::write(dir.path().join("edged.yaml"), yaml).expect("edged config");
-        let mut edged = Edged { child: None, dir };
-        edged.spawn();
-        edged
-    }
-
-    fn spawn(&mut self) {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.log_path())
-            .expect("log");
-        let child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
-            .arg("edged")
-            .arg("--config")
-            .arg(self.dir.path().join("edged.yaml"))
-            .env_remove("RUST_LOG")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .expect("start edgemeta edged");
-        self.child = Some(child);
-    }
-
-    fn log_path(&self) -> PathBuf {
-        self.dir.path().join("edged.log")
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.log_path()).unwrap_or_default()
-    }
-
-    /// `<root_dir>/pods/<namespace>_<name>`.
-    fn pod_dir(&self, name: &str) -> PathBuf {
-        self.dir
-            .path()
-            .join("root/pods")
-            .join(format!("default_{name}"))
-    }
-
-    fn kill9(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    fn is_running(&mut self) -> bool {
-        self.child
-            .as_mut()
-            .is_some_and(|c| c.try_wait().ok().flatten().is_none())
-    }
-
-    /// SIGTERM; returns how long edged took to stop its pods and exit.
-    fn terminate(&mut self) -> Duration {
-        let mut child = self.child.take().expect("edged runs");
-        let started = Instant::now();
-        Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status()
-            .expect("kill");
-        while child.try_wait().expect("wait").is_none() {
-            assert!(
-                started.elapsed() < WAIT,
-                "edged ignored SIGTERM:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        started.elapsed()
-    }
-}
-
-/// Stops `child` the way an operator would (see [`common::terminate_child`]).
-fn terminate(child: &mut Child) {
-    common::terminate_child(child);
-}
-
-impl Drop for Edged {
-    fn drop(&mut self) {
-        // Its pods are process groups of their own: stop them the way edged does at shutdown.
-        if let Some(mut child) = self.child.take() {
-            terminate(&mut child);
-        }
-    }
-}
 
 /// A pod running `script` under `sh -c`, with `spec` merged into its spec.
 fn pod(name: &str, script: &str, spec: Value) -> Value {
@@ -211,20 +89,32 @@ fn container(status: &Value) -> &Value {
 
 /// Waits until `path` exists and holds text; returns it.
 async fn await_file(path: &Path) -> String {
-    let started = Instant::now();
-    loop {
-        if let Ok(text) = std::fs::read_to_string(path) {
-            if !text.trim().is_empty() {
-                return text;
-            }
-        }
-        assert!(
-            started.elapsed() < STATUS_WAIT,
-            "{} never written",
-            path.display()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until(
+        format_args!("{} written", path.display()),
+        STATUS_WAIT,
+        || {
+            let text = std::fs::read_to_string(path).unwrap_or_default();
+            std::future::ready((!text.trim().is_empty()).then_some(text))
+        },
+    )
+    .await
+}
+
+/// Waits (at most `limit`) until `path` holds `wanted` (`count` times at least).
+async fn await_text(path: &Path, wanted: &str, count: usize, limit: Duration) {
+    wait_until(
+        format_args!("{wanted:?} ×{count} in {}", path.display()),
+        limit,
+        || {
+            let text = std::fs::read_to_string(path).unwrap_or_default();
+            std::future::ready(if text.matches(wanted).count() >= count {
+                Ok(())
+            } else {
+                Err(text)
+            })
+        },
+    )
+    .await;
 }
 
 fn alive(pid: u32) -> bool {
@@ -233,13 +123,10 @@ fn alive(pid: u32) -> bool {
 
 async fn await_dead(pid: u32, limit: Duration) -> Duration {
     let started = Instant::now();
-    while alive(pid) {
-        assert!(
-            started.elapsed() < limit,
-            "process {pid} still alive after {limit:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until(format_args!("process {pid} gone"), limit, || {
+        std::future::ready(!alive(pid))
+    })
+    .await;
     started.elapsed()
 }
 
@@ -309,15 +196,8 @@ async fn a_pod_from_the_cloud_runs_with_its_config_and_reports_running_to_the_cl
     );
     let pid = read_pid(&await_file(&marks.path().join("web.pid")).await);
     let log_path = edged.pod_dir("web").join("logs/main.log");
-    let log = await_file(&log_path).await;
-    let started = Instant::now();
-    while !std::fs::read_to_string(&log_path)
-        .unwrap_or_default()
-        .contains("/work")
-    {
-        assert!(started.elapsed() < WAIT, "log: {log}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    await_file(&log_path).await;
+    await_text(&log_path, "/work", 1, WAIT).await;
     let log = std::fs::read_to_string(&log_path).expect("log");
     assert!(log.contains("MODE=eco LEVEL=3 PW=hunter2"), "{log}");
     assert!(log.contains("eco\nhunter2\n"), "{log}");
@@ -374,13 +254,15 @@ async fn a_crashing_container_restarts_with_back_off_and_its_restart_count_reach
             .map(|l| l.trim().parse().expect("nanoseconds"))
             .collect()
     };
-    let deadline = Instant::now() + WAIT;
-    let mut starts = read_starts();
-    while starts.len() < 4 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        starts = read_starts();
-    }
-    assert!(starts.len() >= 4, "{starts:?}");
+    let starts = wait_until("four starts recorded", WAIT, || {
+        let starts = read_starts();
+        std::future::ready(if starts.len() >= 4 {
+            Ok(starts)
+        } else {
+            Err(format!("{starts:?}"))
+        })
+    })
+    .await;
     let gaps: Vec<u128> = starts
         .windows(2)
         .map(|w| (w[1] - w[0]) / 1_000_000)
@@ -476,11 +358,11 @@ async fn bad_pods_get_a_reason_and_edged_keeps_running() {
 #[tokio::test]
 async fn csi_volume_calls_are_refused_at_once() {
     let node = Node::start().await;
-    let _edged = Edged::start(&node, &[]);
+    let edged = Edged::start(&node, &[]);
     let mut cloud_side = node.client().await;
     cloud_side.subscribe("ke/cloud/#").await;
-    // edged is subscribed once it has listed its pods; give it that moment.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // edged is subscribed once it has listed its pods.
+    edged.await_log("pod list synced").await;
     for operation in [
         "createvolume",
         "deletevolume",
@@ -689,7 +571,7 @@ struct Spawned(Vec<Child>);
 impl Drop for Spawned {
     fn drop(&mut self) {
         for child in self.0.iter_mut().rev() {
-            terminate(child);
+            common::terminate_child(child);
         }
     }
 }
@@ -713,48 +595,49 @@ async fn the_readme_edged_walkthrough_works_verbatim() {
         })
         .collect();
     assert!(commands.len() >= 7, "{commands:?}");
-    let port = common::free_port();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let address = format!("127.0.0.1:{port}");
-    // Each test node's health listener on its own port, so tests can run in parallel.
-    let observe = format!("127.0.0.1:{}", common::free_port());
+    // The node as the README runs it: the embedded default configuration in its own directory,
+    // its ports (free ones, so tests can run in parallel) moved through the environment.
+    let mut node: Option<Node> = None;
     let mut spawned = Spawned(Vec::new());
     let (lines_tx, mut lines) = tokio::sync::mpsc::unbounded_channel::<String>();
     let mut pod_log = None;
     for command in &commands {
         let words = shell_words(command);
-        if let Some(args) = command.strip_prefix("cargo run --release -- ") {
-            let log = std::fs::File::create(dir.path().join(format!("{args}.log"))).expect("log");
+        let cargo_run = command.strip_prefix("cargo run --release -- ");
+        if cargo_run == Some("run") {
+            let started = Node::start_with(common::Options {
+                embedded_config: true,
+                ..common::Options::default()
+            })
+            .await;
+            node = Some(started);
+        } else if let Some(args) = cargo_run {
+            // edged, with the node's environment in the node's directory.
+            let node = node.as_ref().expect("the node runs first");
+            let log = std::fs::File::create(node.dir().join(format!("{args}.log"))).expect("log");
             let child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
                 .args(args.split(' '))
-                .env("EDGEMETA_METASERVER__ADDRESS", "127.0.0.1:0")
-                .env("EDGEMETA_BROKER__LISTENERS__MQTT__ADDRESS", &address)
-                .env("EDGEMETA_OBSERVE__ADDRESS", &observe)
+                .envs(node.env())
                 .env_remove("RUST_LOG")
-                .current_dir(dir.path())
+                .current_dir(node.dir())
                 .stdin(Stdio::null())
                 .stdout(log.try_clone().expect("log"))
                 .stderr(log)
                 .spawn()
                 .expect("start edgemeta");
             spawned.0.push(child);
-            if args == "run" {
-                let started = Instant::now();
-                while std::net::TcpStream::connect(&address).is_err() {
-                    assert!(started.elapsed() < WAIT, "the node is not serving");
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-            }
         } else if words[0] == "mosquitto_sub" {
-            let mut child = Command::new("mosquitto_sub")
-                .args(["-p", &port.to_string()])
-                .args(&words[1..])
-                .stdout(Stdio::piped())
-                .spawn()
-                .expect("mosquitto_sub");
-            forward_lines(&mut child, lines_tx.clone());
+            let port = node.as_ref().expect("the node runs first").port.to_string();
+            let mut args = vec!["-p", port.as_str()];
+            args.extend(words[1..].iter().map(String::as_str));
+            let (child, mut printed) = common::MosquittoSub::start(&args).await.split();
+            let forward = lines_tx.clone();
+            tokio::spawn(async move {
+                while let Some(line) = printed.recv().await {
+                    let _ = forward.send(line);
+                }
+            });
             spawned.0.insert(0, child);
-            tokio::time::sleep(Duration::from_millis(300)).await;
         } else if words[0] == "mosquitto_pub" {
             if command.contains("/delete/") {
                 // The pod must be running before it is deleted.
@@ -773,6 +656,7 @@ async fn the_readme_edged_walkthrough_works_verbatim() {
                     }
                 }
             }
+            let port = node.as_ref().expect("the node runs first").port;
             let ok = Command::new("mosquitto_pub")
                 .args(["-p", &port.to_string()])
                 .args(&words[1..])
@@ -781,21 +665,12 @@ async fn the_readme_edged_walkthrough_works_verbatim() {
                 .success();
             assert!(ok, "{command}");
         } else if words[0] == "cat" {
-            let path = dir.path().join(&words[1]);
-            let started = Instant::now();
-            while std::fs::read_to_string(&path)
-                .unwrap_or_default()
-                .matches("hello from the edge")
-                .count()
-                < 2
-            {
-                assert!(
-                    started.elapsed() < STATUS_WAIT,
-                    "{} never said hello twice",
-                    path.display()
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            let path = node
+                .as_ref()
+                .expect("the node runs first")
+                .dir()
+                .join(&words[1]);
+            await_text(&path, "hello from the edge", 2, STATUS_WAIT).await;
             pod_log = Some(path);
         }
     }
@@ -806,14 +681,10 @@ async fn the_readme_edged_walkthrough_works_verbatim() {
         .and_then(Path::parent)
         .map(Path::to_path_buf)
         .expect("pod dir");
-    let started = Instant::now();
-    while pod_dir.join("main.pid").exists() {
-        assert!(
-            started.elapsed() < WAIT,
-            "the pod still runs after its delete"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until("the pod's pid file gone after its delete", WAIT, || {
+        std::future::ready(!pod_dir.join("main.pid").exists())
+    })
+    .await;
 }
 
 #[tokio::test]
@@ -843,11 +714,7 @@ async fn with_the_acl_on_edged_works_as_the_module_edged_and_a_wrong_password_on
         phase(s) == "Running"
     })
     .await;
-    let started = Instant::now();
-    while !intruder.log().contains("EM-EDGED-CONNECT") {
-        assert!(started.elapsed() < WAIT, "{}", intruder.log());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    intruder.await_log("EM-EDGED-CONNECT").await;
     assert!(intruder.is_running(), "a refused login stopped edged");
 }
 
@@ -929,14 +796,11 @@ async fn a_configmap_update_rewrites_the_volume_files_of_a_running_pod() {
         json!({"metadata": {"name": "tune"}, "data": {"mode": "turbo"}}),
     )
     .await;
-    let started = Instant::now();
-    while std::fs::read_to_string(&file).unwrap_or_default() != "turbo" {
-        assert!(
-            started.elapsed() < WAIT,
-            "the volume file was not rewritten"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until("the volume file rewritten", WAIT, || {
+        let now = std::fs::read_to_string(&file).unwrap_or_default();
+        std::future::ready(if now == "turbo" { Ok(()) } else { Err(now) })
+    })
+    .await;
     assert!(alive(pid), "the pod was restarted for a configmap change");
 }
 
@@ -984,6 +848,8 @@ async fn an_http_readiness_probe_gates_ready_on_the_status_code() {
     let port = listener.local_addr().expect("address").port();
     let healthy = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let flag = healthy.clone();
+    let refusals = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let refused = refusals.clone();
     let server = tokio::spawn(async move {
         use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
         loop {
@@ -998,6 +864,7 @@ async fn an_http_readiness_probe_gates_ready_on_the_status_code() {
             } else if flag.load(std::sync::atomic::Ordering::SeqCst) {
                 200
             } else {
+                refused.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 503
             };
             let _ = socket
@@ -1023,7 +890,11 @@ async fn an_http_readiness_probe_gates_ready_on_the_status_code() {
     let prefix = "ke/meta/edged/update";
     let s = await_status(&mut watcher, prefix, "web", |s| phase(s) == "Running").await;
     assert_eq!(container(&s)["ready"], false, "{s}");
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Not ready while the probe is refused, more than once.
+    wait_until("two refused readiness probes", WAIT, || {
+        std::future::ready(refusals.load(std::sync::atomic::Ordering::SeqCst) >= 2)
+    })
+    .await;
     healthy.store(true, std::sync::atomic::Ordering::SeqCst);
     let s = await_status(&mut watcher, prefix, "web", |s| {
         container(s)["ready"] == true

@@ -9,9 +9,12 @@ use std::collections::HashSet;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::cloud::{await_empty_outbox, await_signal, bridged, cloud_client, tail, CONNECTION};
+use common::cloud::{
+    await_empty_outbox, await_outbox, await_signal, bridged, cloud_client, tail, CONNECTION,
+};
 use common::{
-    forward_lines, mosquitto_pub, unique_id, Client, CloudBroker, Msg, Node, QUIET, WAIT,
+    forward_lines, mosquitto_pub, unique_id, wait_until, Client, CloudBroker, Msg, Node, QUIET,
+    WAIT,
 };
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -24,20 +27,6 @@ async fn alarms(app: &Client, range: std::ops::Range<usize>) {
     for seq in range {
         app.publish(ALARM, json!({"level": "high", "seq": seq}).to_string())
             .await;
-    }
-}
-
-/// Waits until the outbox holds `len` entries: what the node acknowledged is stored.
-async fn await_outbox(node: &Node, len: i64) {
-    let deadline = Instant::now() + WAIT;
-    while node.outbox_len().await != len {
-        assert!(
-            Instant::now() < deadline,
-            "outbox never held {len}: {} now; node log:\n{}",
-            node.outbox_len().await,
-            tail(&node.log(), 40)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -61,34 +50,49 @@ async fn user_topics_reach_the_cloud_in_order_across_an_outage_with_nothing_lost
             .filter_map(|m| m.content()["seq"].as_i64())
             .collect()
     };
-    let deadline = Instant::now() + WAIT;
-    while seen(&received).len() < BEFORE {
-        assert!(Instant::now() < deadline, "got {:?}", seen(&received));
-        received.extend(up.drain(Duration::from_millis(100)).await);
-    }
+    wait_until(
+        format_args!("{BEFORE} alarms in the cloud"),
+        WAIT,
+        async || {
+            received.extend(up.drain(Duration::from_millis(100)).await);
+            let got = seen(&received);
+            if got.len() >= BEFORE {
+                Ok(())
+            } else {
+                Err(format!("got {got:?}"))
+            }
+        },
+    )
+    .await;
 
     // The cloud goes away: what the app publishes meanwhile is committed to the outbox (and
     // only then PUBACKed), then carried up once the cloud is back.
     cloud.stop();
     await_signal(&mut watcher, "cloud_disconnected", WAIT, &node).await;
     alarms(&app, BEFORE..BEFORE + DURING).await;
-    await_outbox(&node, DURING as i64).await;
+    // What the node acknowledged is stored.
+    await_outbox(&node, DURING as i64, WAIT).await;
     cloud.restart().await;
     await_signal(&mut watcher, "cloud_connected", WAIT, &node).await;
     alarms(&app, BEFORE + DURING..TOTAL).await;
 
-    let deadline = Instant::now() + 3 * WAIT;
-    while seen(&received).len() < TOTAL {
-        assert!(
-            Instant::now() < deadline,
-            "missing {:?}; node log:\n{}",
-            (0..TOTAL as i64)
-                .filter(|s| !seen(&received).contains(s))
-                .collect::<Vec<_>>(),
-            tail(&node.log(), 40)
-        );
-        received.extend(up.drain(Duration::from_millis(200)).await);
-    }
+    wait_until(
+        format_args!("all {TOTAL} alarms in the cloud"),
+        3 * WAIT,
+        async || {
+            received.extend(up.drain(Duration::from_millis(200)).await);
+            let got = seen(&received);
+            if got.len() >= TOTAL {
+                return Ok(());
+            }
+            let missing: Vec<i64> = (0..TOTAL as i64).filter(|s| !got.contains(s)).collect();
+            Err(format!(
+                "missing {missing:?}; node log:\n{}",
+                tail(&node.log(), 40)
+            ))
+        },
+    )
+    .await;
     // At least once, in order: a resent suffix may repeat, nothing arrives before its turn.
     let mut first_seen = Vec::new();
     for m in &received {
@@ -211,18 +215,22 @@ fn mosquitto_sub(port: u16, version: &str, filters: &[&str]) -> (Child, Unbounde
 /// Waits until `lines` shows `topic`, publishing it meanwhile (the subscription is in place
 /// once it arrives).
 async fn await_subscribed(lines: &mut UnboundedReceiver<String>, prober: &Client, topic: &str) {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        assert!(Instant::now() < deadline, "mosquitto_sub never subscribed");
-        prober.publish(topic, "ready").await;
-        while let Ok(Some(line)) =
-            tokio::time::timeout(Duration::from_millis(200), lines.recv()).await
-        {
-            if line.starts_with(topic) {
-                return;
+    wait_until(
+        format_args!("mosquitto_sub subscribed ({topic} arrives)"),
+        WAIT,
+        async || {
+            prober.publish(topic, "ready").await;
+            while let Ok(Some(line)) =
+                tokio::time::timeout(Duration::from_millis(200), lines.recv()).await
+            {
+                if line.starts_with(topic) {
+                    return true;
+                }
             }
-        }
-    }
+            false
+        },
+    )
+    .await;
 }
 
 /// Lines until one starts with `last`, at most 3 × [`WAIT`].
@@ -286,11 +294,15 @@ async fn wildcard_subscribers_get_no_dollar_topic_in_mqtt_3_1_1_and_5() {
         .subscribe("+/events/#", rumqttc::QoS::ExactlyOnce)
         .await
         .expect("subscribe");
-    let deadline = Instant::now() + WAIT;
-    while plus.next_within(Duration::from_millis(200)).await.is_none() {
-        assert!(Instant::now() < deadline, "+/events/# never subscribed");
-        prober.publish("probe/events/ready", "ready").await;
-    }
+    wait_until(
+        "+/events/# subscribed (a probe arrives)",
+        WAIT,
+        async || {
+            prober.publish("probe/events/ready", "ready").await;
+            plus.next_within(Duration::from_millis(200)).await.is_some()
+        },
+    )
+    .await;
     plus.drain(QUIET).await;
     // A mapper's own filter names `$hw`: it still gets what it asked for.
     let mut mapper = node.client().await;

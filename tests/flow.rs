@@ -4,9 +4,8 @@ mod common;
 
 use std::time::Duration;
 
-use common::{send, Node};
+use common::{send, wait_until, Node};
 use serde_json::json;
-use tokio::time::Instant;
 
 #[tokio::test]
 async fn an_inserted_pod_is_stored_handed_to_edged_and_acked_to_the_cloud() {
@@ -65,30 +64,33 @@ async fn the_local_relay_delivers_every_cloud_message_once_in_order_and_empties_
         );
     }
 
-    let deadline = Instant::now() + Duration::from_secs(30);
     let mut answered = Vec::with_capacity(COUNT);
-    while answered.len() < COUNT && Instant::now() < deadline {
-        for m in watcher.drain(Duration::from_millis(200)).await {
-            assert_eq!(
-                m.topic, "ke/cloud/meta/response/relay/pod",
-                "type-level topic"
-            );
-            answered.push(m.parent_id().expect("an answer names its request"));
-        }
-    }
+    wait_until(
+        format_args!("{COUNT} answers on ke/cloud"),
+        Duration::from_secs(30),
+        async || {
+            for m in watcher.drain(Duration::from_millis(200)).await {
+                assert_eq!(
+                    m.topic, "ke/cloud/meta/response/relay/pod",
+                    "type-level topic"
+                );
+                answered.push(m.parent_id().expect("an answer names its request"));
+            }
+            if answered.len() >= COUNT {
+                Ok(())
+            } else {
+                Err(format!("{} answers", answered.len()))
+            }
+        },
+    )
+    .await;
     assert_eq!(
         answered, sent,
         "answers on ke/cloud: missing, repeated or out of order"
     );
 
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while node.outbox_len().await > 0 {
-        assert!(
-            Instant::now() < deadline,
-            "outbox not emptied after delivery"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    // The outbox is emptied after delivery.
+    common::cloud::await_empty_outbox(&node, Duration::from_secs(10)).await;
     node.terminate();
     node.restart().await;
     let mut watcher = node.client().await;

@@ -185,37 +185,28 @@ async fn a_subscriber_that_stops_reading_is_cut_off_after_the_stall_time_and_no_
     })
     .await;
     let mut reader = Reader::subscribe(node.port, &["ke/edged/#"], QoS::AtLeastOnce).await;
-    let mut stopped = mosquitto_sub(node.port, "ke/edged/#", 1_000_000);
-    // Once mosquitto_sub prints a hand-on, it is subscribed: send probes until one arrives.
-    let stdout = stopped.stdout.take().expect("piped");
-    let (line_tx, mut line_rx) = mpsc::unbounded_channel();
-    std::thread::spawn(move || {
-        use std::io::BufRead;
-        for line in std::io::BufReader::new(stdout).lines() {
-            if line_tx.send(line).is_err() {
+    let (mut stopped, mut printed) = mosquitto_sub(node.port, "ke/edged/#", 1_000_000)
+        .await
+        .split();
+    // Subscribed: a probe reaches both readers.
+    let probe_client = node.client().await;
+    common::send(
+        &probe_client,
+        "edgecontroller",
+        "insert",
+        "default/pod/probe",
+        json!({"metadata": {"name": "probe"}}),
+    )
+    .await;
+    tokio::time::timeout(WAIT, async {
+        while let Some(line) = printed.recv().await {
+            if line.starts_with("ke/edged/") {
                 return;
             }
         }
-    });
-    let probe_client = node.client().await;
-    let deadline = Instant::now() + WAIT;
-    loop {
-        assert!(Instant::now() < deadline, "mosquitto_sub never subscribed");
-        common::send(
-            &probe_client,
-            "edgecontroller",
-            "insert",
-            "default/pod/probe",
-            json!({"metadata": {"name": "probe"}}),
-        )
-        .await;
-        if tokio::time::timeout(Duration::from_millis(300), line_rx.recv())
-            .await
-            .is_ok()
-        {
-            break;
-        }
-    }
+    })
+    .await
+    .expect("mosquitto_sub prints the probe");
     let probes = reader.take(1_000, Duration::from_millis(300)).await;
     assert!(!probes.is_empty(), "the reader got the probes");
     signal(stopped.id(), "STOP");
@@ -232,8 +223,13 @@ async fn a_subscriber_that_stops_reading_is_cut_off_after_the_stall_time_and_no_
     );
     assert_whole_and_in_order(&got, RESOURCES, "the reader that kept reading");
     signal(stopped.id(), "CONT");
-    let ended = wait_exit(&mut stopped, WAIT);
-    assert!(ended, "the cut-off subscriber's connection was closed");
+    let ended = common::exit_within(&mut stopped, WAIT);
+    let _ = stopped.kill();
+    let _ = stopped.wait();
+    assert!(
+        ended.is_some(),
+        "the cut-off subscriber's connection was closed"
+    );
     // It reconnects and resyncs from the store, which has every pod.
     assert_eq!(
         node.meta_rows().await.len(),
@@ -255,18 +251,6 @@ fn signal(pid: u32, name: &str) {
         .expect("kill runs")
         .success();
     assert!(ok, "kill -{name} {pid}");
-}
-
-fn wait_exit(child: &mut std::process::Child, limit: Duration) -> bool {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if let Ok(Some(_)) = child.try_wait() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let _ = child.kill();
-    false
 }
 
 /// A KubeEdge mapper's QoS 0 wildcard subscriptions miss nothing when a thousand devices are

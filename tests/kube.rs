@@ -9,7 +9,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::cloud::bridged;
-use common::{envelope, unique_id, Client, CloudBroker, CloudOptions, Node};
+use common::edged::Edged;
+use common::{envelope, unique_id, wait_until, Client, CloudBroker, CloudOptions, Node};
 use edgemeta_fakeapi::FakeApi;
 use k8s_openapi::api::core::v1::{ConfigMap, Node as KubeNode, Pod, Secret};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
@@ -172,62 +173,11 @@ impl Drop for Controller {
     }
 }
 
-/// A running `edgemeta edged` for `node`.
-struct Edged {
-    child: Option<Child>,
-    dir: tempfile::TempDir,
-}
-
-impl Edged {
-    fn start(node: &Node) -> Edged {
-        let dir = tempfile::tempdir().expect("dir");
-        let yaml = format!(
-            "log:\n  level: info,rumqttd=off\n\
-             broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\n\
-             edged:\n  client_id: {id}\n  root_dir: {root}\n  status_interval_ms: 100\n  \
-             reconnect_min_ms: 50\n  reconnect_max_ms: 500\n  query_timeout_ms: 5000\n",
-            port = node.port,
-            id = unique_id("edged"),
-            root = dir.path().join("root").display(),
-        );
-        std::fs::write(dir.path().join("edged.yaml"), yaml).expect("config");
-        let log = std::fs::File::create(dir.path().join("edged.log")).expect("log");
-        let child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
-            .arg("edged")
-            .arg("--config")
-            .arg(dir.path().join("edged.yaml"))
-            .env_remove("RUST_LOG")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .expect("start edgemeta edged");
-        Edged {
-            child: Some(child),
-            dir,
-        }
-    }
-
-    fn pod_dir(&self, name: &str) -> PathBuf {
-        self.dir
-            .path()
-            .join("root/pods")
-            .join(format!("default_{name}"))
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("edged.log")).unwrap_or_default()
-    }
-}
-
-impl Drop for Edged {
-    fn drop(&mut self) {
-        // SIGTERM: edged stops its pods' process groups before it exits.
-        if let Some(mut child) = self.child.take() {
-            common::terminate_child(&mut child);
-        }
-    }
-}
+/// edged's timings here: the harness's quick ones, but kubelet's restart back-off.
+const EDGED: [(&str, &str); 2] = [
+    ("restart_backoff_base_ms", "10000"),
+    ("restart_backoff_max_ms", "300000"),
+];
 
 /// Everything of one test: cluster, cloud broker, controller, one bridged node, edged.
 struct Rig {
@@ -246,7 +196,7 @@ impl Rig {
         let controller = Controller::start(&cluster, &cloud);
         let (node, bridge) = bridged(&cloud).await;
         cluster.edge_node(&bridge.node_id).await;
-        let edged = Edged::start(&node);
+        let edged = Edged::start(&node, &EDGED);
         Rig {
             cluster,
             cloud,
@@ -285,20 +235,15 @@ impl Rig {
 
     /// Waits until pod `name` is Running in the API.
     async fn await_running(&self, name: &str) -> Pod {
-        let started = Instant::now();
-        loop {
-            if let Ok(pod) = self.cluster.pods().get(name).await {
-                if phase(&pod) == "Running" {
-                    return pod;
-                }
-            }
-            assert!(
-                started.elapsed() < RUN_WAIT,
-                "{name} not Running after {RUN_WAIT:?}\n{}",
-                self.logs()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        wait_until(
+            format_args!("{name} Running"),
+            RUN_WAIT,
+            async || match self.cluster.pods().get(name).await {
+                Ok(pod) if phase(&pod) == "Running" => Ok(pod),
+                _ => Err(self.logs()),
+            },
+        )
+        .await
     }
 }
 
@@ -311,17 +256,19 @@ fn phase(pod: &Pod) -> String {
 
 /// Waits until `path` holds `text`.
 async fn await_file(path: &Path, text: &str, rig: &Rig) {
-    let started = Instant::now();
-    while std::fs::read_to_string(path).unwrap_or_default() != text {
-        assert!(
-            started.elapsed() < RUN_WAIT,
-            "{} never held {text:?} (has {:?})\n{}",
-            path.display(),
-            std::fs::read_to_string(path).ok(),
-            rig.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until(
+        format_args!("{} holding {text:?}", path.display()),
+        RUN_WAIT,
+        || {
+            let now = std::fs::read_to_string(path).ok();
+            std::future::ready(if now.as_deref() == Some(text) {
+                Ok(())
+            } else {
+                Err(format!("has {now:?}\n{}", rig.logs()))
+            })
+        },
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -340,8 +287,7 @@ async fn fifty_pods_reach_running_within_five_seconds_at_p99() {
         created.push((name, Instant::now()));
     }
     let mut latencies = Vec::new();
-    let started = Instant::now();
-    while latencies.len() < created.len() {
+    wait_until("all 50 pods Running", RUN_WAIT, async || {
         let list = rig
             .cluster
             .pods()
@@ -355,14 +301,15 @@ async fn fifty_pods_reach_running_within_five_seconds_at_p99() {
                 latencies.push(at.elapsed());
             }
         }
-        assert!(
-            started.elapsed() < RUN_WAIT,
-            "still not Running: {:?}\n{}",
-            created.iter().map(|(n, _)| n).collect::<Vec<_>>(),
-            rig.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        if created.is_empty() {
+            Ok(())
+        } else {
+            let waiting: Vec<&String> = created.iter().map(|(n, _)| n).collect();
+            Err(format!("still not Running: {waiting:?}\n{}", rig.logs()))
+        }
+    })
+    .await;
+    assert_eq!(latencies.len(), 50);
     latencies.sort();
     let p50 = latencies[latencies.len() / 2];
     let p99 = latencies[(latencies.len() * 99).div_ceil(100) - 1];
@@ -428,18 +375,13 @@ async fn a_graceful_delete_stops_the_pod_and_the_object_is_gone() {
         .expect("delete");
     let marked = marked.left().expect("the pod, marked");
     assert!(marked.metadata.deletion_timestamp.is_some());
-    let started = Instant::now();
-    loop {
+    wait_until("the pod gone from the API", RUN_WAIT, async || {
         match rig.cluster.pods().get_opt("web").await.expect("get") {
-            None => break,
-            Some(_) => assert!(
-                started.elapsed() < RUN_WAIT,
-                "pod still there\n{}",
-                rig.logs()
-            ),
+            None => Ok(()),
+            Some(_) => Err(rig.logs()),
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    })
+    .await;
     assert!(
         !std::path::Path::new(&format!("/proc/{pid}")).exists()
             || std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -562,15 +504,15 @@ async fn a_controller_killed_with_sigkill_converges_when_started_again() {
 
 /// Waits until `controller`'s log contains `text`.
 async fn await_log(controller: &Controller, text: &str) {
-    let started = Instant::now();
-    while !controller.log().contains(text) {
-        assert!(
-            started.elapsed() < RUN_WAIT,
-            "controller never logged {text:?}:\n{}",
-            controller.log()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_until(
+        format_args!("{text:?} in the controller's log"),
+        RUN_WAIT,
+        || {
+            let log = controller.log();
+            std::future::ready(if log.contains(text) { Ok(()) } else { Err(log) })
+        },
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -594,7 +536,7 @@ async fn the_standby_replica_takes_over_when_the_leader_is_killed() {
     await_log(&standby, "waiting for the lease").await;
     let (node, bridge) = bridged(&cloud).await;
     cluster.edge_node(&bridge.node_id).await;
-    let edged = Edged::start(&node);
+    let edged = Edged::start(&node, &EDGED);
     let mut rig = Rig {
         cluster,
         cloud,
@@ -702,6 +644,7 @@ async fn a_node_registers_itself_reports_its_status_and_lease_but_only_its_own()
     assert!(condition.last_heartbeat_time.is_some() && condition.last_transition_time.is_some());
     let first_transition = condition.last_transition_time.clone();
     // The same report again: the heartbeat moves on, the transition time stays.
+    // pacing: these times have one-second resolution; the second report falls in a later second.
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let (id, payload) = envelope(
         "edged",

@@ -6,9 +6,9 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{send, Client, Node, Options};
+use common::{send, wait_until, Client, Node, Options};
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, WatchEvent, WatchParams};
@@ -55,23 +55,25 @@ fn kubectl(node: &Node) -> Command {
 
 /// Runs `kubectl get pods -A` until its output has `rows` rows below the header.
 async fn kubectl_get_pods(node: &Node, rows: usize) -> String {
-    let started = Instant::now();
-    loop {
-        let out = kubectl(node)
-            .args(["get", "pods", "-A"])
-            .output()
-            .expect("kubectl is installed (scripts/test installs kubernetes-client)");
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        if out.status.success() && text.lines().count() == rows + 1 {
-            return text;
-        }
-        assert!(
-            started.elapsed() < WAIT,
-            "kubectl get pods -A: {text}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_until(
+        format_args!("{rows} rows from kubectl get pods -A"),
+        WAIT,
+        || {
+            let out = kubectl(node)
+                .args(["get", "pods", "-A"])
+                .output()
+                .expect("kubectl is installed (scripts/test installs kubernetes-client)");
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            std::future::ready(
+                if out.status.success() && text.lines().count() == rows + 1 {
+                    Ok(text)
+                } else {
+                    Err(format!("{text}\n{}", String::from_utf8_lossy(&out.stderr)))
+                },
+            )
+        },
+    )
+    .await
 }
 
 #[tokio::test]
@@ -213,28 +215,29 @@ fn version_of(pod: &Pod) -> u64 {
 
 /// Lists until the store is at `rev` (the node has committed everything sent).
 async fn list_at(api: &Api<Pod>, rev: u64) -> (View, u64) {
-    let started = Instant::now();
-    loop {
-        if let Ok(list) = api.list(&ListParams::default()).await {
-            let at: u64 = list
-                .metadata
-                .resource_version
-                .as_deref()
-                .and_then(|v| v.parse().ok())
-                .expect("list version");
-            if at == rev {
-                let pods = list
-                    .items
-                    .iter()
-                    .map(|p| (p.metadata.name.clone().unwrap_or_default(), gen_of(p)))
-                    .collect();
-                return (View { pods }, at);
-            }
-            assert!(at < rev, "the store is at {at}, beyond {rev}");
+    wait_until(format_args!("the store at {rev}"), WAIT, async || {
+        let list = api
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        let at: u64 = list
+            .metadata
+            .resource_version
+            .as_deref()
+            .and_then(|v| v.parse().ok())
+            .expect("list version");
+        assert!(at <= rev, "the store is at {at}, beyond {rev}");
+        if at < rev {
+            return Err(format!("at {at}"));
         }
-        assert!(started.elapsed() < WAIT, "the store never reached {rev}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        let pods = list
+            .items
+            .iter()
+            .map(|p| (p.metadata.name.clone().unwrap_or_default(), gen_of(p)))
+            .collect();
+        Ok((View { pods }, at))
+    })
+    .await
 }
 
 /// Runs one random history against a fresh node keeping `history` changes; how many times the
@@ -450,18 +453,15 @@ async fn lists_page_at_one_version_and_the_token_is_required() {
     config.auth_info.token = Some("s3cret".to_owned().into());
     let api: Api<Pod> = Api::namespaced(kube::Client::try_from(config).expect("client"), "default");
     // Everything inserted (version 5), then pages of two.
-    let started = Instant::now();
-    while api
-        .list(&ListParams::default())
-        .await
-        .expect("list")
-        .items
-        .len()
-        < 5
-    {
-        assert!(started.elapsed() < WAIT, "the pods never showed");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until("the five pods listed", WAIT, async || {
+        api.list(&ListParams::default())
+            .await
+            .expect("list")
+            .items
+            .len()
+            >= 5
+    })
+    .await;
     let mut names = Vec::new();
     let mut params = ListParams::default().limit(2);
     let mut versions = Vec::new();
@@ -483,21 +483,21 @@ async fn lists_page_at_one_version_and_the_token_is_required() {
         .expect("page");
     let token = first.metadata.continue_.expect("more");
     change(&client, "update", "d", 2).await;
-    let started = Instant::now();
-    loop {
-        match api
+    // Until the update commits, the next page is still served.
+    wait_until(
+        "410 for the next page once the update committed",
+        WAIT,
+        async || match api
             .list(&ListParams::default().limit(2).continue_token(&token))
             .await
         {
             Err(kube::Error::Api(status)) => {
                 assert_eq!(status.code, 410, "{status:?}");
-                break;
+                true
             }
-            Ok(_) => {
-                assert!(started.elapsed() < WAIT, "the update never committed");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            Ok(_) => false,
             Err(e) => panic!("{e}"),
-        }
-    }
+        },
+    )
+    .await;
 }

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 
 use common::cloud::{bridged_with, CONNECTION};
 use common::{
-    free_port, readme_section_commands, send, CloudBroker, CloudOptions, Node, Options, WAIT,
+    assert_quiet_for, free_port, readme_section_commands, run_expecting_exit, send, wait_until,
+    CloudBroker, CloudOptions, Node, Options, WAIT,
 };
 use serde_json::{json, Value};
 
@@ -90,19 +91,6 @@ impl Scrape {
     }
 }
 
-/// Polls `check` every 50 ms until it holds; fails with `what` after the wait.
-async fn eventually<F, Fut>(what: &str, limit: Duration, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let started = Instant::now();
-    while !check().await {
-        assert!(started.elapsed() < limit, "{what} within {limit:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 #[tokio::test]
 async fn metrics_count_a_burst_by_operation_result_and_error_code() {
     const INSERTS: usize = 300;
@@ -165,6 +153,7 @@ async fn metrics_count_a_burst_by_operation_result_and_error_code() {
                 assert!(ok >= last, "a counter went down: {last} → {ok}");
                 last = ok;
                 scrapes += 1;
+                // pacing: scrapes spread over the burst.
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             scrapes
@@ -190,19 +179,33 @@ async fn metrics_count_a_burst_by_operation_result_and_error_code() {
             .publish("ke/meta/edged/insert/default/pod", "{\"oops")
             .await;
     }
-    let mut after = Scrape::of(&node).await;
-    let started = Instant::now();
-    while after.messages("insert", "ok") - before.messages("insert", "ok") < INSERTS as f64
-        || after.messages("insert", "refused") - before.messages("insert", "refused")
-            < MALFORMED as f64
-    {
-        assert!(started.elapsed() < WAIT, "the burst was not all counted");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        after = Scrape::of(&node).await;
-    }
+    let counted = |after: &Scrape| {
+        (
+            after.messages("insert", "ok") - before.messages("insert", "ok"),
+            after.messages("insert", "refused") - before.messages("insert", "refused"),
+        )
+    };
+    wait_until("the burst all counted", WAIT, async || {
+        let (ok, refused) = counted(&Scrape::of(&node).await);
+        if ok >= INSERTS as f64 && refused >= MALFORMED as f64 {
+            Ok(())
+        } else {
+            Err(format!("{ok} ok, {refused} refused"))
+        }
+    })
+    .await;
     assert!(scraper.await.expect("scraper") > 3);
     // Nothing more than what was sent, once it has settled.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_quiet_for(
+        "more counted than was sent",
+        Duration::from_millis(300),
+        async || {
+            let (ok, refused) = counted(&Scrape::of(&node).await);
+            (ok != INSERTS as f64 || refused != MALFORMED as f64)
+                .then(|| format!("{ok} ok, {refused} refused"))
+        },
+    )
+    .await;
     let after = Scrape::of(&node).await;
     let delta =
         |name: &str, labels: &[(&str, &str)]| after.get(name, labels) - before.get(name, labels);
@@ -264,7 +267,7 @@ async fn readyz_goes_red_while_the_outbox_waits_too_long_and_green_once_it_drain
         },
     )
     .await;
-    eventually("ready with the cloud connected", WAIT, || async {
+    wait_until("ready with the cloud connected", WAIT, || async {
         readyz(&node).await.0 == 200
     })
     .await;
@@ -292,7 +295,7 @@ async fn readyz_goes_red_while_the_outbox_waits_too_long_and_green_once_it_drain
         )
         .await;
     }
-    eventually("queued in the outbox", WAIT, || async {
+    wait_until("queued in the outbox", WAIT, || async {
         node.outbox_len().await == 5
     })
     .await;
@@ -303,7 +306,7 @@ async fn readyz_goes_red_while_the_outbox_waits_too_long_and_green_once_it_drain
         "{body}"
     );
     // Once the oldest entry is older than max_outbox_age_s, the outbox check fails too.
-    eventually("the outbox check to fail", WAIT, || async {
+    wait_until("the outbox check to fail", WAIT, || async {
         let (status, body) = readyz(&node).await;
         status == 503 && failed(&body).contains(&"outbox_age".to_owned())
     })
@@ -323,7 +326,7 @@ async fn readyz_goes_red_while_the_outbox_waits_too_long_and_green_once_it_drain
     assert!(scrape.get("edgemeta_outbox_oldest_age_seconds", &[]) >= 2.0);
 
     cloud.restart().await;
-    eventually("ready again once the outbox drained", WAIT, || async {
+    wait_until("ready again once the outbox drained", WAIT, || async {
         readyz(&node).await.0 == 200
     })
     .await;
@@ -377,7 +380,7 @@ async fn edgemeta_get_reads_the_store_of_a_running_node() {
         json!({"metadata": {"name": "web"}}),
     )
     .await;
-    eventually("stored", WAIT, || async {
+    wait_until("stored", WAIT, || async {
         node.stored("default/pod/db_1").await.is_some()
             && node.stored("other/pod/web").await.is_some()
     })
@@ -448,7 +451,7 @@ async fn edgemeta_get_reads_the_store_of_a_running_node() {
         json!({"metadata": {"name": "after"}}),
     )
     .await;
-    eventually("written after the reads", WAIT, || async {
+    wait_until("written after the reads", WAIT, || async {
         node.stored("default/pod/after").await.is_some()
     })
     .await;
@@ -500,24 +503,17 @@ async fn edgemeta_status_exits_0_when_ready_and_1_when_not_or_unreachable() {
 async fn the_observe_listener_cannot_bind_and_start_up_stops_naming_it() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let address = taken.local_addr().expect("address").to_string();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let out = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
-        .arg("run")
-        .env("EDGEMETA_METASERVER__ADDRESS", "127.0.0.1:0")
-        .current_dir(dir.path())
-        .env(
-            "EDGEMETA_BROKER__LISTENERS__MQTT__ADDRESS",
-            format!("127.0.0.1:{}", free_port()),
-        )
-        .env("EDGEMETA_OBSERVE__ADDRESS", &address)
-        .stdin(Stdio::null())
-        .output()
-        .expect("edgemeta run");
-    let stderr = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let (status, printed) = run_expecting_exit(
+        &format!(
+            "broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{}\nstore:\n  path: store.db\n",
+            free_port()
+        ),
+        &[("EDGEMETA_OBSERVE__ADDRESS", address.as_str())],
+    );
+    assert_eq!(status.code(), Some(1), "{printed}");
     assert!(
-        stderr.contains(&format!("binding the observe listener {address}")),
-        "{stderr}"
+        printed.contains(&format!("binding the observe listener {address}")),
+        "{printed}"
     );
 }
 
@@ -525,43 +521,23 @@ async fn the_observe_listener_cannot_bind_and_start_up_stops_naming_it() {
 async fn the_readme_monitoring_commands_work_verbatim() {
     // A node as the README runs it: the embedded default configuration in its own directory,
     // moved to free ports through the environment, as its Configuration section describes.
-    let dir = tempfile::tempdir().expect("temp dir");
-    let (mqtt, observe) = (free_port(), free_port());
-    let env = [
-        (
-            "EDGEMETA_BROKER__LISTENERS__MQTT__ADDRESS",
-            format!("127.0.0.1:{mqtt}"),
-        ),
-        ("EDGEMETA_OBSERVE__ADDRESS", format!("127.0.0.1:{observe}")),
-    ];
-    let log = std::fs::File::create(dir.path().join("node.log")).expect("log");
-    let mut node = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
-        .arg("run")
-        .env("EDGEMETA_METASERVER__ADDRESS", "127.0.0.1:0")
-        .current_dir(dir.path())
-        .envs(env.clone())
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().expect("log"))
-        .stderr(log)
-        .spawn()
-        .expect("edgemeta run");
-    let started = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", mqtt)).is_err() {
-        assert!(started.elapsed() < WAIT, "the node did not start");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let mut node = Node::start_with(Options {
+        embedded_config: true,
+        ..Options::default()
+    })
+    .await;
+    let (dir, env, observe) = (node.dir().to_owned(), node.env(), node.observe_port);
     // The walkthrough's pod, which the section's `get` lines look at.
-    let client = common::Client::connect(mqtt, &common::unique_id("t")).await;
+    let client = node.client().await;
     client
         .publish(
             "ke/meta/edgecontroller/insert/default/pod",
             r#"{"metadata":{"name":"nginx"}}"#,
         )
         .await;
-    let db = dir.path().join("edgemeta.db");
-    eventually("nginx stored", WAIT, || async {
-        edgemeta_get_finds(&db, dir.path(), &env)
+    let db = node.db_path();
+    wait_until("nginx stored", WAIT, || async {
+        edgemeta_get_finds(&db, &dir, &env)
     })
     .await;
 
@@ -580,7 +556,7 @@ async fn the_readme_monitoring_commands_work_verbatim() {
         let line = command.replace("9464", &observe.to_string());
         let out = Command::new("sh")
             .args(["-c", &line])
-            .current_dir(dir.path())
+            .current_dir(&dir)
             .envs(env.clone())
             .env("PATH", &path)
             .stdin(Stdio::null())
@@ -594,8 +570,7 @@ async fn the_readme_monitoring_commands_work_verbatim() {
         );
         outputs.push((command.clone(), stdout));
     }
-    let _ = node.kill();
-    let _ = node.wait();
+    node.kill9();
     let all: String = outputs.iter().map(|(_, o)| o.as_str()).collect();
     assert!(all.contains(r#""ready":true"#), "{outputs:?}");
     assert!(all.contains("edgemeta_messages_total"), "{outputs:?}");
@@ -604,7 +579,7 @@ async fn the_readme_monitoring_commands_work_verbatim() {
 }
 
 /// Whether `edgemeta get default/pod/nginx` finds the pod in `db`'s directory.
-fn edgemeta_get_finds(db: &Path, dir: &Path, env: &[(&str, String); 2]) -> bool {
+fn edgemeta_get_finds(db: &Path, dir: &Path, env: &[(String, String)]) -> bool {
     db.exists()
         && Command::new(env!("CARGO_BIN_EXE_edgemeta"))
             .args(["get", "default/pod/nginx"])
@@ -651,7 +626,7 @@ async fn device_messages_are_counted_by_kind_and_result() {
             &[("kind", kind), ("result", result)],
         )
     };
-    eventually("four device messages counted", WAIT, || async {
+    wait_until("four device messages counted", WAIT, || async {
         let scrape = Scrape::of(&node).await;
         device(&scrape, "cloud_membership", "ok") == 1.0
             && device(&scrape, "twin_update", "ok") == 1.0

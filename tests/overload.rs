@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{envelope, topic, Node};
+use common::{envelope, topic, wait_until, Node};
 use serde_json::json;
 use std::time::{Duration, Instant};
 
@@ -21,29 +21,32 @@ async fn a_burst_larger_than_the_brokers_buffers_is_stored_completely() {
             .publish(&topic("ke/meta/edgecontroller/insert", &resource), payload)
             .await;
     }
-    // Wait until the store stops growing.
+    // Everything is stored; the store must not stop growing short of that.
     let mut last = 0;
     let mut still = Instant::now();
-    let deadline = Instant::now() + Duration::from_secs(240);
-    loop {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let rows = node.meta_rows().await.len();
-        if rows == TOTAL {
-            return;
-        }
-        if rows != last {
-            last = rows;
-            still = Instant::now();
-        }
-        assert!(
-            still.elapsed() < Duration::from_secs(10) && Instant::now() < deadline,
-            "{rows} of {TOTAL} inserts stored; the rest were lost:\n{}",
-            node.log()
-                .lines()
-                .rev()
-                .take(5)
-                .collect::<Vec<_>>()
-                .join("\n")
-        );
-    }
+    wait_until(
+        format_args!("all {TOTAL} inserts stored"),
+        Duration::from_secs(240),
+        async || {
+            let rows = node.rows("SELECT count(*) AS n FROM meta").await[0]["n"]
+                .as_u64()
+                .expect("a count") as usize;
+            if rows == TOTAL {
+                return Ok(());
+            }
+            if rows != last {
+                last = rows;
+                still = Instant::now();
+            }
+            let log = node.log();
+            let tail: Vec<&str> = log.lines().rev().take(5).collect();
+            let report = format!(
+                "{rows} of {TOTAL} inserts stored; the rest were lost:\n{}",
+                tail.join("\n")
+            );
+            assert!(still.elapsed() < Duration::from_secs(10), "{report}");
+            Err(report)
+        },
+    )
+    .await;
 }

@@ -5,13 +5,13 @@
 mod common;
 
 use common::{
-    edgemeta, envelope, mosquitto_pub, mosquitto_sub, run_expecting_exit, send, shell_words,
-    sub_output, unique_id, Client, Msg, Node, Options, WAIT,
+    envelope, mosquitto_pub, mosquitto_sub, run_expecting_exit, send, shell_words, sub_output,
+    Client, MosquittoSub, Msg, Node, Options, WAIT,
 };
 use serde_json::{json, Value};
 use std::collections::HashSet;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 /// How many inserts a burst sends: enough that many are still in flight when the node stops.
 const BURST: usize = 2000;
@@ -299,9 +299,7 @@ fn mosquitto_pub_qos1(port: u16, topic: &str, payload: &str) {
 async fn mosquitto_clients_drive_the_node_with_bare_and_full_payloads() {
     let node = Node::start().await;
     let port = node.port;
-    let watcher = mosquitto_sub(port, "ke/edged/#", 3);
-    // mosquitto_sub subscribes asynchronously; give it a moment before publishing.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let watcher = mosquitto_sub(port, "ke/edged/#", 3).await;
 
     mosquitto_pub_qos1(
         port,
@@ -313,7 +311,7 @@ async fn mosquitto_clients_drive_the_node_with_bare_and_full_payloads() {
     mosquitto_pub_qos1(port, "ke/meta/edged/query/default/configmap", &full);
 
     let about_app = r#""resource":"default/configmap/app""#;
-    let lines = sub_output(watcher);
+    let lines = sub_output(watcher).await;
     assert!(
         lines.iter().any(|l| l
             .starts_with(r#"ke/edged/edgecontroller/insert/default/configmap {"#)
@@ -351,17 +349,13 @@ fn readme_commands(readme: &str, documented: u16, actual: u16) -> Vec<String> {
         .collect()
 }
 
-/// Starts `mosquitto_sub` with `args`, exiting after one message or the wait, and gives it
-/// time to subscribe.
-async fn mosquitto_sub_once(args: &[String]) -> Child {
-    let child = Command::new("mosquitto_sub")
-        .args(args)
-        .args(["-C", "1", "-W", &WAIT.as_secs().to_string()])
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("mosquitto_sub");
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    child
+/// Starts `mosquitto_sub` with `args`, exiting after one message or the wait; returns once it
+/// is subscribed.
+async fn mosquitto_sub_once(args: &[String]) -> MosquittoSub {
+    let wait = WAIT.as_secs().to_string();
+    let mut all: Vec<&str> = args.iter().map(String::as_str).collect();
+    all.extend(["-C", "1", "-W", &wait]);
+    MosquittoSub::start(&all).await
 }
 
 /// Runs `mosquitto_pub` with `args`; returns whether it succeeded.
@@ -391,10 +385,10 @@ async fn the_readme_walkthrough_works_verbatim() {
             assert!(run_mosquitto_pub(&args[1..]), "{command}");
         }
     }
-    for (command, child) in watchers {
-        let out = child.wait_with_output().expect("mosquitto_sub");
+    for (command, watcher) in watchers {
+        let (status, lines) = watcher.output().await;
         assert!(
-            out.status.success() && !out.stdout.is_empty(),
+            status.success() && !lines.is_empty(),
             "nothing arrived for `{command}`"
         );
     }
@@ -407,19 +401,10 @@ fn listening_on(address: &str) -> String {
     )
 }
 
-/// Polls `ready` every 20 ms; fails with `what` unless it holds within the wait.
-async fn wait_until(what: &str, mut ready: impl FnMut() -> bool) {
-    let started = Instant::now();
-    while !ready() {
-        assert!(started.elapsed() < WAIT, "{what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test]
 async fn an_unknown_configuration_key_is_refused_by_name() {
-    let (ok, text) = run_expecting_exit("metamanager:\n  max_payload_byte: 10\n", &[]);
-    assert!(!ok);
+    let (status, text) = run_expecting_exit("metamanager:\n  max_payload_byte: 10\n", &[]);
+    assert!(!status.success());
     assert!(text.contains("max_payload_byte"), "{text}");
 }
 
@@ -427,26 +412,23 @@ async fn an_unknown_configuration_key_is_refused_by_name() {
 async fn a_listener_that_cannot_bind_stops_start_up_naming_the_address() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let address = taken.local_addr().expect("addr").to_string();
-    let (ok, text) = run_expecting_exit(&listening_on(&address), &[]);
-    assert!(!ok);
+    let (status, text) = run_expecting_exit(&listening_on(&address), &[]);
+    assert!(!status.success());
     assert!(text.contains(&address), "{text}");
 }
 
 #[tokio::test]
 async fn an_environment_variable_overrides_the_file() {
-    let port = common::free_port();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let mut child = edgemeta(dir.path(), &listening_on(&format!("127.0.0.1:{port}")))
-        .env("EDGEMETA_METAMANAGER__MAX_PAYLOAD_BYTES", "64")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start edgemeta");
-    wait_until("node not serving", || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    // The file says 64 KiB ([`Options::max_payload_bytes`]); the environment says 64 bytes.
+    let node = Node::start_with(Options {
+        env: vec![(
+            "EDGEMETA_METAMANAGER__MAX_PAYLOAD_BYTES".to_owned(),
+            "64".to_owned(),
+        )],
+        ..Options::default()
     })
     .await;
-    let mut client = Client::connect(port, &unique_id("env")).await;
+    let mut client = node.client().await;
     client.subscribe("ke/edged/meta/error/#").await;
     client
         .publish("ke/meta/edged/insert/default/pod/x", "x".repeat(100))
@@ -454,8 +436,6 @@ async fn an_environment_variable_overrides_the_file() {
     let reply = client.expect("ke/edged/meta/error/default/pod").await;
     assert!(text(&reply).contains("exceeds the limit of 64 bytes"));
     assert_eq!(reply.resource(), "default/pod/x");
-    let _ = child.kill();
-    let _ = child.wait();
 }
 
 #[tokio::test]
@@ -476,25 +456,15 @@ async fn the_readme_cloud_walkthrough_works_verbatim() {
             (k.to_owned(), v.replace(":1884", &format!(":{cloud_port}")))
         })
         .collect();
-    let port = common::free_port();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let log_path = dir.path().join("node.log");
-    let log = std::fs::File::create(&log_path).expect("log");
-    let mut node = edgemeta(dir.path(), &listening_on(&format!("127.0.0.1:{port}")))
-        .envs(env)
-        .stdout(log.try_clone().expect("log"))
-        .stderr(log)
-        .spawn()
-        .expect("start edgemeta");
-    // As a person would, wait for the node to say it reached the cloud (its session, and with it
-    // the down subscription, must exist before the cloud publishes).
-    wait_until("the bridge never connected", || {
-        std::fs::read_to_string(&log_path)
-            .unwrap_or_default()
-            .contains("cloud_connected")
+    let mut node = Node::start_with(Options {
+        env,
+        ..Options::default()
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // As a person would, wait for the node to say it reached the cloud, and for its down
+    // subscription, which must exist before the cloud publishes.
+    node.await_log("cloud_connected").await;
+    node.await_log(common::cloud::SUBSCRIBED).await;
 
     let commands: Vec<Vec<String>> = readme_commands(&readme, 1884, cloud.port)
         .iter()
@@ -503,10 +473,9 @@ async fn the_readme_cloud_walkthrough_works_verbatim() {
     assert_eq!(commands.len(), 2, "{commands:?}");
     let watcher = mosquitto_sub_once(&commands[0][1..]).await;
     assert!(run_mosquitto_pub(&commands[1][1..]));
-    let out = watcher.wait_with_output().expect("mosquitto_sub");
-    let line = String::from_utf8_lossy(&out.stdout).into_owned();
-    let _ = node.kill();
-    let _ = node.wait();
+    let (_, out) = watcher.output().await;
+    let line = out.join("\n");
+    node.kill9();
     assert!(
         line.starts_with("kubeedge/edge-1/up/meta/response/default/pod ")
             && line.contains(r#""resource":"default/pod/web""#)
@@ -580,32 +549,23 @@ async fn a_refused_full_envelope_is_answered_with_its_own_id() {
     }
 }
 
-/// Starts `edgemeta` with `log_yaml`, stderr to a file, sends one malformed message, waits for
-/// its error reply and returns the log once the node has stopped.
+/// Starts a node with `log_yaml` (lines of its `log:` section; stdout and stderr go to a file),
+/// sends one malformed message, waits for its error reply and returns the log once the node has
+/// stopped.
 async fn log_of_a_refused_message(log_yaml: &str) -> String {
-    let port = common::free_port();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let log_path = dir.path().join("node.log");
-    let log = std::fs::File::create(&log_path).expect("log");
-    let yaml = format!("{log_yaml}{}", listening_on(&format!("127.0.0.1:{port}")));
-    let mut node = edgemeta(dir.path(), &yaml)
-        .stdout(log.try_clone().expect("log"))
-        .stderr(log)
-        .spawn()
-        .expect("start edgemeta");
-    wait_until("node not serving", || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    let mut node = Node::start_with(Options {
+        log_yaml: log_yaml.to_owned(),
+        ..Options::default()
     })
     .await;
-    let mut client = Client::connect(port, &unique_id("log")).await;
+    let mut client = node.client().await;
     client.subscribe("ke/edged/meta/error/#").await;
     client
         .publish("ke/meta/edged/insert/default/pod/x", "{not json")
         .await;
     client.expect("ke/edged/meta/error/default/pod").await;
-    let _ = node.kill();
-    let _ = node.wait();
-    std::fs::read_to_string(&log_path).expect("read log")
+    node.kill9();
+    node.log()
 }
 
 #[tokio::test]
@@ -614,7 +574,7 @@ async fn logs_written_to_a_file_carry_no_colour_codes_and_json_lines_parse() {
     assert!(text.contains("EM-META-JSON"), "{text}");
     assert!(!text.contains('\u{1b}'), "colour codes in a file:\n{text}");
 
-    let json = log_of_a_refused_message("log:\n  format: json\n").await;
+    let json = log_of_a_refused_message("  format: json\n").await;
     let lines: Vec<Value> = json
         .lines()
         .filter(|l| !l.trim().is_empty())

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{send, topic, unique_id, Client, Msg, Node, Options, QUIET, WAIT};
+use common::{send, topic, unique_id, wait_until, Client, Msg, Node, Options, QUIET, WAIT};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
@@ -85,13 +85,24 @@ impl Scene {
 
     /// Tells the MetaManager the cloud link is up or down, as the bridge does.
     async fn cloud(&mut self, state: &str) {
+        // The MetaManager logs `cloud connected` / `cloud disconnected` once it took the signal.
+        let taken = state.replace('_', " ");
+        let count = |log: String| {
+            log.lines()
+                .filter(|l| l.trim_end().ends_with(taken.as_str()))
+                .count()
+        };
+        let before = count(self.node.log());
         self.send("edgehub", "connect", "node/connection", json!(state))
             .await;
-        // The signal and the next request travel on different topics; let it land first.
         self.bus
             .expect("ke/meta/edgehub/connect/node/connection")
             .await;
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The signal and the next request travel on different topics; let it land first.
+        wait_until(format_args!("{taken:?} logged"), WAIT, || {
+            std::future::ready(count(self.node.log()) > before)
+        })
+        .await;
     }
 
     /// Publishes `source`'s answer to message `parent`, as the cloud or edged would; returns the

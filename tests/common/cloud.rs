@@ -8,8 +8,8 @@ use serde_json::{json, Value};
 use tokio::task::JoinHandle;
 
 use super::{
-    envelope, free_port, send, topic, unique_id, Client, CloudBroker, CloudOptions, Msg, Node,
-    Options, WAIT,
+    envelope, free_port, send, topic, unique_id, wait_until, Client, CloudBroker, CloudOptions,
+    Msg, Node, Options,
 };
 
 /// Where the cloud bridge announces its session state on the local broker.
@@ -120,6 +120,7 @@ pub fn spawn_status_stream(
             ids.insert(id);
             if let Some((every, pause)) = pace {
                 if seq % every == every - 1 {
+                    // pacing: the stream is spread out so that cloud restarts fall inside it.
                     tokio::time::sleep(pause).await;
                 }
             }
@@ -176,26 +177,29 @@ pub async fn expect_delivered(
     into: &mut Vec<Msg>,
     node: &Node,
 ) -> usize {
-    let deadline = Instant::now() + limit;
     let mut seen: HashSet<String> = into.iter().map(Msg::msg_id).collect();
-    loop {
-        let missing = want.iter().filter(|id| !seen.contains(*id)).count();
-        if missing == 0 {
-            return assert_ordered_per_resource(into);
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{missing} of {} messages never reached the cloud within {limit:?}; {} entries in \
-             the outbox; node log:\n{}",
-            want.len(),
-            node.outbox_len().await,
-            tail(&node.log(), 60)
-        );
-        for m in cloud_side.drain(Duration::from_millis(250)).await {
-            seen.insert(m.msg_id());
-            into.push(m);
-        }
-    }
+    wait_until(
+        format_args!("all {} messages in the cloud", want.len()),
+        limit,
+        async || {
+            let missing = want.iter().filter(|id| !seen.contains(*id)).count();
+            if missing == 0 {
+                return Ok(());
+            }
+            let report = format!(
+                "{missing} missing; {} entries in the outbox; node log:\n{}",
+                node.outbox_len().await,
+                tail(&node.log(), 60)
+            );
+            for m in cloud_side.drain(Duration::from_millis(250)).await {
+                seen.insert(m.msg_id());
+                into.push(m);
+            }
+            Err(report)
+        },
+    )
+    .await;
+    assert_ordered_per_resource(into)
 }
 
 /// Per resource, the first delivery of each message carries a larger `seq` than the previous
@@ -237,32 +241,32 @@ fn assert_ordered_per_resource(received: &[Msg]) -> usize {
 
 /// Waits until the node's outbox is empty (everything acknowledged by the cloud was deleted).
 pub async fn await_empty_outbox(node: &Node, limit: Duration) {
-    let deadline = Instant::now() + limit;
-    loop {
-        let len = node.outbox_len().await;
-        if len == 0 {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{len} entries still in the outbox after {limit:?}; node log:\n{}",
-            tail(&node.log(), 40)
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    await_outbox(node, 0, limit).await;
 }
 
-/// Waits (at most [`WAIT`]) until the node's log contains `needle`, e.g. an event code.
+/// Waits until the node's outbox holds `len` entries.
+pub async fn await_outbox(node: &Node, len: i64, limit: Duration) {
+    wait_until(
+        format_args!("{len} entries in the outbox"),
+        limit,
+        || async {
+            let now = node.outbox_len().await;
+            if now == len {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{now} entries; node log:\n{}",
+                    tail(&node.log(), 40)
+                ))
+            }
+        },
+    )
+    .await;
+}
+
+/// Waits (at most [`super::WAIT`]) until the node's log contains `needle`, e.g. an event code.
 pub async fn await_log(node: &Node, needle: &str) {
-    let deadline = Instant::now() + WAIT;
-    while !node.log().contains(needle) {
-        assert!(
-            Instant::now() < deadline,
-            "{needle} not logged within {WAIT:?}:\n{}",
-            node.log()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    node.await_log(needle).await;
 }
 
 /// Queries `resource` as edged and returns the documents in the answer, sorted, failing unless

@@ -3,6 +3,7 @@
 #![allow(dead_code)] // each test file uses a different part of the harness
 
 pub mod cloud;
+pub mod edged;
 pub mod pki;
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -22,6 +23,101 @@ pub const WAIT: Duration = Duration::from_secs(10);
 const SERVING: &str = "edgemeta serving";
 /// How long to watch for a message that must not arrive.
 pub const QUIET: Duration = Duration::from_millis(400);
+/// How often [`wait_until`], [`assert_quiet_for`] and [`exit_within`] look again.
+const POLL: Duration = Duration::from_millis(20);
+
+/// What a [`wait_until`] check returns: `true`, `Some(value)` or `Ok(value)` once what is
+/// awaited holds; `false`, `None` or `Err(what is there instead)` while it does not.
+pub trait Check {
+    type Value;
+    /// `Ok(value)` when done; `Err(last state)` (maybe empty) otherwise.
+    fn outcome(self) -> Result<Self::Value, String>;
+}
+
+impl Check for bool {
+    type Value = ();
+    fn outcome(self) -> Result<(), String> {
+        if self {
+            Ok(())
+        } else {
+            Err(String::new())
+        }
+    }
+}
+
+impl<T> Check for Option<T> {
+    type Value = T;
+    fn outcome(self) -> Result<T, String> {
+        self.ok_or_else(String::new)
+    }
+}
+
+impl<T, E: std::fmt::Display> Check for Result<T, E> {
+    type Value = T;
+    fn outcome(self) -> Result<T, String> {
+        self.map_err(|e| e.to_string())
+    }
+}
+
+/// Polls `check` until it holds and returns what it found; panics naming `what` (and the last
+/// state `check` reported) once `limit` has passed. The tests' one polling wait: a test waits
+/// for something it can observe (a row, a log line, a metric, a file, a port), never a fixed time.
+pub async fn wait_until<C: Check>(
+    what: impl std::fmt::Display,
+    limit: Duration,
+    mut check: impl AsyncFnMut() -> C,
+) -> C::Value {
+    let started = Instant::now();
+    loop {
+        let last = match check().await.outcome() {
+            Ok(value) => return value,
+            Err(last) => last,
+        };
+        if started.elapsed() >= limit {
+            if last.is_empty() {
+                panic!("waited {limit:?} for {what}");
+            }
+            panic!("waited {limit:?} for {what}; last:\n{last}");
+        }
+        tokio::time::sleep(POLL).await; // the poll interval
+    }
+}
+
+/// Asserts that nothing happens for `window`: `happened` is polled throughout and must keep
+/// returning `None`; `Some(description)` fails the test with `what`. A fixed wait on purpose:
+/// "nothing arrives" can only be observed for a bounded time.
+pub async fn assert_quiet_for(
+    what: impl std::fmt::Display,
+    window: Duration,
+    mut happened: impl AsyncFnMut() -> Option<String>,
+) {
+    let started = Instant::now();
+    loop {
+        if let Some(seen) = happened().await {
+            panic!("{what} within {window:?}: {seen}");
+        }
+        if started.elapsed() >= window {
+            return;
+        }
+        tokio::time::sleep(POLL).await; // the poll interval
+    }
+}
+
+/// The exit status of `child` once it has exited, `None` if it still runs after `limit` (the
+/// caller decides: kill it, or fail). Synchronous, for `Drop` and other sync code: std has no
+/// wait with a timeout.
+pub fn exit_within(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
+    let started = Instant::now();
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Some(status);
+        }
+        if started.elapsed() >= limit {
+            return None;
+        }
+        std::thread::sleep(POLL); // the poll interval
+    }
+}
 
 /// Settings a test may change; everything else is the node's default.
 #[derive(Debug, Clone)]
@@ -54,6 +150,17 @@ pub struct Options {
     pub max_outbox_age_s: u64,
     /// Extra `metaserver:` settings (history, token_file, ...), as YAML lines indented 2 spaces.
     pub metaserver_yaml: String,
+    /// Extra `log:` settings (e.g. `format: json`), as YAML lines indented 2 spaces.
+    pub log_yaml: String,
+    /// Extra environment (`EDGEMETA_*` overrides, as an operator would set them).
+    pub env: Vec<(String, String)>,
+    /// Files copied into the node's directory (its working directory) before it starts:
+    /// `(from, file name)`.
+    pub files: Vec<(PathBuf, String)>,
+    /// Run as the README does: no `--config`, the embedded default configuration, the store
+    /// `edgemeta.db` in the node's directory, and only the ports moved, through the environment
+    /// ([`Node::env`]). The settings above other than `env` and `files` are not used.
+    pub embedded_config: bool,
 }
 
 /// The `cloud:` section for a node under test.
@@ -112,6 +219,10 @@ impl Default for Options {
             cloud_yaml: String::new(),
             max_outbox_age_s: 300,
             metaserver_yaml: String::new(),
+            log_yaml: String::new(),
+            env: Vec::new(),
+            files: Vec::new(),
+            embedded_config: false,
         }
     }
 }
@@ -181,6 +292,11 @@ impl Node {
         if let Some(sql) = node.options.store_setup.clone() {
             prepare_store(&node.db_path(), &sql).await;
         }
+        for (from, name) in &node.options.files {
+            std::fs::copy(from, node.dir().join(name)).unwrap_or_else(|e| {
+                panic!("copy {} into the node's directory: {e}", from.display())
+            });
+        }
         // Another process may take a port between our probe and the node's bind: then try
         // fresh ports (the node names the address in its refusal).
         for _ in 0..3 {
@@ -207,7 +323,29 @@ impl Node {
     }
 
     pub fn db_path(&self) -> PathBuf {
-        self.dir.path().join("store").join("edgemeta.db")
+        if self.options.embedded_config {
+            self.dir.path().join("edgemeta.db")
+        } else {
+            self.dir.path().join("store").join("edgemeta.db")
+        }
+    }
+
+    /// The environment the node runs with: [`Options::env`], and with
+    /// [`Options::embedded_config`] the listeners' addresses. Other commands run "against the
+    /// node" as the README does (in [`Node::dir`], without `--config`) need the same.
+    pub fn env(&self) -> Vec<(String, String)> {
+        let mut env = Vec::new();
+        if self.options.embedded_config {
+            for (key, port) in [
+                ("EDGEMETA_BROKER__LISTENERS__MQTT__ADDRESS", self.port),
+                ("EDGEMETA_OBSERVE__ADDRESS", self.observe_port),
+                ("EDGEMETA_METASERVER__ADDRESS", self.metaserver_port),
+            ] {
+                env.push((key.to_owned(), format!("127.0.0.1:{port}")));
+            }
+        }
+        env.extend(self.options.env.iter().cloned());
+        env
     }
 
     pub fn config_path(&self) -> PathBuf {
@@ -225,6 +363,9 @@ impl Node {
 
     fn write_config(&self) {
         let o = &self.options;
+        if o.embedded_config {
+            return;
+        }
         let v5 = match self.v5_port {
             Some(port) => {
                 format!("    mqtt5:\n      address: 127.0.0.1:{port}\n      protocol: v5\n")
@@ -232,7 +373,7 @@ impl Node {
             None => String::new(),
         };
         let yaml = format!(
-            "log:\n  level: info,rumqttd=off\n\
+            "log:\n  level: info,rumqttd=off\n{log_yaml}\
              broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\n{v5}{extra_listeners}  max_packet_bytes: {packet}\n{broker_yaml}\
              store:\n  path: {db}\n  synchronous: normal\n  max_pages: {pages}\n  busy_timeout_ms: {busy}\n{store_yaml}\
              metamanager:\n  max_payload_bytes: {payload}\n  remote_query_timeout_ms: {rq}\n  volume_timeout_ms: {vol}\n  podstatus_sync_interval_s: {sync}\n\
@@ -243,6 +384,7 @@ impl Node {
             observe = self.observe_port,
             metaserver = self.metaserver_port,
             metaserver_yaml = o.metaserver_yaml,
+            log_yaml = o.log_yaml,
             age = o.max_outbox_age_s,
             packet = o.max_packet_bytes,
             extra_listeners = o.extra_listeners,
@@ -280,16 +422,16 @@ impl Node {
             .append(true)
             .open(self.log_path())
             .expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_edgemeta"))
-            .arg("run")
-            .arg("--config")
-            .arg(self.config_path())
-            .env_remove("RUST_LOG")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log file"))
-            .stderr(log)
-            .spawn()
-            .expect("start edgemeta");
+        let config = self.config_path();
+        let child = run_command(
+            self.dir(),
+            (!self.options.embedded_config).then_some(config.as_path()),
+        )
+        .envs(self.env())
+        .stdout(log.try_clone().expect("log file"))
+        .stderr(log)
+        .spawn()
+        .expect("start edgemeta");
         self.child = Some(child);
         self.wait_until_serving(served_before).await
     }
@@ -297,28 +439,27 @@ impl Node {
     /// `Err(log)` if the node exited during start-up.
     async fn wait_until_serving(&mut self, served_before: usize) -> Result<(), String> {
         let address = SocketAddr::from(([127, 0, 0, 1], self.port));
-        let started = Instant::now();
+        let log_path = self.log_path();
+        let child = self.child.as_mut().expect("just spawned");
         // Listeners open only after the MetaManager is subscribed, so a connect means ready;
         // the log line tells our node from another process that took the port before it.
-        while TcpStream::connect_timeout(&address, Duration::from_millis(100)).is_err()
-            || self.log().matches(SERVING).count() <= served_before
-        {
-            if let Some(status) = self
-                .child
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten())
+        let outcome = wait_until("edgemeta serving", WAIT, || {
+            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            std::future::ready(if let Ok(Some(status)) = child.try_wait() {
+                Ok(Err(format!("exited with {status}:\n{log}")))
+            } else if log.matches(SERVING).count() > served_before
+                && TcpStream::connect_timeout(&address, Duration::from_millis(100)).is_ok()
             {
-                self.child = None;
-                return Err(format!("exited with {status}:\n{}", self.log()));
-            }
-            assert!(
-                started.elapsed() < WAIT,
-                "edgemeta not serving after {WAIT:?}:\n{}",
-                self.log()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
+                Ok(Ok(()))
+            } else {
+                Err(log)
+            })
+        })
+        .await;
+        if outcome.is_err() {
+            self.child = None;
         }
-        Ok(())
+        outcome
     }
 
     /// `kill -9`: nothing gets a chance to flush.
@@ -338,15 +479,13 @@ impl Node {
             .arg(child.id().to_string())
             .status()
             .expect("send SIGTERM");
-        loop {
-            if let Some(status) = child.try_wait().expect("wait") {
-                return (status, started.elapsed());
-            }
-            if started.elapsed() > WAIT {
+        match exit_within(&mut child, WAIT) {
+            Some(status) => (status, started.elapsed()),
+            None => {
                 let _ = child.kill();
+                let _ = child.wait();
                 panic!("edgemeta ignored SIGTERM for {WAIT:?}:\n{}", self.log());
             }
-            std::thread::sleep(Duration::from_millis(10));
         }
     }
 
@@ -367,6 +506,19 @@ impl Node {
         self.child
             .as_mut()
             .is_some_and(|c| c.try_wait().ok().flatten().is_none())
+    }
+
+    /// Waits (at most [`WAIT`]) until the node's log contains `needle`, e.g. an event code;
+    /// returns the first line that has it.
+    pub async fn await_log(&self, needle: &str) -> String {
+        wait_until(format_args!("{needle:?} in the node's log"), WAIT, || {
+            let log = self.log();
+            std::future::ready(match log.lines().find(|l| l.contains(needle)) {
+                Some(line) => Ok(line.to_owned()),
+                None => Err(log),
+            })
+        })
+        .await
     }
 
     /// A connected rumqttc client with a unique id.
@@ -862,6 +1014,7 @@ async fn drive(
             }
             Ok(_) => {}
             // The node may be restarting; rumqttc reconnects on the next poll.
+            // pacing: no tight reconnect loop while the node is down.
             Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
         }
     }
@@ -910,31 +1063,118 @@ pub fn mosquitto_pub(port: u16, args: &[&str]) -> (bool, String) {
     )
 }
 
-/// Starts `mosquitto_sub -v` on `filter`, waiting for `count` messages (at most [`WAIT`]).
-pub fn mosquitto_sub(port: u16, filter: &str, count: usize) -> Child {
-    Command::new("mosquitto_sub")
-        .args(["-h", "127.0.0.1", "-p", &port.to_string(), "-v", "-q", "1"])
-        .args([
-            "-t",
-            filter,
-            "-C",
-            &count.to_string(),
-            "-W",
-            &WAIT.as_secs().to_string(),
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("mosquitto_sub is installed (scripts/test installs it)")
+/// Starts `mosquitto_sub -v` on `filter`, waiting for `count` messages (at most [`WAIT`]);
+/// returns once it is subscribed.
+pub async fn mosquitto_sub(port: u16, filter: &str, count: usize) -> MosquittoSub {
+    let port = port.to_string();
+    let count = count.to_string();
+    let wait = WAIT.as_secs().to_string();
+    MosquittoSub::start(&[
+        "-h",
+        "127.0.0.1",
+        "-p",
+        &port,
+        "-v",
+        "-q",
+        "1",
+        "-t",
+        filter,
+        "-C",
+        &count,
+        "-W",
+        &wait,
+    ])
+    .await
 }
 
 /// Lines `mosquitto_sub -v` printed (`<topic> <payload>`), after it exited.
-pub fn sub_output(child: Child) -> Vec<String> {
-    let out = child.wait_with_output().expect("mosquitto_sub output");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(str::to_owned)
-        .collect()
+pub async fn sub_output(sub: MosquittoSub) -> Vec<String> {
+    sub.output().await.1
+}
+
+/// A running `mosquitto_sub` whose subscription is in place: it runs with `-d`, whose
+/// `Subscribed (mid: …)` line follows the SUBACK, and line-buffered; the debug lines are left
+/// out of its output.
+pub struct MosquittoSub {
+    child: Option<Child>,
+    lines: mpsc::UnboundedReceiver<String>,
+}
+
+impl MosquittoSub {
+    /// Starts `mosquitto_sub -d <args>` and waits (at most [`WAIT`]) for its SUBACK.
+    pub async fn start(args: &[&str]) -> MosquittoSub {
+        // `stdbuf -oL`: line-buffered, so `-d`'s lines arrive as printed (stdbuf execs
+        // mosquitto_sub: the pid is its own).
+        let mut child = Command::new("stdbuf")
+            .args(["-oL", "mosquitto_sub", "-d"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("mosquitto_sub is installed (scripts/test installs it)");
+        let (tx, mut lines) = mpsc::unbounded_channel();
+        forward_lines(&mut child, tx);
+        let mut seen = Vec::new();
+        let subscribed = tokio::time::timeout(WAIT, async {
+            while let Some(line) = lines.recv().await {
+                if line.starts_with("Subscribed (mid:") {
+                    return true;
+                }
+                seen.push(line);
+            }
+            false
+        })
+        .await;
+        assert!(
+            subscribed == Ok(true),
+            "`mosquitto_sub {}` not subscribed within {WAIT:?}; it printed {seen:#?}",
+            args.join(" ")
+        );
+        MosquittoSub {
+            child: Some(child),
+            lines,
+        }
+    }
+
+    /// The process (for the caller to stop) and what it prints from here on, `-d`'s lines
+    /// included.
+    pub fn split(mut self) -> (Child, mpsc::UnboundedReceiver<String>) {
+        let child = self.child.take().expect("running");
+        let (_, closed) = mpsc::unbounded_channel();
+        (child, std::mem::replace(&mut self.lines, closed))
+    }
+
+    /// Waits for it to exit (it must, within twice [`WAIT`]: give it `-C` or `-W`); returns its
+    /// exit status and the lines it printed, without `-d`'s.
+    pub async fn output(mut self) -> (ExitStatus, Vec<String>) {
+        let mut out = Vec::new();
+        tokio::time::timeout(2 * WAIT, async {
+            while let Some(line) = self.lines.recv().await {
+                if !line.starts_with("Client ") && !line.starts_with("Subscribed (mid:") {
+                    out.push(line);
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "mosquitto_sub still printing after {:?}: {out:#?}",
+                2 * WAIT
+            )
+        });
+        let child = self.child.as_mut().expect("running");
+        let status = exit_within(child, WAIT).expect("mosquitto_sub exits");
+        (status, out)
+    }
+}
+
+impl Drop for MosquittoSub {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }
 
 /// Writes what a TLS listener needs into the broker's directory; returns its settings.
@@ -1010,17 +1250,13 @@ impl CloudBroker {
             .spawn()
             .expect("mosquitto is installed (scripts/test installs it)");
         self.child = Some(child);
-        let started = Instant::now();
         for port in std::iter::once(self.port).chain(self.tls_port) {
             let address = SocketAddr::from(([127, 0, 0, 1], port));
-            while TcpStream::connect_timeout(&address, Duration::from_millis(100)).is_err() {
-                assert!(
-                    started.elapsed() < WAIT,
-                    "mosquitto not listening on {port} after {WAIT:?}:\n{}",
-                    self.log()
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            wait_until(format_args!("mosquitto listening on {port}"), WAIT, || {
+                let up = TcpStream::connect_timeout(&address, Duration::from_millis(100)).is_ok();
+                std::future::ready(if up { Ok(()) } else { Err(self.log()) })
+            })
+            .await;
         }
     }
 
@@ -1150,37 +1386,39 @@ impl Node {
     }
 }
 
-/// `edgemeta run` working in `dir`, with `yaml` written there as its configuration file.
-pub fn edgemeta(dir: &Path, yaml: &str) -> Command {
-    let config = dir.join("edge.yaml");
-    std::fs::write(&config, yaml).expect("config");
+/// `edgemeta run` working in `dir`, with `config` (or the embedded default configuration):
+/// the one way the tests start a node ([`Node`], [`run_expecting_exit`]).
+fn run_command(dir: &Path, config: Option<&Path>) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_edgemeta"));
+    command.arg("run");
+    if let Some(config) = config {
+        command.arg("--config").arg(config);
+    }
     command
-        .arg("run")
-        .arg("--config")
-        .arg(&config)
-        // The default 10550 is not the test's to take: any free port.
-        .env("EDGEMETA_METASERVER__ADDRESS", "127.0.0.1:0")
-        .current_dir(dir);
+        .current_dir(dir)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null());
     command
 }
 
-/// Runs `edgemeta run` with `yaml` and `env`; it must exit on its own within the wait.
-pub fn run_expecting_exit(yaml: &str, env: &[(&str, &str)]) -> (bool, String) {
+/// Runs `edgemeta run` with `yaml` as its configuration file and `env`; it must exit on its
+/// own within the wait. Returns its exit status and what it printed (stdout, then stderr).
+pub fn run_expecting_exit(yaml: &str, env: &[(&str, &str)]) -> (ExitStatus, String) {
     let dir = tempfile::tempdir().expect("temp dir");
-    let mut child = edgemeta(dir.path(), yaml)
+    let config = dir.path().join("edge.yaml");
+    std::fs::write(&config, yaml).expect("config");
+    let mut child = run_command(dir.path(), Some(&config))
+        // The default 10550 is not the test's to take: any free port.
+        .env("EDGEMETA_METASERVER__ADDRESS", "127.0.0.1:0")
         .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("start edgemeta");
-    let started = Instant::now();
-    while child.try_wait().expect("wait").is_none() {
-        if started.elapsed() > WAIT {
-            let _ = child.kill();
-            panic!("edgemeta kept running with a bad configuration:\n{yaml}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    if exit_within(&mut child, WAIT).is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("edgemeta kept running with a bad configuration:\n{yaml}");
     }
     let out = child.wait_with_output().expect("output");
     let text = format!(
@@ -1188,7 +1426,7 @@ pub fn run_expecting_exit(yaml: &str, env: &[(&str, &str)]) -> (bool, String) {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    (out.status.success(), text)
+    (out.status, text)
 }
 
 /// Splits a README command line on spaces, honouring single quotes.
@@ -1264,10 +1502,7 @@ pub fn terminate_child(child: &mut Child) {
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();
-    let started = Instant::now();
-    while child.try_wait().ok().flatten().is_none() && started.elapsed() < WAIT {
-        std::thread::sleep(Duration::from_millis(10)); // polling a process for its exit
-    }
+    let _ = exit_within(child, WAIT);
     let _ = child.kill();
     let _ = child.wait();
 }

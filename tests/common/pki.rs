@@ -2,7 +2,6 @@
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 use super::WAIT;
 
@@ -161,14 +160,10 @@ impl Pki {
             .stderr(Stdio::piped())
             .spawn()
             .expect("mosquitto_pub is installed (scripts/test installs it)");
-        let deadline = Instant::now() + WAIT;
-        while child.try_wait().expect("wait").is_none() {
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                return (false, format!("still running after {WAIT:?}, killed"));
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        if super::exit_within(&mut child, WAIT).is_none() {
+            let _ = child.kill();
+            let _ = child.wait();
+            return (false, format!("still running after {WAIT:?}, killed"));
         }
         let out = child.wait_with_output().expect("mosquitto_pub output");
         (
