@@ -102,3 +102,66 @@ async fn the_local_relay_delivers_every_cloud_message_once_in_order_and_empties_
         again.len()
     );
 }
+
+/// Standalone mode: a row relayed while no client subscribes to its topic is deleted
+/// unpublished, and the outbox still empties; a shared subscription counts as a subscriber and
+/// gets the rows relayed from then on, in order.
+#[tokio::test]
+async fn the_relay_serves_shared_subscribers_and_deletes_rows_nobody_subscribes_to() {
+    let node = Node::start().await;
+    let cloud = node.client().await;
+    let unheard = send(
+        &cloud,
+        "edgecontroller",
+        "insert",
+        "relay/pod/unheard",
+        json!({}),
+    )
+    .await;
+    // Committed (its answer is then an outbox row), then relayed: the outbox is empty again.
+    wait_until(
+        "the unheard insert is stored",
+        Duration::from_secs(10),
+        async || node.stored("relay/pod/unheard").await.is_some(),
+    )
+    .await;
+    common::cloud::await_empty_outbox(&node, Duration::from_secs(10)).await;
+
+    let mut member = node.client().await;
+    member.subscribe("$share/group/ke/cloud/#").await;
+    let mut heard = Vec::new();
+    for i in 0..3 {
+        heard.push(
+            send(
+                &cloud,
+                "edgecontroller",
+                "insert",
+                &format!("relay/pod/heard{i}"),
+                json!({"n": i}),
+            )
+            .await,
+        );
+    }
+    let mut answered = Vec::new();
+    wait_until(
+        "the shared subscriber gets the 3 answers",
+        Duration::from_secs(10),
+        async || {
+            for m in member.drain(Duration::from_millis(100)).await {
+                answered.push(m.parent_id().expect("an answer names its request"));
+            }
+            if answered.len() >= heard.len() {
+                Ok(())
+            } else {
+                Err(format!("{} answers", answered.len()))
+            }
+        },
+    )
+    .await;
+    assert_eq!(answered, heard, "answers missing, repeated or out of order");
+    assert!(
+        !answered.contains(&unheard),
+        "a row relayed before anyone subscribed was published"
+    );
+    common::cloud::await_empty_outbox(&node, Duration::from_secs(10)).await;
+}

@@ -90,6 +90,8 @@ struct Connection {
     last_topic: Bytes,
     /// QoS 1/2 subscriptions by filter (broker form), with what each is owed.
     owed: HashMap<String, Arc<Owed>>,
+    /// Shared subscriptions held (`$share/<group>/<filter>`), counted only as reaching a topic.
+    shared: HashSet<String>,
     /// rumqttd's own PUBACKs / PUBCOMPs still to come for publishes the node acknowledges after
     /// commit, by packet id: they are not written (counted, since a packet id can be reused
     /// before rumqttd's early answer to its previous use is written).
@@ -164,6 +166,11 @@ impl<P> Drop for ConnectGuard<P> {
         if let Some(lag) = &self.lag {
             for owed in connection.owed.values() {
                 lag.unsubscribe(owed);
+            }
+            for path in &connection.shared {
+                if let Some(filter) = shared_filter(path) {
+                    lag.unshare(filter);
+                }
             }
         }
         if let (true, Some((_, sessions))) = (connection.admitted, &self.front) {
@@ -479,9 +486,25 @@ impl<P: Protocol> ConnectGuard<P> {
     }
 
     /// Counts what a subscription to `path` at `qos` is owed; `None`: unsubscribed. Shared
-    /// subscriptions are not counted: each member gets only some of the filter's messages.
+    /// subscriptions are not counted (each member gets only some of the filter's messages),
+    /// only known to reach their filter's topics.
     fn count_owed(&self, connection: &mut Connection, path: &str, qos: Option<QoS>) {
         let Some(lag) = &self.lag else { return };
+        if let Some(filter) = shared_filter(path) {
+            match qos {
+                Some(_) if connection.session.is_some() => {
+                    if connection.shared.insert(path.to_owned()) {
+                        lag.share(filter);
+                    }
+                }
+                _ => {
+                    if connection.shared.remove(path) {
+                        lag.unshare(filter);
+                    }
+                }
+            }
+            return;
+        }
         // A new subscription to a filter held replaces it (its QoS may differ).
         if let Some(owed) = connection.owed.remove(path) {
             lag.unsubscribe(&owed);
@@ -489,9 +512,6 @@ impl<P: Protocol> ConnectGuard<P> {
         let (Some(qos), Some(session)) = (qos, &connection.session) else {
             return;
         };
-        if shared_filter(path).is_some() {
-            return;
-        }
         let reliable = qos != QoS::AtMostOnce;
         let owed = lag.subscribe(path, &connection.client_id, session, reliable);
         connection.owed.insert(path.to_owned(), owed);

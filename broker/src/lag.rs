@@ -46,6 +46,10 @@ pub struct Lag {
     /// Clients cut off whose next CONNECT must start a clean session: rumqttd would resume a
     /// persistent one at a cursor that is gone, skipping silently.
     to_clean: Mutex<HashSet<String>>,
+    /// Shared subscriptions (`$share/<group>/<filter>`) by the filter they share, with how many
+    /// hold each: not counted for lag (each member gets only some messages), but they are
+    /// subscribers [`Lag::reaches`].
+    shared: Mutex<HashMap<String, usize>>,
 }
 
 /// Subscriptions by filter: filters without wildcards (one per device, typically) are found by
@@ -208,6 +212,7 @@ impl Lag {
             watched: RwLock::new(Watched::default()),
             cut: AtomicU64::new(0),
             to_clean: Mutex::new(HashSet::new()),
+            shared: Mutex::new(HashMap::new()),
         }
     }
 
@@ -395,11 +400,35 @@ impl Lag {
         }
     }
 
-    /// Whether a publish to `topic` reaches any subscription counted here (shared ones are not).
+    /// Whether a publish to `topic` reaches any client's subscription, shared ones included.
     pub fn reaches(&self, topic: &str) -> bool {
         let watched = self.watched.read().unwrap_or_else(|p| p.into_inner());
-        let reached = watched.matching(topic).any(|w| !w.subscriptions.is_empty());
+        if watched.matching(topic).any(|w| !w.subscriptions.is_empty()) {
+            return true;
+        }
+        drop(watched);
+        let shared = self.shared.lock().unwrap_or_else(|p| p.into_inner());
+        let reached = shared
+            .keys()
+            .any(|filter| rumqttd::protocol::matches(topic, filter));
         reached
+    }
+
+    /// A client holds a shared subscription to `filter` (the part after `$share/<group>/`).
+    pub fn share(&self, filter: &str) {
+        let mut shared = self.shared.lock().unwrap_or_else(|p| p.into_inner());
+        *shared.entry(filter.to_owned()).or_default() += 1;
+    }
+
+    /// A shared subscription to `filter` ended (unsubscribed, or its connection ended).
+    pub fn unshare(&self, filter: &str) {
+        let mut shared = self.shared.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(count) = shared.get_mut(filter) {
+            *count -= 1;
+            if *count == 0 {
+                shared.remove(filter);
+            }
+        }
     }
 
     /// Whether `client_id` was cut off since it last connected (then it must start clean, and its
@@ -545,5 +574,28 @@ mod tests {
         assert_eq!(lag.watched(), 0);
         lag.published("a/b", 1_000);
         assert!(!session.is_cut());
+    }
+
+    #[test]
+    fn shared_subscriptions_reach_their_topics_until_the_last_one_ends() {
+        let lag = Lag::new(100);
+        assert!(!lag.reaches("ke/cloud/meta/response/ns/pod"));
+        lag.share("ke/cloud/#");
+        lag.share("ke/cloud/#");
+        assert!(lag.reaches("ke/cloud/meta/response/ns/pod"));
+        assert!(!lag.reaches("ke/edged/x"));
+        lag.unshare("ke/cloud/#");
+        assert!(
+            lag.reaches("ke/cloud/meta/response/ns/pod"),
+            "one member is left"
+        );
+        lag.unshare("ke/cloud/#");
+        assert!(!lag.reaches("ke/cloud/meta/response/ns/pod"));
+        lag.published("ke/cloud/a", 1_000);
+        assert_eq!(
+            lag.watched(),
+            0,
+            "shared subscriptions are not counted for lag"
+        );
     }
 }

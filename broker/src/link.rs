@@ -50,7 +50,8 @@ impl Publisher {
         self.publish(message).await
     }
 
-    /// Whether anyone subscribes to `topic` now (shared subscriptions are not counted).
+    /// Whether a client subscribes to `topic` now, shared subscriptions included (the node's
+    /// own links are not counted).
     pub fn reaches_anyone(&self, topic: &str) -> bool {
         self.lag.reaches(topic)
     }
