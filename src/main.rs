@@ -91,8 +91,7 @@ fn main() -> anyhow::Result<()> {
             std::io::stdin().read_line(&mut line)?;
             let password = line.trim_end_matches(['\r', '\n']);
             anyhow::ensure!(!password.is_empty(), "no password on standard input");
-            let hash =
-                edgemeta_broker::security::hash_password(password).map_err(anyhow::Error::msg)?;
+            let hash = edgemeta_broker::hash_password(password).map_err(anyhow::Error::msg)?;
             println!("{hash}");
             Ok(())
         }

@@ -105,6 +105,7 @@ impl Watched {
         )
     }
 
+    #[cfg(test)]
     fn len(&self) -> usize {
         self.exact
             .values()
@@ -446,7 +447,8 @@ impl Lag {
         self.cut.load(Ordering::Relaxed)
     }
 
-    /// Subscriptions being counted (for tests and diagnostics).
+    /// Subscriptions being counted.
+    #[cfg(test)]
     pub fn watched(&self) -> usize {
         let watched = self.watched.read().unwrap_or_else(|p| p.into_inner());
         watched.len()

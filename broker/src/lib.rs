@@ -17,29 +17,31 @@
 //! - [`link`]: an in-process client: subscribe, receive [`Message`]s, publish them.
 //! - [`message`]: the one value all crates exchange.
 
-pub mod backlog;
-pub mod codec;
-pub mod config;
-pub mod dollar;
-pub mod error;
-pub mod events;
-pub mod framing;
-pub mod front;
-pub mod guard;
-pub mod lag;
-pub mod link;
-pub mod message;
-pub mod security;
-pub mod server;
-pub mod session;
-pub mod withhold;
+mod backlog;
+mod codec;
+mod config;
+mod dollar;
+mod error;
+mod events;
+mod framing;
+mod front;
+mod guard;
+mod lag;
+mod link;
+mod message;
+mod security;
+mod server;
+mod session;
+mod withhold;
 
 pub use config::{BrokerConfig, ListenerConfig, MqttVersion};
+pub use dollar::{to_broker, to_client, INTERNAL_PREFIX};
 pub use error::Error;
 pub use link::{Link, Publisher};
 pub use message::Message;
 /// rumqttd's topic matching (broker forms), for checks on filters our links hold.
 pub use rumqttd::protocol::matches;
+pub use security::hash_password;
 pub use server::{reachable, Broker, BrokerStats};
 pub use session::{Ack, AckKind};
 

@@ -5,7 +5,7 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use edgemeta_broker::dollar::{to_client, INTERNAL_PREFIX};
+use edgemeta_broker::{to_client, INTERNAL_PREFIX};
 use edgemeta_broker::{Message, Publisher};
 use edgemeta_protocol::{is_name, Envelope, InboundTopic, ObjectMeta, Operation, Resource, META};
 use tokio::sync::mpsc;

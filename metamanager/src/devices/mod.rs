@@ -9,7 +9,7 @@ pub mod wire;
 use std::collections::BTreeMap;
 
 use bytes::Bytes;
-use edgemeta_broker::dollar::to_broker;
+use edgemeta_broker::to_broker;
 use edgemeta_broker::Message;
 use edgemeta_protocol::{new_msg_id, now_ms, raw, rfc3339, Envelope, Header, Route, CLOUD};
 use serde::Serialize;
