@@ -3,14 +3,15 @@
 
 use edgemeta_broker::Message;
 use edgemeta_metamanager::envelope::Envelope;
-use edgemeta_metamanager::intake::{parse, IntakeConfig};
 use edgemeta_metamanager::resource::Resource;
 use edgemeta_metamanager::topic::InboundTopic;
+use edgemeta_metamanager::{parse_message as parse, IntakeConfig};
 use proptest::prelude::*;
 
 fn config() -> IntakeConfig {
     IntakeConfig {
         root: "ke".into(),
+        node: "n1".into(),
         max_payload_bytes: 4096,
         meters: std::sync::Arc::new(edgemeta_metamanager::Meters::noop()),
     }
@@ -103,7 +104,7 @@ proptest! {
             }
             Ok(None) => {}
             Err(refused) => {
-                for reply in refused.requester.error_messages("ke", &refused.error) {
+                for reply in refused.replies("ke") {
                     let envelope = Envelope::parse(&reply.payload).expect("error replies parse");
                     prop_assert_eq!(envelope.route.operation.as_str(), "error");
                     prop_assert!(reply.topic.starts_with("ke/"));
