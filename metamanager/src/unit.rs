@@ -158,7 +158,7 @@ pub(crate) struct Waits {
 
 /// What the worker's configuration gives every handler.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Names<'a> {
+pub(crate) struct Settings<'a> {
     pub(crate) root: &'a str,
     /// This node's name (`cloud.node_id`): devices' membership topics carry it.
     pub(crate) node: &'a str,
@@ -170,7 +170,7 @@ pub(crate) struct Names<'a> {
 /// borrows the store) can live beside it.
 pub(crate) struct Context<'a> {
     db: &'a Db,
-    names: Names<'a>,
+    settings: Settings<'a>,
     state: &'a mut State,
     /// Local messages to publish after the commit.
     local: Vec<Message>,
@@ -191,10 +191,10 @@ pub(crate) struct Effects {
 }
 
 impl<'a> Context<'a> {
-    pub(crate) fn new(db: &'a Db, names: Names<'a>, state: &'a mut State) -> Context<'a> {
+    pub(crate) fn new(db: &'a Db, settings: Settings<'a>, state: &'a mut State) -> Context<'a> {
         Context {
             db,
-            names,
+            settings,
             state,
             local: Vec::new(),
             outbox_written: false,
@@ -216,15 +216,15 @@ impl<'a> Context<'a> {
     }
 
     pub(crate) fn root(&self) -> &'a str {
-        self.names.root
+        self.settings.root
     }
 
     pub(crate) fn node(&self) -> &'a str {
-        self.names.node
+        self.settings.node
     }
 
     pub(crate) fn waits(&self) -> Waits {
-        self.names.waits
+        self.settings.waits
     }
 
     /// Whether the cloud link is up.
@@ -257,7 +257,7 @@ impl<'a> Context<'a> {
         envelope: &Envelope,
     ) -> Result<(), Error> {
         let topic = outbound(
-            self.names.root,
+            self.settings.root,
             module,
             from,
             &envelope.route.operation,
@@ -281,7 +281,7 @@ impl<'a> Context<'a> {
         outbox::append(
             self.db,
             &mut self.state.outbox,
-            self.names.outbox_limit,
+            self.settings.outbox_limit,
             topic,
             payload,
         )

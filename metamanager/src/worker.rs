@@ -19,7 +19,7 @@ use crate::handon::Feed;
 use crate::meters::{self, Meters, Tally};
 use crate::outbox::{self, OutboxLimit, Read, Write};
 use crate::store::{Changes, Db, StoreConfig, StoreError};
-use crate::unit::{Context, Job, Names, Outcome, State, Step, Waits};
+use crate::unit::{Context, Job, Outcome, Settings, State, Step, Waits};
 
 /// What the worker needs besides the store.
 pub(crate) struct WorkerConfig {
@@ -225,7 +225,7 @@ impl Worker {
                 }
             };
             let counters = *self.state.outbox();
-            let mut cx = Context::new(&self.db, names(&self.config), &mut self.state);
+            let mut cx = Context::new(&self.db, settings(&self.config), &mut self.state);
             let result = match &step {
                 Step::Apply(work, _) => handlers::apply(work, &mut cx).await,
                 Step::Expired(id) => handlers::expire(id, &mut cx).await,
@@ -479,8 +479,8 @@ fn count_failed<'a>(meters: &Meters, steps: impl Iterator<Item = &'a Step>) {
 }
 
 /// What every handler reads of the worker's configuration.
-fn names(config: &WorkerConfig) -> Names<'_> {
-    Names {
+fn settings(config: &WorkerConfig) -> Settings<'_> {
+    Settings {
         root: &config.root,
         node: &config.node,
         waits: config.waits,
