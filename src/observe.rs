@@ -250,7 +250,7 @@ pub struct Sources {
     pub outbox: OutboxHandle,
     pub broker: BrokerStats,
     /// Hand-ons committed and not yet handed to the broker.
-    pub handons: Arc<edgemeta_metamanager::handon::HandonGauge>,
+    pub handons: Arc<edgemeta_metamanager::HandonGauge>,
     /// `None` when the cloud bridge is off.
     pub cloud: Option<Arc<CloudStatus>>,
     /// Set once every MQTT listener accepts, cleared when the node starts to stop.

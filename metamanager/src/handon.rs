@@ -17,7 +17,7 @@ use tokio::sync::{mpsc, Notify};
 use tokio_util::sync::CancellationToken;
 use tracing::error;
 
-use crate::outbox::{OutboxHandle, PendingAck};
+use crate::outbox_handle::{OutboxHandle, PendingAck};
 
 /// Hand-ons read from the store per round, and handed over between two deletions.
 const BATCH: usize = 256;

@@ -7,21 +7,28 @@ use std::sync::Arc;
 
 use edgemeta_broker::{to_client, INTERNAL_PREFIX};
 use edgemeta_broker::{Message, Publisher};
-use edgemeta_protocol::{is_name, Envelope, InboundTopic, ObjectMeta, Operation, Resource, META};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::devices;
+use crate::devices::{self, Event};
 use crate::error::Error;
+use crate::handlers;
 use crate::meters::{self, Meters};
+use crate::reply::{code_of, error_reply, Asker};
 use crate::request::{Request, Requester};
-use crate::worker::{Done, Job, Outcome};
+use crate::unit::{Done, Job, Outcome, Work};
+use edgemeta_protocol::Operation;
+use edgemeta_protocol::{is_name, Resource};
+use edgemeta_protocol::{Envelope, ObjectMeta};
+use edgemeta_protocol::{InboundTopic, META};
 
 /// Limits and names the intake needs.
 #[derive(Debug, Clone)]
 pub struct IntakeConfig {
     pub root: String,
+    /// This node's name (`cloud.node_id`).
+    pub node: String,
     pub max_payload_bytes: usize,
     /// Counts the messages refused here.
     pub meters: Arc<Meters>,
@@ -29,11 +36,11 @@ pub struct IntakeConfig {
 
 /// A message handed in by another in-process component (the cloud bridge), with the signal to
 /// fire once it is committed or refused.
-pub type Submission = (Message, tokio::sync::oneshot::Sender<Outcome>);
+pub(crate) type Submission = (Message, tokio::sync::oneshot::Sender<Outcome>);
 
 /// Reads the link and the submissions until cancelled; then takes what is already queued, so
 /// nothing handed over is dropped, and returns (dropping its job sender lets the worker finish).
-pub async fn run(
+pub(crate) async fn run(
     config: IntakeConfig,
     mut inbox: mpsc::Receiver<Message>,
     mut submissions: mpsc::Receiver<Submission>,
@@ -83,7 +90,8 @@ async fn intake(
 ) -> bool {
     match device_event(config, &message) {
         Some(Ok(event)) => {
-            return jobs.send(Job::Device(Box::new(event), done)).await.is_ok();
+            let work = Work::Device(Box::new(event));
+            return jobs.send(Job::Apply(work, done)).await.is_ok();
         }
         Some(Err(reply)) => {
             if let Some(reply) = reply {
@@ -100,7 +108,7 @@ async fn intake(
     }
     match parse(config, &message) {
         Ok(Some(request)) => jobs
-            .send(Job::Request(Box::new(request), done))
+            .send(Job::Apply(Work::Request(Box::new(request)), done))
             .await
             .is_ok(),
         Ok(None) => {
@@ -110,15 +118,10 @@ async fn intake(
             true
         }
         Err(refused) => {
-            let Refused {
-                requester,
-                error,
-                operation,
-            } = *refused;
             config
                 .meters
-                .messages(operation, meters::Outcome::Refused, 1);
-            for reply in requester.error_messages(&config.root, &error) {
+                .messages(refused.operation, meters::Outcome::Refused, 1);
+            for reply in refused.replies(&config.root) {
                 if publisher.publish(reply).await.is_err() {
                     return false;
                 }
@@ -136,11 +139,12 @@ async fn intake(
 fn device_event(
     config: &IntakeConfig,
     message: &Message,
-) -> Option<Result<devices::Event, Option<Message>>> {
+) -> Option<Result<Event, Option<Message>>> {
     let topic = to_client(&message.topic);
-    if let Some(kind) = devices::classify(&topic) {
-        let event = devices::Event {
-            kind,
+    if let Some((family, id)) = handlers::classify(&topic) {
+        let event = Event {
+            family,
+            id,
             topic: topic.into_owned(),
             payload: message.payload.clone(),
         };
@@ -152,8 +156,10 @@ fn device_event(
             warn!(error_code = error.code(), topic = %event.topic, error = %error, "device message refused");
             config
                 .meters
-                .device_messages(event.kind.index(), meters::Outcome::Refused, 1);
-            return Some(Err(devices::refusal(&event, 400, &error.to_string())));
+                .device_messages(event.family, meters::Outcome::Refused, 1);
+            let work = Work::Device(Box::new(event));
+            let reply = handlers::failure_reply(&config.root, &config.node, &work, &error);
+            return Some(Err(reply.into_iter().next()));
         }
         return Some(Ok(event));
     }
@@ -177,9 +183,11 @@ fn device_event(
             .filter(|r| r.namespace() == namespace && r.res_type() == res_type)
             .and_then(|r| r.id().map(str::to_owned)),
     };
-    let kind = devices::classify_cloud(inbound.operation, namespace, res_type, name.as_deref())?;
-    Some(Ok(devices::Event {
-        kind,
+    let (family, id) =
+        handlers::classify_cloud(inbound.operation, namespace, res_type, name.as_deref())?;
+    Some(Ok(Event {
+        family,
+        id,
         topic: message.topic.clone(),
         payload: bytes::Bytes::copy_from_slice(envelope.content.get().as_bytes()),
     }))
@@ -192,6 +200,14 @@ pub struct Refused {
     pub error: Error,
     /// The topic's operation, when it is one.
     pub operation: Option<Operation>,
+}
+
+impl Refused {
+    /// What the sender hears: an `error` reply on its reply topic (and its v5 Response Topic).
+    pub fn replies(&self, root: &str) -> Vec<Message> {
+        let asker = Asker::Requester(&self.requester);
+        error_reply(root, asker, code_of(&self.error), &self.error.to_string())
+    }
 }
 
 /// A request, `None` for a message nobody can be answered about, or why it is refused.
@@ -343,6 +359,7 @@ mod tests {
     fn config() -> IntakeConfig {
         IntakeConfig {
             root: "ke".into(),
+            node: "n1".into(),
             max_payload_bytes: 64,
             meters: Arc::new(Meters::noop()),
         }

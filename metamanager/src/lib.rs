@@ -3,28 +3,35 @@
 //! the cloud (through the durable outbox), exactly as KubeEdge v1.3's `process.go` does.
 //!
 //! # Layout (in the order a message flows)
-//! - [`intake`]: link inbox → topic and envelope checks → [`Request`]; malformed input answered.
+//! - `intake`: link inbox → topic and envelope checks → [`Request`] or a device `Event`;
+//!   malformed input answered.
 //! - the grammar (topics, envelope, operations, resources) is `edgemeta-protocol`'s.
-//! - [`worker`]: the store owner thread; group commit, one savepoint per message.
-//! - [`process`]: what each operation does, driven by the [`routing`] table.
+//! - `unit`: the unit of work: `Job`, `Work`, `Step`, the handlers' `Context`, the state.
+//! - `worker`: the store owner thread; group commit, one savepoint per message.
+//! - `handlers/`: what each message family does, one file each, driven for requests by the
+//!   `routing` table; `reply`: the one place a failure becomes what a client sees.
+//! - `devices/`: KubeEdge's DeviceTwin, its domain part (ids, topics, JSON shapes, twin merge).
 //! - [`store`]: libsql on a local file: `meta` (KubeEdge's table), `outbox` and `handon`.
-//! - [`handon`]: committed local messages, handed to the broker at their subscribers' pace.
-//! - [`outbox`]: every rule of the cloud outbox, and the handle its deliverers use.
-//! - [`meters`]: message counters and commit latency, registered once for the node's metrics.
-//! - [`relay`]: without a cloud bridge, the outbox goes to the local `<root>/cloud/...` topics.
+//! - `handon`: committed local messages, handed to the broker at their subscribers' pace.
+//! - `outbox`: every rule of the cloud outbox; `outbox_handle`: the handle its deliverers use.
+//! - `meters`: message counters and commit latency, registered once for the node's metrics.
+//! - `relay`: without a cloud bridge, the outbox goes to the local `<root>/cloud/...` topics.
 
-pub mod devices;
-pub mod error;
-pub mod handon;
-pub mod intake;
-pub mod meters;
-pub mod outbox;
-pub mod process;
-pub mod relay;
-pub mod request;
-pub mod routing;
+mod devices;
+mod error;
+mod handlers;
+mod handon;
+mod intake;
+mod meters;
+mod outbox;
+mod outbox_handle;
+mod relay;
+mod reply;
+mod request;
+mod routing;
 pub mod store;
-pub mod worker;
+mod unit;
+mod worker;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,11 +44,14 @@ use tokio_util::sync::CancellationToken;
 
 pub use edgemeta_protocol::Operation;
 pub use error::Error;
+pub use handon::HandonGauge;
+pub use intake::{parse as parse_message, IntakeConfig, Refused};
 pub use meters::Meters;
-pub use outbox::{OutboxEntry, OutboxHandle, OutboxStats, PendingAck};
-pub use request::Request;
+pub use outbox::{OutboxEntry, OutboxStats};
+pub use outbox_handle::{OutboxHandle, PendingAck};
+pub use request::{Request, Requester};
 pub use store::StoreConfig;
-pub use worker::Outcome;
+pub use unit::Outcome;
 use worker::Stopped;
 
 /// Committed batches of changes a live watch may fall behind by before it reads the history.
@@ -138,7 +148,7 @@ pub struct MetaManager {
     relay: Option<JoinHandle<()>>,
     /// Hands committed messages on at their subscribers' pace (`handon.rs`).
     pump: Option<JoinHandle<()>>,
-    handons: Arc<handon::HandonGauge>,
+    handons: Arc<HandonGauge>,
     store_done: oneshot::Receiver<Stopped>,
     /// How the store thread ended, once [`MetaManager::failed`] saw it end.
     store_stopped: Option<Stopped>,
@@ -164,7 +174,7 @@ impl MetaManager {
         let worker_config = worker::WorkerConfig {
             root: root.to_owned(),
             node: node.to_owned(),
-            waits: process::Waits {
+            waits: unit::Waits {
                 remote_query: Duration::from_millis(config.remote_query_timeout_ms),
                 volume: Duration::from_millis(config.volume_timeout_ms),
             },
@@ -208,6 +218,7 @@ impl MetaManager {
         });
         let intake_config = intake::IntakeConfig {
             root: root.to_owned(),
+            node: node.to_owned(),
             max_payload_bytes: config.max_payload_bytes,
             meters,
         };
@@ -239,7 +250,7 @@ impl MetaManager {
     }
 
     /// Hand-ons committed and waiting for their subscribers, for the node's metrics.
-    pub fn handons(&self) -> Arc<handon::HandonGauge> {
+    pub fn handons(&self) -> Arc<HandonGauge> {
         self.handons.clone()
     }
 

@@ -4,10 +4,11 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use edgemeta_protocol::Operation;
 use metrics::{counter, histogram, Counter, Histogram};
 
-use crate::devices;
+use crate::handlers::KINDS;
+use crate::unit::Counted;
+use edgemeta_protocol::Operation;
 
 /// What became of a message, as the `result` label says it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,8 +34,8 @@ const OPERATIONS: usize = Operation::ALL.len() + 1;
 pub struct Meters {
     /// `edgemeta_messages_total{operation, result}`, indexed by operation then outcome.
     messages: [[Counter; 3]; OPERATIONS],
-    /// `edgemeta_device_messages_total{kind, result}`, indexed by [`devices::KINDS`] then outcome.
-    devices: [[Counter; 3]; devices::KINDS.len()],
+    /// `edgemeta_device_messages_total{kind, result}`, indexed by family (`handlers::KINDS`) then outcome.
+    devices: [[Counter; 3]; KINDS.len()],
     /// `edgemeta_store_commit_seconds`: one sample per batch commit.
     commit_seconds: Histogram,
     /// `edgemeta_store_commits_total{result="failed"}`.
@@ -55,7 +56,7 @@ impl Meters {
                 counter!("edgemeta_messages_total", "operation" => operation, "result" => result)
             })
         });
-        let devices = devices::KINDS.map(|kind| {
+        let devices = KINDS.map(|kind| {
             OUTCOMES.map(|(_, result)| {
                 counter!("edgemeta_device_messages_total", "kind" => kind, "result" => result)
             })
@@ -88,10 +89,19 @@ impl Meters {
         self.messages[row][outcome as usize].increment(n);
     }
 
-    /// Counts `n` device messages of kind `kind` ([`devices::Kind::index`]) that ended as `outcome`.
+    /// Counts `n` device messages of family `kind` (its row of `handlers::KINDS`) that ended as
+    /// `outcome`.
     pub fn device_messages(&self, kind: usize, outcome: Outcome, n: u64) {
         if let Some(row) = self.devices.get(kind) {
             row[outcome as usize].increment(n);
+        }
+    }
+
+    /// Counts `n` messages in their operation's or their family's row.
+    pub(crate) fn count(&self, counted: Counted, outcome: Outcome, n: u64) {
+        match counted {
+            Counted::Operation(operation) => self.messages(Some(operation), outcome, n),
+            Counted::Device(kind) => self.device_messages(kind, outcome, n),
         }
     }
 
@@ -128,17 +138,21 @@ impl std::fmt::Debug for Meters {
 #[derive(Debug, Default)]
 pub struct Tally {
     counts: [[u32; 3]; OPERATIONS],
-    devices: [[u32; 3]; devices::KINDS.len()],
+    devices: [[u32; 3]; KINDS.len()],
 }
 
 impl Tally {
-    pub fn add(&mut self, operation: Operation, outcome: Outcome) {
-        self.counts[operation as usize][outcome as usize] += 1;
-    }
-
-    pub fn add_device(&mut self, kind: usize, outcome: Outcome) {
-        if let Some(row) = self.devices.get_mut(kind) {
-            row[outcome as usize] += 1;
+    /// Counts one message, in its operation's or its family's row.
+    pub(crate) fn add(&mut self, counted: Counted, outcome: Outcome) {
+        match counted {
+            Counted::Operation(operation) => {
+                self.counts[operation as usize][outcome as usize] += 1;
+            }
+            Counted::Device(kind) => {
+                if let Some(row) = self.devices.get_mut(kind) {
+                    row[outcome as usize] += 1;
+                }
+            }
         }
     }
 

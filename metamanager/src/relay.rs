@@ -9,7 +9,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::error;
 
-use crate::outbox::{OutboxHandle, PendingAck};
+use crate::outbox_handle::{OutboxHandle, PendingAck};
 
 /// Entries read per round.
 const BATCH: usize = 256;

@@ -2,11 +2,12 @@
 
 use bytes::Bytes;
 use edgemeta_broker::Message;
-use edgemeta_protocol::{json_string, Envelope, Route};
-use edgemeta_protocol::{outbound, reply_module, Operation, Resource, META};
 use serde_json::value::RawValue;
 
-use crate::error::Error;
+use edgemeta_protocol::Operation;
+use edgemeta_protocol::Resource;
+use edgemeta_protocol::{outbound, reply_module, META};
+use edgemeta_protocol::{Envelope, Route};
 
 /// A well-formed request: the topic has been checked and wins over the envelope's route.
 #[derive(Debug, Clone)]
@@ -105,20 +106,5 @@ impl Requester {
             correlation: self.correlation.clone(),
             ..Message::default()
         })
-    }
-
-    /// The one place an error becomes what the client sees: an `error` reply whose content is
-    /// the error's text, on the requester's topic (and its v5 Response Topic).
-    ///
-    /// Published directly, not through the outbox: the failure may be the store itself.
-    pub fn error_messages(&self, root: &str, error: &Error) -> Vec<Message> {
-        let envelope = self.envelope(Operation::Error, json_string(&error.to_string()));
-        let payload = Bytes::from(envelope.to_bytes());
-        let mut out = vec![Message::new(
-            self.topic(root, Operation::Error),
-            payload.clone(),
-        )];
-        out.extend(self.v5_copy(&payload));
-        out
     }
 }

@@ -8,92 +8,41 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use edgemeta_broker::{Ack, Message, Publisher};
+use edgemeta_broker::{Message, Publisher};
 use tokio::sync::{broadcast, mpsc, oneshot, Notify};
 use tokio::time::{interval_at, Instant, MissedTickBehavior};
 use tracing::{error, warn};
 
-use crate::devices;
 use crate::error::Error;
+use crate::handlers;
 use crate::handon::Feed;
 use crate::meters::{self, Meters, Tally};
 use crate::outbox::{self, OutboxLimit, Read, Write};
-use crate::process::{self, Context, State, Waits};
-use crate::request::Request;
 use crate::store::{Changes, Db, StoreConfig, StoreError};
-
-/// Fired once a request has been dealt with: committed, or answered with an error.
-#[derive(Debug)]
-pub enum Done {
-    /// An in-process sender (the cloud bridge) waits for the outcome.
-    Told(oneshot::Sender<Outcome>),
-    /// A client's publish: dropping the promise sends its PUBACK (protocol §6.5).
-    Acked(Ack),
-}
-
-impl Done {
-    /// Tells whoever waits how the message ended.
-    pub fn send(self, outcome: Outcome) {
-        match self {
-            Done::Told(tx) => drop(tx.send(outcome)),
-            Done::Acked(ack) => drop(ack),
-        }
-    }
-}
-
-/// How a request submitted through [`crate::Ingress`] ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    /// Committed, or refused for good with an error reply: the sender may forget it.
-    Final,
-    /// Refused for now (outbox full, a failed commit): the sender should deliver it again later.
-    Retry,
-}
-
-impl Outcome {
-    fn of(error: &Error) -> Outcome {
-        if error.is_temporary() {
-            Outcome::Retry
-        } else {
-            Outcome::Final
-        }
-    }
-}
-
-/// Work for the store worker.
-pub enum Job {
-    /// A parsed message, and whom to tell once it is committed.
-    Request(Box<Request>, Option<Done>),
-    /// A device message (`devices`), and whom to tell once it is committed.
-    Device(Box<devices::Event>, Option<Done>),
-    /// An outbox change, committed with the batch it arrives in.
-    Write(Write),
-    /// An outbox read, answered after that batch.
-    Read(Read),
-}
+use crate::unit::{Context, Job, Outcome, Settings, State, Step, Waits};
 
 /// What the worker needs besides the store.
-pub struct WorkerConfig {
-    pub root: String,
+pub(crate) struct WorkerConfig {
+    pub(crate) root: String,
     /// This node's name (`cloud.node_id`).
-    pub node: String,
-    pub waits: Waits,
-    pub podstatus_sync_interval: Duration,
-    pub batch_max: usize,
-    pub outbox_limit: OutboxLimit,
+    pub(crate) node: String,
+    pub(crate) waits: Waits,
+    pub(crate) podstatus_sync_interval: Duration,
+    pub(crate) batch_max: usize,
+    pub(crate) outbox_limit: OutboxLimit,
 }
 
 /// What the worker announces after a commit.
-pub struct Announce {
+pub(crate) struct Announce {
     /// The outbox has new rows (relay, cloud bridge).
-    pub outbox_changed: Arc<Notify>,
+    pub(crate) outbox_changed: Arc<Notify>,
     /// Committed changes of served objects (the MetaServer's live watches).
-    pub changes: broadcast::Sender<Changes>,
+    pub(crate) changes: broadcast::Sender<Changes>,
 }
 
 /// How the store thread ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Stopped {
+pub(crate) enum Stopped {
     /// Every job sender was gone and the last batch committed.
     Finished,
     /// The thread panicked: the node must stop, since nobody would answer its clients.
@@ -103,7 +52,7 @@ pub enum Stopped {
 /// Opens the store on a new thread and serves `jobs` until every sender is gone.
 ///
 /// Returns once the store is open (or failed to open); `done` tells how the thread ended.
-pub async fn spawn(
+pub(crate) async fn spawn(
     store: StoreConfig,
     config: WorkerConfig,
     jobs: mpsc::Receiver<Job>,
@@ -155,8 +104,7 @@ pub async fn spawn(
                         }
                     }
                     let _ = opened_tx.send(Ok(()));
-                    let mut state = State::new();
-                    state.outbox = outbox;
+                    let state = State::new(outbox);
                     let worker = Worker {
                         db,
                         config,
@@ -199,14 +147,6 @@ struct Worker {
     changes: broadcast::Sender<Changes>,
 }
 
-/// One unit of a batch, in arrival order.
-enum Step {
-    Request(Box<Request>, Option<Done>),
-    Device(Box<devices::Event>, Option<Done>),
-    Expired(String),
-    SyncPodStatus,
-}
-
 impl Worker {
     async fn run(mut self, mut jobs: mpsc::Receiver<Job>) {
         let period = self.config.podstatus_sync_interval;
@@ -227,8 +167,8 @@ impl Worker {
                     }
                     None => break,
                 },
-                Some(expired) = std::future::poll_fn(|cx| self.state.expiries.poll_expired(cx)) => {
-                    batch.steps.push(Step::Expired(expired.into_inner()));
+                Some(expired) = std::future::poll_fn(|cx| self.state.poll_expired(cx)) => {
+                    batch.steps.push(Step::Expired(expired));
                 }
                 _ = sync.tick() => batch.steps.push(Step::SyncPodStatus),
             }
@@ -243,7 +183,7 @@ impl Worker {
             }
             // Reads see what is committed, whether or not this batch's writes were.
             for read in reads {
-                outbox::answer(read, &self.db, &mut self.state.outbox).await;
+                outbox::answer(read, &self.db, self.state.outbox()).await;
             }
         }
         if let Err(e) = self.db.checkpoint().await {
@@ -254,7 +194,7 @@ impl Worker {
     /// Applies requests and outbox writes in one transaction; answers only after `COMMIT`.
     async fn write_batch(&mut self, steps: Vec<Step>, writes: Vec<Write>) {
         let durable = outbox::needs_fsync(steps.len(), &writes);
-        let outbox_before = self.state.outbox;
+        let outbox_before = *self.state.outbox();
         let tx = match self.db.begin(durable).await {
             Ok(tx) => tx,
             Err(e) => {
@@ -284,15 +224,16 @@ impl Worker {
                     continue;
                 }
             };
-            let counters = self.state.outbox;
-            let mut cx = context(&self.db, &self.config, &mut self.state);
+            let counters = *self.state.outbox();
+            let mut cx = Context::new(&self.db, settings(&self.config), &mut self.state);
             let result = match &step {
-                Step::Request(request, _) => process::apply(request, &mut cx).await,
-                Step::Device(event, _) => devices::apply(event, &mut cx).await,
-                Step::Expired(id) => process::expire(id, &mut cx).await,
-                Step::SyncPodStatus => process::sync_pod_status(&mut cx).await,
+                Step::Apply(work, _) => handlers::apply(work, &mut cx).await,
+                Step::Expired(id) => handlers::expire(id, &mut cx).await,
+                Step::SyncPodStatus => handlers::sync_pod_status(&mut cx).await,
             };
-            let (produced, wrote, refused) = (cx.local, cx.outbox_written, cx.refused);
+            let effects = cx.finish();
+            let (produced, wrote, refused) =
+                (effects.local, effects.outbox_written, effects.refused);
             let outcome = result.as_ref().err().map_or(Outcome::Final, Outcome::of);
             let counted = match &result {
                 Ok(()) if refused => meters::Outcome::Refused,
@@ -300,10 +241,8 @@ impl Worker {
                 Err(e) if e.is_bad_input() => meters::Outcome::Refused,
                 Err(_) => meters::Outcome::Failed,
             };
-            match &step {
-                Step::Request(request, _) => tally.add(request.operation, counted),
-                Step::Device(event, _) => tally.add_device(event.kind.index(), counted),
-                Step::Expired(_) | Step::SyncPodStatus => {}
+            if let Step::Apply(work, _) = &step {
+                tally.add(work.counted(), counted);
             }
             match result {
                 Ok(()) => match savepoint.release().await {
@@ -323,7 +262,7 @@ impl Worker {
                 }
                 Err(error) => match savepoint.rollback().await {
                     Ok(()) => {
-                        self.state.outbox = counters;
+                        *self.state.outbox() = counters;
                         local.extend(self.error_reply(&step, &error));
                     }
                     Err(e) => {
@@ -348,7 +287,7 @@ impl Worker {
                 if let Err(e) = tx.rollback().await {
                     warn!(error_code = "EM-STORE-TRANSACTION", error = %e, "rollback of an aborted batch failed");
                 }
-                self.state.outbox = outbox_before;
+                *self.state.outbox() = outbox_before;
                 self.meters.committed(None);
                 count_failed(&self.meters, applied.iter().map(|(step, _)| step));
                 return self.fail_batch(applied, writes, error).await;
@@ -359,7 +298,7 @@ impl Worker {
             let (reply, result, appended) = outbox::apply(
                 write,
                 &self.db,
-                &mut self.state.outbox,
+                self.state.outbox(),
                 self.config.outbox_limit,
             )
             .await;
@@ -376,7 +315,7 @@ impl Worker {
             count_failed(&self.meters, applied.iter().map(|(step, _)| step));
         }
         if let Err(e) = committed {
-            self.state.outbox = outbox_before;
+            *self.state.outbox() = outbox_before;
             let error = Error::Commit(e.to_string());
             for (reply, _) in replies {
                 let _ = reply.send(Err(Error::Commit(error.to_string())));
@@ -402,7 +341,7 @@ impl Worker {
         }
         self.feed.committed(handons);
         for (step, outcome) in applied {
-            if let Step::Request(_, Some(done)) | Step::Device(_, Some(done)) = step {
+            if let Step::Apply(_, Some(done)) = step {
                 done.send(outcome);
             }
         }
@@ -481,7 +420,7 @@ impl Worker {
             for message in self.error_reply(&step, &error) {
                 let _ = self.publisher.publish(message).await;
             }
-            if let Step::Request(_, Some(done)) | Step::Device(_, Some(done)) = step {
+            if let Step::Apply(_, Some(done)) = step {
                 done.send(Outcome::Retry);
             }
         }
@@ -492,13 +431,9 @@ impl Worker {
 
     fn error_reply(&self, step: &Step, error: &Error) -> Vec<Message> {
         match step {
-            Step::Request(request, _) => {
-                log_failure(request, error);
-                request.requester.error_messages(&self.config.root, error)
-            }
-            Step::Device(event, _) => {
-                error!(error_code = error.code(), topic = %event.topic, error = %error, "device message failed");
-                devices::failure_reply(event, error).into_iter().collect()
+            Step::Apply(work, _) => {
+                handlers::log_failure(work, error);
+                handlers::failure_reply(&self.config.root, &self.config.node, work, error)
             }
             Step::Expired(id) => {
                 error!(error_code = error.code(), %id, error = %error, "expiring a pending request failed");
@@ -523,8 +458,7 @@ struct Batch {
 impl Batch {
     fn add(&mut self, job: Job) {
         match job {
-            Job::Request(request, done) => self.steps.push(Step::Request(request, done)),
-            Job::Device(event, done) => self.steps.push(Step::Device(event, done)),
+            Job::Apply(work, done) => self.steps.push(Step::Apply(work, done)),
             Job::Write(write) => self.writes.push(write),
             Job::Read(read) => self.reads.push(read),
         }
@@ -538,41 +472,18 @@ impl Batch {
 /// Counts every request of a batch that was not committed as failed (the error path: one add each).
 fn count_failed<'a>(meters: &Meters, steps: impl Iterator<Item = &'a Step>) {
     for step in steps {
-        match step {
-            Step::Request(request, _) => {
-                meters.messages(Some(request.operation), meters::Outcome::Failed, 1)
-            }
-            Step::Device(event, _) => {
-                meters.device_messages(event.kind.index(), meters::Outcome::Failed, 1)
-            }
-            Step::Expired(_) | Step::SyncPodStatus => {}
+        if let Step::Apply(work, _) = step {
+            meters.count(work.counted(), meters::Outcome::Failed, 1);
         }
     }
 }
 
-/// Everything an operation may touch, borrowed field by field so the open transaction (which
-/// borrows the store) can live beside it.
-fn context<'a>(db: &'a Db, config: &'a WorkerConfig, state: &'a mut State) -> Context<'a> {
-    Context {
-        db,
+/// What every handler reads of the worker's configuration.
+fn settings(config: &WorkerConfig) -> Settings<'_> {
+    Settings {
         root: &config.root,
         node: &config.node,
-        state,
         waits: config.waits,
         outbox_limit: config.outbox_limit,
-        local: Vec::new(),
-        outbox_written: false,
-        refused: false,
-    }
-}
-
-/// One log line per failed message, at a level that says whose fault it was.
-pub fn log_failure(request: &Request, error: &Error) {
-    let from = &request.requester.from;
-    let resource = &request.requester.resource;
-    if error.is_bad_input() {
-        warn!(error_code = error.code(), %from, %resource, operation = %request.operation, error = %error, "message refused");
-    } else {
-        error!(error_code = error.code(), %from, %resource, operation = %request.operation, error = %error, "message failed");
     }
 }

@@ -2,13 +2,16 @@
 //! error, never a panic, and every error reply is itself a well-formed message.
 
 use edgemeta_broker::Message;
-use edgemeta_metamanager::intake::{parse, IntakeConfig};
-use edgemeta_protocol::{Envelope, InboundTopic, Resource};
+use edgemeta_metamanager::{parse_message as parse, IntakeConfig};
+use edgemeta_protocol::Envelope;
+use edgemeta_protocol::InboundTopic;
+use edgemeta_protocol::Resource;
 use proptest::prelude::*;
 
 fn config() -> IntakeConfig {
     IntakeConfig {
         root: "ke".into(),
+        node: "n1".into(),
         max_payload_bytes: 4096,
         meters: std::sync::Arc::new(edgemeta_metamanager::Meters::noop()),
     }
@@ -101,7 +104,7 @@ proptest! {
             }
             Ok(None) => {}
             Err(refused) => {
-                for reply in refused.requester.error_messages("ke", &refused.error) {
+                for reply in refused.replies("ke") {
                     let envelope = Envelope::parse(&reply.payload).expect("error replies parse");
                     prop_assert_eq!(envelope.route.operation.as_str(), "error");
                     prop_assert!(reply.topic.starts_with("ke/"));

@@ -1,0 +1,160 @@
+//! The `<root>/meta/...` operations the [`crate::routing`] table (`RULES`) describes: store,
+//! forward and answer as each row says.
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use tracing::debug;
+
+use crate::error::Error;
+use crate::request::Request;
+use crate::routing::{self, Reply, Rule, Store, When};
+use crate::store::Db;
+use crate::unit::Context;
+use edgemeta_protocol::Operation;
+use edgemeta_protocol::Resource;
+use edgemeta_protocol::{json_string, null};
+
+/// Applies `request` as the first matching row of the table says.
+pub(crate) async fn apply(request: &Request, cx: &mut Context<'_>) -> Result<(), Error> {
+    let resource = &request.resource;
+    let content = request.envelope.content.get();
+    let candidates = routing::candidates(
+        request.operation,
+        &request.requester.from,
+        resource.res_type(),
+    );
+    for rule in candidates {
+        if rule.when == When::StoredValueUnchanged {
+            let stored = cx
+                .db()
+                .get(resource.key())
+                .await
+                .map_err(Error::store("query meta"))?;
+            if stored.as_deref() != Some(content) {
+                continue;
+            }
+            debug!(resource = %resource, "podstatus unchanged");
+        }
+        return run_rule(rule, request, cx).await;
+    }
+    // Every table operation ends in a catch-all row (checked by a unit test).
+    Err(Error::UnsupportedOperation(request.operation.to_string()))
+}
+
+async fn run_rule(rule: &Rule, request: &Request, cx: &mut Context<'_>) -> Result<(), Error> {
+    let resource = &request.resource;
+    let content = &request.envelope.content;
+    match rule.store {
+        Store::Nothing => {}
+        Store::Upsert => upsert(cx.db(), resource, content.get()).await?,
+        Store::UpsertUnlessAck => {
+            if request.envelope.content_str().as_deref() != Some("OK") {
+                upsert(cx.db(), resource, content.get()).await?;
+            }
+        }
+        Store::UpsertItems(item_type) => {
+            for (item, value) in list_items(resource, item_type, content)? {
+                upsert(cx.db(), &item, value.get()).await?;
+            }
+        }
+        Store::Delete => {
+            cx.db()
+                .delete(resource.key())
+                .await
+                .map_err(Error::store("delete meta"))?;
+        }
+    }
+    if let Some(forward) = rule.forward {
+        cx.send(forward.module(), &request.requester.from, &request.envelope)
+            .await?;
+    }
+    match rule.reply {
+        Reply::Nothing => Ok(()),
+        Reply::Ok => {
+            cx.reply(&request.requester, Operation::Response, json_string("OK"))
+                .await
+        }
+        Reply::Null => {
+            cx.reply(&request.requester, Operation::Response, null())
+                .await
+        }
+    }
+}
+
+pub(crate) async fn upsert(db: &Db, resource: &Resource, value: &str) -> Result<(), Error> {
+    db.upsert(resource.key(), resource.res_type(), value)
+        .await
+        .map_err(Error::store("insert or update meta"))
+}
+
+/// Splits a `servicelist`/`endpointslist` into `(<ns>/<item_type>/<name>, item)` pairs.
+fn list_items(
+    list: &Resource,
+    item_type: &'static str,
+    content: &RawValue,
+) -> Result<Vec<(Resource, Box<RawValue>)>, Error> {
+    #[derive(Deserialize)]
+    struct Item {
+        metadata: Metadata,
+    }
+    #[derive(Deserialize)]
+    struct Metadata {
+        name: String,
+        #[serde(default)]
+        namespace: String,
+    }
+    let bad = |reason: String| Error::Content {
+        what: "list",
+        reason,
+    };
+    let items: Vec<Box<RawValue>> = serde_json::from_str(content.get())
+        .map_err(|e| bad(format!("{} is not an array: {e}", list.res_type())))?;
+    items
+        .into_iter()
+        .map(|raw_item| {
+            let item: Item = serde_json::from_str(raw_item.get())
+                .map_err(|e| bad(format!("item without metadata.name: {e}")))?;
+            let namespace = if item.metadata.namespace.is_empty() {
+                list.namespace()
+            } else {
+                &item.metadata.namespace
+            };
+            let key = Resource::from_parts(namespace, item_type, &item.metadata.name)
+                .map_err(|e| bad(e.to_string()))?;
+            Ok((key, raw_item))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use edgemeta_protocol::raw;
+
+    #[test]
+    fn list_items_are_keyed_by_their_own_namespace_and_name() {
+        let list = Resource::parse("namespace/servicelist/service").unwrap();
+        let content =
+            raw(r#"[{"metadata":{"name":"a","namespace":"ns1"}},{"metadata":{"name":"b"}}]"#);
+        let items = list_items(&list, "service", &content).unwrap();
+        let keys: Vec<_> = items.iter().map(|(k, _)| k.key().to_owned()).collect();
+        assert_eq!(keys, ["ns1/service/a", "namespace/service/b"]);
+        assert_eq!(
+            items[0].1.get(),
+            r#"{"metadata":{"name":"a","namespace":"ns1"}}"#
+        );
+    }
+
+    #[test]
+    fn a_list_that_is_not_an_array_of_named_items_is_refused() {
+        let list = Resource::parse("namespace/servicelist/service").unwrap();
+        for bad in [
+            r#"{"a":1}"#,
+            r#"[{"spec":{}}]"#,
+            r#"[{"metadata":{"name":"x/y"}}]"#,
+            "\"x\"",
+        ] {
+            assert!(list_items(&list, "service", &raw(bad)).is_err(), "{bad}");
+        }
+    }
+}

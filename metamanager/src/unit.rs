@@ -1,0 +1,345 @@
+//! The unit of work: what the store worker is handed ([`Job`]), the message it applies inside a
+//! savepoint ([`Work`]), everything a handler may touch while doing so ([`Context`]), and the
+//! state the MetaManager keeps besides the store ([`State`]). The worker and the handlers import
+//! this module; it imports neither.
+
+use std::collections::HashMap;
+use std::task::{Context as TaskContext, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use edgemeta_broker::{Ack, Message};
+use serde_json::value::RawValue;
+use tokio::sync::oneshot;
+use tokio_util::time::{delay_queue, DelayQueue};
+
+use crate::devices::Event;
+use crate::error::Error;
+use crate::outbox::{self, OutboxLimit, Read, Write};
+use crate::request::{Request, Requester};
+use crate::store::{Db, OutboxStats};
+use edgemeta_protocol::Envelope;
+use edgemeta_protocol::Operation;
+use edgemeta_protocol::{outbound, CLOUD, META};
+
+/// Fired once a message has been dealt with: committed, or answered with an error.
+#[derive(Debug)]
+pub(crate) enum Done {
+    /// An in-process sender (the cloud bridge) waits for the outcome.
+    Told(oneshot::Sender<Outcome>),
+    /// A client's publish: dropping the promise sends its PUBACK (protocol §6.5).
+    Acked(Ack),
+}
+
+impl Done {
+    /// Tells whoever waits how the message ended.
+    pub(crate) fn send(self, outcome: Outcome) {
+        match self {
+            Done::Told(tx) => drop(tx.send(outcome)),
+            Done::Acked(ack) => drop(ack),
+        }
+    }
+}
+
+/// How a message submitted through [`crate::Ingress`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Committed, or refused for good with an error reply: the sender may forget it.
+    Final,
+    /// Refused for now (outbox full, a failed commit): the sender should deliver it again later.
+    Retry,
+}
+
+impl Outcome {
+    pub(crate) fn of(error: &Error) -> Outcome {
+        if error.is_temporary() {
+            Outcome::Retry
+        } else {
+            Outcome::Final
+        }
+    }
+}
+
+/// A message the worker applies: a parsed `<root>/meta/...` request, or a device message.
+#[derive(Debug)]
+pub(crate) enum Work {
+    Request(Box<Request>),
+    Device(Box<Event>),
+}
+
+/// The counter row a message is counted in (`edgemeta_messages_total` by operation,
+/// `edgemeta_device_messages_total` by family).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Counted {
+    Operation(Operation),
+    Device(usize),
+}
+
+impl Work {
+    pub(crate) fn counted(&self) -> Counted {
+        match self {
+            Work::Request(request) => Counted::Operation(request.operation),
+            Work::Device(event) => Counted::Device(event.family),
+        }
+    }
+}
+
+/// Work for the store worker.
+pub(crate) enum Job {
+    /// A message, and whom to tell once it is committed.
+    Apply(Work, Option<Done>),
+    /// An outbox change, committed with the batch it arrives in.
+    Write(Write),
+    /// An outbox read, answered after that batch.
+    Read(Read),
+}
+
+/// One unit of a batch, in arrival order.
+pub(crate) enum Step {
+    Apply(Work, Option<Done>),
+    Expired(String),
+    SyncPodStatus,
+}
+
+/// State the MetaManager keeps besides the store; owned by the store worker.
+pub(crate) struct State {
+    /// Whether the cloud link is up (§4); starts down.
+    connected: bool,
+    /// Requests waiting for another module's answer, by the id that answer will carry as parent.
+    pending: HashMap<String, Pending>,
+    expiries: DelayQueue<String>,
+    /// What waits in the outbox, kept in step with every push and acknowledgement.
+    outbox: OutboxStats,
+}
+
+/// A request waiting for an answer from the cloud (remote query) or from edged (volume call).
+pub(crate) struct Pending {
+    pub(crate) kind: PendingKind,
+    pub(crate) request: Request,
+    expiry: delay_queue::Key,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PendingKind {
+    RemoteQuery,
+    Volume,
+}
+
+impl State {
+    /// Starts disconnected, with nothing pending and the outbox as `outbox` says.
+    pub(crate) fn new(outbox: OutboxStats) -> State {
+        State {
+            connected: false,
+            pending: HashMap::new(),
+            expiries: DelayQueue::new(),
+            outbox,
+        }
+    }
+
+    /// The outbox's running counters.
+    pub(crate) fn outbox(&mut self) -> &mut OutboxStats {
+        &mut self.outbox
+    }
+
+    /// The id of the next pending request that ran out of time.
+    pub(crate) fn poll_expired(&mut self, cx: &mut TaskContext<'_>) -> Poll<Option<String>> {
+        self.expiries
+            .poll_expired(cx)
+            .map(|expired| expired.map(|e| e.into_inner()))
+    }
+}
+
+/// Timeouts for requests that wait on another module.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Waits {
+    pub(crate) remote_query: Duration,
+    pub(crate) volume: Duration,
+}
+
+/// What the worker's configuration gives every handler.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Settings<'a> {
+    pub(crate) root: &'a str,
+    /// This node's name (`cloud.node_id`): devices' membership topics carry it.
+    pub(crate) node: &'a str,
+    pub(crate) waits: Waits,
+    pub(crate) outbox_limit: OutboxLimit,
+}
+
+/// Everything a handler may touch, borrowed field by field so the open transaction (which
+/// borrows the store) can live beside it.
+pub(crate) struct Context<'a> {
+    db: &'a Db,
+    settings: Settings<'a>,
+    state: &'a mut State,
+    /// Local messages to publish after the commit.
+    local: Vec<Message>,
+    /// Whether anything was queued in the outbox.
+    outbox_written: bool,
+    /// Whether a device message was answered with an error result (bad input, nothing stored).
+    refused: bool,
+}
+
+/// What applying one message left behind.
+pub(crate) struct Effects {
+    /// Local messages to publish after the commit.
+    pub(crate) local: Vec<Message>,
+    /// Whether anything was queued in the outbox.
+    pub(crate) outbox_written: bool,
+    /// Whether the message was answered with an error result (bad input, nothing stored).
+    pub(crate) refused: bool,
+}
+
+impl<'a> Context<'a> {
+    pub(crate) fn new(db: &'a Db, settings: Settings<'a>, state: &'a mut State) -> Context<'a> {
+        Context {
+            db,
+            settings,
+            state,
+            local: Vec::new(),
+            outbox_written: false,
+            refused: false,
+        }
+    }
+
+    /// What the message left behind, once applied.
+    pub(crate) fn finish(self) -> Effects {
+        Effects {
+            local: self.local,
+            outbox_written: self.outbox_written,
+            refused: self.refused,
+        }
+    }
+
+    pub(crate) fn db(&self) -> &'a Db {
+        self.db
+    }
+
+    pub(crate) fn root(&self) -> &'a str {
+        self.settings.root
+    }
+
+    pub(crate) fn node(&self) -> &'a str {
+        self.settings.node
+    }
+
+    pub(crate) fn waits(&self) -> Waits {
+        self.settings.waits
+    }
+
+    /// Whether the cloud link is up.
+    pub(crate) fn connected(&self) -> bool {
+        self.state.connected
+    }
+
+    /// Records the cloud link going up or down; says whether it was up.
+    pub(crate) fn set_connected(&mut self, connected: bool) -> bool {
+        std::mem::replace(&mut self.state.connected, connected)
+    }
+
+    /// Publishes `message` after the commit.
+    pub(crate) fn publish(&mut self, message: Message) {
+        self.local.push(message);
+    }
+
+    /// Publishes `message` after the commit, and counts the message as refused.
+    pub(crate) fn refuse(&mut self, message: Message) {
+        self.refused = true;
+        self.local.push(message);
+    }
+
+    /// Sends an envelope to `module`: cloud-bound messages go into the outbox (same transaction),
+    /// the rest are published after the commit.
+    pub(crate) async fn send(
+        &mut self,
+        module: &str,
+        from: &str,
+        envelope: &Envelope,
+    ) -> Result<(), Error> {
+        let topic = outbound(
+            self.settings.root,
+            module,
+            from,
+            &envelope.route.operation,
+            &envelope.route.resource,
+        );
+        let payload = envelope.to_bytes();
+        if module == CLOUD {
+            self.queue_for_cloud(&topic, &payload).await
+        } else {
+            self.local.push(Message::new(topic, payload));
+            Ok(())
+        }
+    }
+
+    /// Appends to the outbox in this message's savepoint (see [`outbox::append`]).
+    pub(crate) async fn queue_for_cloud(
+        &mut self,
+        topic: &str,
+        payload: &[u8],
+    ) -> Result<(), Error> {
+        outbox::append(
+            self.db,
+            &mut self.state.outbox,
+            self.settings.outbox_limit,
+            topic,
+            payload,
+        )
+        .await?;
+        self.outbox_written = true;
+        Ok(())
+    }
+
+    /// Answers `requester` (and its v5 Response Topic) with `operation` and `content`.
+    pub(crate) async fn reply(
+        &mut self,
+        requester: &Requester,
+        operation: Operation,
+        content: Box<RawValue>,
+    ) -> Result<(), Error> {
+        let envelope = requester.envelope(operation, content);
+        if let Some(copy) = requester.v5_copy(&Bytes::from(envelope.to_bytes())) {
+            self.local.push(copy);
+        }
+        self.send(requester.module(), META, &envelope).await
+    }
+
+    /// Waits for the answer carrying `id` as its parent, at most `timeout`.
+    pub(crate) fn wait_for(
+        &mut self,
+        id: String,
+        kind: PendingKind,
+        request: &Request,
+        timeout: Duration,
+    ) {
+        let expiry = self.state.expiries.insert(id.clone(), timeout);
+        let pending = Pending {
+            kind,
+            request: request.clone(),
+            expiry,
+        };
+        self.state.pending.insert(id, pending);
+    }
+
+    /// The request waiting for `id`, no longer waiting.
+    pub(crate) fn take_pending(&mut self, id: &str) -> Option<Pending> {
+        let pending = self.state.pending.remove(id)?;
+        self.state.expiries.remove(&pending.expiry);
+        Some(pending)
+    }
+
+    /// The request whose wait for `id` ran out (its timer is gone already).
+    pub(crate) fn expired(&mut self, id: &str) -> Option<Pending> {
+        self.state.pending.remove(id)
+    }
+
+    /// The ids of requests waiting for an answer of `kind`.
+    pub(crate) fn waiting(&self, kind: PendingKind) -> Vec<String> {
+        self.state
+            .pending
+            .iter()
+            .filter(|(_, p)| p.kind == kind)
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+}
