@@ -27,6 +27,8 @@ pub struct Link {
 pub struct Publisher {
     tx: mpsc::Sender<Message>,
     lag: Arc<Lag>,
+    /// A test channel's receiver stands for a subscriber of every topic.
+    reaches_all: bool,
 }
 
 /// How long a paced publish waits before it looks at its subscribers' room again, in case a
@@ -53,7 +55,7 @@ impl Publisher {
     /// Whether a client subscribes to `topic` now, shared subscriptions included (the node's
     /// own links are not counted).
     pub fn reaches_anyone(&self, topic: &str) -> bool {
-        self.lag.reaches(topic)
+        self.reaches_all || self.lag.reaches(topic)
     }
 
     /// Counts `message` against its subscribers' room if it fits now (then it is marked paced
@@ -65,13 +67,21 @@ impl Publisher {
     }
 
     /// A publisher whose messages land in the returned receiver: for tests of broker-free code.
+    /// The receiver counts as a subscriber of every topic.
     pub fn channel(capacity: usize) -> (Publisher, mpsc::Receiver<Message>) {
-        Self::counted(capacity, Arc::new(Lag::new(u64::MAX)))
+        let (mut publisher, rx) = Self::counted(capacity, Arc::new(Lag::new(u64::MAX)));
+        publisher.reaches_all = true;
+        (publisher, rx)
     }
 
     fn counted(capacity: usize, lag: Arc<Lag>) -> (Publisher, mpsc::Receiver<Message>) {
         let (tx, rx) = mpsc::channel(capacity);
-        (Publisher { tx, lag }, rx)
+        let publisher = Publisher {
+            tx,
+            lag,
+            reaches_all: false,
+        };
+        (publisher, rx)
     }
 }
 
