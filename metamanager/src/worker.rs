@@ -361,6 +361,7 @@ impl Worker {
         tx: &crate::store::Transaction<'_>,
         mut local: Vec<Message>,
     ) -> Result<(Vec<(i64, Message)>, Vec<Message>), Error> {
+        local.retain(|message| !crate::handon::unheard(&self.publisher, message));
         // Nothing waits: what every subscriber has room for now goes out after the commit
         // without a row; from the first that does not fit on, the rest wait in order.
         let mut direct = Vec::new();
