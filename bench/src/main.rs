@@ -1056,6 +1056,20 @@ impl Server {
             .spawn()
             .with_context(|| format!("start {}", binary.display()))?;
         let mut server = Server::ready(child, port).await?;
+        // The front accepts on the port before the node serves (its broker's back end, the
+        // MetaManager): a client connecting in between is dropped. The node says when it serves.
+        let started = Instant::now();
+        loop {
+            let log = std::fs::read(&log_path)?;
+            let ours = log.get(usize::try_from(start)?..).unwrap_or_default();
+            if String::from_utf8_lossy(ours).contains("edgemeta serving") {
+                break;
+            }
+            if started.elapsed() > Duration::from_secs(10) {
+                bail!("edgemeta on port {port} did not log \"edgemeta serving\" within 10 s");
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         server.log = Some((log_path, start));
         server.observe = Some(observe);
         server.metaserver = Some(metaserver);
