@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use edgemeta_bridges::topic_map::TopicMap;
 use edgemeta_bridges::CloudBridge;
+use edgemeta_bridges::TopicMap;
 use edgemeta_broker::Broker;
 use edgemeta_metamanager::store::Reader;
 use edgemeta_metamanager::{subscriptions, MetaManager, Meters, Names};

@@ -10,12 +10,13 @@
 //!   deleted after the cloud broker's PUBACK, the in-flight `Window`), ingress (`ingress.rs`:
 //!   cloud → MetaManager, acknowledged after commit), the connection signal (`signal.rs`).
 
-pub mod cloud;
-pub mod config;
-pub mod error;
-pub mod tls;
-pub mod topic_map;
+mod cloud;
+mod config;
+mod error;
+mod tls;
+mod topic_map;
 
 pub use cloud::{CloudBridge, CloudStatus};
 pub use config::CloudConfig;
 pub use error::Error;
+pub use topic_map::TopicMap;

@@ -12,17 +12,17 @@
 //! - [`runtime`]: the runtime trait and the process runtime; [`probe`]: exec/HTTP/TCP probes.
 //! - [`status`]: `PodStatus` and the coalescing, rate-limited reporter.
 
-pub mod agent;
-pub mod config;
-pub mod error;
-pub mod message;
-pub mod plan;
-pub mod pod;
-pub mod probe;
-pub mod runtime;
-pub mod session;
-pub mod spec;
-pub mod status;
+mod agent;
+mod config;
+mod error;
+mod message;
+mod plan;
+mod pod;
+mod probe;
+mod runtime;
+mod session;
+mod spec;
+mod status;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -9,7 +9,7 @@
 //! - this file: `Status` bodies, watch event lines, the `/version` document.
 
 pub mod kinds;
-pub mod selector;
+mod selector;
 pub mod table;
 
 pub use kinds::Kind;

@@ -15,10 +15,10 @@
 //! - `watch`: history replay, live changes, bookmarks, timeouts.
 //! - [`error`]: the crate's error and its `Status` body.
 
-pub mod error;
+mod error;
 mod http;
-pub mod kinds;
-pub mod object;
+mod kinds;
+mod object;
 mod watch;
 
 use std::net::SocketAddr;
