@@ -5,7 +5,7 @@ use tracing::warn;
 use crate::devices::wire::TwinUpdate;
 use crate::devices::{Event, DEVICETWIN};
 use crate::error::Error;
-use crate::handlers::device::{bad_cloud_content, sync_twins};
+use crate::handlers::device::{bad_cloud_content, device_exists, sync_twins};
 use crate::handlers::family::{applying, Family, ResultTopic, Shape};
 use crate::unit::Context;
 
@@ -31,13 +31,7 @@ async fn cloud_twin(id: &str, content: &[u8], cx: &mut Context<'_>) -> Result<()
         Ok(update) => update,
         Err(e) => return bad_cloud_content("device twin", &e),
     };
-    if cx
-        .db()
-        .device(id)
-        .await
-        .map_err(Error::store("query device"))?
-        .is_none()
-    {
+    if !device_exists(id, cx).await? {
         warn!(error_code = "EM-DEVICE-UNKNOWN", device = %id, "desired twin for a device this node does not have; ignored");
         return Ok(());
     }

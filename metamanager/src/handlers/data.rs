@@ -2,12 +2,11 @@
 
 use tracing::warn;
 
-use crate::devices::{content_of, header, resource_of, Event, DEVICEDATA, EVENTBUS};
+use crate::devices::{resource_of, Event, DEVICEDATA};
 use crate::error::Error;
+use crate::handlers::device;
 use crate::handlers::family::{applying, Family, ResultTopic, Shape};
 use crate::unit::Context;
-use edgemeta_protocol::{outbound, CLOUD};
-use edgemeta_protocol::{Envelope, Route};
 
 pub(crate) const FAMILY: Family = Family {
     kind: "data",
@@ -54,17 +53,6 @@ async fn data(id: &str, topic: &str, payload: &[u8], cx: &mut Context<'_>) -> Re
         .upsert(&key, DEVICEDATA, &value)
         .await
         .map_err(Error::store("insert or update meta"))?;
-    let envelope = Envelope {
-        header: header(),
-        route: Route {
-            source: EVENTBUS.into(),
-            group: "user".into(),
-            operation: "upload".into(),
-            resource: key.clone(),
-        },
-        content: content_of(payload),
-    };
     // `<namespace>/devicedata`: the key's first two levels.
-    let cloud = outbound(cx.root(), CLOUD, EVENTBUS, "upload", &key);
-    cx.queue_for_cloud(&cloud, &envelope.to_bytes()).await
+    device::upload(key.clone(), &key, payload, cx).await
 }

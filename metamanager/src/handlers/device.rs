@@ -11,8 +11,8 @@ use crate::devices::wire::{
     self, Base, DetailRequest, Device, MembershipUpdate, TwinDelta, TwinDocument, TwinResult,
 };
 use crate::devices::{
-    device_topic, fresh_base, header, local, node_topic, resource_of, to_raw, valid_id, DEVICETWIN,
-    MEMBERSHIP_DETAIL, TWIN,
+    content_of, device_topic, fresh_base, header, local, node_topic, resource_of, to_raw, valid_id,
+    DEVICETWIN, EVENTBUS, MEMBERSHIP_DETAIL, TWIN,
 };
 use crate::error::Error;
 use crate::reply::{error_reply, Asker};
@@ -90,12 +90,7 @@ pub(crate) async fn add_device(device: Device, cx: &mut Context<'_>) -> Result<(
         warn!(error_code = "EM-DEVICE-ID", id = %device.id, "device id is not one or two topic levels of at most 64 bytes; not added");
         return Ok(());
     }
-    let known = cx
-        .db()
-        .device(&device.id)
-        .await
-        .map_err(Error::store("query device"))?
-        .is_some();
+    let known = device_exists(&device.id, cx).await?;
     if !known {
         cx.db()
             .insert_device(&DeviceRow {
@@ -121,13 +116,40 @@ pub(crate) async fn add_device(device: Device, cx: &mut Context<'_>) -> Result<(
     Ok(())
 }
 
-pub(crate) async fn remove_device(device: Device, cx: &mut Context<'_>) -> Result<(), Error> {
-    let known = cx
+/// Whether the node has the device `id`.
+pub(crate) async fn device_exists(id: &str, cx: &Context<'_>) -> Result<bool, Error> {
+    let row = cx
         .db()
-        .device(&device.id)
+        .device(id)
         .await
-        .map_err(Error::store("query device"))?
-        .is_some();
+        .map_err(Error::store("query device"))?;
+    Ok(row.is_some())
+}
+
+/// Carries `payload` to the cloud as KubeEdge's eventbus does: op `upload`, `resource` in the
+/// envelope, on the cloud topic of `cloud_resource`.
+pub(crate) async fn upload(
+    resource: String,
+    cloud_resource: &str,
+    payload: &[u8],
+    cx: &mut Context<'_>,
+) -> Result<(), Error> {
+    let envelope = Envelope {
+        header: header(),
+        route: Route {
+            source: EVENTBUS.into(),
+            group: "user".into(),
+            operation: "upload".into(),
+            resource,
+        },
+        content: content_of(payload),
+    };
+    let cloud = outbound(cx.root(), CLOUD, EVENTBUS, "upload", cloud_resource);
+    cx.queue_for_cloud(&cloud, &envelope.to_bytes()).await
+}
+
+pub(crate) async fn remove_device(device: Device, cx: &mut Context<'_>) -> Result<(), Error> {
+    let known = device_exists(&device.id, cx).await?;
     if !known {
         return Ok(());
     }

@@ -3,7 +3,7 @@
 use crate::devices::wire::{Base, TwinResult};
 use crate::devices::{local, Event};
 use crate::error::Error;
-use crate::handlers::device::{load_twins, parse, refuse};
+use crate::handlers::device::{device_exists, load_twins, parse, refuse};
 use crate::handlers::family::{applying, Family, ResultTopic, Shape};
 use crate::unit::Context;
 
@@ -28,13 +28,7 @@ async fn twin_get(id: &str, payload: &[u8], cx: &mut Context<'_>) -> Result<(), 
     let Some(base) = parse::<Base>(cx, &topic, payload, "Unmarshal twin info failed") else {
         return Ok(());
     };
-    if cx
-        .db()
-        .device(id)
-        .await
-        .map_err(Error::store("query device"))?
-        .is_none()
-    {
+    if !device_exists(id, cx).await? {
         let reason = format!("Device {id} not found while getting twin");
         return refuse(cx, &topic, &base.event_id, 404, &reason, "");
     }

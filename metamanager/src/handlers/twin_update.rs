@@ -4,7 +4,9 @@ use crate::devices::twin::{self, Source};
 use crate::devices::wire::{Base, TwinResult, TwinUpdate};
 use crate::devices::{local, Event};
 use crate::error::Error;
-use crate::handlers::device::{after_twin_change, load_twins, parse, refuse, write_twins};
+use crate::handlers::device::{
+    after_twin_change, device_exists, load_twins, parse, refuse, write_twins,
+};
 use crate::handlers::family::{applying, Family, ResultTopic, Shape};
 use crate::unit::Context;
 use edgemeta_protocol::now_ms;
@@ -45,13 +47,7 @@ async fn twin_update(id: &str, payload: &[u8], cx: &mut Context<'_>) -> Result<(
     if let Err(reason) = twin::check_update(&changes) {
         return refuse(cx, &topic, &event_id, 400, &reason, "");
     }
-    if cx
-        .db()
-        .device(id)
-        .await
-        .map_err(Error::store("query device"))?
-        .is_none()
-    {
+    if !device_exists(id, cx).await? {
         return refuse(
             cx,
             &topic,
