@@ -435,3 +435,80 @@ async fn track_acks(mut events: EventLoop, acked: mpsc::UnboundedSender<usize>) 
         }
     }
 }
+
+/// The packet ids in `mosquitto_sub -d`'s "received PUBLISH" lines so far, and how many times it
+/// connected, reading `lines` for `window`.
+async fn publishes_and_connects(
+    lines: &mut mpsc::UnboundedReceiver<String>,
+    window: Duration,
+) -> (Vec<u32>, usize) {
+    let (mut pkids, mut connects) = (Vec::new(), 0);
+    let _ = tokio::time::timeout(window, async {
+        while let Some(line) = lines.recv().await {
+            if line.contains("sending CONNECT") {
+                connects += 1;
+            }
+            if let Some(rest) = line.split(" received PUBLISH (").nth(1) {
+                let pkid = rest.split(", ").find_map(|f| f.strip_prefix('m'));
+                pkids.push(pkid.and_then(|m| m.parse().ok()).unwrap_or(0));
+            }
+        }
+    })
+    .await;
+    (pkids, connects)
+}
+
+/// A device's results, which only its mapper's exact subscription takes, are written by the
+/// front past rumqttd (packet ids from 32768, protocol §6.11). A mapper that only acknowledges
+/// them, with a 5 s keep-alive (mosquitto's clients then send no PINGREQ), stays connected; a
+/// wildcard subscriber appearing sends them through rumqttd again, to both.
+#[tokio::test]
+async fn a_devices_results_skip_rumqttd_and_a_mapper_that_only_acks_them_stays_connected() {
+    let node = Node::start().await;
+    let device = unique_id("dev");
+    let result = format!("$hw/events/device/{device}/twin/update/result");
+    let port = node.port.to_string();
+    let sub = common::MosquittoSub::start(&[
+        "-h",
+        "127.0.0.1",
+        "-p",
+        &port,
+        "-q",
+        "1",
+        "-k",
+        "5",
+        "-t",
+        &result,
+    ])
+    .await;
+    let (_mapper, mut lines) = sub.split();
+    let reporter = node.client().await;
+    let report = |n: usize| {
+        json!({"event_id": format!("r{n}"), "timestamp": 1,
+               "twin": {"t": {"actual": {"value": n.to_string()}}}})
+        .to_string()
+    };
+    let update = format!("$hw/events/device/{device}/twin/update");
+    // Pacing: one report every 250 ms for 9 s, longer than rumqttd's 7.5 s keep-alive timeout.
+    const REPORTS: usize = 36;
+    for n in 0..REPORTS {
+        reporter.publish(&update, report(n)).await;
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let (pkids, connects) = publishes_and_connects(&mut lines, Duration::from_secs(1)).await;
+    assert_eq!(pkids.len(), REPORTS, "every result arrived: {pkids:?}");
+    assert!(
+        pkids.iter().all(|&m| m >= 32768),
+        "written by the front: {pkids:?}"
+    );
+    assert_eq!(connects, 0, "the mapper was never disconnected");
+
+    let _wild = mosquitto_sub(node.port, "$hw/events/device/+/twin/update/result", 1).await;
+    reporter.publish(&update, report(REPORTS)).await;
+    let (pkids, connects) = publishes_and_connects(&mut lines, Duration::from_secs(1)).await;
+    assert_eq!(pkids.len(), 1, "{pkids:?}");
+    assert!(pkids[0] < 32768, "through rumqttd: {pkids:?}");
+    assert_eq!(connects, 0);
+    let (_, got) = _wild.output().await;
+    assert_eq!(got.len(), 1, "the wildcard subscriber has it too: {got:?}");
+}

@@ -52,6 +52,11 @@ pub struct BrokerConfig {
     /// leaves Nagle on: a reply after a PUBACK then waits ~40 ms for the client's ACK).
     #[serde(default = "default_true")]
     pub low_latency: bool,
+    /// The front writes the node's hand-ons to a topic that only exact subscriptions of
+    /// clean-session clients take (a device's results) itself, past rumqttd, whose logs would
+    /// keep each for every device filter (docs/protocol.md §6).
+    #[serde(default = "default_true")]
+    pub front_delivery: bool,
     /// Who may connect.
     #[serde(default)]
     pub auth: AuthConfig,
@@ -167,6 +172,7 @@ impl Default for BrokerConfig {
             subscriber_stall_s: default_subscriber_stall_s(),
             max_subscriptions_per_client: default_max_subscriptions_per_client(),
             low_latency: true,
+            front_delivery: true,
             auth: AuthConfig::default(),
             acl: AclConfig::default(),
         }

@@ -7,8 +7,13 @@
 pub enum Head<'a> {
     /// More bytes are needed to tell.
     Incomplete,
-    /// A packet of `len` bytes in all; for a PUBLISH, its topic (empty: a v5 topic alias).
-    Packet { len: usize, topic: Option<&'a [u8]> },
+    /// A packet of `len` bytes in all; for a PUBLISH, its topic (empty: a v5 topic alias); for
+    /// a PUBACK, the packet id it acknowledges.
+    Packet {
+        len: usize,
+        topic: Option<&'a [u8]>,
+        puback: Option<u16>,
+    },
     /// Not MQTT: the caller stops looking and passes bytes on (rumqttd refuses them).
     Malformed,
 }
@@ -43,8 +48,23 @@ pub fn head(buffer: &[u8]) -> Head<'_> {
         Err(()) => return Head::Malformed,
     };
     let len = at + remaining;
+    if first >> 4 == 4 {
+        return match (remaining, buffer.get(at), buffer.get(at + 1)) {
+            (0 | 1, _, _) => Head::Malformed,
+            (_, Some(&hi), Some(&lo)) => Head::Packet {
+                len,
+                topic: None,
+                puback: Some(u16::from_be_bytes([hi, lo])),
+            },
+            _ => Head::Incomplete,
+        };
+    }
     if first >> 4 != 3 {
-        return Head::Packet { len, topic: None };
+        return Head::Packet {
+            len,
+            topic: None,
+            puback: None,
+        };
     }
     let (Some(&hi), Some(&lo)) = (buffer.get(at), buffer.get(at + 1)) else {
         return if remaining < 2 {
@@ -61,6 +81,7 @@ pub fn head(buffer: &[u8]) -> Head<'_> {
         Some(topic) => Head::Packet {
             len,
             topic: Some(topic),
+            puback: None,
         },
         None => Head::Incomplete,
     }
@@ -132,7 +153,8 @@ mod tests {
             head(&PUBLISH),
             Head::Packet {
                 len: 10,
-                topic: Some(b"a/b")
+                topic: Some(b"a/b"),
+                puback: None,
             }
         );
         for cut in 0..6 {
@@ -142,7 +164,27 @@ mod tests {
             head(&PUBACK),
             Head::Packet {
                 len: 4,
-                topic: None
+                topic: None,
+                puback: Some(1),
+            }
+        );
+        assert_eq!(head(&PUBACK[..3]), Head::Incomplete);
+        // MQTT 5: a reason code after the packet id.
+        assert_eq!(
+            head(&[0x40, 0x03, 0x80, 0x02, 0x10]),
+            Head::Packet {
+                len: 5,
+                topic: None,
+                puback: Some(0x8002),
+            }
+        );
+        assert_eq!(head(&[0x40, 0x01, 0x00]), Head::Malformed);
+        assert_eq!(
+            head(&[0xc0, 0x00]),
+            Head::Packet {
+                len: 2,
+                topic: None,
+                puback: None,
             }
         );
         // A remaining length of 321 (two bytes).
@@ -151,7 +193,8 @@ mod tests {
             head(&long),
             Head::Packet {
                 len: 324,
-                topic: Some(b"")
+                topic: Some(b""),
+                puback: None,
             }
         );
         assert_eq!(head(&[0x30, 0xff, 0xff, 0xff, 0xff, 0x01]), Head::Malformed);

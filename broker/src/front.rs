@@ -10,6 +10,10 @@
 //!   links consume while they lag (backlog.rs); other clients and other packets go on;
 //! - acknowledging what the node consumes only once it is committed: the guard keeps rumqttd's
 //!   early PUBACK / PUBCOMP, and the front writes the node's between rumqttd's packets;
+//! - delivering the node's hand-ons to a topic only exact, clean-session subscribers hold
+//!   (a device's results) past rumqttd: written between rumqttd's packets with packet ids of
+//!   its own, whose PUBACKs it keeps from rumqttd. rumqttd would keep each in the filter's log,
+//!   for every device (`lag.rs`, [`crate::session::Session::deliver`]);
 //! - rumqttd 0.20's connection races: it never lets rumqttd see a client's end of stream before
 //!   rumqttd is done with the connection (see `splice`).
 //!
@@ -23,7 +27,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Buf, BytesMut};
 use socket2::SockRef;
@@ -39,7 +43,7 @@ use crate::backlog::Backlog;
 use crate::config::ListenerTls;
 use crate::dollar;
 use crate::framing::{head, Boundaries, Head};
-use crate::session::{Session, Sessions};
+use crate::session::{is_front_pkid, Session, Sessions};
 use crate::Error;
 
 /// Starts the preamble; an MQTT client starts with CONNECT (0x10), so a missing preamble shows
@@ -246,6 +250,7 @@ where
         let mut pending = BytesMut::new();
         // Bytes of the packet being passed on still to come; `None`: not MQTT, pass everything.
         let mut left = Some(0_usize);
+        let mut forwarded = Instant::now();
         'client: loop {
             while !pending.is_empty() {
                 let n = match left {
@@ -256,7 +261,29 @@ where
                             left = None;
                             continue;
                         }
-                        Head::Packet { len, topic } => {
+                        Head::Packet {
+                            len,
+                            puback: Some(pkid),
+                            ..
+                        } if is_front_pkid(pkid) => {
+                            // The client acknowledges a publish the front wrote: rumqttd never
+                            // sent it, so it never sees the answer.
+                            if pending.len() < len {
+                                break;
+                            }
+                            pending.advance(len);
+                            session.heard(true);
+                            if forwarded.elapsed() >= NUDGE_AFTER {
+                                // rumqttd times a client out on what reaches it: a client that
+                                // only acknowledges such publishes still pings it, now and then.
+                                if to_backend.write_all(&PINGREQ).await.is_err() {
+                                    break 'client;
+                                }
+                                forwarded = Instant::now();
+                            }
+                            continue;
+                        }
+                        Head::Packet { len, topic, .. } => {
                             if topic.is_some_and(|t| consumed(&backend.backlog, t)) {
                                 // While our links lag, leave the client's bytes in its socket:
                                 // TCP pushes back. Its other packets wait behind this one.
@@ -274,6 +301,7 @@ where
                 if to_backend.write_all(&pending[..n]).await.is_err() {
                     break 'client;
                 }
+                forwarded = Instant::now();
                 pending.advance(n);
                 left = left.map(|more| more - n);
             }
@@ -316,12 +344,16 @@ where
                     Ok(0) | Err(_) => break,
                     Ok(n) => n,
                 },
-                // The node committed what the client published: acknowledge it now, between
-                // two of rumqttd's packets.
-                () = session.acks_ready(), if packets.between() && !client_gone => {
+                // The node committed what the client published, or delivers a publish past
+                // rumqttd: write it now, between two of rumqttd's packets.
+                () = session.out_ready(), if packets.between() && !client_gone => {
+                    let out = session.take_out();
                     session.writing();
-                    client_gone = to_client.write_all(&session.take_acks()).await.is_err();
+                    client_gone = to_client.write_all(&out.bytes).await.is_err();
                     session.written();
+                    if !client_gone {
+                        out.done(session);
+                    }
                     continue;
                 }
             };
@@ -345,12 +377,15 @@ where
             session.writing();
             client_gone = match packets.feed(read) {
                 Some(end) if end < n => {
-                    let acks = session.take_acks();
+                    let out = session.take_out();
                     let written = to_client.write_all(&read[..end]).await;
-                    let written = match (written, acks.is_empty()) {
-                        (Ok(()), false) => to_client.write_all(&acks).await,
+                    let written = match (written, out.bytes.is_empty()) {
+                        (Ok(()), false) => to_client.write_all(&out.bytes).await,
                         (written, _) => written,
                     };
+                    if written.is_ok() {
+                        out.done(session);
+                    }
                     match written {
                         Ok(()) => to_client.write_all(&read[end..]).await.is_err(),
                         Err(_) => true,
@@ -366,6 +401,12 @@ where
     tokio::join!(up, down);
     Ok(())
 }
+
+/// A PINGREQ, sent to rumqttd for a client it has not heard from for [`NUDGE_AFTER`] while the
+/// client acknowledged the front's publishes (rumqttd answers the client with a PINGRESP, which
+/// MQTT clients take without having asked).
+const PINGREQ: [u8; 2] = [0xc0, 0x00];
+const NUDGE_AFTER: Duration = Duration::from_secs(1);
 
 /// Bytes read from a socket at a time (each connection holds one such buffer per direction).
 const READ_CHUNK: usize = 8 * 1024;

@@ -31,7 +31,7 @@ use crate::backlog::Backlog;
 use crate::dollar;
 use crate::events::ClientEvents;
 use crate::front::{take_preamble, Preamble};
-use crate::lag::{log_size, Lag, Owed};
+use crate::lag::{log_size, Lag, Owed, Via};
 use crate::security::{Grants, Identity, Policy};
 use crate::session::{ack_tag, AckKind, Session, Sessions, ACK_PROPERTY};
 use crate::withhold::Withheld;
@@ -84,6 +84,9 @@ struct Connection {
     client_id: String,
     /// The client asked for keep-alive 0: its CONNACK tells an MQTT 5 client the one in force.
     keep_alive_zero: bool,
+    /// Nothing of the session outlives the connection (clean session, no v5 session expiry):
+    /// the front may write hand-ons to it past rumqttd.
+    clean: bool,
     /// MQTT 5 topic aliases the client set up.
     aliases: HashMap<u16, Bytes>,
     /// The last topic stored, shared by the next publishes to it instead of copied again.
@@ -328,6 +331,10 @@ impl<P: Protocol> ConnectGuard<P> {
                         connect.clean_session = true;
                     }
                 }
+                connection.clean = connect.clean_session
+                    && properties
+                        .as_ref()
+                        .is_none_or(|p| p.session_expiry_interval.unwrap_or(0) == 0);
                 if connect.keep_alive == 0 {
                     connect.keep_alive = KEEP_ALIVE_FOR_ZERO;
                     connection.keep_alive_zero = true;
@@ -513,7 +520,13 @@ impl<P: Protocol> ConnectGuard<P> {
             return;
         };
         let reliable = qos != QoS::AtMostOnce;
-        let owed = lag.subscribe(path, &connection.client_id, session, reliable);
+        // rumqttd resumes a persistent session from its logs, and answers QoS 2 itself.
+        let via = if connection.clean && qos != QoS::ExactlyOnce {
+            Via::Front { v5: self.v5 }
+        } else {
+            Via::Router
+        };
+        let owed = lag.subscribe(path, &connection.client_id, session, reliable, via);
         connection.owed.insert(path.to_owned(), owed);
     }
 

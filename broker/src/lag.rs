@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 use tracing::warn;
 
-use crate::session::Session;
+use crate::session::{Session, Written};
 
 /// What rumqttd counts against a filter's log for one publish (`PublishData::size`).
 pub fn log_size(topic: usize, payload: usize) -> usize {
@@ -50,6 +50,45 @@ pub struct Lag {
     /// hold each: not counted for lag (each member gets only some messages), but they are
     /// subscribers [`Lag::reaches`].
     shared: Mutex<HashMap<String, usize>>,
+    /// Whether hand-ons that only exact, clean-session subscriptions take are written by the
+    /// front instead of going through rumqttd's logs ([`Route::Front`]).
+    front: bool,
+    /// Publishes the front has been given to write past rumqttd, one per subscriber.
+    front_delivered: AtomicU64,
+}
+
+/// How a subscription's messages may reach its client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Via {
+    /// Only through rumqttd (a persistent session, QoS 2, or no front).
+    Router,
+    /// Also written by the front, in MQTT 5 framing when `v5`.
+    Front { v5: bool },
+}
+
+/// Where a paced hand-on goes, once counted against its subscribers' room.
+#[derive(Debug)]
+pub enum Route {
+    /// Into rumqttd, which appends it to every matching filter's log.
+    Router,
+    /// Straight to these subscriptions' clients, by the front: every subscription the topic
+    /// reaches is an exact filter whose client the front can write to.
+    Front(Vec<Arc<Owed>>),
+}
+
+/// Pays a front-delivered message off once the front has written it.
+#[derive(Debug)]
+struct Paid {
+    lag: std::sync::Weak<Lag>,
+    owed: std::sync::Weak<Owed>,
+}
+
+impl Written for Paid {
+    fn written(&self) {
+        if let (Some(lag), Some(owed)) = (self.lag.upgrade(), self.owed.upgrade()) {
+            lag.delivered(&owed);
+        }
+    }
 }
 
 /// Subscriptions by filter: filters without wildcards (one per device, typically) are found by
@@ -122,6 +161,7 @@ pub struct Owed {
     client_id: String,
     /// QoS 1/2: a burst from a client that would overrun the log cuts it off (QoS 0 may skip).
     reliable: bool,
+    via: Via,
     unpaid: Mutex<Unpaid>,
     session: Arc<Session>,
 }
@@ -143,6 +183,19 @@ impl Owed {
     /// Whether this is a QoS 1/2 subscription (rumqttd waits for its acknowledgements).
     pub fn is_reliable(&self) -> bool {
         self.reliable
+    }
+
+    /// Has the front write `topic` (clients' form) and `payload` to this subscriber; `lag` pays
+    /// it off once written.
+    pub fn deliver(self: &Arc<Self>, lag: &Arc<Lag>, topic: &str, payload: &[u8]) {
+        let Via::Front { v5 } = self.via else { return };
+        let paid = Arc::new(Paid {
+            lag: Arc::downgrade(lag),
+            owed: Arc::downgrade(self),
+        });
+        self.session
+            .deliver(topic.as_bytes(), payload, self.reliable, v5, paid);
+        lag.front_delivered.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Everything owed, in log bytes.
@@ -214,7 +267,15 @@ impl Lag {
             cut: AtomicU64::new(0),
             to_clean: Mutex::new(HashSet::new()),
             shared: Mutex::new(HashMap::new()),
+            front: false,
+            front_delivered: AtomicU64::new(0),
         }
+    }
+
+    /// Hand-ons that only exact, clean-session subscriptions take are written by the front.
+    pub fn with_front_delivery(mut self, front: bool) -> Lag {
+        self.front = front;
+        self
     }
 
     /// A subscriber owed something that takes nothing for `stall` is cut off ([`Lag::sweep`]).
@@ -246,11 +307,13 @@ impl Lag {
         client_id: &str,
         session: &Arc<Session>,
         reliable: bool,
+        via: Via,
     ) -> Arc<Owed> {
         let owed = Arc::new(Owed {
             filter: filter.to_owned(),
             client_id: client_id.to_owned(),
             reliable,
+            via,
             unpaid: Mutex::new(Unpaid::default()),
             session: session.clone(),
         });
@@ -294,23 +357,49 @@ impl Lag {
     }
 
     /// Counts a publish to `topic` of `size` log bytes that the node hands on, if every
-    /// subscriber it reaches has room for it in its filter's log; `false` counts nothing.
-    /// A message larger than the room goes once nothing else is owed.
-    pub fn reserve(&self, topic: &str, size: usize) -> bool {
+    /// subscriber it reaches has room for it in its filter's log, and says where it goes
+    /// (`front`: it may skip rumqttd); `None` counts nothing. A message larger than the room
+    /// goes once nothing else is owed.
+    pub fn reserve(&self, topic: &str, size: usize, front: bool) -> Option<Route> {
         let watched = self.watched.read().unwrap_or_else(|p| p.into_inner());
         let room = watched.matching(topic).all(|w| {
             w.subscriptions
                 .iter()
                 .all(|owed| owed.session.is_cut() || owed.owed_with(size) <= w.limit)
         });
-        if room {
-            for w in watched.matching(topic) {
-                for owed in w.subscriptions.iter().filter(|o| !o.session.is_cut()) {
-                    owed.owe(size);
-                }
+        if !room {
+            return None;
+        }
+        for w in watched.matching(topic) {
+            for owed in w.subscriptions.iter().filter(|o| !o.session.is_cut()) {
+                owed.owe(size);
             }
         }
-        room
+        if !(front && self.front) {
+            return Some(Route::Router);
+        }
+        let Some(exact) = watched.exact.get(topic) else {
+            return Some(Route::Router);
+        };
+        let others = watched
+            .wild
+            .iter()
+            .any(|w| rumqttd::protocol::matches(topic, &w.filter));
+        let live: Vec<Arc<Owed>> = exact
+            .subscriptions
+            .iter()
+            .filter(|o| !o.session.is_cut())
+            .cloned()
+            .collect();
+        drop(watched);
+        if others
+            || live.is_empty()
+            || live.iter().any(|o| o.via == Via::Router)
+            || self.shared_reaches(topic)
+        {
+            return Some(Route::Router);
+        }
+        Some(Route::Front(live))
     }
 
     /// Waits until a subscriber took something, was cut off or left, or `at_most` passed.
@@ -408,6 +497,10 @@ impl Lag {
             return true;
         }
         drop(watched);
+        self.shared_reaches(topic)
+    }
+
+    fn shared_reaches(&self, topic: &str) -> bool {
         let shared = self.shared.lock().unwrap_or_else(|p| p.into_inner());
         let reached = shared
             .keys()
@@ -447,6 +540,11 @@ impl Lag {
         self.cut.load(Ordering::Relaxed)
     }
 
+    /// Publishes handed to the front to write past rumqttd so far, one per subscriber.
+    pub fn front_delivered(&self) -> u64 {
+        self.front_delivered.load(Ordering::Relaxed)
+    }
+
     /// Subscriptions being counted.
     #[cfg(test)]
     pub fn watched(&self) -> usize {
@@ -467,8 +565,8 @@ mod tests {
         let sessions = Sessions::default();
         let slow = sessions.open();
         let fast = sessions.open();
-        let slow_sub = lag.subscribe("ke/edged/#", "edged", &slow, true);
-        let fast_sub = lag.subscribe("ke/edged/#", "mirror", &fast, true);
+        let slow_sub = lag.subscribe("ke/edged/#", "edged", &slow, true, Via::Router);
+        let fast_sub = lag.subscribe("ke/edged/#", "mirror", &fast, true, Via::Router);
         for _ in 0..10 {
             lag.published("ke/edged/edgecontroller/insert/default/pod", 96);
             lag.delivered(&fast_sub);
@@ -496,7 +594,7 @@ mod tests {
         let lag = Lag::new(1_000);
         let sessions = Sessions::default();
         let session = sessions.open();
-        let owed = lag.subscribe("ke/edged/#", "edged", &session, true);
+        let owed = lag.subscribe("ke/edged/#", "edged", &session, true, Via::Router);
         lag.published("ke/edged/meta/response/default/pod", 50_000);
         assert!(!session.is_cut());
         lag.delivered(&owed);
@@ -512,8 +610,8 @@ mod tests {
         let lag = Lag::new(1_000).with_smaller_logs(&["dev/#"], 100);
         let sessions = Sessions::default();
         let (device, module) = (sessions.open(), sessions.open());
-        let _d = lag.subscribe("dev/d1/result", "mapper", &device, true);
-        let _m = lag.subscribe("ke/edged/#", "edged", &module, true);
+        let _d = lag.subscribe("dev/d1/result", "mapper", &device, true, Via::Router);
+        let _m = lag.subscribe("ke/edged/#", "edged", &module, true, Via::Router);
         for _ in 0..3 {
             lag.published("dev/d1/result", 60);
             lag.published("ke/edged/x", 60);
@@ -529,21 +627,86 @@ mod tests {
         let lag = Lag::new(1_000);
         let sessions = Sessions::default();
         let (quick, reliable) = (sessions.open(), sessions.open());
-        let q = lag.subscribe("ke/edged/#", "q0", &quick, false);
-        let _r = lag.subscribe("ke/edged/#", "q1", &reliable, true);
-        assert!(lag.reserve("ke/edged/x", 600));
+        let q = lag.subscribe("ke/edged/#", "q0", &quick, false, Via::Router);
+        let _r = lag.subscribe("ke/edged/#", "q1", &reliable, true, Via::Router);
+        assert!(lag.reserve("ke/edged/x", 600, false).is_some());
         assert!(
-            lag.reserve("ke/edged/x", 600),
+            lag.reserve("ke/edged/x", 600, false).is_some(),
             "600 beyond the one being read"
         );
-        assert!(!lag.reserve("ke/edged/x", 600), "1,200 beyond it");
+        assert!(
+            lag.reserve("ke/edged/x", 600, false).is_none(),
+            "1,200 beyond it"
+        );
         assert_eq!(q.bytes(), 1_200, "a refused reservation counts nothing");
         lag.delivered(&q);
         assert!(
-            !lag.reserve("ke/edged/x", 600),
+            lag.reserve("ke/edged/x", 600, false).is_none(),
             "the QoS 1 reader took nothing yet"
         );
-        assert!(lag.reserve("elsewhere/x", 100_000), "nobody reads it");
+        assert!(
+            lag.reserve("elsewhere/x", 100_000, false).is_some(),
+            "nobody reads it"
+        );
+    }
+
+    #[test]
+    fn hand_ons_only_exact_clean_subscriptions_take_are_written_by_the_front() {
+        let lag = Arc::new(Lag::new(1_000).with_front_delivery(true));
+        let sessions = Sessions::default();
+        let (mapper, other, persistent) = (sessions.open(), sessions.open(), sessions.open());
+        let front = Via::Front { v5: false };
+        let route = |topic: &str, may: bool| match lag.reserve(topic, 10, may) {
+            Some(Route::Front(subscriptions)) => Some(subscriptions.len()),
+            Some(Route::Router) => None,
+            None => panic!("room"),
+        };
+        let exact = lag.subscribe("dev/d1/result", "m1", &mapper, true, front);
+        assert_eq!(route("dev/d1/result", true), Some(1));
+        assert_eq!(
+            route("dev/d1/result", false),
+            None,
+            "the publisher keeps it"
+        );
+        assert_eq!(route("dev/d2/result", true), None, "nobody subscribes");
+        let wild = lag.subscribe("dev/+/result", "m2", &other, true, front);
+        assert_eq!(
+            route("dev/d1/result", true),
+            None,
+            "a wildcard also takes it"
+        );
+        lag.unsubscribe(&wild);
+        let kept = lag.subscribe("dev/d1/result", "m3", &persistent, true, Via::Router);
+        assert_eq!(
+            route("dev/d1/result", true),
+            None,
+            "a persistent session takes it"
+        );
+        lag.unsubscribe(&kept);
+        lag.share("dev/d1/result");
+        assert_eq!(
+            route("dev/d1/result", true),
+            None,
+            "a shared subscription takes it"
+        );
+        lag.unshare("dev/d1/result");
+        let off = Lag::new(1_000);
+        let _s = off.subscribe("dev/d1/result", "m1", &mapper, true, front);
+        assert!(matches!(
+            off.reserve("dev/d1/result", 10, true),
+            Some(Route::Router)
+        ));
+
+        let owed_before = exact.bytes();
+        let Some(Route::Front(subscriptions)) = lag.reserve("dev/d1/result", 10, true) else {
+            panic!("front");
+        };
+        assert_eq!(exact.bytes(), owed_before + 10);
+        subscriptions[0].deliver(&lag, "dev/d1/result", b"{}");
+        let out = mapper.take_out();
+        assert_eq!(out.bytes[0], 0x32, "a QoS 1 PUBLISH");
+        out.done(&mapper);
+        assert_eq!(exact.bytes(), owed_before, "paid once written");
     }
 
     #[test]
@@ -551,9 +714,9 @@ mod tests {
         let lag = Lag::new(1_000).with_stall(Duration::from_millis(40));
         let sessions = Sessions::default();
         let (stopped, idle) = (sessions.open(), sessions.open());
-        let _s = lag.subscribe("f/#", "stopped", &stopped, true);
-        let i = lag.subscribe("f/#", "idle", &idle, true);
-        assert!(lag.reserve("f/x", 100));
+        let _s = lag.subscribe("f/#", "stopped", &stopped, true, Via::Router);
+        let i = lag.subscribe("f/#", "idle", &idle, true, Via::Router);
+        assert!(lag.reserve("f/x", 100, false).is_some());
         // The front has been waiting to write to one of them; the other takes all it is sent.
         stopped.writing();
         std::thread::sleep(Duration::from_millis(60)); // let the stall time pass
@@ -570,7 +733,7 @@ mod tests {
         let lag = Lag::new(100);
         let sessions = Sessions::default();
         let session = sessions.open();
-        let owed = lag.subscribe("a/+", "c", &session, true);
+        let owed = lag.subscribe("a/+", "c", &session, true, Via::Router);
         assert_eq!(lag.watched(), 1);
         lag.unsubscribe(&owed);
         assert_eq!(lag.watched(), 0);

@@ -38,7 +38,7 @@ pub use config::{BrokerConfig, ListenerConfig, MqttVersion};
 pub use dollar::{to_broker, to_client, INTERNAL_PREFIX};
 pub use error::Error;
 pub use link::{Link, Publisher};
-pub use message::Message;
+pub use message::{Front, Message};
 /// rumqttd's topic matching (broker forms), for checks on filters our links hold.
 pub use rumqttd::protocol::matches;
 pub use security::hash_password;

@@ -9,8 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::backlog::Backlog;
-use crate::lag::{log_size, Lag};
-use crate::session::{parse_ack_tag, Ack, Sessions, ACK_PROPERTY};
+use crate::dollar::to_client;
+use crate::lag::{log_size, Lag, Route};
+use crate::message::Front;
+use crate::session::{deliverable, parse_ack_tag, Ack, Sessions, ACK_PROPERTY};
 use crate::{Error, Message};
 
 /// An in-process MQTT client: [`Link::inbox`] yields what its filters match, [`Publisher`] sends.
@@ -36,19 +38,25 @@ pub struct Publisher {
 const RECHECK: Duration = Duration::from_millis(50);
 
 impl Publisher {
-    /// Queues `message` for the broker; waits while the link's queue is full.
-    pub async fn publish(&self, message: Message) -> Result<(), Error> {
+    /// Queues `message` for the broker; waits while the link's queue is full. A message routed
+    /// past rumqttd ([`Publisher::reserve_now`]) is handed to the front at once.
+    pub async fn publish(&self, mut message: Message) -> Result<(), Error> {
+        if let Some(subscriptions) = message.front.0.take() {
+            let topic = to_client(&message.topic);
+            for owed in &subscriptions {
+                owed.deliver(&self.lag, &topic, &message.payload);
+            }
+            return Ok(());
+        }
         self.tx.send(message).await.map_err(|_| Error::LinkClosed)
     }
 
     /// [`Publisher::publish`] once every subscriber the message reaches has room for it in its
     /// filter's log, so rumqttd never skips a message under a subscriber that keeps reading.
     pub async fn publish_paced(&self, mut message: Message) -> Result<(), Error> {
-        let size = log_size(message.topic.len(), message.payload.len());
-        while !self.lag.reserve(&message.topic, size) {
+        while !self.reserve_now(&mut message) {
             self.lag.room(RECHECK).await;
         }
-        message.paced = true;
         self.publish(message).await
     }
 
@@ -62,8 +70,20 @@ impl Publisher {
     /// and must be published); `false` counts nothing.
     pub fn reserve_now(&self, message: &mut Message) -> bool {
         let size = log_size(message.topic.len(), message.payload.len());
-        message.paced = self.lag.reserve(&message.topic, size);
-        message.paced
+        // v5 properties travel only through rumqttd.
+        let front = message.correlation.is_none()
+            && message.response_topic.is_none()
+            && deliverable(message.topic.as_bytes(), &message.payload);
+        match self.lag.reserve(&message.topic, size, front) {
+            None => false,
+            Some(route) => {
+                message.paced = true;
+                if let Route::Front(subscriptions) = route {
+                    message.front = Front(Some(subscriptions));
+                }
+                true
+            }
+        }
     }
 
     /// A publisher whose messages land in the returned receiver: for tests of broker-free code.
@@ -200,6 +220,7 @@ async fn receive(
                     correlation,
                     ack,
                     paced: false,
+                    front: Front::default(),
                 };
                 if inbox.send(message).await.is_err() {
                     return;

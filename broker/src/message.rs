@@ -1,5 +1,8 @@
+use std::sync::Arc;
+
 use bytes::Bytes;
 
+use crate::lag::Owed;
 use crate::session::Ack;
 
 /// One MQTT publication as our modules see it.
@@ -16,7 +19,23 @@ pub struct Message {
     pub ack: Option<Ack>,
     /// Already counted against its subscribers' room (`Lag::reserve`): published as it is.
     pub paced: bool,
+    /// Counted, and to be written by the front to these subscribers instead of going through
+    /// rumqttd (`lag::Route::Front`).
+    pub front: Front,
 }
+
+/// The subscriptions the front writes a message to, if it goes past rumqttd.
+#[derive(Debug, Clone, Default)]
+pub struct Front(pub(crate) Option<Vec<Arc<Owed>>>);
+
+impl PartialEq for Front {
+    fn eq(&self, _: &Front) -> bool {
+        // Messages compare by content; how they travel does not change what they are.
+        true
+    }
+}
+
+impl Eq for Front {}
 
 impl Message {
     /// A publication with no v5 properties.
@@ -28,6 +47,7 @@ impl Message {
             correlation: None,
             ack: None,
             paced: false,
+            front: Front::default(),
         }
     }
 }

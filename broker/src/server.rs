@@ -84,6 +84,11 @@ impl BrokerStats {
         self.lag.cut_count()
     }
 
+    /// Hand-ons the front wrote to subscribers past rumqttd so far, one per subscriber.
+    pub fn front_delivered(&self) -> u64 {
+        self.lag.front_delivered()
+    }
+
     /// Clients held right now before a publish to our links, and how many times one was.
     pub fn paused_publishers(&self) -> (u64, u64) {
         self.backlog.paused()
@@ -145,7 +150,8 @@ impl Broker {
                         &crate::config::DEVICE_FILTERS,
                         config.device_lag_limit() as u64,
                     )
-                    .with_stall(Duration::from_secs(config.subscriber_stall_s)),
+                    .with_stall(Duration::from_secs(config.subscriber_stall_s))
+                    .with_front_delivery(config.front_delivery),
             ),
             events: Arc::new(ClientEvents::default()),
         })

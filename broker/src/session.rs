@@ -3,7 +3,7 @@
 //! preamble, so a decision the guard takes (cut this client off) reaches the socket.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -29,14 +29,49 @@ impl AckKind {
     }
 }
 
-/// A connection the node may cut off, and the acknowledgements the front is to write to it.
+/// Packet ids of the publishes the front writes itself ([`Session::deliver`]): rumqttd numbers
+/// its own from 1 up to its inflight limit (100), so the upper half never meets them.
+pub const FRONT_PKIDS: u16 = 0x8000;
+
+/// Whether a client's PUBACK answers a publish the front wrote (it never reaches rumqttd).
+pub fn is_front_pkid(pkid: u16) -> bool {
+    pkid >= FRONT_PKIDS
+}
+
+/// Told once the front has written a publish it delivered to the client.
+pub trait Written: Send + Sync + std::fmt::Debug {
+    fn written(&self);
+}
+
+/// What the node has the front write to a client between rumqttd's packets: acknowledgements of
+/// committed publishes and publishes delivered past rumqttd, encoded, in order.
+#[derive(Debug, Default)]
+pub struct Out {
+    pub bytes: Vec<u8>,
+    written: Vec<Arc<dyn Written>>,
+    reliable: i64,
+}
+
+impl Out {
+    /// The front wrote [`Out::bytes`] to the client.
+    pub fn done(self, session: &Session) {
+        session.unacked.fetch_add(self.reliable, Ordering::Relaxed);
+        for written in self.written {
+            written.written();
+        }
+    }
+}
+
+/// A connection the node may cut off, and what the front is to write to it besides rumqttd's.
 #[derive(Debug, Default)]
 pub struct Session {
     id: u64,
     cut: CancellationToken,
-    /// Acknowledgements released by the node (committed), not yet written to the client.
-    acks: Mutex<Vec<u8>>,
-    acked: Notify,
+    /// Released acknowledgements (committed) and delivered publishes, not yet written.
+    out: Mutex<Out>,
+    out_ready: Notify,
+    /// Numbers the front's QoS 1 publishes, from [`FRONT_PKIDS`] up, wrapping within the half.
+    next_pkid: AtomicU16,
     /// Since when the front has been waiting to write to the client (ns after [`epoch`]); 0:
     /// not waiting. A client that stopped reading keeps this set.
     writing_since: AtomicU64,
@@ -128,30 +163,81 @@ impl Session {
     /// Queues the acknowledgement of `pkid` for the front to write.
     pub fn release(&self, kind: AckKind, pkid: u16) {
         let [hi, lo] = pkid.to_be_bytes();
-        self.lock_acks()
+        self.lock_out()
+            .bytes
             .extend_from_slice(&[kind.header(), 2, hi, lo]);
-        self.acked.notify_one();
+        self.out_ready.notify_one();
     }
 
-    /// Resolves once acknowledgements are queued (at once if some already are).
-    pub async fn acks_ready(&self) {
+    /// Queues a PUBLISH of `payload` on `topic` (clients' form) for the front to write, at QoS 1
+    /// with one of the front's packet ids when `reliable`; `written` is told once it is written.
+    pub fn deliver(
+        &self,
+        topic: &[u8],
+        payload: &[u8],
+        reliable: bool,
+        v5: bool,
+        written: Arc<dyn Written>,
+    ) {
+        let pkid = reliable
+            .then(|| FRONT_PKIDS | (self.next_pkid.fetch_add(1, Ordering::Relaxed) & !FRONT_PKIDS));
+        let mut out = self.lock_out();
+        encode_publish(&mut out.bytes, topic, payload, pkid, v5);
+        out.written.push(written);
+        out.reliable += i64::from(reliable);
+        drop(out);
+        self.out_ready.notify_one();
+    }
+
+    /// Resolves once something is queued for the front to write (at once if it already is).
+    pub async fn out_ready(&self) {
         loop {
-            let notified = self.acked.notified();
-            if !self.lock_acks().is_empty() {
+            let notified = self.out_ready.notified();
+            if !self.lock_out().bytes.is_empty() {
                 return;
             }
             notified.await;
         }
     }
 
-    /// The queued acknowledgements, encoded, in release order.
-    pub fn take_acks(&self) -> Vec<u8> {
-        std::mem::take(&mut *self.lock_acks())
+    /// What is queued, in the order it was queued; the front calls [`Out::done`] once written.
+    pub fn take_out(&self) -> Out {
+        std::mem::take(&mut *self.lock_out())
     }
 
-    fn lock_acks(&self) -> std::sync::MutexGuard<'_, Vec<u8>> {
-        self.acks.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock_out(&self) -> std::sync::MutexGuard<'_, Out> {
+        self.out.lock().unwrap_or_else(|p| p.into_inner())
     }
+}
+
+/// Whether a publish of this topic and payload fits one MQTT packet the front can write.
+pub fn deliverable(topic: &[u8], payload: &[u8]) -> bool {
+    topic.len() <= usize::from(u16::MAX) && topic.len() + payload.len() < (1 << 28) - 8
+}
+
+/// A PUBLISH packet (MQTT 3.1.1, or 5 with no properties), QoS 1 with `pkid`, else QoS 0.
+fn encode_publish(into: &mut Vec<u8>, topic: &[u8], payload: &[u8], pkid: Option<u16>, v5: bool) {
+    let remaining = 2 + topic.len() + pkid.map_or(0, |_| 2) + usize::from(v5) + payload.len();
+    into.reserve(5 + remaining);
+    into.push(if pkid.is_some() { 0x32 } else { 0x30 });
+    let mut left = remaining;
+    loop {
+        let digit = (left % 128) as u8;
+        left /= 128;
+        into.push(if left > 0 { digit | 0x80 } else { digit });
+        if left == 0 {
+            break;
+        }
+    }
+    into.extend_from_slice(&(topic.len() as u16).to_be_bytes());
+    into.extend_from_slice(topic);
+    if let Some(pkid) = pkid {
+        into.extend_from_slice(&pkid.to_be_bytes());
+    }
+    if v5 {
+        into.push(0);
+    }
+    into.extend_from_slice(payload);
 }
 
 /// The node's promise to acknowledge one client publish: dropped (after its commit, or once
@@ -306,6 +392,78 @@ pub fn parse_ack_tag(tag: &str) -> Option<(u64, AckKind, u16)> {
 mod tests {
     use super::*;
 
+    #[derive(Debug, Default)]
+    struct Count(std::sync::atomic::AtomicUsize);
+
+    impl Written for Count {
+        fn written(&self) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    #[test]
+    fn delivered_publishes_are_what_rumqttd_reads_in_both_versions() {
+        use rumqttd::protocol::{v4::V4, v5::V5, Packet, Protocol};
+        let session = Session::default();
+        let count = Arc::new(Count::default());
+        let payload = vec![b'x'; 300];
+        session.deliver(b"$hw/a/result", &payload, true, false, count.clone());
+        session.deliver(b"$hw/b", b"{}", false, false, count.clone());
+        let out = session.take_out();
+        // QoS 1 (0x32), remaining length 316 in two bytes, the topic, then the packet id.
+        assert_eq!(out.bytes[..3], [0x32, 0xbc, 0x02]);
+        assert!(is_front_pkid(u16::from_be_bytes([
+            out.bytes[17],
+            out.bytes[18]
+        ])));
+        assert_eq!(out.bytes[319], 0x30, "then a QoS 0 publish");
+        let mut stream = bytes::BytesMut::from(&out.bytes[..]);
+        let Packet::Publish(first, _) = V4.read_mut(&mut stream, 1 << 20).expect("v4") else {
+            panic!("not a publish");
+        };
+        assert_eq!(
+            (&first.topic[..], &first.payload[..]),
+            (&b"$hw/a/result"[..], &payload[..])
+        );
+        let Packet::Publish(second, _) = V4.read_mut(&mut stream, 1 << 20).expect("v4") else {
+            panic!("not a publish");
+        };
+        assert_eq!(&second.payload[..], b"{}");
+        assert!(stream.is_empty());
+        out.done(&session);
+        assert_eq!(count.0.load(Ordering::Relaxed), 2);
+        assert_eq!(
+            session.unacked.load(Ordering::Relaxed),
+            1,
+            "one QoS 1 awaits its PUBACK"
+        );
+
+        session.deliver(b"t", b"p", true, true, count);
+        let mut stream = bytes::BytesMut::from(&session.take_out().bytes[..]);
+        let Packet::Publish(v5, properties) = V5.read_mut(&mut stream, 1 << 20).expect("v5") else {
+            panic!("not a publish");
+        };
+        assert_eq!((&v5.topic[..], &v5.payload[..]), (&b"t"[..], &b"p"[..]));
+        assert!(properties.is_none_or(|p| p.user_properties.is_empty()));
+    }
+
+    #[test]
+    fn front_packet_ids_stay_in_the_upper_half() {
+        let session = Session::default();
+        session.next_pkid.store(u16::MAX, Ordering::Relaxed);
+        let count = Arc::new(Count::default());
+        for _ in 0..3 {
+            session.deliver(b"t", b"", true, false, count.clone());
+        }
+        let bytes = session.take_out().bytes;
+        // Each packet: 0x32, 5, topic length (2), "t", pkid (2).
+        let pkids: Vec<u16> = bytes
+            .chunks(7)
+            .map(|p| u16::from_be_bytes([p[5], p[6]]))
+            .collect();
+        assert_eq!(pkids, vec![0xffff, 0x8000, 0x8001]);
+    }
+
     #[test]
     fn an_ack_tag_round_trips() {
         let tag = ack_tag(42, AckKind::PubComp, 65535);
@@ -337,13 +495,13 @@ mod tests {
             .expect("open");
         let copy = ack.clone();
         drop(ack);
-        assert!(session.take_acks().is_empty(), "a copy still holds it");
+        assert!(session.take_out().bytes.is_empty(), "a copy still holds it");
         drop(copy);
-        assert_eq!(session.take_acks(), vec![0x40, 2, 1, 2]);
+        assert_eq!(session.take_out().bytes, vec![0x40, 2, 1, 2]);
         sessions
             .ack(session.id(), AckKind::PubComp, 7)
             .expect("open");
-        assert_eq!(session.take_acks(), vec![0x70, 2, 0, 7]);
+        assert_eq!(session.take_out().bytes, vec![0x70, 2, 0, 7]);
         sessions.close(session.id());
         assert!(sessions.ack(session.id(), AckKind::PubAck, 1).is_none());
     }
