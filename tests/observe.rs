@@ -109,6 +109,7 @@ async fn metrics_count_a_burst_by_operation_result_and_error_code() {
         "edgemeta_broker_connections",
         "edgemeta_acl_denials_total",
         "edgemeta_broker_lagging_subscribers_disconnected_total",
+        "edgemeta_broker_front_delivered_total",
         "edgemeta_broker_paused_publishers",
         "edgemeta_broker_publisher_pauses_total",
         "edgemeta_handon_waiting",

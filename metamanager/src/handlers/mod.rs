@@ -242,8 +242,9 @@ mod tests {
 
     #[test]
     fn kinds_keep_their_metric_rows() {
+        // A new family goes last: the rows before it keep their labels.
         assert_eq!(
-            KINDS,
+            KINDS[..9],
             [
                 "twin_update",
                 "twin_get",
