@@ -68,6 +68,8 @@ struct Outcome {
     late_max: u64,
     /// Per second of the run, the results that took longer than `SLOW`.
     slow: Vec<usize>,
+    /// Report → result, µs, by minute of the run (when the report was scheduled).
+    minutes: Vec<Vec<u64>>,
 }
 
 /// Seconds of the run left out of the steady-state p99.
@@ -263,6 +265,17 @@ fn progress(side: &str, o: &Outcome) {
         .filter(|(_, n)| **n > 0)
         .map(|(second, n)| format!("{second}: {n}"))
         .collect();
+    if o.minutes.len() > 1 {
+        let p99s: Vec<String> = o
+            .minutes
+            .iter()
+            .map(|m| percentiles(m).1.to_string())
+            .collect();
+        eprintln!(
+            "devices on {side}: p99 by minute of the run (µs): {}",
+            p99s.join(", ")
+        );
+    }
     if !slow.is_empty() {
         eprintln!(
             "devices on {side}: results over {} ms, by second of the run: {}",
@@ -441,6 +454,7 @@ async fn run_load(
         rate: 0.0,
         late_max: 0,
         slow: vec![0; load.seconds as usize],
+        minutes: vec![Vec::new(); load.seconds.div_ceil(60) as usize],
     };
     let mut last = start;
     for task in tasks {
@@ -453,6 +467,9 @@ async fn run_load(
         outcome.late_max = outcome.late_max.max(c.late_max);
         for (second, n) in c.slow {
             outcome.slow[second as usize] += n;
+        }
+        for (minute, took) in c.minutes {
+            outcome.minutes[minute as usize].extend(took);
         }
         last = last.max(c.last_result);
     }
@@ -470,6 +487,8 @@ struct ConnectionOutcome {
     late_max: u64,
     /// (second of the run, results later than `SLOW`).
     slow: HashMap<u64, usize>,
+    /// (minute of the run, report → result µs).
+    minutes: HashMap<u64, Vec<u64>>,
     last_result: tokio::time::Instant,
 }
 
@@ -489,6 +508,7 @@ async fn connection(
         errors: 0,
         late_max: 0,
         slow: HashMap::new(),
+        minutes: HashMap::new(),
         last_result: tokio::time::Instant::now(),
     };
     let mut next = 0;
@@ -521,6 +541,7 @@ async fn connection(
                     if took > SLOW {
                         *out.slow.entry(second).or_default() += 1;
                     }
+                    out.minutes.entry(second / 60).or_default().push(took.as_micros() as u64);
                 }
                 out.last_result = tokio::time::Instant::now();
                 if next == schedule.len() && pending.is_empty() {
