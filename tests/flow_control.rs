@@ -489,10 +489,10 @@ async fn a_devices_results_skip_rumqttd_and_a_mapper_that_only_acks_them_stays_c
         .to_string()
     };
     let update = format!("$hw/events/device/{device}/twin/update");
-    // Pacing: one report every 250 ms for 9 s, longer than rumqttd's 7.5 s keep-alive timeout.
     const REPORTS: usize = 36;
     for n in 0..REPORTS {
         reporter.publish(&update, report(n)).await;
+        // pacing: a report every 250 ms for 9 s, past rumqttd's 7.5 s keep-alive timeout.
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     let (pkids, connects) = publishes_and_connects(&mut lines, Duration::from_secs(1)).await;
