@@ -184,6 +184,7 @@ impl MetaManager {
                 entries: store.outbox_max_entries,
                 bytes: store.outbox_max_bytes,
             },
+            local_relay,
         };
         let Link { inbox, publisher } = link;
         let (feed, pump, handons) = handon::channel();

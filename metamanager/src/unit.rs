@@ -8,7 +8,7 @@ use std::task::{Context as TaskContext, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use edgemeta_broker::{Ack, Message};
+use edgemeta_broker::{Ack, Message, Publisher};
 use serde_json::value::RawValue;
 use tokio::sync::oneshot;
 use tokio_util::time::{delay_queue, DelayQueue};
@@ -164,6 +164,8 @@ pub(crate) struct Settings<'a> {
     pub(crate) node: &'a str,
     pub(crate) waits: Waits,
     pub(crate) outbox_limit: OutboxLimit,
+    /// Standalone: where the outbox is relayed (the local broker), else `None` (a cloud).
+    pub(crate) relay: Option<&'a Publisher>,
 }
 
 /// Everything a handler may touch, borrowed field by field so the open transaction (which
@@ -278,6 +280,15 @@ impl<'a> Context<'a> {
         topic: &str,
         payload: &[u8],
     ) -> Result<(), Error> {
+        // Standalone, a row is relayed to whoever subscribes to its topic when it goes out, and
+        // deleted: one nobody subscribes to now would only cost a write, a read and a delete.
+        if self
+            .settings
+            .relay
+            .is_some_and(|relay| !relay.reaches_anyone(topic))
+        {
+            return Ok(());
+        }
         outbox::append(
             self.db,
             &mut self.state.outbox,

@@ -30,6 +30,8 @@ pub(crate) struct WorkerConfig {
     pub(crate) podstatus_sync_interval: Duration,
     pub(crate) batch_max: usize,
     pub(crate) outbox_limit: OutboxLimit,
+    /// Standalone: the outbox is relayed to the local broker, not sent to a cloud.
+    pub(crate) local_relay: bool,
 }
 
 /// What the worker announces after a commit.
@@ -225,7 +227,8 @@ impl Worker {
                 }
             };
             let counters = *self.state.outbox();
-            let mut cx = Context::new(&self.db, settings(&self.config), &mut self.state);
+            let relay = self.config.local_relay.then_some(&self.publisher);
+            let mut cx = Context::new(&self.db, settings(&self.config, relay), &mut self.state);
             let result = match &step {
                 Step::Apply(work, _) => handlers::apply(work, &mut cx).await,
                 Step::Expired(id) => handlers::expire(id, &mut cx).await,
@@ -480,11 +483,12 @@ fn count_failed<'a>(meters: &Meters, steps: impl Iterator<Item = &'a Step>) {
 }
 
 /// What every handler reads of the worker's configuration.
-fn settings(config: &WorkerConfig) -> Settings<'_> {
+fn settings<'a>(config: &'a WorkerConfig, relay: Option<&'a Publisher>) -> Settings<'a> {
     Settings {
         root: &config.root,
         node: &config.node,
         waits: config.waits,
         outbox_limit: config.outbox_limit,
+        relay,
     }
 }
