@@ -18,7 +18,7 @@ use tracing::{debug, info, warn};
 
 use crate::message::{self, Incoming};
 use crate::plan::{self, Blocked, Lookup};
-use crate::pod::{PodWorker, Timing};
+use crate::pod::{PodStart, PodWorker, Timing};
 use crate::runtime::Runtime;
 use crate::session::Inbound;
 use crate::spec::{self, ConfigKind, Key, Pod};
@@ -492,35 +492,27 @@ impl Agent {
             .and_then(Value::as_str)
             .unwrap_or_default()
             .to_owned();
-        match parsed {
-            Err(reason) => {
+        let (pod, run, invalid) = match parsed {
+            Ok(pod) => (Some(pod), Run::Resolving, None),
+            Err(reason) => (None, Run::Blocked, Some(reason)),
+        };
+        self.pods.insert(
+            key.clone(),
+            PodEntry {
+                namespace: namespace.to_owned(),
+                name: name.to_owned(),
+                identity,
+                pod,
+                run,
+            },
+        );
+        match invalid {
+            Some(reason) => {
                 warn!(pod = %key, reason = "InvalidPodSpec", error = %reason, "pod cannot run");
-                self.pods.insert(
-                    key.clone(),
-                    PodEntry {
-                        namespace: namespace.to_owned(),
-                        name: name.to_owned(),
-                        identity,
-                        pod: None,
-                        run: Run::Blocked,
-                    },
-                );
                 self.report(&key, uid, status::invalid_status(&self.node_ip, &reason))
                     .await;
             }
-            Ok(pod) => {
-                self.pods.insert(
-                    key.clone(),
-                    PodEntry {
-                        namespace: namespace.to_owned(),
-                        name: name.to_owned(),
-                        identity,
-                        pod: Some(pod),
-                        run: Run::Resolving,
-                    },
-                );
-                self.try_start(&key).await;
-            }
+            None => self.try_start(&key).await,
         }
     }
 
@@ -556,15 +548,15 @@ impl Agent {
             .collect();
         match planned {
             Ok(plan) => {
-                let worker = PodWorker::spawn(
+                let worker = PodWorker::spawn(PodStart {
                     plan,
                     images,
-                    self.runtime.clone(),
-                    self.timing.clone(),
-                    self.reports.clone(),
-                    self.stopping.remove(key),
-                    self.cancel.child_token(),
-                );
+                    runtime: self.runtime.clone(),
+                    timing: self.timing.clone(),
+                    reports: self.reports.clone(),
+                    after: self.stopping.remove(key),
+                    cancel: self.cancel.child_token(),
+                });
                 if let Some(entry) = self.pods.get_mut(key) {
                     entry.run = Run::Running(worker);
                 }

@@ -35,21 +35,23 @@ pub struct PodWorker {
     task: JoinHandle<()>,
 }
 
+/// What a pod worker runs: the plan, the images it pulls, where its statuses go, and the
+/// previous incarnation of the pod (`after`), which must have stopped first.
+pub struct PodStart {
+    pub plan: PodPlan,
+    pub images: Vec<String>,
+    pub runtime: Arc<dyn Runtime>,
+    pub timing: Arc<Timing>,
+    pub reports: mpsc::Sender<Report>,
+    pub after: Option<JoinHandle<()>>,
+    pub cancel: CancellationToken,
+}
+
 impl PodWorker {
-    /// Starts `plan` once `after` (the previous incarnation of the pod) has stopped.
-    pub fn spawn(
-        plan: PodPlan,
-        images: Vec<String>,
-        runtime: Arc<dyn Runtime>,
-        timing: Arc<Timing>,
-        reports: mpsc::Sender<Report>,
-        after: Option<JoinHandle<()>>,
-        cancel: CancellationToken,
-    ) -> PodWorker {
+    /// Starts the pod once `start.after` has stopped.
+    pub fn spawn(start: PodStart) -> PodWorker {
         let (stop, stop_rx) = watch::channel(None);
-        let task = tokio::spawn(run_pod(
-            plan, images, runtime, timing, reports, after, stop_rx, cancel,
-        ));
+        let task = tokio::spawn(run_pod(start, stop_rx));
         PodWorker { stop, task }
     }
 
@@ -60,17 +62,16 @@ impl PodWorker {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn run_pod(
-    plan: PodPlan,
-    images: Vec<String>,
-    runtime: Arc<dyn Runtime>,
-    timing: Arc<Timing>,
-    reports: mpsc::Sender<Report>,
-    after: Option<JoinHandle<()>>,
-    stop: watch::Receiver<Option<Duration>>,
-    cancel: CancellationToken,
-) {
+async fn run_pod(start: PodStart, stop: watch::Receiver<Option<Duration>>) {
+    let PodStart {
+        plan,
+        images,
+        runtime,
+        timing,
+        reports,
+        after,
+        cancel,
+    } = start;
     if let Some(previous) = after {
         let _ = previous.await;
     }

@@ -149,6 +149,15 @@ impl Store {
         self.rv
     }
 
+    /// The stored object (without `apiVersion` and `kind`) and its key.
+    fn stored(&self, kind: &Kind, namespace: &str, name: &str) -> Result<(Key, Value), Error> {
+        let key = (kind.resource(), namespace.to_owned(), name.to_owned());
+        match self.objects.get(&key).cloned() {
+            Some(object) => Ok((key, object)),
+            None => Err(Error::not_found(kind, name)),
+        }
+    }
+
     /// The object, with `apiVersion` and `kind`.
     pub fn get(&self, kind: &Kind, namespace: &str, name: &str) -> Result<Value, Error> {
         self.objects
@@ -261,12 +270,7 @@ impl Store {
         object: Value,
         status_only: bool,
     ) -> Result<Value, Error> {
-        let key = (kind.resource(), namespace.to_owned(), name.to_owned());
-        let old = self
-            .objects
-            .get(&key)
-            .cloned()
-            .ok_or_else(|| Error::not_found(kind, name))?;
+        let (key, old) = self.stored(kind, namespace, name)?;
         if let Some(rv) = meta_str(&object, "resourceVersion") {
             if !rv.is_empty() && Some(rv) != meta_str(&old, "resourceVersion") {
                 return Err(Error::Conflict(format!(
@@ -347,12 +351,7 @@ impl Store {
         uid: Option<&str>,
         rv_precondition: Option<&str>,
     ) -> Result<Value, Error> {
-        let key = (kind.resource(), namespace.to_owned(), name.to_owned());
-        let old = self
-            .objects
-            .get(&key)
-            .cloned()
-            .ok_or_else(|| Error::not_found(kind, name))?;
+        let (key, old) = self.stored(kind, namespace, name)?;
         if let Some(uid) = uid {
             if Some(uid) != meta_str(&old, "uid") {
                 return Err(Error::Conflict(format!(

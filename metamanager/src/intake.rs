@@ -356,6 +356,11 @@ fn refuse(requester: Requester, error: Error, operation: &str) -> Box<Refused> {
 mod tests {
     use super::*;
 
+    /// Where the sender hears why its message was refused.
+    fn error_topic(who: &Requester) -> String {
+        who.topic("ke", crate::Operation::Error)
+    }
+
     fn config() -> IntakeConfig {
         IntakeConfig {
             root: "ke".into(),
@@ -425,10 +430,7 @@ mod tests {
     fn an_unknown_operation_is_answered_on_the_senders_error_topic() {
         let (who, e) = refused("ke/meta/edged/frobnicate/default/pod/x", b"{}");
         assert_eq!(e.to_string(), "unsupported operation \"frobnicate\"");
-        assert_eq!(
-            who.topic("ke", crate::Operation::Error),
-            "ke/edged/meta/error/default/pod"
-        );
+        assert_eq!(error_topic(&who), "ke/edged/meta/error/default/pod");
         assert_eq!(who.resource, "default/pod/x");
     }
 
@@ -440,17 +442,11 @@ mod tests {
             "invalid resource \"a/b/c/d\": want <namespace>/<type>[/<id>]"
         );
         // The topic keeps at most two levels of what the sender gave; the reply's route all.
-        assert_eq!(
-            who.topic("ke", crate::Operation::Error),
-            "ke/device/meta/error/a/b"
-        );
+        assert_eq!(error_topic(&who), "ke/device/meta/error/a/b");
         assert_eq!(who.resource, "a/b/c/d");
         let (who, e) = refused("ke/meta/device/insert/pod", b"{}");
         assert!(matches!(e, Error::InvalidResource(_)));
-        assert_eq!(
-            who.topic("ke", crate::Operation::Error),
-            "ke/device/meta/error/pod"
-        );
+        assert_eq!(error_topic(&who), "ke/device/meta/error/pod");
     }
 
     #[test]
@@ -476,10 +472,7 @@ mod tests {
     #[test]
     fn cloud_senders_are_answered_through_the_cloud_module() {
         let (who, _) = refused("ke/meta/edgecontroller/nope/default/pod/x", b"");
-        assert_eq!(
-            who.topic("ke", crate::Operation::Error),
-            "ke/cloud/meta/error/default/pod"
-        );
+        assert_eq!(error_topic(&who), "ke/cloud/meta/error/default/pod");
     }
 
     fn request(topic: &str, payload: &str) -> Request {
@@ -554,10 +547,7 @@ mod tests {
             e.to_string(),
             "namespace mismatch: the topic names namespace \"default\", content.metadata.namespace is \"kube-system\""
         );
-        assert_eq!(
-            who.topic("ke", crate::Operation::Error),
-            "ke/edged/meta/error/default/pod"
-        );
+        assert_eq!(error_topic(&who), "ke/edged/meta/error/default/pod");
         assert_eq!(who.resource, "default/pod/web");
         assert_eq!(who.msg_id.as_deref(), Some("m9"));
         assert_eq!(who.group, "g");

@@ -514,6 +514,11 @@ mod tests {
         }
     }
 
+    /// The device reports `t` = `value` (an int) at `now`.
+    fn device_reports(twins: &mut BTreeMap<String, Twin>, value: &str, now: i64) -> Merged {
+        merge(twins, &one("t", Some(reported(value, "int"))), Source::Device, now).unwrap()
+    }
+
     fn one(key: &str, twin: Option<MsgTwin>) -> BTreeMap<String, Option<MsgTwin>> {
         BTreeMap::from([(key.to_owned(), twin)])
     }
@@ -521,13 +526,7 @@ mod tests {
     #[test]
     fn a_device_report_adds_then_counts_edge_versions() {
         let mut twins = BTreeMap::new();
-        let merged = merge(
-            &mut twins,
-            &one("t", Some(reported("25", "int"))),
-            Source::Device,
-            7,
-        )
-        .unwrap();
+        let merged = device_reports(&mut twins, "25", 7);
         assert_eq!(merged.changed.len(), 1);
         let t = &twins["t"];
         assert_eq!(t.actual.as_deref(), Some("25"));
@@ -536,13 +535,7 @@ mod tests {
         let result = merged.result["t"].clone().unwrap();
         assert_eq!(result.actual_version, None, "devices never see versions");
         assert!(merged.sync["t"].as_ref().unwrap().actual_version.is_some());
-        merge(
-            &mut twins,
-            &one("t", Some(reported("26", "int"))),
-            Source::Device,
-            8,
-        )
-        .unwrap();
+        device_reports(&mut twins, "26", 8);
         assert_eq!(
             twins["t"].actual_version,
             Some(TwinVersion { cloud: 0, edge: 2 })
@@ -552,13 +545,7 @@ mod tests {
     #[test]
     fn a_value_of_the_wrong_type_refuses_the_whole_update() {
         let mut twins = BTreeMap::new();
-        merge(
-            &mut twins,
-            &one("t", Some(reported("25", "int"))),
-            Source::Device,
-            1,
-        )
-        .unwrap();
+        device_reports(&mut twins, "25", 1);
         let before = twins.clone();
         let update = BTreeMap::from([
             ("a".to_owned(), Some(reported("1", "int"))),
@@ -587,13 +574,7 @@ mod tests {
             })
         );
         assert!(!twins["t"].optional);
-        merge(
-            &mut twins,
-            &one("t", Some(reported("25", "int"))),
-            Source::Device,
-            2,
-        )
-        .unwrap();
+        device_reports(&mut twins, "25", 2);
         assert_eq!(delta(&twins).unwrap().1["t"], "20");
         let merged = merge(
             &mut twins,
@@ -649,13 +630,7 @@ mod tests {
     #[test]
     fn null_deletes_an_optional_twin_and_keeps_it_as_deleted() {
         let mut twins = BTreeMap::new();
-        merge(
-            &mut twins,
-            &one("t", Some(reported("1", "int"))),
-            Source::Device,
-            1,
-        )
-        .unwrap();
+        device_reports(&mut twins, "1", 1);
         let merged = merge(&mut twins, &one("t", None), Source::Device, 2).unwrap();
         assert_eq!(merged.result["t"], None);
         assert!(twins["t"].is_deleted());

@@ -4,20 +4,11 @@ use crate::devices::wire::MembershipUpdate;
 use crate::devices::{Event, MEMBERSHIP};
 use crate::error::Error;
 use crate::handlers::device::{add_device, bad_cloud_content, remove_device};
-use crate::handlers::family::{applying, Family, ResultTopic, Shape};
+use crate::handlers::family::{applying, Family};
 use crate::unit::Context;
 
-pub(crate) const FAMILY: Family = Family {
-    kind: "cloud_membership",
-    shape: Shape::Cloud {
-        namespace: Some("node"),
-        res_type: MEMBERSHIP,
-        named: false,
-    },
-    result: ResultTopic::None,
-    answers_failures: false,
-    apply: applying!(apply),
-};
+pub(crate) const FAMILY: Family =
+    Family::from_cloud("cloud_membership", Some("node"), MEMBERSHIP, false, applying!(apply));
 
 async fn apply(event: &Event, cx: &mut Context<'_>) -> Result<(), Error> {
     cloud_membership(&event.payload, cx).await

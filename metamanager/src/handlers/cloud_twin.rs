@@ -6,20 +6,11 @@ use crate::devices::wire::TwinUpdate;
 use crate::devices::{Event, DEVICETWIN};
 use crate::error::Error;
 use crate::handlers::device::{bad_cloud_content, device_exists, sync_twins};
-use crate::handlers::family::{applying, Family, ResultTopic, Shape};
+use crate::handlers::family::{applying, Family};
 use crate::unit::Context;
 
-pub(crate) const FAMILY: Family = Family {
-    kind: "cloud_twin",
-    shape: Shape::Cloud {
-        namespace: None,
-        res_type: DEVICETWIN,
-        named: true,
-    },
-    result: ResultTopic::None,
-    answers_failures: false,
-    apply: applying!(apply),
-};
+pub(crate) const FAMILY: Family =
+    Family::from_cloud("cloud_twin", None, DEVICETWIN, true, applying!(apply));
 
 async fn apply(event: &Event, cx: &mut Context<'_>) -> Result<(), Error> {
     cloud_twin(&event.id, &event.payload, cx).await

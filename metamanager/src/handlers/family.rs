@@ -27,8 +27,11 @@ pub(crate) struct Family {
     pub(crate) answers_failures: bool,
     /// Applies one message, inside its savepoint. Bad input is answered on the result topic and
     /// changes nothing; only a store failure is an `Err` (the savepoint is rolled back).
-    pub(crate) apply: for<'a, 'c> fn(&'a Event, &'a mut Context<'c>) -> Applying<'a>,
+    pub(crate) apply: Apply,
 }
+
+/// A family's `apply`.
+pub(crate) type Apply = for<'a, 'c> fn(&'a Event, &'a mut Context<'c>) -> Applying<'a>;
 
 /// The topics a family takes, in the clients' form.
 pub(crate) enum Shape {
@@ -61,6 +64,47 @@ pub(crate) enum ResultTopic {
 }
 
 impl Family {
+    /// A mapper's request about one device, `$hw/events/device/<id><suffix>`, answered (failures
+    /// too) on `$hw/events/device/<id><result>`.
+    pub(crate) const fn mapper_request(
+        kind: &'static str,
+        suffix: &'static str,
+        result: &'static str,
+        apply: Apply,
+    ) -> Family {
+        Family {
+            kind,
+            shape: Shape::Device {
+                prefix: "$hw/events/device/",
+                suffix,
+            },
+            result: ResultTopic::Device(result),
+            answers_failures: true,
+            apply,
+        }
+    }
+
+    /// The devicecontroller's `update` of `<namespace>/<res_type>[/<name>]`, answered nowhere.
+    pub(crate) const fn from_cloud(
+        kind: &'static str,
+        namespace: Option<&'static str>,
+        res_type: &'static str,
+        named: bool,
+        apply: Apply,
+    ) -> Family {
+        Family {
+            kind,
+            shape: Shape::Cloud {
+                namespace,
+                res_type,
+                named,
+            },
+            result: ResultTopic::None,
+            answers_failures: false,
+            apply,
+        }
+    }
+
     /// The result topic for the device `id`, on node `node`.
     pub(crate) fn result_topic(&self, id: &str, node: &str) -> Option<String> {
         match self.result {

@@ -4,20 +4,12 @@ use crate::devices::wire::{Base, DeviceState, StateResult, StateUpdate};
 use crate::devices::{local, resource_of, Event, DEVICESTATE, STATES, TWIN};
 use crate::error::Error;
 use crate::handlers::device::{parse, refuse, up};
-use crate::handlers::family::{applying, Family, ResultTopic, Shape};
+use crate::handlers::family::{applying, Family};
 use crate::unit::Context;
 use edgemeta_protocol::{new_msg_id, rfc3339};
 
-pub(crate) const FAMILY: Family = Family {
-    kind: "state_update",
-    shape: Shape::Device {
-        prefix: "$hw/events/device/",
-        suffix: "/state/update",
-    },
-    result: ResultTopic::Device("/state/update/result"),
-    answers_failures: true,
-    apply: applying!(apply),
-};
+pub(crate) const FAMILY: Family =
+    Family::mapper_request("state_update", "/state/update", "/state/update/result", applying!(apply));
 
 async fn apply(event: &Event, cx: &mut Context<'_>) -> Result<(), Error> {
     state_update(&event.id, &event.payload, cx).await

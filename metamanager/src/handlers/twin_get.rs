@@ -4,19 +4,11 @@ use crate::devices::wire::{Base, TwinResult};
 use crate::devices::{local, Event};
 use crate::error::Error;
 use crate::handlers::device::{device_exists, load_twins, parse, refuse};
-use crate::handlers::family::{applying, Family, ResultTopic, Shape};
+use crate::handlers::family::{applying, Family};
 use crate::unit::Context;
 
-pub(crate) const FAMILY: Family = Family {
-    kind: "twin_get",
-    shape: Shape::Device {
-        prefix: "$hw/events/device/",
-        suffix: "/twin/get",
-    },
-    result: ResultTopic::Device("/twin/get/result"),
-    answers_failures: true,
-    apply: applying!(apply),
-};
+pub(crate) const FAMILY: Family =
+    Family::mapper_request("twin_get", "/twin/get", "/twin/get/result", applying!(apply));
 
 async fn apply(event: &Event, cx: &mut Context<'_>) -> Result<(), Error> {
     twin_get(&event.id, &event.payload, cx).await

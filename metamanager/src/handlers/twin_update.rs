@@ -7,20 +7,12 @@ use crate::error::Error;
 use crate::handlers::device::{
     after_twin_change, device_exists, load_twins, parse, refuse, write_twins,
 };
-use crate::handlers::family::{applying, Family, ResultTopic, Shape};
+use crate::handlers::family::{applying, Family};
 use crate::unit::Context;
 use edgemeta_protocol::now_ms;
 
-pub(crate) const FAMILY: Family = Family {
-    kind: "twin_update",
-    shape: Shape::Device {
-        prefix: "$hw/events/device/",
-        suffix: "/twin/update",
-    },
-    result: ResultTopic::Device("/twin/update/result"),
-    answers_failures: true,
-    apply: applying!(apply),
-};
+pub(crate) const FAMILY: Family =
+    Family::mapper_request("twin_update", "/twin/update", "/twin/update/result", applying!(apply));
 
 async fn apply(event: &Event, cx: &mut Context<'_>) -> Result<(), Error> {
     twin_update(&event.id, &event.payload, cx).await
