@@ -514,9 +514,31 @@ mod tests {
         }
     }
 
+    /// The cloud wants `t` = `value` at `now`, with its `(cloud, edge)` versions.
+    fn cloud_desires(
+        twins: &mut BTreeMap<String, Twin>,
+        value: &str,
+        (cloud, edge): (i64, i64),
+        now: i64,
+    ) -> Merged {
+        merge(
+            twins,
+            &one("t", Some(desired(value, cloud, edge))),
+            Source::Cloud,
+            now,
+        )
+        .unwrap()
+    }
+
     /// The device reports `t` = `value` (an int) at `now`.
     fn device_reports(twins: &mut BTreeMap<String, Twin>, value: &str, now: i64) -> Merged {
-        merge(twins, &one("t", Some(reported(value, "int"))), Source::Device, now).unwrap()
+        merge(
+            twins,
+            &one("t", Some(reported(value, "int"))),
+            Source::Device,
+            now,
+        )
+        .unwrap()
     }
 
     fn one(key: &str, twin: Option<MsgTwin>) -> BTreeMap<String, Option<MsgTwin>> {
@@ -559,13 +581,7 @@ mod tests {
     #[test]
     fn a_cloud_desired_value_applies_when_its_versions_are_current() {
         let mut twins = BTreeMap::new();
-        merge(
-            &mut twins,
-            &one("t", Some(desired("20", 100, 0))),
-            Source::Cloud,
-            1,
-        )
-        .unwrap();
+        cloud_desires(&mut twins, "20", (100, 0), 1);
         assert_eq!(
             twins["t"].expected_version,
             Some(TwinVersion {
@@ -576,13 +592,7 @@ mod tests {
         assert!(!twins["t"].optional);
         device_reports(&mut twins, "25", 2);
         assert_eq!(delta(&twins).unwrap().1["t"], "20");
-        let merged = merge(
-            &mut twins,
-            &one("t", Some(desired("30", 101, 0))),
-            Source::Cloud,
-            3,
-        )
-        .unwrap();
+        let merged = cloud_desires(&mut twins, "30", (101, 0), 3);
         assert!(
             merged.sync.is_empty(),
             "an accepted cloud change is not echoed"
@@ -594,20 +604,8 @@ mod tests {
     #[test]
     fn a_stale_cloud_value_loses_to_the_edge_and_is_reported_back() {
         let mut twins = BTreeMap::new();
-        merge(
-            &mut twins,
-            &one("t", Some(desired("20", 100, 0))),
-            Source::Cloud,
-            1,
-        )
-        .unwrap();
-        let merged = merge(
-            &mut twins,
-            &one("t", Some(desired("10", 99, 0))),
-            Source::Cloud,
-            2,
-        )
-        .unwrap();
+        cloud_desires(&mut twins, "20", (100, 0), 1);
+        let merged = cloud_desires(&mut twins, "10", (99, 0), 2);
         assert_eq!(twins["t"].expected.as_deref(), Some("20"));
         let back = merged.sync["t"].clone().unwrap();
         assert_eq!(back.expected.unwrap().value.as_deref(), Some("20"));

@@ -7,8 +7,13 @@ use crate::handlers::device::{add_device, bad_cloud_content, remove_device};
 use crate::handlers::family::{applying, Family};
 use crate::unit::Context;
 
-pub(crate) const FAMILY: Family =
-    Family::from_cloud("cloud_detail", Some("node"), MEMBERSHIP_DETAIL, false, applying!(apply));
+pub(crate) const FAMILY: Family = Family::from_cloud(
+    "cloud_detail",
+    Some("node"),
+    MEMBERSHIP_DETAIL,
+    false,
+    applying!(apply),
+);
 
 async fn apply(event: &Event, cx: &mut Context<'_>) -> Result<(), Error> {
     cloud_detail(&event.payload, cx).await

@@ -7,8 +7,13 @@ use crate::handlers::device::{add_device, bad_cloud_content, remove_device};
 use crate::handlers::family::{applying, Family};
 use crate::unit::Context;
 
-pub(crate) const FAMILY: Family =
-    Family::from_cloud("cloud_membership", Some("node"), MEMBERSHIP, false, applying!(apply));
+pub(crate) const FAMILY: Family = Family::from_cloud(
+    "cloud_membership",
+    Some("node"),
+    MEMBERSHIP,
+    false,
+    applying!(apply),
+);
 
 async fn apply(event: &Event, cx: &mut Context<'_>) -> Result<(), Error> {
     cloud_membership(&event.payload, cx).await

@@ -12,9 +12,10 @@ use crate::devices::wire::{
 };
 use crate::devices::{
     content_of, device_topic, fresh_base, header, local, node_topic, resource_of, to_raw, valid_id,
-    DEVICETWIN, EVENTBUS, MEMBERSHIP_DETAIL, TWIN,
+    Event, DEVICETWIN, EVENTBUS, MEMBERSHIP_DETAIL, TWIN,
 };
 use crate::error::Error;
+use crate::handlers::family::Family;
 use crate::reply::{error_reply, Asker};
 use crate::store::DeviceRow;
 use crate::unit::Context;
@@ -292,6 +293,21 @@ pub(crate) async fn up(
     };
     let topic = outbound(cx.root(), CLOUD, from, operation, resource);
     cx.queue_for_cloud(&topic, &envelope.to_bytes()).await
+}
+
+/// A mapper's request to `family`: its result topic and the payload as `T`; `None` once a 400
+/// with `reason` is answered there ([`parse`]).
+pub(crate) fn read_request<T: serde::de::DeserializeOwned>(
+    family: &Family,
+    event: &Event,
+    cx: &mut Context<'_>,
+    reason: &str,
+) -> Option<(String, T)> {
+    let topic = family
+        .result_topic(&event.id, cx.node())
+        .unwrap_or_default();
+    let request = parse::<T>(cx, &topic, &event.payload, reason)?;
+    Some((topic, request))
 }
 
 /// A device's JSON payload as `T`; otherwise answers 400 with `reason` and the parser's error on

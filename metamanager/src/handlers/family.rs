@@ -57,19 +57,18 @@ pub(crate) enum Shape {
 pub(crate) enum ResultTopic {
     /// Nowhere: nothing is answered.
     None,
-    /// `$hw/events/device/<id><suffix>`.
-    Device(&'static str),
+    /// `$hw/events/device/<id><suffix>/result`.
+    DeviceResult(&'static str),
     /// `$hw/events/node/<this node><suffix>`.
     Node(&'static str),
 }
 
 impl Family {
     /// A mapper's request about one device, `$hw/events/device/<id><suffix>`, answered (failures
-    /// too) on `$hw/events/device/<id><result>`.
+    /// too) on `$hw/events/device/<id><suffix>/result`.
     pub(crate) const fn mapper_request(
         kind: &'static str,
         suffix: &'static str,
-        result: &'static str,
         apply: Apply,
     ) -> Family {
         Family {
@@ -78,7 +77,7 @@ impl Family {
                 prefix: "$hw/events/device/",
                 suffix,
             },
-            result: ResultTopic::Device(result),
+            result: ResultTopic::DeviceResult(suffix),
             answers_failures: true,
             apply,
         }
@@ -109,7 +108,9 @@ impl Family {
     pub(crate) fn result_topic(&self, id: &str, node: &str) -> Option<String> {
         match self.result {
             ResultTopic::None => None,
-            ResultTopic::Device(suffix) => Some(device_topic(id, suffix)),
+            ResultTopic::DeviceResult(suffix) => {
+                Some(device_topic(id, &format!("{suffix}/result")))
+            }
             ResultTopic::Node(suffix) => Some(node_topic(node, suffix)),
         }
     }

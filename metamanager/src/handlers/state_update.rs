@@ -3,26 +3,21 @@
 use crate::devices::wire::{Base, DeviceState, StateResult, StateUpdate};
 use crate::devices::{local, resource_of, Event, DEVICESTATE, STATES, TWIN};
 use crate::error::Error;
-use crate::handlers::device::{parse, refuse, up};
+use crate::handlers::device::{read_request, refuse, up};
 use crate::handlers::family::{applying, Family};
 use crate::unit::Context;
 use edgemeta_protocol::{new_msg_id, rfc3339};
 
 pub(crate) const FAMILY: Family =
-    Family::mapper_request("state_update", "/state/update", "/state/update/result", applying!(apply));
-
-async fn apply(event: &Event, cx: &mut Context<'_>) -> Result<(), Error> {
-    state_update(&event.id, &event.payload, cx).await
-}
+    Family::mapper_request("state_update", "/state/update", applying!(apply));
 
 /// `dealDeviceStateUpdate`. KubeEdge ignores an unknown device or state; a mapper hears why here.
-async fn state_update(id: &str, payload: &[u8], cx: &mut Context<'_>) -> Result<(), Error> {
-    let topic = FAMILY.result_topic(id, cx.node()).unwrap_or_default();
+async fn apply(event: &Event, cx: &mut Context<'_>) -> Result<(), Error> {
     let reason = "Unmarshal device state failed";
-    let Some(update) = parse::<StateUpdate>(cx, &topic, payload, reason) else {
+    let Some((topic, update)) = read_request::<StateUpdate>(&FAMILY, event, cx, reason) else {
         return Ok(());
     };
-    let event_id = update.base.event_id.clone();
+    let (id, event_id) = (event.id.as_str(), update.base.event_id.clone());
     let state = update.state.to_lowercase();
     if !STATES.contains(&state.as_str()) {
         let reason = format!(

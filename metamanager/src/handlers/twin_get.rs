@@ -3,23 +3,19 @@
 use crate::devices::wire::{Base, TwinResult};
 use crate::devices::{local, Event};
 use crate::error::Error;
-use crate::handlers::device::{device_exists, load_twins, parse, refuse};
+use crate::handlers::device::{device_exists, load_twins, read_request, refuse};
 use crate::handlers::family::{applying, Family};
 use crate::unit::Context;
 
-pub(crate) const FAMILY: Family =
-    Family::mapper_request("twin_get", "/twin/get", "/twin/get/result", applying!(apply));
-
-async fn apply(event: &Event, cx: &mut Context<'_>) -> Result<(), Error> {
-    twin_get(&event.id, &event.payload, cx).await
-}
+pub(crate) const FAMILY: Family = Family::mapper_request("twin_get", "/twin/get", applying!(apply));
 
 /// `DealGetTwin`.
-async fn twin_get(id: &str, payload: &[u8], cx: &mut Context<'_>) -> Result<(), Error> {
-    let topic = FAMILY.result_topic(id, cx.node()).unwrap_or_default();
-    let Some(base) = parse::<Base>(cx, &topic, payload, "Unmarshal twin info failed") else {
+async fn apply(event: &Event, cx: &mut Context<'_>) -> Result<(), Error> {
+    let reason = "Unmarshal twin info failed";
+    let Some((topic, base)) = read_request::<Base>(&FAMILY, event, cx, reason) else {
         return Ok(());
     };
+    let id = event.id.as_str();
     if !device_exists(id, cx).await? {
         let reason = format!("Device {id} not found while getting twin");
         return refuse(cx, &topic, &base.event_id, 404, &reason, "");

@@ -5,27 +5,22 @@ use crate::devices::wire::{Base, TwinResult, TwinUpdate};
 use crate::devices::{local, Event};
 use crate::error::Error;
 use crate::handlers::device::{
-    after_twin_change, device_exists, load_twins, parse, refuse, write_twins,
+    after_twin_change, device_exists, load_twins, read_request, refuse, write_twins,
 };
 use crate::handlers::family::{applying, Family};
 use crate::unit::Context;
 use edgemeta_protocol::now_ms;
 
 pub(crate) const FAMILY: Family =
-    Family::mapper_request("twin_update", "/twin/update", "/twin/update/result", applying!(apply));
-
-async fn apply(event: &Event, cx: &mut Context<'_>) -> Result<(), Error> {
-    twin_update(&event.id, &event.payload, cx).await
-}
+    Family::mapper_request("twin_update", "/twin/update", applying!(apply));
 
 /// `dealTwinUpdate` / `DealDeviceTwin` with `RestDealType`.
-async fn twin_update(id: &str, payload: &[u8], cx: &mut Context<'_>) -> Result<(), Error> {
-    let topic = FAMILY.result_topic(id, cx.node()).unwrap_or_default();
+async fn apply(event: &Event, cx: &mut Context<'_>) -> Result<(), Error> {
     let reason = "Unmarshal update request body failed, please check the request";
-    let Some(update) = parse::<TwinUpdate>(cx, &topic, payload, reason) else {
+    let Some((topic, update)) = read_request::<TwinUpdate>(&FAMILY, event, cx, reason) else {
         return Ok(());
     };
-    let event_id = update.base.event_id.clone();
+    let (id, event_id) = (event.id.as_str(), update.base.event_id.clone());
     let Some(changes) = update.twin else {
         return refuse(
             cx,
