@@ -320,18 +320,7 @@ async fn fifty_pods_reach_running_within_five_seconds_at_p99() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_configmap_edit_reaches_the_pods_volume_file() {
     let rig = Rig::start().await;
-    rig.cluster
-        .create::<ConfigMap>(json!({"metadata": {"name": "app"}, "data": {"mode": "eco"}}))
-        .await;
-    let pod = rig.pod(
-        "web",
-        "while true; do sleep 1; done",
-        json!({"volumes": [{"name": "conf", "configMap": {"name": "app"}}]}),
-    );
-    rig.cluster.create::<Pod>(pod).await;
-    rig.await_running("web").await;
-    let file = rig.edged.pod_dir("web").join("volumes/conf/mode");
-    await_file(&file, "eco", &rig).await;
+    let file = pod_with_configmap(&rig, "eco").await;
 
     let configmaps: Api<ConfigMap> = Api::namespaced(rig.cluster.client.clone(), "default");
     configmaps
@@ -398,13 +387,7 @@ async fn a_node_may_read_only_the_secrets_its_pods_reference() {
             .create::<Secret>(json!({"metadata": {"name": name}, "data": {"k": "dg=="}}))
             .await;
     }
-    let pod = rig.pod(
-        "web",
-        "while true; do sleep 1; done",
-        json!({"volumes": [{"name": "s", "secret": {"secretName": "mine"}}]}),
-    );
-    rig.cluster.create::<Pod>(pod).await;
-    rig.await_running("web").await;
+    running_web(&rig, json!({"name": "s", "secret": {"secretName": "mine"}})).await;
 
     // Ask through the node as a module would: the MetaManager has no copy of "theirs", so
     // it asks the cloud, and the controller refuses.
@@ -434,20 +417,26 @@ async fn a_node_may_read_only_the_secrets_its_pods_reference() {
     );
 }
 
-/// A configmap `app` with `mode`, and a running pod `web` with it as volume `conf`.
-async fn pod_with_configmap(rig: &Rig) -> PathBuf {
-    rig.cluster
-        .create::<ConfigMap>(json!({"metadata": {"name": "app"}, "data": {"mode": "v0"}}))
-        .await;
+/// A pod `web` that runs until stopped, with `volume`, created and Running.
+async fn running_web(rig: &Rig, volume: Value) {
     let pod = rig.pod(
         "web",
         "while true; do sleep 1; done",
-        json!({"volumes": [{"name": "conf", "configMap": {"name": "app"}}]}),
+        json!({ "volumes": [volume] }),
     );
     rig.cluster.create::<Pod>(pod).await;
     rig.await_running("web").await;
+}
+
+/// A configmap `app` with `mode`, and a running pod `web` with it as volume `conf`, whose file
+/// `mode` reads `mode`; returns that file.
+async fn pod_with_configmap(rig: &Rig, mode: &str) -> PathBuf {
+    rig.cluster
+        .create::<ConfigMap>(json!({"metadata": {"name": "app"}, "data": {"mode": mode}}))
+        .await;
+    running_web(rig, json!({"name": "conf", "configMap": {"name": "app"}})).await;
     let file = rig.edged.pod_dir("web").join("volumes/conf/mode");
-    await_file(&file, "v0", rig).await;
+    await_file(&file, mode, rig).await;
     file
 }
 
@@ -466,7 +455,7 @@ async fn set_mode(rig: &Rig, mode: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_offline_during_a_hundred_changes_converges_after_it_is_back() {
     let mut rig = Rig::start().await;
-    let file = pod_with_configmap(&rig).await;
+    let file = pod_with_configmap(&rig, "v0").await;
     // The node dies without a word: its Last Will tells the controller.
     rig.node.kill9();
     for i in 1..=100 {
@@ -491,7 +480,7 @@ async fn a_node_offline_during_a_hundred_changes_converges_after_it_is_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_controller_killed_with_sigkill_converges_when_started_again() {
     let mut rig = Rig::start().await;
-    let file = pod_with_configmap(&rig).await;
+    let file = pod_with_configmap(&rig, "v0").await;
     rig.controller.kill9();
     // What happens while no controller runs: an edit and a new pod.
     set_mode(&rig, "after").await;
@@ -571,7 +560,7 @@ async fn the_standby_replica_takes_over_when_the_leader_is_killed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_watches_and_410s_lose_no_change_on_the_way_to_the_node() {
     let rig = Rig::start().await;
-    let file = pod_with_configmap(&rig).await;
+    let file = pod_with_configmap(&rig, "v0").await;
     let api = rig.cluster.api.as_ref().expect("fake API server");
     for round in 1..=3 {
         // Every watch ends; the next ones are answered 410 Expired, so the controller's
@@ -625,43 +614,28 @@ async fn a_node_registers_itself_reports_its_status_and_lease_but_only_its_own()
 
     let ready = json!({"Status": {"conditions": [{"type": "Ready", "status": "True", "reason": "EdgeReady"}],
                                   "addresses": [{"type": "InternalIP", "address": "10.0.0.7"}]}});
-    let (id, payload) = envelope(
-        "edged",
-        "update",
-        &format!("default/nodestatus/{node}"),
-        ready.clone(),
-    );
-    link.publish(&up("update"), payload).await;
-    link.expect_reply(&down("response"), &id).await;
-    let status = nodes
-        .get(&node)
-        .await
-        .expect("node")
-        .status
-        .expect("status");
-    let condition = &status.conditions.expect("conditions")[0];
+    // Reports the node Ready through the MetaManager; the Ready condition the cluster then has.
+    let mut report_ready = async || {
+        let resource = format!("default/nodestatus/{node}");
+        let (id, payload) = envelope("edged", "update", &resource, ready.clone());
+        link.publish(&up("update"), payload).await;
+        link.expect_reply(&down("response"), &id).await;
+        let status = nodes
+            .get(&node)
+            .await
+            .expect("node")
+            .status
+            .expect("status");
+        status.conditions.expect("conditions").remove(0)
+    };
+    let condition = report_ready().await;
     assert_eq!(condition.status, "True");
     assert!(condition.last_heartbeat_time.is_some() && condition.last_transition_time.is_some());
-    let first_transition = condition.last_transition_time.clone();
     // The same report again: the heartbeat moves on, the transition time stays.
     // pacing: these times have one-second resolution; the second report falls in a later second.
     tokio::time::sleep(Duration::from_millis(1100)).await;
-    let (id, payload) = envelope(
-        "edged",
-        "update",
-        &format!("default/nodestatus/{node}"),
-        ready,
-    );
-    link.publish(&up("update"), payload).await;
-    link.expect_reply(&down("response"), &id).await;
-    let status = nodes
-        .get(&node)
-        .await
-        .expect("node")
-        .status
-        .expect("status");
-    let condition = &status.conditions.expect("conditions")[0];
-    assert_eq!(condition.last_transition_time, first_transition);
+    let again = report_ready().await;
+    assert_eq!(again.last_transition_time, condition.last_transition_time);
 
     // Its heartbeat Lease, created then renewed.
     let lease_up = format!("kubeedge/{node}/up/edged/update/kube-node-lease/lease");

@@ -168,6 +168,43 @@ async fn assert_serves(node: &Node, name: &str) {
     );
 }
 
+/// `user` (password `<user>-pw`) publishes `{}` to `topic` at QoS 1 with `mosquitto_pub` on the
+/// node's MQTT 5 listener, and its PUBACK says "not authorized".
+fn told_not_authorized(node: &Node, user: &str, topic: &str) {
+    let port = node.v5_port.expect("v5 listener").to_string();
+    let password = format!("{user}-pw");
+    let out = Command::new("mosquitto_pub")
+        .args(["-h", "127.0.0.1", "-p", &port, "-V", "mqttv5"])
+        .args(["-u", user, "-P", &password, "-q", "1", "-d"])
+        .args(["-t", topic, "-m", "{}"])
+        .output()
+        .expect("mosquitto_pub");
+    let text = String::from_utf8_lossy(&out.stdout).to_lowercase()
+        + &String::from_utf8_lossy(&out.stderr).to_lowercase();
+    assert!(
+        text.contains("not authori") || text.contains("rc135") || text.contains("(135)"),
+        "MQTT 5 PUBACK to {user} on {topic} does not say not authorized: {text}"
+    );
+}
+
+/// A QoS 1 subscription granted as asked.
+const GRANTED: SubscribeReasonCode = SubscribeReasonCode::Success(QoS::AtLeastOnce);
+
+/// Connects without a login, which the node must accept; the client id starts with `prefix`.
+async fn anonymous(port: u16, prefix: &str) -> Raw {
+    Raw::connect(port, &unique_id(prefix), None)
+        .await
+        .unwrap_or_else(|e| panic!("anonymous {prefix} refused: {e}"))
+}
+
+/// Connects as `user` with the password `<user>-pw`, which the node must accept.
+async fn admitted(port: u16, user: &str) -> Raw {
+    let password = format!("{user}-pw");
+    Raw::connect(port, &unique_id(user), Some((user, &password)))
+        .await
+        .unwrap_or_else(|e| panic!("{user} refused: {e}"))
+}
+
 fn refused(result: Result<Raw, String>) -> String {
     match result {
         Ok(_) => panic!("the connection was admitted"),
@@ -225,17 +262,8 @@ async fn only_the_right_password_is_admitted_when_anonymous_access_is_off() {
         stored_soon(&node, "default/sensor/right").await.as_deref(),
         Some(r#"{"by":"right"}"#)
     );
-    let mut device = Raw::connect(
-        node.port,
-        &unique_id("dev"),
-        Some(("device1", "device1-pw")),
-    )
-    .await
-    .expect("the right password over rumqttc");
-    assert_eq!(
-        device.subscribe("ke/device/#").await,
-        SubscribeReasonCode::Success(QoS::AtLeastOnce)
-    );
+    let mut device = admitted(node.port, "device1").await;
+    assert_eq!(device.subscribe("ke/device/#").await, GRANTED);
     // The admitted device reads the answer to its own query.
     let (id, query) = common::envelope("device", "query", "default/sensor/right", json!(null));
     device
@@ -260,12 +288,8 @@ async fn only_the_right_password_is_admitted_when_anonymous_access_is_off() {
 #[tokio::test]
 async fn with_users_and_anonymous_access_on_anonymous_gets_in_but_unknown_names_do_not() {
     let node = Node::start_with_broker(auth_yaml(true, &["device1"])).await;
-    Raw::connect(node.port, &unique_id("anon"), None)
-        .await
-        .expect("anonymous admitted");
-    Raw::connect(node.port, &unique_id("d"), Some(("device1", "device1-pw")))
-        .await
-        .expect("device1 admitted");
+    anonymous(node.port, "anon").await;
+    admitted(node.port, "device1").await;
     refused(Raw::connect(node.port, &unique_id("x"), Some(("intruder", "x"))).await);
     refused(Raw::connect(node.port, &unique_id("x"), Some(("device1", "wrong"))).await);
 }
@@ -424,11 +448,7 @@ async fn a_device_gets_nothing_through_as_edgecontroller_or_edged_and_reads_no_c
     }
     let own = format!("site/{device_id}/#");
     for filter in ["ke/device/#", own.as_str()] {
-        assert_eq!(
-            device.subscribe(filter).await,
-            SubscribeReasonCode::Success(QoS::AtLeastOnce),
-            "{filter} refused"
-        );
+        assert_eq!(device.subscribe(filter).await, GRANTED, "{filter} refused");
     }
 
     let rows_before = node.meta_rows().await;
@@ -456,30 +476,10 @@ async fn a_device_gets_nothing_through_as_edgecontroller_or_edged_and_reads_no_c
     }
     // A forgery from a separate mosquitto_pub process on the MQTT 5 listener is told why.
     // (One process: each login costs an argon2 check, seconds in a debug build.)
-    let v5_port = node.v5_port.expect("v5 listener");
-    let out = Command::new("mosquitto_pub")
-        .args([
-            "-h",
-            "127.0.0.1",
-            "-p",
-            &v5_port.to_string(),
-            "-V",
-            "mqttv5",
-        ])
-        .args(["-u", "device1", "-P", "device1-pw", "-q", "1", "-d"])
-        .args([
-            "-t",
-            "ke/meta/edgecontroller/insert/default/pod/forged-v5",
-            "-m",
-            "{}",
-        ])
-        .output()
-        .expect("mosquitto_pub");
-    let text = String::from_utf8_lossy(&out.stdout).to_lowercase()
-        + &String::from_utf8_lossy(&out.stderr).to_lowercase();
-    assert!(
-        text.contains("not authori") || text.contains("rc135") || text.contains("(135)"),
-        "MQTT 5 PUBACK does not say not authorized: {text}"
+    told_not_authorized(
+        &node,
+        "device1",
+        "ke/meta/edgecontroller/insert/default/pod/forged-v5",
     );
 
     // Meanwhile edged really talks to the cloud: none of that may reach the device.
@@ -635,20 +635,9 @@ async fn a_device_reads_and_writes_only_its_own_dollar_hw_subtree() {
         ..Options::default()
     })
     .await;
-    let mut mapper = Raw::connect(
-        node.port,
-        &unique_id("mapper"),
-        Some(("mapper", "mapper-pw")),
-    )
-    .await
-    .expect("mapper admitted");
-    assert_eq!(
-        mapper.subscribe("$hw/events/device/#").await,
-        SubscribeReasonCode::Success(QoS::AtLeastOnce)
-    );
-    let mut device = Raw::connect(node.port, &unique_id("dev-a"), Some(("dev-a", "dev-a-pw")))
-        .await
-        .expect("dev-a admitted");
+    let mut mapper = admitted(node.port, "mapper").await;
+    assert_eq!(mapper.subscribe("$hw/events/device/#").await, GRANTED);
+    let mut device = admitted(node.port, "dev-a").await;
     // Another device's subtree, the whole tree, and the carried form itself are refused; the
     // connection stays up (rumqttd would drop a client subscribing to a `$` filter).
     for filter in [
@@ -662,10 +651,7 @@ async fn a_device_reads_and_writes_only_its_own_dollar_hw_subtree() {
             "{filter} granted"
         );
     }
-    assert_eq!(
-        device.subscribe("$hw/events/device/dev-a/#").await,
-        SubscribeReasonCode::Success(QoS::AtLeastOnce)
-    );
+    assert_eq!(device.subscribe("$hw/events/device/dev-a/#").await, GRANTED);
 
     // A topic the MetaManager does not answer, so only the devices' own messages arrive.
     let own = "$hw/events/device/dev-a/telemetry";
@@ -703,26 +689,7 @@ async fn a_device_reads_and_writes_only_its_own_dollar_hw_subtree() {
     assert_eq!(topics_seen(&mut device).await, [own]);
 
     // MQTT 5 is told why (one process: each login costs an argon2 check).
-    let v5_port = node.v5_port.expect("v5 listener");
-    let out = Command::new("mosquitto_pub")
-        .args([
-            "-h",
-            "127.0.0.1",
-            "-p",
-            &v5_port.to_string(),
-            "-V",
-            "mqttv5",
-        ])
-        .args(["-u", "dev-a", "-P", "dev-a-pw", "-q", "1", "-d"])
-        .args(["-t", "$hw/events/device/dev-b/state/update", "-m", "{}"])
-        .output()
-        .expect("mosquitto_pub");
-    let text = String::from_utf8_lossy(&out.stdout).to_lowercase()
-        + &String::from_utf8_lossy(&out.stderr).to_lowercase();
-    assert!(
-        text.contains("not authori") || text.contains("rc135") || text.contains("(135)"),
-        "MQTT 5 PUBACK does not say not authorized: {text}"
-    );
+    told_not_authorized(&node, "dev-a", "$hw/events/device/dev-b/state/update");
     assert!(topics_seen(&mut mapper).await.is_empty());
     assert!(node.log().contains("EM-ACL-PUBLISH-DENIED"));
 }
@@ -730,19 +697,13 @@ async fn a_device_reads_and_writes_only_its_own_dollar_hw_subtree() {
 #[tokio::test]
 async fn with_the_acl_off_dollar_hw_and_ke_topics_flow_and_the_carried_form_is_closed() {
     let node = Node::start().await;
-    let mut mapper = Raw::connect(node.port, &unique_id("mapper"), None)
-        .await
-        .expect("connect");
+    let mut mapper = anonymous(node.port, "mapper").await;
     let result = "$hw/events/device/d1/twin/update/result";
     for filter in [
         "$hw/events/device/+/twin/update/result",
         "$share/mappers/$ke/events/device/#",
     ] {
-        assert_eq!(
-            mapper.subscribe(filter).await,
-            SubscribeReasonCode::Success(QoS::AtLeastOnce),
-            "{filter}"
-        );
+        assert_eq!(mapper.subscribe(filter).await, GRANTED, "{filter}");
     }
     for filter in ["edgemeta$hw/#", "$share/g/edgemeta$ke/#", "$SYS/#"] {
         assert_eq!(
@@ -751,9 +712,7 @@ async fn with_the_acl_off_dollar_hw_and_ke_topics_flow_and_the_carried_form_is_c
             "{filter}"
         );
     }
-    let mut other = Raw::connect(node.port, &unique_id("pub"), None)
-        .await
-        .expect("connect");
+    let mut other = anonymous(node.port, "pub").await;
     for topic in [
         "edgemeta$hw/events/device/d1/twin/update/result",
         "edgemeta$ke/events/device/d1/data/update",
@@ -827,10 +786,7 @@ async fn hostile_client_ids_and_floods_leave_the_listener_accepting() {
     let mut second = Raw::connect(node.port, "dev1", None)
         .await
         .expect("second dev1");
-    assert_eq!(
-        second.subscribe("ke/device/#").await,
-        SubscribeReasonCode::Success(QoS::AtLeastOnce)
-    );
+    assert_eq!(second.subscribe("ke/device/#").await, GRANTED);
 
     // 300 TCP connections opened and dropped without CONNECT, from 4 threads at once.
     let port = node.port;
@@ -869,22 +825,14 @@ async fn hostile_client_ids_and_floods_leave_the_listener_accepting() {
 #[tokio::test]
 async fn the_subscription_limit_holds_and_a_refused_filter_delivers_nothing() {
     let node = Node::start_with_broker("  max_subscriptions_per_client: 3\n").await;
-    let mut client = Raw::connect(node.port, &unique_id("subs"), None)
-        .await
-        .expect("connect");
+    let mut client = anonymous(node.port, "subs").await;
     for filter in ["a/1", "a/2", "a/3"] {
-        assert_eq!(
-            client.subscribe(filter).await,
-            SubscribeReasonCode::Success(QoS::AtLeastOnce)
-        );
+        assert_eq!(client.subscribe(filter).await, GRANTED);
     }
     assert_eq!(client.subscribe("a/4").await, SubscribeReasonCode::Failure);
     // Unsubscribing a filter it holds frees a slot.
     client.unsubscribe("a/1").await;
-    assert_eq!(
-        client.subscribe("a/5").await,
-        SubscribeReasonCode::Success(QoS::AtLeastOnce)
-    );
+    assert_eq!(client.subscribe("a/5").await, GRANTED);
     // Unsubscribing filters it never held must not. (rumqttd sends no UNSUBACK for those, so
     // none is awaited; the SUBACKs below come after the UNSUBSCRIBEs were processed.)
     for filter in ["never/1", "never/2"] {
@@ -901,9 +849,7 @@ async fn the_subscription_limit_holds_and_a_refused_filter_delivers_nothing() {
         "unsubscribing two filters never held raised the limit: 5 subscriptions held with a limit of 3"
     );
 
-    let mut other = Raw::connect(node.port, &unique_id("pub"), None)
-        .await
-        .expect("connect");
+    let mut other = anonymous(node.port, "pub").await;
     // The last two are where the broker points refused subscriptions.
     for topic in [
         "a/4",
