@@ -163,11 +163,9 @@ async fn sigterm_during_a_burst_stops_within_five_seconds_with_every_ack_committ
 async fn bad_input_is_refused_with_a_clear_error_and_the_store_is_unchanged() {
     let node = Node::start_with(Options {
         max_payload_bytes: 4096,
-        store_setup: Some(
-            "INSERT INTO meta(key, type, value) VALUES ('default/pod/keep', 'pod', '{\"keep\":1}');"
-                .to_owned(),
-        ),
-        ..Options::default()
+        ..Options::seeded(
+            "INSERT INTO meta(key, type, value) VALUES ('default/pod/keep', 'pod', '{\"keep\":1}');",
+        )
     })
     .await;
     let before = node.meta_rows().await;

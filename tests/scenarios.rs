@@ -28,14 +28,6 @@ fn meta_row(key: &str, kind: &str, value: &str) -> String {
     format!("INSERT INTO meta(key, type, value) VALUES ('{key}', '{kind}', '{value}');")
 }
 
-/// Options for a node whose store already holds `sql` (run after KubeEdge's table is created).
-fn seeded(sql: &str) -> Options {
-    Options {
-        store_setup: Some(sql.to_owned()),
-        ..Options::default()
-    }
-}
-
 /// The topics under which `from` gets its `kind` ("response" or "error") replies, followed by
 /// `<ns>/<type>`: the cloud's modules share `ke/cloud/`, an edge module has its own `ke/<module>/`.
 fn reply_prefix(from: &str, kind: &str) -> String {
@@ -226,7 +218,7 @@ impl Scene {
 
 #[tokio::test]
 async fn row01_02_a_failed_insert_is_an_error_to_the_requester_and_stores_nothing() {
-    let mut s = Scene::with(seeded(FAILING_WRITES)).await;
+    let mut s = Scene::with(Options::seeded(FAILING_WRITES)).await;
     for (from, resource) in [
         ("edgecontroller", "fail/podstatus/p"),
         ("edged", "fail/podstatus/secondRes"),
@@ -314,7 +306,7 @@ async fn a_servicelist_is_stored_item_by_item_and_handed_to_edgemesh() {
 
 #[tokio::test]
 async fn row06_13_a_failed_update_or_response_is_an_error_to_edged() {
-    let mut s = Scene::with(seeded(FAILING_WRITES)).await;
+    let mut s = Scene::with(Options::seeded(FAILING_WRITES)).await;
     for op in ["update", "response"] {
         let text = s
             .refused("edged", op, "fail/podstatus/p", json!({"phase": "x"}))
@@ -330,7 +322,7 @@ async fn row06_13_a_failed_update_or_response_is_an_error_to_edged() {
 async fn row07_an_unchanged_podstatus_is_acked_and_not_forwarded() {
     // KubeEdge's row uses the 2-level "test/podstatus"; an update needs a name since v2.
     let key = "test/podstatus/p";
-    let mut s = Scene::with(seeded(&meta_row(key, "podstatus", "\"test\""))).await;
+    let mut s = Scene::with(Options::seeded(&meta_row(key, "podstatus", "\"test\""))).await;
     let id = s.send("edged", "update", key, json!("test")).await;
     s.ok("edged", key, &id).await;
     s.bus
@@ -418,7 +410,7 @@ async fn row14_15_responses_cross_between_edged_and_the_cloud() {
 
 #[tokio::test]
 async fn row16_a_failed_delete_is_an_error_and_the_row_stays() {
-    let mut s = Scene::with(seeded(&format!(
+    let mut s = Scene::with(Options::seeded(&format!(
         "{}{FAILING_WRITES}",
         meta_row("fail/podstatus/p", "podstatus", "{}")
     )))
@@ -433,7 +425,7 @@ async fn row16_a_failed_delete_is_an_error_and_the_row_stays() {
 #[tokio::test]
 async fn row17_a_cloud_delete_removes_the_row_goes_to_edged_and_is_acked() {
     let key = "default/pod/web";
-    let mut s = Scene::with(seeded(&meta_row(key, "pod", "{}"))).await;
+    let mut s = Scene::with(Options::seeded(&meta_row(key, "pod", "{}"))).await;
     let (id, handed) = s
         .handed_on(
             "edgecontroller",
@@ -451,7 +443,7 @@ async fn row17_a_cloud_delete_removes_the_row_goes_to_edged_and_is_acked() {
 #[tokio::test]
 async fn a_pod_deleted_by_edged_goes_to_the_cloud_only() {
     let key = "default/pod/web";
-    let mut s = Scene::with(seeded(&meta_row(key, "pod", "{}"))).await;
+    let mut s = Scene::with(Options::seeded(&meta_row(key, "pod", "{}"))).await;
     s.handed_on("edged", "delete", key, json!(null), "cloud")
         .await;
     s.bus
@@ -496,7 +488,7 @@ async fn row19_an_unparsable_cloud_answer_is_refused_and_the_query_times_out() {
 
 #[tokio::test]
 async fn row20_the_answer_reaches_edged_even_when_caching_it_fails() {
-    let mut s = Scene::connected(seeded(FAILING_WRITES)).await;
+    let mut s = Scene::connected(Options::seeded(FAILING_WRITES)).await;
     let key = "fail/configmap/cm";
     let (id, remote_id) = s.query_sent_to_cloud(key).await;
     let answer = s
@@ -517,7 +509,7 @@ async fn row20_the_answer_reaches_edged_even_when_caching_it_fails() {
 #[tokio::test]
 async fn row21_a_cached_remote_type_is_answered_locally_while_connected() {
     let key = "test/configmap/cm";
-    let mut s = Scene::connected(seeded(&meta_row(key, "configmap", "\"Test\""))).await;
+    let mut s = Scene::connected(Options::seeded(&meta_row(key, "configmap", "\"Test\""))).await;
     assert_eq!(s.query(key).await, json!([r#""Test""#]));
     s.bus
         .expect_silence_about("ke/cloud/edged/query", "test/configmap/cm")
@@ -527,7 +519,7 @@ async fn row21_a_cached_remote_type_is_answered_locally_while_connected() {
 #[tokio::test]
 async fn row22_23_a_failing_read_is_an_error_to_the_requester() {
     // A BLOB where KubeEdge stores text cannot be read back as a document.
-    let mut s = Scene::with(seeded(
+    let mut s = Scene::with(Options::seeded(
         "INSERT INTO meta(key, type, value) VALUES ('test/test/configmap', 'test', X'00FF');",
     ))
     .await;
@@ -542,7 +534,7 @@ async fn row22_23_a_failing_read_is_an_error_to_the_requester() {
 
 #[tokio::test]
 async fn row24_queries_by_key_and_by_type_answer_from_the_store() {
-    let mut s = Scene::with(seeded(
+    let mut s = Scene::with(Options::seeded(
         "INSERT INTO meta(key, type, value) VALUES
            ('default/pod/a', 'pod', '{\"n\":\"a\"}'),
            ('default/pod/b', 'pod', '{\"n\":\"b\"}'),
@@ -587,7 +579,7 @@ async fn a_silent_cloud_gets_the_stale_local_copy_of_an_always_remote_type() {
     let key = "default/node/edge1";
     let mut s = Scene::connected(Options {
         remote_query_timeout_ms: 300,
-        ..seeded(&meta_row(key, "node", r#"{"old":true}"#))
+        ..Options::seeded(&meta_row(key, "node", r#"{"old":true}"#))
     })
     .await;
     let (id, _) = s.query_sent_to_cloud(key).await;
@@ -620,14 +612,12 @@ async fn a_cloud_error_answer_reaches_edged_and_is_acked() {
 async fn row27_t1_the_sync_timer_sends_pod_statuses_and_drops_orphans() {
     let mut s = Scene::with(Options {
         podstatus_sync_interval_s: 1,
-        store_setup: Some(
+        ..Options::seeded(
             "INSERT INTO meta(key, type, value) VALUES
                ('Test/pod/Test', 'pod', '{}'),
                ('Test/podstatus/Test', 'podstatus', '\"Test\"'),
-               ('Test/podstatus/gone', 'podstatus', '\"Gone\"');"
-                .to_owned(),
-        ),
-        ..Options::default()
+               ('Test/podstatus/gone', 'podstatus', '\"Gone\"');",
+        )
     })
     .await;
     let sync = s
@@ -644,7 +634,7 @@ async fn row27_t1_the_sync_timer_sends_pod_statuses_and_drops_orphans() {
 
 #[tokio::test]
 async fn row28_33_actions_go_to_edgefunction_and_results_to_the_cloud() {
-    let mut s = Scene::with(seeded(FAILING_WRITES)).await;
+    let mut s = Scene::with(Options::seeded(FAILING_WRITES)).await;
     let key = "default/function/f";
     s.handed_on(
         "edgecontroller",
@@ -729,8 +719,7 @@ async fn a_v5_requester_gets_the_reply_on_its_response_topic_with_its_correlatio
 
     let node = Node::start_with(Options {
         v5: true,
-        store_setup: Some(meta_row("default/pod/a", "pod", "{}")),
-        ..Options::default()
+        ..Options::seeded(&meta_row("default/pod/a", "pod", "{}"))
     })
     .await;
     let port = node.v5_port.expect("v5 listener");

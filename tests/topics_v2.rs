@@ -152,16 +152,12 @@ async fn an_operation_on_an_object_that_names_none_is_an_error_and_nothing_is_st
 
 #[tokio::test]
 async fn a_list_query_on_a_type_level_topic_is_still_answered() {
-    let (_node, mut bus) = watched_with(Options {
-        store_setup: Some(
-            "INSERT INTO meta(key, type, value) VALUES
-               ('default/pod/a', 'pod', '{\"n\":\"a\"}'),
-               ('default/pod/b', 'pod', '{\"n\":\"b\"}'),
-               ('default/configmap/c', 'configmap', '{}');"
-                .to_owned(),
-        ),
-        ..Options::default()
-    })
+    let (_node, mut bus) = watched_with(Options::seeded(
+        "INSERT INTO meta(key, type, value) VALUES
+           ('default/pod/a', 'pod', '{\"n\":\"a\"}'),
+           ('default/pod/b', 'pod', '{\"n\":\"b\"}'),
+           ('default/configmap/c', 'configmap', '{}');",
+    ))
     .await;
     // A bare query: no name anywhere, so it lists the type.
     bus.publish("ke/meta/edged/query/default/pod", "").await;

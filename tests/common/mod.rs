@@ -199,6 +199,16 @@ impl CloudOptions {
     }
 }
 
+impl Options {
+    /// Options for a node whose store already holds `sql` (run after the tables are created).
+    pub fn seeded(sql: &str) -> Options {
+        Options {
+            store_setup: Some(sql.to_owned()),
+            ..Options::default()
+        }
+    }
+}
+
 impl Default for Options {
     fn default() -> Self {
         Options {
