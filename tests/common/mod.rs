@@ -382,44 +382,46 @@ impl Node {
             }
             None => String::new(),
         };
+        let Options {
+            log_yaml,
+            broker_yaml,
+            extra_listeners,
+            max_packet_bytes,
+            store_yaml,
+            max_pages,
+            busy_timeout_ms,
+            max_payload_bytes,
+            remote_query_timeout_ms,
+            volume_timeout_ms,
+            podstatus_sync_interval_s,
+            max_outbox_age_s,
+            metaserver_yaml,
+            ..
+        } = o;
+        let (port, observe, metaserver) = (self.port, self.observe_port, self.metaserver_port);
+        let db = self.db_path();
+        let db = db.display();
+        let cloud = match &o.cloud {
+            Some(c) => format!(
+                "cloud:\n  enabled: true\n  url: {}\n  node_id: {}\n  backoff_min_ms: {}\n  backoff_max_ms: {}\n  keep_alive_s: 5\n{}",
+                o.cloud_url
+                    .clone()
+                    .unwrap_or_else(|| format!("mqtt://127.0.0.1:{}", c.port)),
+                c.node_id,
+                c.backoff_min_ms,
+                c.backoff_max_ms,
+                o.cloud_yaml
+            ),
+            None => String::new(),
+        };
         let yaml = format!(
             "log:\n  level: info,rumqttd=off\n{log_yaml}\
-             broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\n{v5}{extra_listeners}  max_packet_bytes: {packet}\n{broker_yaml}\
-             store:\n  path: {db}\n  synchronous: normal\n  max_pages: {pages}\n  busy_timeout_ms: {busy}\n{store_yaml}\
-             metamanager:\n  max_payload_bytes: {payload}\n  remote_query_timeout_ms: {rq}\n  volume_timeout_ms: {vol}\n  podstatus_sync_interval_s: {sync}\n\
-             observe:\n  address: 127.0.0.1:{observe}\n  max_outbox_age_s: {age}\n\
+             broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\n{v5}{extra_listeners}  max_packet_bytes: {max_packet_bytes}\n{broker_yaml}\
+             store:\n  path: {db}\n  synchronous: normal\n  max_pages: {max_pages}\n  busy_timeout_ms: {busy_timeout_ms}\n{store_yaml}\
+             metamanager:\n  max_payload_bytes: {max_payload_bytes}\n  remote_query_timeout_ms: {remote_query_timeout_ms}\n  volume_timeout_ms: {volume_timeout_ms}\n  podstatus_sync_interval_s: {podstatus_sync_interval_s}\n\
+             observe:\n  address: 127.0.0.1:{observe}\n  max_outbox_age_s: {max_outbox_age_s}\n\
              metaserver:\n  address: 127.0.0.1:{metaserver}\n{metaserver_yaml}\
-             shutdown_grace_ms: 5000\n{cloud}",
-            port = self.port,
-            observe = self.observe_port,
-            metaserver = self.metaserver_port,
-            metaserver_yaml = o.metaserver_yaml,
-            log_yaml = o.log_yaml,
-            age = o.max_outbox_age_s,
-            packet = o.max_packet_bytes,
-            extra_listeners = o.extra_listeners,
-            broker_yaml = o.broker_yaml,
-            db = self.db_path().display(),
-            pages = o.max_pages,
-            busy = o.busy_timeout_ms,
-            store_yaml = o.store_yaml,
-            payload = o.max_payload_bytes,
-            rq = o.remote_query_timeout_ms,
-            vol = o.volume_timeout_ms,
-            sync = o.podstatus_sync_interval_s,
-            cloud = match &o.cloud {
-                Some(c) => format!(
-                    "cloud:\n  enabled: true\n  url: {}\n  node_id: {}\n  backoff_min_ms: {}\n  backoff_max_ms: {}\n  keep_alive_s: 5\n{}",
-                    o.cloud_url
-                        .clone()
-                        .unwrap_or_else(|| format!("mqtt://127.0.0.1:{}", c.port)),
-                    c.node_id,
-                    c.backoff_min_ms,
-                    c.backoff_max_ms,
-                    o.cloud_yaml
-                ),
-                None => String::new(),
-            },
+             shutdown_grace_ms: 5000\n{cloud}"
         );
         std::fs::write(self.config_path(), yaml).expect("write config");
     }
