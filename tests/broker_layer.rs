@@ -138,14 +138,8 @@ mod v5 {
         }
 
         pub async fn subscribe(&mut self, filter: &str) {
-            self.client
-                .subscribe(filter, QoS::AtLeastOnce)
-                .await
-                .expect("subscribe");
-            tokio::time::timeout(WAIT, self.subacks.recv())
-                .await
-                .expect("SUBACK within the wait")
-                .expect("event loop alive");
+            let sent = self.client.subscribe(filter, QoS::AtLeastOnce);
+            common::acknowledged(sent, &mut self.subacks, "SUBSCRIBE").await;
         }
 
         pub async fn next(&mut self) -> (String, Vec<u8>, Option<PublishProperties>) {

@@ -152,6 +152,22 @@ enum Controller<'a> {
     Cloud(Client, &'a CloudOptions),
 }
 
+/// A mapper for `id` that was connected when the cloud added the device (a `temperature` twin,
+/// desired 20, resourceVersion 100), once the node has told it so.
+async fn thermometer_added(
+    node: &Node,
+    controller: &Controller<'_>,
+    id: &str,
+    node_id: &str,
+) -> Mapper {
+    let mut mapper = Mapper::connect_to(node, id, node_id).await;
+    controller
+        .add(cloud_device(id, &[("temperature", "20", "int")], 100))
+        .await;
+    mapper.added().await;
+    mapper
+}
+
 impl Controller<'_> {
     async fn local(node: &Node) -> Controller<'static> {
         Controller::Local(node.client().await)
@@ -678,11 +694,7 @@ async fn the_cloud_adds_devices_sets_desired_values_and_hears_reports_and_states
     let controller = Controller::cloud(&cloud, &bridge).await;
 
     for id in ["thermo-1", "default/thermo-2"] {
-        let mut mapper = Mapper::connect_to(&node, id, &bridge.node_id).await;
-        controller
-            .add(cloud_device(id, &[("temperature", "20", "int")], 100))
-            .await;
-        mapper.added().await;
+        let mut mapper = thermometer_added(&node, &controller, id, &bridge.node_id).await;
         mapper
             .next("twin/update/delta", "delta towards 20", |d| {
                 d["delta"]["temperature"] == "20"
@@ -765,15 +777,7 @@ async fn reports_made_while_the_cloud_is_away_are_answered_at_once_and_reach_it_
     // A persistent session: mosquitto keeps what the node sends while this client is away too.
     let mut up = cloud_client(&cloud, &bridge.up("twin/#")).await;
     let controller = Controller::cloud(&cloud, &bridge).await;
-    let mut mapper = Mapper::connect_to(&node, "thermo-1", &bridge.node_id).await;
-    controller
-        .add(cloud_device(
-            "thermo-1",
-            &[("temperature", "20", "int")],
-            100,
-        ))
-        .await;
-    mapper.added().await;
+    let mut mapper = thermometer_added(&node, &controller, "thermo-1", &bridge.node_id).await;
 
     let mut watcher = node.client().await;
     watcher.subscribe(CONNECTION).await;
@@ -857,15 +861,7 @@ async fn a_desired_value_sent_while_the_node_was_killed_is_applied_after_restart
     let (mut node, bridge) = bridged(&cloud).await;
     let controller = Controller::cloud(&cloud, &bridge).await;
     {
-        let mut mapper = Mapper::connect_to(&node, "thermo-1", &bridge.node_id).await;
-        controller
-            .add(cloud_device(
-                "thermo-1",
-                &[("temperature", "20", "int")],
-                100,
-            ))
-            .await;
-        mapper.added().await;
+        let _mapper = thermometer_added(&node, &controller, "thermo-1", &bridge.node_id).await;
     }
     // Sees what the cloud broker routes to the node: then it is also queued for its session.
     let mut spy = cloud_client(&cloud, &bridge.down("#")).await;
@@ -917,15 +913,7 @@ async fn a_cloud_update_behind_the_devices_own_change_is_refused_and_the_device_
     let (node, bridge) = bridged(&cloud).await;
     let mut up = cloud_client(&cloud, &bridge.up("twin/#")).await;
     let controller = Controller::cloud(&cloud, &bridge).await;
-    let mut mapper = Mapper::connect_to(&node, "thermo-1", &bridge.node_id).await;
-    controller
-        .add(cloud_device(
-            "thermo-1",
-            &[("temperature", "20", "int")],
-            100,
-        ))
-        .await;
-    mapper.added().await;
+    let mut mapper = thermometer_added(&node, &controller, "thermo-1", &bridge.node_id).await;
     let devicetwin = bridge.up("twin/update/_/devicetwin");
 
     // The device changes the desired value itself (the update payload may carry `expected`).
@@ -1279,11 +1267,7 @@ async fn uploads_and_device_data_reach_the_cloud_and_the_latest_data_is_stored()
     let mut up = cloud_client(&cloud, &bridge.up("eventbus/#")).await;
     let controller = Controller::cloud(&cloud, &bridge).await;
     for id in ["thermo-1", "default/thermo-2"] {
-        let mut mapper = Mapper::connect_to(&node, id, &bridge.node_id).await;
-        controller
-            .add(cloud_device(id, &[("temperature", "20", "int")], 100))
-            .await;
-        mapper.added().await;
+        let _mapper = thermometer_added(&node, &controller, id, &bridge.node_id).await;
     }
     let device = node.client().await;
     let upload = bridge.up("eventbus/upload/node/upload");

@@ -119,6 +119,20 @@ pub fn exit_within(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
     }
 }
 
+/// Sends a request (`sent`: rumqttc queues it) and waits, at most [`WAIT`], for what the client's
+/// event loop forwards on `acks` when it is acknowledged.
+pub async fn acknowledged<E: std::fmt::Debug, A>(
+    sent: impl std::future::Future<Output = Result<(), E>>,
+    acks: &mut mpsc::UnboundedReceiver<A>,
+    what: &str,
+) -> A {
+    sent.await.unwrap_or_else(|e| panic!("{what}: {e:?}"));
+    tokio::time::timeout(WAIT, acks.recv())
+        .await
+        .unwrap_or_else(|_| panic!("{what} not acknowledged within {WAIT:?}"))
+        .expect("event loop alive")
+}
+
 /// Settings a test may change; everything else is the node's default.
 #[derive(Debug, Clone)]
 pub struct Options {
@@ -777,14 +791,8 @@ impl Client {
 
     /// Subscribes at QoS 1 and waits for the SUBACK.
     pub async fn subscribe(&mut self, filter: &str) {
-        self.client
-            .subscribe(filter, QoS::AtLeastOnce)
-            .await
-            .expect("subscribe");
-        tokio::time::timeout(WAIT, self.acks.recv())
-            .await
-            .expect("SUBACK within the wait")
-            .expect("event loop alive");
+        let sent = self.client.subscribe(filter, QoS::AtLeastOnce);
+        acknowledged(sent, &mut self.acks, "SUBSCRIBE").await;
     }
 
     /// Publishes at QoS 1 (the broker's PUBACK is not awaited).
