@@ -8,6 +8,7 @@
 mod common;
 
 use common::{send, topic, unique_id, wait_until, Client, Msg, Node, Options, QUIET, WAIT};
+use edgemeta_testkit::ModuleBus;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
@@ -42,6 +43,22 @@ fn reply_prefix(from: &str, kind: &str) -> String {
 struct Scene {
     node: Node,
     bus: Client,
+}
+
+impl ModuleBus for Scene {
+    type Received = Msg;
+
+    async fn send_as(&mut self, from: &str, op: &str, resource: &str, content: Value) -> String {
+        self.send(from, op, resource, content).await
+    }
+
+    async fn received(&mut self, prefix: &str, resource: &str) -> Msg {
+        self.bus.expect_about(prefix, resource).await
+    }
+
+    fn msg_id_of(received: &Msg) -> String {
+        received.msg_id()
+    }
 }
 
 impl Scene {
@@ -120,26 +137,6 @@ impl Scene {
             )
             .await;
         id
-    }
-
-    /// Sends a request and expects the MetaManager to hand it on, with the same id, to module
-    /// `to` on `ke/<to>/<from>/<op>/<ns>/<type>`, about `resource`; returns the request id and
-    /// what `to` got.
-    async fn handed_on(
-        &mut self,
-        from: &str,
-        op: &str,
-        resource: &str,
-        content: Value,
-        to: &str,
-    ) -> (String, Msg) {
-        let id = self.send(from, op, resource, content).await;
-        let handed = self
-            .bus
-            .expect_about(&format!("ke/{to}/{from}/{op}"), resource)
-            .await;
-        assert_eq!(handed.msg_id(), id, "on {}", handed.topic);
-        (id, handed)
     }
 
     /// The `kind` reply to request `id` that `from` sent about `resource`.
@@ -636,22 +633,28 @@ async fn row27_t1_the_sync_timer_sends_pod_statuses_and_drops_orphans() {
 async fn row28_33_actions_go_to_edgefunction_and_results_to_the_cloud() {
     let mut s = Scene::with(Options::seeded(FAILING_WRITES)).await;
     let key = "default/function/f";
-    s.handed_on(
-        "edgecontroller",
-        "action",
-        key,
-        json!({"run": 1}),
-        "edgefunction",
-    )
-    .await;
-    s.handed_on(
-        "edgefunction",
-        "action_result",
-        key,
-        json!({"out": 2}),
-        "cloud",
-    )
-    .await;
+    let (id, _) = s
+        .handed_on(
+            "edgecontroller",
+            "action",
+            key,
+            json!({"run": 1}),
+            "edgefunction",
+        )
+        .await;
+    s.reply("edgecontroller", "response", key, &id).await;
+    // The cloud's copy goes through the outbox, the sender's OK straight out: either comes first.
+    let id = s
+        .send("edgefunction", "action_result", key, json!({"out": 2}))
+        .await;
+    let [handed, ok] = s
+        .bus
+        .expect_each_about([
+            ("ke/cloud/edgefunction/action_result", key),
+            ("ke/edgefunction/meta/response", key),
+        ])
+        .await;
+    assert_eq!((handed.msg_id(), ok.parent_id()), (id.clone(), Some(id)));
     s.assert_stored(key, r#"{"out":2}"#).await;
 
     for (from, op) in [

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use edgemeta_broker::{Link, Message, Publisher};
 use edgemeta_metamanager::{MetaConfig, MetaManager, Names, StoreConfig};
+use edgemeta_testkit::ModuleBus;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -64,6 +65,25 @@ async fn start_with(config: MetaConfig) -> Meta {
         meta: Some(meta),
         dir,
         held: Vec::new(),
+    }
+}
+
+impl ModuleBus for Meta {
+    type Received = Value;
+
+    async fn send_as(&mut self, from: &str, op: &str, resource: &str, content: Value) -> String {
+        self.send(from, op, resource, content).await
+    }
+
+    async fn received(&mut self, prefix: &str, resource: &str) -> Value {
+        self.expect(prefix, resource).await
+    }
+
+    fn msg_id_of(received: &Value) -> String {
+        received["header"]["msg_id"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
     }
 }
 
@@ -160,23 +180,6 @@ impl Meta {
         let reply = self.expect(prefix, resource).await;
         assert_eq!(parent(&reply), id, "reply on {prefix} about {resource}");
         reply
-    }
-
-    /// Sends a request and expects it handed on, with the same id, to module `to` on
-    /// `ke/<to>/<from>/<op>/<namespace>/<type>`, about `resource`; returns the request id and
-    /// what `to` got.
-    async fn handed_on(
-        &mut self,
-        from: &str,
-        op: &str,
-        resource: &str,
-        content: Value,
-        to: &str,
-    ) -> (String, Value) {
-        let id = self.send(from, op, resource, content).await;
-        let handed = self.expect(&format!("ke/{to}/{from}/{op}"), resource).await;
-        assert_eq!(handed["header"]["msg_id"], id, "handed to {to}");
-        (id, handed)
     }
 
     /// edgecontroller inserts `content` under `resource`: edged is handed it and the cloud is
@@ -361,29 +364,6 @@ async fn meta_internal_sync_reports_statuses_and_drops_orphans() {
     let sync = m.expect("ke/cloud/meta/update", "ns/podstatus").await;
     assert_eq!(sync["content"], json!([{"Name": "live"}]));
     m.assert_stored("ns/podstatus/gone", None).await;
-}
-
-#[tokio::test]
-async fn action_goes_to_edgefunction_and_action_result_to_the_cloud() {
-    let mut m = start().await;
-    let key = "default/function/f";
-    let (id, _) = m
-        .handed_on("funcmgr", "action", key, json!({"run": 1}), "edgefunction")
-        .await;
-    m.expect_reply("ke/cloud/meta/response", "default/function/f", &id)
-        .await;
-    let (id, _) = m
-        .handed_on(
-            "edgefunction",
-            "action_result",
-            key,
-            json!({"out": 2}),
-            "cloud",
-        )
-        .await;
-    m.expect_reply("ke/edgefunction/meta/response", "default/function/f", &id)
-        .await;
-    m.assert_stored(key, Some(r#"{"out":2}"#)).await;
 }
 
 #[tokio::test]
