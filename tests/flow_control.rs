@@ -512,3 +512,93 @@ async fn a_devices_results_skip_rumqttd_and_a_mapper_that_only_acks_them_stays_c
     let (_, got) = _wild.output().await;
     assert_eq!(got.len(), 1, "the wildcard subscriber has it too: {got:?}");
 }
+
+/// `kill -STOP` on one of two mappers subscribed to the same device's results, which the front
+/// writes past rumqttd: the stopped one is cut off after the stall time and the other gets every
+/// result, in order.
+#[tokio::test]
+async fn a_mapper_that_stops_reading_front_delivered_results_is_cut_off_and_the_other_keeps_them() {
+    const REPORTS: usize = 1_500;
+    let node = Node::start_with(Options {
+        broker_yaml: "  subscriber_stall_s: 2\n".into(),
+        ..Options::default()
+    })
+    .await;
+    let device = unique_id("dev");
+    let result = format!("$hw/events/device/{device}/twin/update/result");
+    let cloud = node.client().await;
+    let membership = json!({
+        "header": {"msg_id": unique_id("msg"), "timestamp": 1},
+        "route": {"source": "devicecontroller", "group": "twin", "operation": "update",
+                  "resource": "node/membership"},
+        "content": {"event_id": "add", "timestamp": 1, "removed_devices": null,
+                    "added_devices": [{"id": device, "name": device, "twin": {}}]},
+    });
+    cloud
+        .publish(
+            "ke/meta/devicecontroller/update/node/membership",
+            membership.to_string(),
+        )
+        .await;
+    let mut live = Reader::subscribe(node.port, &[&result], QoS::AtLeastOnce).await;
+    let (mut stopped, mut printed) = mosquitto_sub(node.port, &result, 1_000_000).await.split();
+    let update = format!("$hw/events/device/{device}/twin/update");
+    // Each result carries the twins back: 20 values of 500 bytes (KubeEdge's limit is 512) fill
+    // the stopped mapper's socket.
+    let report = |n: usize| {
+        let twin: serde_json::Map<String, Value> = (0..20)
+            .map(|p| {
+                let value = format!("{n:08}{}", "x".repeat(492));
+                let twin = json!({"actual": {"value": value}, "metadata": {"type": "string"}});
+                (format!("p{p}"), twin)
+            })
+            .collect();
+        json!({"event_id": format!("r{n}"), "timestamp": 1, "twin": twin}).to_string()
+    };
+    cloud.publish(&update, report(0)).await;
+    tokio::time::timeout(WAIT, async {
+        while let Some(line) = printed.recv().await {
+            if line.starts_with(&result) {
+                return;
+            }
+        }
+    })
+    .await
+    .expect("the second mapper gets the first result");
+    signal(stopped.id(), "STOP");
+    for n in 1..REPORTS {
+        cloud.publish(&update, report(n)).await;
+    }
+    let got = live.take(REPORTS, Duration::from_secs(30)).await;
+    let events: Vec<String> = got
+        .iter()
+        .map(|(_, payload)| {
+            let v: Value = serde_json::from_slice(payload).expect("JSON result");
+            v["event_id"].as_str().unwrap_or_default().to_owned()
+        })
+        .collect();
+    let wanted: Vec<String> = (0..REPORTS).map(|n| format!("r{n}")).collect();
+    assert_eq!(
+        events, wanted,
+        "every result, in order, to the mapper that kept reading"
+    );
+    let last = String::from_utf8_lossy(&got[REPORTS - 1].1);
+    assert!(
+        last.len() > 8 * 1024 && !last.contains("\"code\""),
+        "a result that carries the twin: {}",
+        &last[..last.len().min(300)]
+    );
+    let log = node.log();
+    assert!(
+        log.contains("EM-BROKER-SUBSCRIBER-LAG") && log.contains("stopped reading"),
+        "the stopped mapper was not cut off:\n{log}"
+    );
+    signal(stopped.id(), "CONT");
+    let ended = common::exit_within(&mut stopped, WAIT);
+    let _ = stopped.kill();
+    let _ = stopped.wait();
+    assert!(
+        ended.is_some(),
+        "the cut-off mapper's connection was closed"
+    );
+}
