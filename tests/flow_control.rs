@@ -179,11 +179,7 @@ async fn a_burst_reaches_qos_1_and_qos_0_readers_whole_and_in_order() {
 #[tokio::test]
 async fn a_subscriber_that_stops_reading_is_cut_off_after_the_stall_time_and_no_one_else_is() {
     const RESOURCES: usize = 1_500;
-    let node = Node::start_with(Options {
-        broker_yaml: "  subscriber_stall_s: 2\n".into(),
-        ..Options::default()
-    })
-    .await;
+    let node = stalling_node().await;
     let mut reader = Reader::subscribe(node.port, &["ke/edged/#"], QoS::AtLeastOnce).await;
     let (mut stopped, mut printed) = mosquitto_sub(node.port, "ke/edged/#", 1_000_000)
         .await
@@ -198,15 +194,7 @@ async fn a_subscriber_that_stops_reading_is_cut_off_after_the_stall_time_and_no_
         json!({"metadata": {"name": "probe"}}),
     )
     .await;
-    tokio::time::timeout(WAIT, async {
-        while let Some(line) = printed.recv().await {
-            if line.starts_with("ke/edged/") {
-                return;
-            }
-        }
-    })
-    .await
-    .expect("mosquitto_sub prints the probe");
+    printed_line(&mut printed, "ke/edged/", "mosquitto_sub prints the probe").await;
     let probes = reader.take(1_000, Duration::from_millis(300)).await;
     assert!(!probes.is_empty(), "the reader got the probes");
     signal(stopped.id(), "STOP");
@@ -216,20 +204,9 @@ async fn a_subscriber_that_stops_reading_is_cut_off_after_the_stall_time_and_no_
     let burst_task = tokio::spawn(burst(node.port, names, pad));
     let got = reader.take(2 * RESOURCES, Duration::from_secs(30)).await;
     burst_task.await.expect("publisher");
-    let log = node.log();
-    assert!(
-        log.contains("EM-BROKER-SUBSCRIBER-LAG") && log.contains("stopped reading"),
-        "the stopped reader was not cut off:\n{log}"
-    );
+    assert_cut_off(&node, "reader");
     assert_whole_and_in_order(&got, RESOURCES, "the reader that kept reading");
-    signal(stopped.id(), "CONT");
-    let ended = common::exit_within(&mut stopped, WAIT);
-    let _ = stopped.kill();
-    let _ = stopped.wait();
-    assert!(
-        ended.is_some(),
-        "the cut-off subscriber's connection was closed"
-    );
+    resumed_and_closed(&mut stopped, "subscriber");
     // It reconnects and resyncs from the store, which has every pod.
     assert_eq!(
         node.meta_rows().await.len(),
@@ -242,6 +219,46 @@ async fn a_subscriber_that_stops_reading_is_cut_off_after_the_stall_time_and_no_
     common::send(&lister, "edged", "query", &last, json!(null)).await;
     let answer = lister.expect_about("ke/edged/meta/response", &last).await;
     assert_eq!(answer.content().as_array().map(Vec::len), Some(1));
+}
+
+/// A node that cuts off a subscriber taking nothing for 2 s.
+async fn stalling_node() -> Node {
+    Node::start_with(Options {
+        broker_yaml: "  subscriber_stall_s: 2\n".into(),
+        ..Options::default()
+    })
+    .await
+}
+
+/// Waits (at most [`WAIT`]) for `mosquitto_sub` to print a line starting with `prefix`.
+async fn printed_line(printed: &mut mpsc::UnboundedReceiver<String>, prefix: &str, what: &str) {
+    tokio::time::timeout(WAIT, async {
+        while let Some(line) = printed.recv().await {
+            if line.starts_with(prefix) {
+                return;
+            }
+        }
+    })
+    .await
+    .expect(what);
+}
+
+/// The node logged that it cut off a subscriber (`who`) for having stopped reading.
+fn assert_cut_off(node: &Node, who: &str) {
+    let log = node.log();
+    assert!(
+        log.contains("EM-BROKER-SUBSCRIBER-LAG") && log.contains("stopped reading"),
+        "the stopped {who} was not cut off:\n{log}"
+    );
+}
+
+/// Resumes a stopped `mosquitto_sub` (`who`), whose connection the node must have closed.
+fn resumed_and_closed(stopped: &mut std::process::Child, who: &str) {
+    signal(stopped.id(), "CONT");
+    let ended = common::exit_within(stopped, WAIT);
+    let _ = stopped.kill();
+    let _ = stopped.wait();
+    assert!(ended.is_some(), "the cut-off {who}'s connection was closed");
 }
 
 fn signal(pid: u32, name: &str) {
@@ -526,11 +543,7 @@ async fn a_devices_results_skip_rumqttd_and_a_mapper_that_only_acks_them_stays_c
 #[ignore = "finds a lost, unacknowledged report under load (issue 19 note, 2026-11-26)"]
 async fn a_mapper_that_stops_reading_front_delivered_results_is_cut_off_and_the_other_keeps_them() {
     const REPORTS: usize = 1_500;
-    let node = Node::start_with(Options {
-        broker_yaml: "  subscriber_stall_s: 2\n".into(),
-        ..Options::default()
-    })
-    .await;
+    let node = stalling_node().await;
     let device = unique_id("dev");
     let result = format!("$hw/events/device/{device}/twin/update/result");
     let cloud = node.client().await;
@@ -563,15 +576,12 @@ async fn a_mapper_that_stops_reading_front_delivered_results_is_cut_off_and_the_
         json!({"event_id": format!("r{n}"), "timestamp": 1, "twin": twin}).to_string()
     };
     cloud.publish(&update, report(0)).await;
-    tokio::time::timeout(WAIT, async {
-        while let Some(line) = printed.recv().await {
-            if line.starts_with(&result) {
-                return;
-            }
-        }
-    })
-    .await
-    .expect("the second mapper gets the first result");
+    printed_line(
+        &mut printed,
+        &result,
+        "the second mapper gets the first result",
+    )
+    .await;
     signal(stopped.id(), "STOP");
     for n in 1..REPORTS {
         cloud.publish(&update, report(n)).await;
@@ -595,17 +605,6 @@ async fn a_mapper_that_stops_reading_front_delivered_results_is_cut_off_and_the_
         "a result that carries the twin: {}",
         &last[..last.len().min(300)]
     );
-    let log = node.log();
-    assert!(
-        log.contains("EM-BROKER-SUBSCRIBER-LAG") && log.contains("stopped reading"),
-        "the stopped mapper was not cut off:\n{log}"
-    );
-    signal(stopped.id(), "CONT");
-    let ended = common::exit_within(&mut stopped, WAIT);
-    let _ = stopped.kill();
-    let _ = stopped.wait();
-    assert!(
-        ended.is_some(),
-        "the cut-off mapper's connection was closed"
-    );
+    assert_cut_off(&node, "mapper");
+    resumed_and_closed(&mut stopped, "mapper");
 }
