@@ -534,13 +534,10 @@ async fn a_devices_results_skip_rumqttd_and_a_mapper_that_only_acks_them_stays_c
 /// writes past rumqttd: the stopped one is cut off after the stall time and the other gets every
 /// result, in order.
 ///
-/// Ignored: it finds a defect, noted for issue 19 on 2026-11-26: one of the reporter's 10 KB
-/// QoS 1 reports is never processed nor acknowledged, so its 100-message window jams and the
-/// rest never arrive. It fails the same way with `broker.front_delivery: false` and with 16 MiB
-/// link logs; alone it passes with front delivery, beside the other flow-control tests it fails.
-/// Not yet bisected. `cargo test --test flow_control -- --ignored` runs it.
+/// The reporter sends 10 KB reports with a 100-message window: this found the front passing a
+/// whole window to rumqttd before the pause counted it, so rumqttd's log for the links' `$hw`
+/// filter skipped one report, never acknowledged, and the reporter's window jammed on it.
 #[tokio::test]
-#[ignore = "finds a lost, unacknowledged report under load (issue 19 note, 2026-11-26)"]
 async fn a_mapper_that_stops_reading_front_delivered_results_is_cut_off_and_the_other_keeps_them() {
     const REPORTS: usize = 1_500;
     let node = stalling_node().await;

@@ -4,6 +4,10 @@
 //! that falls more than the log's size behind silently skips ahead: under a long burst the
 //! MetaManager would lose messages the clients saw PUBACKed. The front therefore stops reading
 //! from clients while the backlog is above half the log, and resumes once the links catch up.
+//!
+//! The backlog counts what the front has passed on and rumqttd has not yet read too: a client's
+//! window of publishes sits in the loopback socket for a while, and a count that started only
+//! when rumqttd read them let a burst of 10 KB reports past the pause and rumqttd's log skip one.
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::RwLock;
@@ -19,6 +23,8 @@ const STALL: Duration = Duration::from_secs(2);
 #[derive(Debug)]
 pub struct Backlog {
     bytes: AtomicI64,
+    /// Packet bytes of publishes to our links the front passed to rumqttd, not yet read there.
+    carried: AtomicI64,
     limit: i64,
     drained: Notify,
     filters: RwLock<Vec<String>>,
@@ -35,6 +41,7 @@ impl Backlog {
     pub fn new(limit: u64) -> Backlog {
         Backlog {
             bytes: AtomicI64::new(0),
+            carried: AtomicI64::new(0),
             limit: i64::try_from(limit).unwrap_or(i64::MAX),
             drained: Notify::new(),
             filters: RwLock::new(Vec::new()),
@@ -60,6 +67,16 @@ impl Backlog {
             .any(|filter| rumqttd::protocol::matches(topic, filter))
     }
 
+    /// [`Backlog::consumes`] for a topic as a client sent it (an empty topic is a v5 alias,
+    /// which the front does not follow: it counts as consumed).
+    pub fn consumes_client_topic(&self, topic: &[u8]) -> bool {
+        if topic.is_empty() {
+            return true;
+        }
+        let topic = String::from_utf8_lossy(topic);
+        self.consumes(&crate::dollar::to_broker(&topic))
+    }
+
     /// A publish to `topic` of `len` payload bytes entered the broker.
     pub fn published(&self, topic: &str, len: usize) {
         let watched = self.filters.read().unwrap_or_else(|p| p.into_inner());
@@ -75,22 +92,37 @@ impl Backlog {
     pub fn consumed(&self, len: usize) {
         self.last_consumed_ms
             .store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
-        let now = self.bytes.fetch_sub(len as i64, Ordering::Relaxed) - len as i64;
-        if now <= self.limit / 2 {
+        self.bytes.fetch_sub(len as i64, Ordering::Relaxed);
+        self.maybe_drained();
+    }
+
+    /// rumqttd read `len` bytes of carried publishes (see [`Backlog::admit`]).
+    pub fn landed(&self, len: i64) {
+        self.carried.fetch_sub(len, Ordering::Relaxed);
+        self.maybe_drained();
+    }
+
+    fn maybe_drained(&self) {
+        if self.bytes() <= self.limit / 2 {
             self.drained.notify_waiters();
         }
     }
 
-    /// Current backlog in bytes.
+    /// Current backlog in bytes: published and not yet received, or on the way to rumqttd.
     pub fn bytes(&self) -> i64 {
-        self.bytes.load(Ordering::Relaxed)
+        self.bytes.load(Ordering::Relaxed) + self.carried.load(Ordering::Relaxed)
     }
 
-    /// [`Backlog::room`] for a client about to publish to our links, counted while it waits.
-    pub async fn admit(&self) {
-        if self.bytes() <= self.limit {
-            return;
+    /// Waits for [`Backlog::room`] for a client's publish of `len` bytes (the whole packet) to our
+    /// links, counted while it waits; then counts it as carried until [`Backlog::landed`].
+    pub async fn admit(&self, len: usize) {
+        if self.bytes() > self.limit {
+            self.hold().await;
         }
+        self.carried.fetch_add(len as i64, Ordering::Relaxed);
+    }
+
+    async fn hold(&self) {
         struct Held<'a>(&'a AtomicU64);
         impl Drop for Held<'_> {
             fn drop(&mut self) {
@@ -166,6 +198,34 @@ mod tests {
             .await
             .expect("released once drained")
             .expect("task");
+    }
+
+    #[tokio::test]
+    async fn publishes_on_their_way_to_rumqttd_count_before_it_reads_them() {
+        let backlog = Arc::new(Backlog::new(100));
+        backlog.watch(&["ke/meta/#".to_owned()]);
+        // A client's window of publishes passes the front before rumqttd reads the first.
+        backlog.admit(80).await;
+        backlog.admit(80).await;
+        let third = tokio::spawn({
+            let backlog = backlog.clone();
+            async move { backlog.admit(80).await }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!third.is_finished(), "160 bytes carried, over a limit of 100");
+        // rumqttd reads both (and counts their payloads); the link receives them.
+        backlog.landed(160);
+        backlog.published("ke/meta/a/insert/ns/pod/x", 70);
+        backlog.published("ke/meta/a/insert/ns/pod/y", 70);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!third.is_finished(), "140 bytes behind");
+        backlog.consumed(70);
+        backlog.consumed(70);
+        tokio::time::timeout(Duration::from_secs(1), third)
+            .await
+            .expect("released once drained")
+            .expect("task");
+        assert_eq!(backlog.bytes(), 80, "the third publish is carried");
     }
 
     #[tokio::test]

@@ -41,7 +41,6 @@ use tracing::{debug, warn};
 
 use crate::backlog::Backlog;
 use crate::config::ListenerTls;
-use crate::dollar;
 use crate::framing::{head, Boundaries, Head};
 use crate::session::{is_front_pkid, Session, Sessions};
 use crate::Error;
@@ -222,6 +221,7 @@ where
         () = session.cut_off() => Err("cut off by the broker".to_owned()),
     };
     backend.sessions.close(session.id());
+    backend.backlog.landed(session.drop_carried());
     result
 }
 
@@ -284,11 +284,11 @@ where
                             continue;
                         }
                         Head::Packet { len, topic, .. } => {
-                            if topic.is_some_and(|t| consumed(&backend.backlog, t)) {
+                            if topic.is_some_and(|t| backend.backlog.consumes_client_topic(t)) {
                                 // While our links lag, leave the client's bytes in its socket:
                                 // TCP pushes back. Its other packets wait behind this one.
                                 tokio::select! {
-                                    () = backend.backlog.admit() => {}
+                                    () = backend.backlog.admit(len) => session.carry(len),
                                     _ = state.wait_for(|s| *s == BackendState::Closed) => break 'client,
                                 }
                             }
@@ -410,16 +410,6 @@ const NUDGE_AFTER: Duration = Duration::from_secs(1);
 
 /// Bytes read from a socket at a time (each connection holds one such buffer per direction).
 const READ_CHUNK: usize = 8 * 1024;
-
-/// Whether a client's publish to `topic` goes to our links (an empty topic is a v5 alias: the
-/// front does not follow aliases, so it counts as one).
-fn consumed(backlog: &Backlog, topic: &[u8]) -> bool {
-    if topic.is_empty() {
-        return true;
-    }
-    let topic = String::from_utf8_lossy(topic);
-    backlog.consumes(&dollar::to_broker(&topic))
-}
 
 /// The subject's common name, if it is non-empty text without control characters.
 pub fn common_name(der: &[u8]) -> Option<String> {

@@ -30,6 +30,7 @@ use tracing::warn;
 use crate::backlog::Backlog;
 use crate::dollar;
 use crate::events::ClientEvents;
+use crate::framing::{head, Head};
 use crate::front::{take_preamble, Preamble};
 use crate::lag::{log_size, Lag, Owed, Via};
 use crate::security::{Grants, Identity, Policy};
@@ -655,6 +656,23 @@ fn swallowed(connection: &mut Connection, kind: AckKind, pkid: u16) -> bool {
     true
 }
 
+impl<P: Protocol> ConnectGuard<P> {
+    /// The length of the publish at the front of `stream` if the front counted it as carried
+    /// to our links (the same test on the same bytes as the front's).
+    fn carried(&self, stream: &[u8]) -> Option<usize> {
+        let backlog = self.backlog.as_ref()?;
+        self.front.as_ref()?;
+        match head(stream) {
+            Head::Packet {
+                len,
+                topic: Some(topic),
+                ..
+            } if stream.len() >= len && backlog.consumes_client_topic(topic) => Some(len),
+            _ => None,
+        }
+    }
+}
+
 impl<P: Protocol> Protocol for ConnectGuard<P> {
     fn read_mut(&mut self, stream: &mut BytesMut, max_size: usize) -> Result<Packet, CodecError> {
         if let Some((secret, sessions)) = &self.front {
@@ -678,8 +696,15 @@ impl<P: Protocol> Protocol for ConnectGuard<P> {
             return Ok(packet);
         }
         let ack = publish_ack(stream);
+        let carried = self.carried(stream);
         let mut packet = self.inner.read_mut(stream, max_size)?;
         self.vet(&mut packet, ack);
+        if let (Some(len), Some(backlog)) = (carried, &self.backlog) {
+            let connection = self.connection.get_mut().unwrap_or_else(|p| p.into_inner());
+            if let Some(session) = &connection.session {
+                backlog.landed(session.landed(len));
+            }
+        }
         Ok(packet)
     }
 

@@ -80,6 +80,8 @@ pub struct Session {
     /// QoS 1/2 publishes written to the client and not yet acknowledged by it (rumqttd stops
     /// sending at 100: a client that stopped reading then looks idle from the socket).
     unacked: AtomicI64,
+    /// Bytes of publishes to our links the front passed to rumqttd and rumqttd has not read.
+    carried: AtomicI64,
 }
 
 /// Now, in ns after [`epoch`] (never 0).
@@ -129,6 +131,27 @@ impl Session {
         if ack {
             self.unacked.fetch_sub(1, Ordering::Relaxed);
         }
+    }
+
+    /// The front passed rumqttd a publish to our links of `len` bytes.
+    pub fn carry(&self, len: usize) {
+        self.carried.fetch_add(len as i64, Ordering::Relaxed);
+    }
+
+    /// rumqttd read a carried publish of `len` bytes: how many of them were still counted
+    /// (none once [`Session::drop_carried`] gave them all up).
+    pub fn landed(&self, len: usize) -> i64 {
+        let len = len as i64;
+        let before = self
+            .carried
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| Some((c - len).max(0)))
+            .unwrap_or_default();
+        before.min(len)
+    }
+
+    /// The connection ended: whatever rumqttd did not read is no longer on its way.
+    pub fn drop_carried(&self) -> i64 {
+        self.carried.swap(0, Ordering::Relaxed)
     }
 
     /// A QoS 1/2 publish was written to the client.
