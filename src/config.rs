@@ -100,7 +100,7 @@ impl Default for ObserveConfig {
 }
 
 fn default_level() -> String {
-    "info,rumqttd=off".to_owned()
+    "info,rumqttd=off,rumqttd::segments=warn".to_owned()
 }
 const fn default_shutdown_grace_ms() -> u64 {
     5_000
