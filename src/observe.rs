@@ -218,6 +218,7 @@ struct Scraped {
     denied_subscribes: Counter,
     lagging_cut: Counter,
     front_delivered: Counter,
+    front_taken: Counter,
     paused_publishers: Gauge,
     publisher_pauses: Counter,
     handon_waiting: Gauge,
@@ -239,6 +240,7 @@ impl Scraped {
             denied_subscribes: counter!("edgemeta_acl_denials_total", "kind" => "subscribe"),
             lagging_cut: counter!("edgemeta_broker_lagging_subscribers_disconnected_total"),
             front_delivered: counter!("edgemeta_broker_front_delivered_total"),
+            front_taken: counter!("edgemeta_broker_front_intake_total"),
             paused_publishers: gauge!("edgemeta_broker_paused_publishers"),
             publisher_pauses: counter!("edgemeta_broker_publisher_pauses_total"),
             handon_waiting: gauge!("edgemeta_handon_waiting"),
@@ -372,6 +374,7 @@ async fn metrics(State(node): State<Arc<Node>>) -> Response {
     s.denied_subscribes.absolute(subscribes);
     s.lagging_cut.absolute(src.broker.lagging_subscribers_cut());
     s.front_delivered.absolute(src.broker.front_delivered());
+    s.front_taken.absolute(src.broker.front_taken());
     let (paused, pauses) = src.broker.paused_publishers();
     s.paused_publishers.set(paused as f64);
     s.publisher_pauses.absolute(pauses);

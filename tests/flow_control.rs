@@ -605,3 +605,93 @@ async fn a_mapper_that_stops_reading_front_delivered_results_is_cut_off_and_the_
     assert_cut_off(&node, "mapper");
     resumed_and_closed(&mut stopped, "mapper");
 }
+
+/// The node's unlabelled metric `name` now.
+async fn metric(node: &Node, name: &str) -> u64 {
+    let (status, body) = common::http_get(node.observe_port, "/metrics").await;
+    assert_eq!(status, 200, "{body}");
+    body.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|value| value.trim().parse::<f64>().ok())
+        .map_or_else(|| panic!("no {name} in:\n{body}"), |v| v as u64)
+}
+
+/// `edgemeta_broker_front_intake_total` now.
+async fn front_intake(node: &Node) -> u64 {
+    metric(node, "edgemeta_broker_front_intake_total").await
+}
+
+/// A device's reports, which no client subscribes to, go from the front straight to the
+/// MetaManager (protocol §6.12); once a monitor subscribes to them they go through rumqttd so
+/// it gets them too, and once it leaves they skip rumqttd again. Every report is answered, in
+/// order, throughout.
+#[tokio::test]
+async fn reports_nobody_subscribes_to_skip_rumqttd_and_a_monitor_of_them_gets_every_one() {
+    let node = Node::start().await;
+    let device = unique_id("dev");
+    let update = format!("$hw/events/device/{device}/twin/update");
+    let mut mapper =
+        Reader::subscribe(node.port, &[&format!("{update}/result")], QoS::AtLeastOnce).await;
+    let reporter = node.client().await;
+    let report = |n: usize| {
+        json!({"event_id": format!("r{n}"), "timestamp": 1,
+               "twin": {"t": {"actual": {"value": n.to_string()}}}})
+        .to_string()
+    };
+    let answered = |got: Vec<(String, Vec<u8>)>| -> Vec<String> {
+        got.iter()
+            .map(|(_, payload)| {
+                let v: Value = serde_json::from_slice(payload).expect("JSON result");
+                v["event_id"].as_str().unwrap_or_default().to_owned()
+            })
+            .collect()
+    };
+    const ROUND: usize = 50;
+    let before = front_intake(&node).await;
+    for n in 0..ROUND {
+        reporter.publish(&update, report(n)).await;
+    }
+    let wanted: Vec<String> = (0..ROUND).map(|n| format!("r{n}")).collect();
+    assert_eq!(answered(mapper.take(ROUND, WAIT).await), wanted);
+    let taken = front_intake(&node).await;
+    assert!(
+        taken >= before + ROUND as u64,
+        "every report went past rumqttd: {before} → {taken}"
+    );
+
+    let connected = metric(&node, "edgemeta_broker_connections").await;
+    let monitor = mosquitto_sub(node.port, "$hw/events/device/+/twin/update", ROUND).await;
+    // One at a time: a burst beyond a device filter's small log would cut a QoS 1 wildcard
+    // subscriber off (protocol §6.10); a monitor of reports sees them as they come.
+    let mut results = Vec::new();
+    for n in ROUND..2 * ROUND {
+        reporter.publish(&update, report(n)).await;
+        results.extend(mapper.take(1, WAIT).await);
+    }
+    let wanted: Vec<String> = (ROUND..2 * ROUND).map(|n| format!("r{n}")).collect();
+    assert_eq!(answered(results), wanted);
+    let (_, seen) = monitor.output().await;
+    assert_eq!(seen.len(), ROUND, "the monitor got every report: {seen:?}");
+    assert_eq!(
+        front_intake(&node).await,
+        taken,
+        "with a subscriber, reports go through rumqttd"
+    );
+
+    // The monitor has gone (it exited after its count): once the node has seen it leave, the
+    // front takes them again.
+    let deadline = Instant::now() + WAIT;
+    while metric(&node, "edgemeta_broker_connections").await > connected {
+        assert!(
+            Instant::now() < deadline,
+            "the monitor's connection never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for n in 2 * ROUND..3 * ROUND {
+        reporter.publish(&update, report(n)).await;
+    }
+    let wanted: Vec<String> = (2 * ROUND..3 * ROUND).map(|n| format!("r{n}")).collect();
+    assert_eq!(answered(mapper.take(ROUND, WAIT).await), wanted);
+    assert!(front_intake(&node).await >= taken + ROUND as u64);
+}

@@ -12,27 +12,10 @@ use std::time::{Duration, Instant};
 
 use common::cloud::{bridged_with, CONNECTION};
 use common::{
-    assert_quiet_for, free_port, readme_section_commands, run_expecting_exit, send, wait_until,
-    CloudBroker, CloudOptions, Node, Options, WAIT,
+    assert_quiet_for, free_port, http_get, readme_section_commands, run_expecting_exit, send,
+    wait_until, CloudBroker, CloudOptions, Node, Options, WAIT,
 };
 use serde_json::{json, Value};
-
-/// `GET http://127.0.0.1:<port><path>`: status and body.
-async fn http_get(port: u16, path: &str) -> (u16, String) {
-    let url = format!("http://127.0.0.1:{port}{path}");
-    tokio::task::spawn_blocking(move || {
-        let agent: ureq::Agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(Duration::from_secs(5)))
-            .build()
-            .into();
-        let mut response = agent.get(&url).call().expect("an HTTP answer");
-        let body = response.body_mut().read_to_string().expect("a body");
-        (response.status().as_u16(), body)
-    })
-    .await
-    .expect("GET")
-}
 
 /// A scrape of `/metrics`, parsed: every sample by name and sorted labels.
 struct Scrape(HashMap<(String, Vec<(String, String)>), f64>);
@@ -110,6 +93,7 @@ async fn metrics_count_a_burst_by_operation_result_and_error_code() {
         "edgemeta_acl_denials_total",
         "edgemeta_broker_lagging_subscribers_disconnected_total",
         "edgemeta_broker_front_delivered_total",
+        "edgemeta_broker_front_intake_total",
         "edgemeta_broker_paused_publishers",
         "edgemeta_broker_publisher_pauses_total",
         "edgemeta_handon_waiting",

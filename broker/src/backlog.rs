@@ -212,7 +212,10 @@ mod tests {
             async move { backlog.admit(80).await }
         });
         tokio::time::sleep(Duration::from_millis(20)).await;
-        assert!(!third.is_finished(), "160 bytes carried, over a limit of 100");
+        assert!(
+            !third.is_finished(),
+            "160 bytes carried, over a limit of 100"
+        );
         // rumqttd reads both (and counts their payloads); the link receives them.
         backlog.landed(160);
         backlog.published("ke/meta/a/insert/ns/pod/x", 70);

@@ -57,6 +57,10 @@ pub struct BrokerConfig {
     /// keep each for every device filter (docs/protocol.md §6).
     #[serde(default = "default_true")]
     pub front_delivery: bool,
+    /// Client publishes that only one of the node's links reads are handed to it by the front,
+    /// past rumqttd (protocol §6.12).
+    #[serde(default = "default_true")]
+    pub front_intake: bool,
     /// Who may connect.
     #[serde(default)]
     pub auth: AuthConfig,
@@ -173,6 +177,7 @@ impl Default for BrokerConfig {
             max_subscriptions_per_client: default_max_subscriptions_per_client(),
             low_latency: true,
             front_delivery: true,
+            front_intake: true,
             auth: AuthConfig::default(),
             acl: AclConfig::default(),
         }

@@ -140,8 +140,101 @@ impl Boundaries {
     }
 }
 
+/// A whole PUBLISH packet the front can hand to a link itself: QoS 0 or 1, not retained, with
+/// a topic (no v5 alias) and, in MQTT 5, no properties.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Plain<'a> {
+    pub topic: &'a [u8],
+    /// The packet id of a QoS 1 publish.
+    pub pkid: Option<u16>,
+    pub payload: &'a [u8],
+}
+
+/// Reads `packet` (exactly one whole packet) as a [`Plain`] publish, or `None` for anything else.
+pub fn plain_publish(packet: &[u8], v5: bool) -> Option<Plain<'_>> {
+    let first = *packet.first()?;
+    // PUBLISH, not retained, QoS 0 or 1 (the DUP flag does not matter).
+    if first >> 4 != 3 || first & 0x01 != 0 || (first >> 1) & 0x03 > 1 {
+        return None;
+    }
+    let qos1 = (first >> 1) & 0x03 == 1;
+    let (at, remaining) = fixed(packet).ok()??;
+    if at + remaining != packet.len() {
+        return None;
+    }
+    let body = &packet[at..];
+    let topic_len = usize::from(u16::from_be_bytes([*body.first()?, *body.get(1)?]));
+    let topic = body.get(2..2 + topic_len)?;
+    let mut rest = 2 + topic_len;
+    let pkid = if qos1 {
+        let id = u16::from_be_bytes([*body.get(rest)?, *body.get(rest + 1)?]);
+        rest += 2;
+        // Packet id 0 is a protocol error: rumqttd's to answer.
+        (id != 0).then_some(id)?;
+        Some(id)
+    } else {
+        None
+    };
+    if v5 {
+        // A property length of 0: one byte.
+        if *body.get(rest)? != 0 {
+            return None;
+        }
+        rest += 1;
+    }
+    if topic.is_empty() {
+        return None;
+    }
+    Some(Plain {
+        topic,
+        pkid,
+        payload: body.get(rest..)?,
+    })
+}
+
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_plain_publish_is_read_and_anything_else_is_left_to_rumqttd() {
+        // 3.1.1 QoS 1, topic "a/b", packet id 7, payload "hi".
+        let qos1 = [0x32, 9, 0, 3, b'a', b'/', b'b', 0, 7, b'h', b'i'];
+        assert_eq!(
+            plain_publish(&qos1, false),
+            Some(Plain {
+                topic: b"a/b",
+                pkid: Some(7),
+                payload: b"hi"
+            })
+        );
+        // QoS 0, MQTT 5 with no properties.
+        let v5 = [0x30, 6, 0, 1, b't', 0, b'x', b'y'];
+        assert_eq!(
+            plain_publish(&v5, true),
+            Some(Plain {
+                topic: b"t",
+                pkid: None,
+                payload: b"xy"
+            })
+        );
+        let with_property = [0x30, 8, 0, 1, b't', 2, 0x01, 1, b'x', b'y'];
+        assert_eq!(plain_publish(&with_property, true), None, "v5 properties");
+        let retained = [0x31, 4, 0, 1, b't', b'x'];
+        assert_eq!(plain_publish(&retained, false), None, "retained");
+        let qos2 = [0x34, 6, 0, 1, b't', 0, 1, b'x'];
+        assert_eq!(plain_publish(&qos2, false), None, "QoS 2");
+        let alias = [0x30, 3, 0, 0, 0];
+        assert_eq!(plain_publish(&alias, true), None, "a topic alias");
+        let pkid0 = [0x32, 6, 0, 1, b't', 0, 0, b'x'];
+        assert_eq!(plain_publish(&pkid0, false), None, "packet id 0");
+        assert_eq!(
+            plain_publish(&qos1[..10], false),
+            None,
+            "not the whole packet"
+        );
+        let puback = [0x40, 2, 0, 1];
+        assert_eq!(plain_publish(&puback, false), None);
+    }
     use super::*;
 
     const PUBLISH: [u8; 10] = [0x32, 0x08, 0x00, 0x03, b'a', b'/', b'b', 0x12, 0x34, b'x'];

@@ -42,6 +42,7 @@ use tracing::{debug, warn};
 use crate::backlog::Backlog;
 use crate::config::ListenerTls;
 use crate::framing::{head, Boundaries, Head};
+use crate::intake::{self, Intake};
 use crate::session::{is_front_pkid, Session, Sessions};
 use crate::Error;
 
@@ -120,6 +121,8 @@ pub struct Backend {
     pub sessions: Arc<Sessions>,
     /// TCP_NODELAY towards clients, TCP_QUICKACK on the loopback hop.
     pub low_latency: bool,
+    /// Where the front hands publishes for our links past rumqttd.
+    pub intake: Arc<Intake>,
 }
 
 /// Accepts clients on `listener` until the task is dropped; each is spliced to the back end,
@@ -285,10 +288,47 @@ where
                         }
                         Head::Packet { len, topic, .. } => {
                             if topic.is_some_and(|t| backend.backlog.consumes_client_topic(t)) {
+                                if len <= intake::MOST {
+                                    if pending.len() < len {
+                                        // Whole, it may go to its link past rumqttd.
+                                        break;
+                                    }
+                                    if let Some((inbox, message)) =
+                                        backend.intake.take(session, &pending[..len])
+                                    {
+                                        // A full inbox leaves the client's next bytes in its
+                                        // socket, as a lagging link does below.
+                                        let permit = tokio::select! {
+                                            permit = inbox.reserve() => permit,
+                                            _ = state.wait_for(|s| *s == BackendState::Closed) => Err(tokio::sync::mpsc::error::SendError(())),
+                                        };
+                                        let Ok(permit) = permit else {
+                                            // The node is stopping, or the client is gone: no
+                                            // PUBACK for what will not be committed.
+                                            if let Some(ack) = &message.ack {
+                                                ack.abandon();
+                                            }
+                                            break 'client;
+                                        };
+                                        permit.send(message);
+                                        pending.advance(len);
+                                        session.heard(false);
+                                        if forwarded.elapsed() >= NUDGE_AFTER {
+                                            if to_backend.write_all(&PINGREQ).await.is_err() {
+                                                break 'client;
+                                            }
+                                            forwarded = Instant::now();
+                                        }
+                                        continue;
+                                    }
+                                }
                                 // While our links lag, leave the client's bytes in its socket:
                                 // TCP pushes back. Its other packets wait behind this one.
                                 tokio::select! {
-                                    () = backend.backlog.admit(len) => session.carry(len),
+                                    () = backend.backlog.admit(len) => {
+                                        session.carry(len);
+                                        session.routed();
+                                    }
                                     _ = state.wait_for(|s| *s == BackendState::Closed) => break 'client,
                                 }
                             }

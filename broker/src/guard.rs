@@ -34,7 +34,7 @@ use crate::framing::{head, Head};
 use crate::front::{take_preamble, Preamble};
 use crate::lag::{log_size, Lag, Owed, Via};
 use crate::security::{Grants, Identity, Policy};
-use crate::session::{ack_tag, AckKind, Session, Sessions, ACK_PROPERTY};
+use crate::session::{ack_tag, AckKind, Rights, Session, Sessions, ACK_PROPERTY};
 use crate::withhold::Withheld;
 use crate::RESERVED_CLIENT_PREFIX;
 
@@ -219,7 +219,7 @@ fn reserved(topic: &str) -> bool {
 
 /// The broker form of a client's `topic` if a client with `grants` may publish to it. The refused
 /// filter is the broker's own too: a client publishing there could reach refused subscriptions.
-fn publishable<'a>(grants: &Grants, topic: &'a str) -> Option<Cow<'a, str>> {
+pub(crate) fn publishable<'a>(grants: &Grants, topic: &'a str) -> Option<Cow<'a, str>> {
     if reserved(topic) || topic == DENIED_FILTER {
         return None;
     }
@@ -408,13 +408,15 @@ impl<P: Protocol> ConnectGuard<P> {
                     if let Some(backlog) = &self.backlog {
                         backlog.published(&topic, publish.payload.len());
                         let session = connection.session.as_ref().map(|s| s.id());
-                        if let (Some((kind, pkid)), Some(session)) = (ack, session) {
-                            if backlog.consumes(&topic) {
-                                properties
-                                    .get_or_insert_with(Default::default)
-                                    .user_properties
-                                    .push((ACK_PROPERTY.to_owned(), ack_tag(session, kind, pkid)));
-                                *connection.swallow.entry((kind, pkid)).or_default() += 1;
+                        if let (Some(session), true) = (session, backlog.consumes(&topic)) {
+                            // QoS 0 too: the link's receipt tells the front it may hand this
+                            // client's next publishes to the links itself (see `Session::routed`).
+                            properties
+                                .get_or_insert_with(Default::default)
+                                .user_properties
+                                .push((ACK_PROPERTY.to_owned(), ack_tag(session, ack)));
+                            if let Some(ack) = ack {
+                                *connection.swallow.entry(ack).or_default() += 1;
                             }
                         }
                     }
@@ -520,6 +522,9 @@ impl<P: Protocol> ConnectGuard<P> {
         let (Some(qos), Some(session)) = (qos, &connection.session) else {
             return;
         };
+        if !connection.clean {
+            lag.keep(path);
+        }
         let reliable = qos != QoS::AtMostOnce;
         // rumqttd resumes a persistent session from its logs, and answers QoS 2 itself.
         let via = if connection.clean && qos != QoS::ExactlyOnce {
@@ -631,8 +636,27 @@ impl<P: Protocol> ConnectGuard<P> {
             }
             _ => {}
         }
+        if let (Packet::ConnAck(ack, _), Some(session)) = (&packet, &connection.session) {
+            if ack.code == ConnectReturnCode::Success {
+                session.grant(Rights {
+                    grants: connection.grants.clone(),
+                    v5: self.v5,
+                });
+            }
+        }
         Ok(Answer::Write)
     }
+}
+
+/// Whether `packet` is a publish the guard tagged for a link ([`ACK_PROPERTY`]).
+fn tagged(packet: &Packet) -> bool {
+    let Packet::Publish(_, Some(properties)) = packet else {
+        return false;
+    };
+    properties
+        .user_properties
+        .iter()
+        .any(|(key, _)| key == ACK_PROPERTY)
 }
 
 /// An empty id with a persistent session makes rumqttd answer CONNACK "identifier rejected"
@@ -703,6 +727,10 @@ impl<P: Protocol> Protocol for ConnectGuard<P> {
             let connection = self.connection.get_mut().unwrap_or_else(|p| p.into_inner());
             if let Some(session) = &connection.session {
                 backlog.landed(session.landed(len));
+                if !tagged(&packet) {
+                    // Refused, or not for a link after all: no link will report it.
+                    session.arrived();
+                }
             }
         }
         Ok(packet)

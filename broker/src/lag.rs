@@ -46,6 +46,9 @@ pub struct Lag {
     /// Clients cut off whose next CONNECT must start a clean session: rumqttd would resume a
     /// persistent one at a cursor that is gone, skipping silently.
     to_clean: Mutex<HashSet<String>>,
+    /// Filters a persistent session ever subscribed to: rumqttd keeps them (and queues for
+    /// them) while the client is away, so they count as reaching their topics for good.
+    kept: Mutex<HashSet<String>>,
     /// Shared subscriptions (`$share/<group>/<filter>`) by the filter they share, with how many
     /// hold each: not counted for lag (each member gets only some messages), but they are
     /// subscribers [`Lag::reaches`].
@@ -266,6 +269,7 @@ impl Lag {
             watched: RwLock::new(Watched::default()),
             cut: AtomicU64::new(0),
             to_clean: Mutex::new(HashSet::new()),
+            kept: Mutex::new(HashSet::new()),
             shared: Mutex::new(HashMap::new()),
             front: false,
             front_delivered: AtomicU64::new(0),
@@ -498,6 +502,27 @@ impl Lag {
         }
         drop(watched);
         self.shared_reaches(topic)
+    }
+
+    /// A persistent session subscribed to `filter`.
+    pub fn keep(&self, filter: &str) {
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        if !kept.contains(filter) {
+            kept.insert(filter.to_owned());
+        }
+    }
+
+    /// [`Lag::reaches`], or a persistent session, connected or not, subscribed to `topic`:
+    /// whether a client's publish there must go through rumqttd.
+    pub fn reaches_any_session(&self, topic: &str) -> bool {
+        if self.reaches(topic) {
+            return true;
+        }
+        let kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        let reached = kept
+            .iter()
+            .any(|filter| rumqttd::protocol::matches(topic, filter));
+        reached
     }
 
     fn shared_reaches(&self, topic: &str) -> bool {

@@ -13,6 +13,7 @@
 //! - [`server`]: starts the router and the listeners; a listener that cannot bind is fatal.
 //! - [`front`]: our accept loop on every listener's address, spliced to rumqttd on loopback (TLS,
 //!   client certificates, low latency, back-pressure, cutting clients off).
+//! - [`intake`]: client publishes the front hands to a link itself, past rumqttd.
 //! - [`session`]: one connection as both the front and the guard know it.
 //! - [`link`]: an in-process client: subscribe, receive [`Message`]s, publish them.
 //! - [`message`]: the one value all crates exchange.
@@ -26,6 +27,7 @@ mod events;
 mod framing;
 mod front;
 mod guard;
+mod intake;
 mod lag;
 mod link;
 mod message;

@@ -114,13 +114,16 @@ impl Link {
         capacity: usize,
         accounts: Accounts,
         links: &mut Links,
+        filters: &[String],
     ) -> Result<Link, Error> {
         let Accounts {
             backlog,
             lag,
             sessions,
+            intake,
         } = accounts;
         let (inbox_tx, inbox) = mpsc::channel(capacity);
+        intake.register(filters, inbox_tx.clone());
         let (publisher, outgoing) = Publisher::counted(capacity, lag.clone());
         let thread = std::thread::Builder::new()
             .name(format!("{client_id}-tx"))
@@ -147,6 +150,7 @@ pub(crate) struct Accounts {
     pub backlog: Arc<Backlog>,
     pub lag: Arc<Lag>,
     pub sessions: Arc<Sessions>,
+    pub intake: Arc<crate::intake::Intake>,
 }
 
 /// The tasks and threads of every in-process link, kept to be joined at shutdown.
@@ -222,7 +226,11 @@ async fn receive(
                     paced: false,
                     front: Front::default(),
                 };
-                if inbox.send(message).await.is_err() {
+                if let Err(refused) = inbox.send(message).await {
+                    // The node is stopping: the client publishes it again, unacknowledged.
+                    if let Some(ack) = &refused.0.ack {
+                        ack.abandon();
+                    }
                     return;
                 }
             }
@@ -241,8 +249,8 @@ async fn receive(
 /// The acknowledgement the guard attached to a client's publish, if its connection is still open.
 fn ack_of(properties: &[(String, String)], sessions: &Sessions) -> Option<Ack> {
     let (_, tag) = properties.iter().find(|(key, _)| key == ACK_PROPERTY)?;
-    let (session, kind, pkid) = parse_ack_tag(tag)?;
-    sessions.ack(session, kind, pkid)
+    let (session, ack) = parse_ack_tag(tag)?;
+    sessions.reached_link(session, ack)
 }
 
 /// Outgoing queue → router, on a dedicated thread.

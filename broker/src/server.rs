@@ -15,6 +15,7 @@ use crate::codec::Codec;
 use crate::config::{BrokerConfig, ListenerConfig, MqttVersion};
 use crate::events::ClientEvents;
 use crate::guard::ConnectGuard;
+use crate::intake::Intake;
 use crate::lag::Lag;
 use crate::link::{Link, Links, Publisher};
 use crate::security::Policy;
@@ -66,6 +67,7 @@ pub struct BrokerStats {
     sessions: Arc<Sessions>,
     lag: Arc<Lag>,
     backlog: Arc<Backlog>,
+    intake: Arc<Intake>,
 }
 
 impl BrokerStats {
@@ -87,6 +89,11 @@ impl BrokerStats {
     /// Hand-ons the front wrote to subscribers past rumqttd so far, one per subscriber.
     pub fn front_delivered(&self) -> u64 {
         self.lag.front_delivered()
+    }
+
+    /// Client publishes the front handed to a link past rumqttd so far.
+    pub fn front_taken(&self) -> u64 {
+        self.intake.taken()
     }
 
     /// Clients held right now before a publish to our links, and how many times one was.
@@ -112,6 +119,7 @@ pub struct Broker {
     backlog: Arc<Backlog>,
     lag: Arc<Lag>,
     events: Arc<ClientEvents>,
+    intake: Arc<Intake>,
 }
 
 impl Broker {
@@ -134,6 +142,20 @@ impl Broker {
             Box::new(move |settings, guard| Server::new(settings, listener_tx.clone(), guard));
         let sessions = Arc::new(Sessions::default());
         sessions.limit_clients(config.max_connections);
+        let lag = Arc::new(
+            Lag::new(config.subscriber_lag_limit() as u64)
+                .with_smaller_logs(
+                    &crate::config::DEVICE_FILTERS,
+                    config.device_lag_limit() as u64,
+                )
+                .with_stall(Duration::from_secs(config.subscriber_stall_s))
+                .with_front_delivery(config.front_delivery),
+        );
+        let intake = Arc::new(Intake::new(
+            config.front_intake,
+            lag.clone(),
+            sessions.clone(),
+        ));
         Ok(Broker {
             config: config.clone(),
             listeners: JoinSet::new(),
@@ -144,16 +166,9 @@ impl Broker {
             policy,
             sessions,
             backlog: Arc::new(Backlog::new(config.link_pause_bytes() as u64)),
-            lag: Arc::new(
-                Lag::new(config.subscriber_lag_limit() as u64)
-                    .with_smaller_logs(
-                        &crate::config::DEVICE_FILTERS,
-                        config.device_lag_limit() as u64,
-                    )
-                    .with_stall(Duration::from_secs(config.subscriber_stall_s))
-                    .with_front_delivery(config.front_delivery),
-            ),
+            lag,
             events: Arc::new(ClientEvents::default()),
+            intake,
         })
     }
 
@@ -250,6 +265,7 @@ impl Broker {
                 backlog: self.backlog.clone(),
                 sessions: self.sessions.clone(),
                 low_latency: self.config.low_latency,
+                intake: self.intake.clone(),
             },
         ));
         Ok([
@@ -270,6 +286,7 @@ impl Broker {
             sessions: self.sessions.clone(),
             lag: self.lag.clone(),
             backlog: self.backlog.clone(),
+            intake: self.intake.clone(),
         }
     }
 
@@ -291,6 +308,7 @@ impl Broker {
         self.backlog.watch(filters);
         let factory = self.new_link.clone();
         let filters = filters.to_vec();
+        let filters_read = filters.clone();
         let id = client_id.clone();
         // Registering with the router is a blocking round trip; keep it off the tokio workers.
         let (tx, rx) = tokio::task::spawn_blocking(move || {
@@ -314,8 +332,10 @@ impl Broker {
                 backlog: self.backlog.clone(),
                 lag: self.lag.clone(),
                 sessions: self.sessions.clone(),
+                intake: self.intake.clone(),
             },
             &mut self.links,
+            &filters_read,
         )
     }
 

@@ -82,6 +82,19 @@ pub struct Session {
     unacked: AtomicI64,
     /// Bytes of publishes to our links the front passed to rumqttd and rumqttd has not read.
     carried: AtomicI64,
+    /// Publishes to our links passed to rumqttd that no link has received yet: while there are
+    /// any, the front hands none to a link itself, which would overtake them.
+    routed: AtomicI64,
+    /// What the client may publish, once rumqttd has accepted its CONNECT.
+    rights: OnceLock<Rights>,
+}
+
+/// What an accepted client may publish, and how it speaks: what the front needs to hand its
+/// publishes to the node's links itself.
+#[derive(Debug)]
+pub struct Rights {
+    pub grants: crate::security::Grants,
+    pub v5: bool,
 }
 
 /// Now, in ns after [`epoch`] (never 0).
@@ -144,7 +157,9 @@ impl Session {
         let len = len as i64;
         let before = self
             .carried
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| Some((c - len).max(0)))
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
+                Some((c - len).max(0))
+            })
             .unwrap_or_default();
         before.min(len)
     }
@@ -152,6 +167,35 @@ impl Session {
     /// The connection ended: whatever rumqttd did not read is no longer on its way.
     pub fn drop_carried(&self) -> i64 {
         self.carried.swap(0, Ordering::Relaxed)
+    }
+
+    /// rumqttd accepted the client's CONNECT with these rights.
+    pub fn grant(&self, rights: Rights) {
+        let _ = self.rights.set(rights);
+    }
+
+    /// The client's rights, once rumqttd has accepted it.
+    pub fn rights(&self) -> Option<&Rights> {
+        self.rights.get()
+    }
+
+    /// The front passed rumqttd a publish to our links.
+    pub fn routed(&self) {
+        self.routed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A routed publish reached a link, or turned out not to go to one.
+    pub fn arrived(&self) {
+        let _ = self
+            .routed
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                Some((n - 1).max(0))
+            });
+    }
+
+    /// Whether a routed publish is still on its way to a link.
+    pub fn routing(&self) -> bool {
+        self.routed.load(Ordering::Relaxed) > 0
     }
 
     /// A QoS 1/2 publish was written to the client.
@@ -275,10 +319,33 @@ struct Pending {
     session: Weak<Session>,
     kind: AckKind,
     pkid: u16,
+    abandoned: std::sync::atomic::AtomicBool,
+}
+
+impl Ack {
+    fn new(session: Weak<Session>, kind: AckKind, pkid: u16) -> Ack {
+        Ack {
+            _pending: Arc::new(Pending {
+                session,
+                kind,
+                pkid,
+                abandoned: Default::default(),
+            }),
+        }
+    }
+
+    /// The message will not be committed (the node is stopping): no acknowledgement is sent,
+    /// so the client publishes it again.
+    pub fn abandon(&self) {
+        self._pending.abandoned.store(true, Ordering::Relaxed);
+    }
 }
 
 impl Drop for Pending {
     fn drop(&mut self) {
+        if self.abandoned.load(Ordering::Relaxed) {
+            return;
+        }
         if let Some(session) = self.session.upgrade() {
             session.release(self.kind, self.pkid);
         }
@@ -358,17 +425,20 @@ impl Sessions {
         self.lock_live().remove(&id);
     }
 
+    /// A routed publish of connection `id` reached a link ([`Session::arrived`]); the promise
+    /// to acknowledge it, if it asks for one and the connection is still open.
+    pub fn reached_link(&self, id: u64, ack: Option<(AckKind, u16)>) -> Option<Ack> {
+        let session = self.lock_live().get(&id)?.clone();
+        session.upgrade()?.arrived();
+        let (kind, pkid) = ack?;
+        Some(Ack::new(session, kind, pkid))
+    }
+
     /// A promise to acknowledge `pkid` on connection `id`, if it is still open.
-    pub fn ack(&self, id: u64, kind: AckKind, pkid: u16) -> Option<Ack> {
+    pub fn promise(&self, id: u64, kind: AckKind, pkid: u16) -> Option<Ack> {
         let session = self.lock_live().get(&id)?.clone();
         session.upgrade()?;
-        Some(Ack {
-            _pending: Arc::new(Pending {
-                session,
-                kind,
-                pkid,
-            }),
-        })
+        Some(Ack::new(session, kind, pkid))
     }
 
     fn lock_live(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Weak<Session>>> {
@@ -390,25 +460,27 @@ impl Sessions {
 /// Clients' own properties of that name are removed, and subscribers never see it.
 pub const ACK_PROPERTY: &str = "edgemeta-ack";
 
-/// `<session>:<kind>:<pkid>` (see [`ACK_PROPERTY`]).
-pub(crate) fn ack_tag(session: u64, kind: AckKind, pkid: u16) -> String {
-    let kind = match kind {
-        AckKind::PubAck => 1,
-        AckKind::PubComp => 2,
+/// `<session>:<kind>:<pkid>` (see [`ACK_PROPERTY`]); kind 0 (QoS 0): nothing to acknowledge.
+pub(crate) fn ack_tag(session: u64, ack: Option<(AckKind, u16)>) -> String {
+    let (kind, pkid) = match ack {
+        None => (0, 0),
+        Some((AckKind::PubAck, pkid)) => (1, pkid),
+        Some((AckKind::PubComp, pkid)) => (2, pkid),
     };
     format!("{session}:{kind}:{pkid}")
 }
 
-/// Reads an [`ACK_PROPERTY`] value back: the session, what to send and the packet id.
-pub fn parse_ack_tag(tag: &str) -> Option<(u64, AckKind, u16)> {
+/// Reads an [`ACK_PROPERTY`] value back: the session, and what to send with its packet id.
+pub fn parse_ack_tag(tag: &str) -> Option<(u64, Option<(AckKind, u16)>)> {
     let mut parts = tag.splitn(3, ':');
     let session = parts.next()?.parse().ok()?;
     let kind = match parts.next()? {
+        "0" => return Some((session, None)),
         "1" => AckKind::PubAck,
         "2" => AckKind::PubComp,
         _ => return None,
     };
-    Some((session, kind, parts.next()?.parse().ok()?))
+    Some((session, Some((kind, parts.next()?.parse().ok()?))))
 }
 
 #[cfg(test)]
@@ -489,8 +561,12 @@ mod tests {
 
     #[test]
     fn an_ack_tag_round_trips() {
-        let tag = ack_tag(42, AckKind::PubComp, 65535);
-        assert_eq!(parse_ack_tag(&tag), Some((42, AckKind::PubComp, 65535)));
+        let tag = ack_tag(42, Some((AckKind::PubComp, 65535)));
+        assert_eq!(
+            parse_ack_tag(&tag),
+            Some((42, Some((AckKind::PubComp, 65535))))
+        );
+        assert_eq!(parse_ack_tag(&ack_tag(7, None)), Some((7, None)));
         assert_eq!(parse_ack_tag("42:3:1"), None);
         assert_eq!(parse_ack_tag("x"), None);
     }
@@ -514,7 +590,7 @@ mod tests {
         let sessions = Sessions::default();
         let session = sessions.open();
         let ack = sessions
-            .ack(session.id(), AckKind::PubAck, 0x0102)
+            .promise(session.id(), AckKind::PubAck, 0x0102)
             .expect("open");
         let copy = ack.clone();
         drop(ack);
@@ -522,10 +598,10 @@ mod tests {
         drop(copy);
         assert_eq!(session.take_out().bytes, vec![0x40, 2, 1, 2]);
         sessions
-            .ack(session.id(), AckKind::PubComp, 7)
+            .promise(session.id(), AckKind::PubComp, 7)
             .expect("open");
         assert_eq!(session.take_out().bytes, vec![0x70, 2, 0, 7]);
         sessions.close(session.id());
-        assert!(sessions.ack(session.id(), AckKind::PubAck, 1).is_none());
+        assert!(sessions.promise(session.id(), AckKind::PubAck, 1).is_none());
     }
 }

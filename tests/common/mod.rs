@@ -1526,3 +1526,20 @@ pub fn terminate_child(child: &mut Child) {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+/// `GET http://127.0.0.1:<port><path>`: status and body.
+pub async fn http_get(port: u16, path: &str) -> (u16, String) {
+    let url = format!("http://127.0.0.1:{port}{path}");
+    tokio::task::spawn_blocking(move || {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(5)))
+            .build()
+            .into();
+        let mut response = agent.get(&url).call().expect("an HTTP answer");
+        let body = response.body_mut().read_to_string().expect("a body");
+        (response.status().as_u16(), body)
+    })
+    .await
+    .expect("GET")
+}
