@@ -33,16 +33,13 @@ use crate::events::ClientEvents;
 use crate::framing::{head, Head};
 use crate::front::{take_preamble, Preamble};
 use crate::lag::{log_size, Lag, Owed, Via};
-use crate::security::{Grants, Identity, Policy};
+use crate::security::{publishable, reserved, Grants, Identity, Policy, DENIED_FILTER};
 use crate::session::{ack_tag, AckKind, Rights, Session, Sessions, ACK_PROPERTY};
 use crate::withhold::Withheld;
 use crate::RESERVED_CLIENT_PREFIX;
 
 /// Where refused publications go: rumqttd never matches a `$` topic against any filter.
 const DENIED_TOPIC: &str = "$edgemeta/denied";
-/// Where refused subscriptions point: a plain topic (rumqttd drops a client that subscribes to
-/// a `$` filter) that the guard lets no client publish to, so nothing ever arrives there.
-const DENIED_FILTER: &str = "edgemeta-refused";
 /// Stands in for a keep-alive of 0: rumqttd then drops the client only after 1.5 × this many
 /// seconds of silence (27 h), and an MQTT 5 client is told to ping at least this often.
 pub const KEEP_ALIVE_FOR_ZERO: u16 = u16::MAX;
@@ -207,24 +204,6 @@ pub fn refuse_client_id(client_id: &str) -> Option<&'static str> {
     } else {
         None
     }
-}
-
-/// Whether no client may use `topic` (or the filter a subscription shares), whatever its
-/// rights: `$` topics other than the carried ones are the broker's own, and so is the carried
-/// form `edgemeta$...`, so clients name `$hw/...` one way only, the way ACL rules are written.
-fn reserved(topic: &str) -> bool {
-    topic.starts_with(dollar::INTERNAL_PREFIX)
-        || (topic.starts_with('$') && !dollar::is_carried(topic.as_bytes()))
-}
-
-/// The broker form of a client's `topic` if a client with `grants` may publish to it. The refused
-/// filter is the broker's own too: a client publishing there could reach refused subscriptions.
-pub(crate) fn publishable<'a>(grants: &Grants, topic: &'a str) -> Option<Cow<'a, str>> {
-    if reserved(topic) || topic == DENIED_FILTER {
-        return None;
-    }
-    let topic = dollar::to_broker(topic);
-    grants.may_publish(&topic).then_some(topic)
 }
 
 /// The filter a subscription matches topics with: `$share/<group>/<filter>` shares `<filter>`.

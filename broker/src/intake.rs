@@ -13,9 +13,9 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 
 use crate::framing::plain_publish;
-use crate::guard::publishable;
 use crate::lag::Lag;
 use crate::message::{Front, Message};
+use crate::security::publishable;
 use crate::session::{AckKind, Session, Sessions};
 
 /// The largest publish handed over this way: a larger one streams through rumqttd instead of

@@ -12,6 +12,31 @@ use serde::Deserialize;
 
 use crate::dollar;
 
+/// Where refused subscriptions point: a plain topic (rumqttd drops a client that subscribes to
+/// a `$` filter) that the guard lets no client publish to, so nothing ever arrives there.
+pub(crate) const DENIED_FILTER: &str = "edgemeta-refused";
+
+/// Whether no client may use `topic` (or the filter a subscription shares), whatever its
+/// rights: `$` topics other than the carried ones are the broker's own, and so is the carried
+/// form `edgemeta$...`, so clients name `$hw/...` one way only, the way ACL rules are written.
+pub(crate) fn reserved(topic: &str) -> bool {
+    topic.starts_with(dollar::INTERNAL_PREFIX)
+        || (topic.starts_with('$') && !dollar::is_carried(topic.as_bytes()))
+}
+
+/// The broker form of a client's `topic` if a client with `grants` may publish to it. The refused
+/// filter is the broker's own too: a client publishing there could reach refused subscriptions.
+pub(crate) fn publishable<'a>(
+    grants: &Grants,
+    topic: &'a str,
+) -> Option<std::borrow::Cow<'a, str>> {
+    if reserved(topic) || topic == DENIED_FILTER {
+        return None;
+    }
+    let topic = dollar::to_broker(topic);
+    grants.may_publish(&topic).then_some(topic)
+}
+
 /// Authentication settings (`broker.auth`).
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
