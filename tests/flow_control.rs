@@ -363,15 +363,24 @@ async fn every_publish_acknowledged_before_a_kill_9_is_in_the_store_after_it() {
             .unwrap_or(default)
     };
     for round in 0..knob("FLOW_KILL9_ROUNDS", 1) {
-        let (acked, lost) = kill9_round(knob("FLOW_KILL9_TOTAL", 4_000)).await;
+        let (acked, lost) = kill9_round(knob("FLOW_KILL9_TOTAL", 4_000), true).await;
         eprintln!("kill -9 round {round}: {acked} acknowledged, {lost} of them lost");
         assert_eq!(lost, 0, "round {round}");
     }
+    // And with every commit fsynced before anything is handed on or acknowledged.
+    let (acked, lost) = kill9_round(2_000, false).await;
+    assert_eq!(lost, 0, "without early hand-on: {acked} acknowledged");
 }
 
-/// One burst of `total` with a kill -9 once a quarter is acknowledged; (acknowledged, lost).
-async fn kill9_round(total: usize) -> (usize, usize) {
-    let mut node = Node::start().await;
+/// One burst of `total` with a kill -9 once a quarter is acknowledged, with `store.early_handon`
+/// as given; (acknowledged, lost).
+async fn kill9_round(total: usize, early_handon: bool) -> (usize, usize) {
+    let mut node = Node::start_with(Options {
+        // With fsync: early hand-on's syncer syncs the WAL before each PUBACK.
+        store_yaml: format!("  synchronous: full\n  early_handon: {early_handon}\n"),
+        ..Options::default()
+    })
+    .await;
     let mut options = MqttOptions::new(unique_id("acked"), "127.0.0.1", node.port);
     options.set_inflight(100);
     let (client, events) = AsyncClient::new(options, 1000);

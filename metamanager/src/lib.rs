@@ -12,12 +12,14 @@
 //!   `routing` table; `reply`: the one place a failure becomes what a client sees.
 //! - `devices/`: KubeEdge's DeviceTwin, its domain part (ids, topics, JSON shapes, twin merge).
 //! - [`store`]: libsql on a local file: `meta` (KubeEdge's table), `outbox` and `handon`.
+//! - `durable`: the durability watermark: acknowledgements wait for the WAL's fsync.
 //! - `handon`: committed local messages, handed to the broker at their subscribers' pace.
 //! - `outbox`: every rule of the cloud outbox; `outbox_handle`: the handle its deliverers use.
 //! - `meters`: message counters and commit latency, registered once for the node's metrics.
 //! - `relay`: without a cloud bridge, the outbox goes to the local `<root>/cloud/...` topics.
 
 mod devices;
+mod durable;
 mod error;
 mod handlers;
 mod handon;

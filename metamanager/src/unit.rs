@@ -39,6 +39,15 @@ impl Done {
             Done::Acked(ack) => drop(ack),
         }
     }
+
+    /// Committed, but its commit may not be durable (a failed sync): no acknowledgement, so the
+    /// sender delivers it again.
+    pub(crate) fn refuse(self) {
+        match self {
+            Done::Told(tx) => drop(tx.send(Outcome::Retry)),
+            Done::Acked(ack) => ack.abandon(),
+        }
+    }
 }
 
 /// How a message submitted through [`crate::Ingress`] ended.

@@ -13,13 +13,14 @@ use tokio::sync::{broadcast, mpsc, oneshot, Notify};
 use tokio::time::{interval_at, Instant, MissedTickBehavior};
 use tracing::{error, warn};
 
+use crate::durable::{Release, Syncer};
 use crate::error::Error;
 use crate::handlers;
 use crate::handon::Feed;
 use crate::meters::{self, Meters, Tally};
 use crate::outbox::{self, OutboxLimit, Read, Write};
-use crate::store::{Changes, Db, StoreConfig, StoreError};
-use crate::unit::{Context, Job, Outcome, Settings, State, Step, Waits};
+use crate::store::{Changes, Db, StoreConfig, StoreError, Synchronous};
+use crate::unit::{Context, Done, Job, Outcome, Settings, State, Step, Waits};
 
 /// What the worker needs besides the store.
 pub(crate) struct WorkerConfig {
@@ -105,6 +106,17 @@ pub(crate) async fn spawn(
                             return;
                         }
                     }
+                    let syncer = if store.early_handon {
+                        match Syncer::start(&store.path, store.synchronous == Synchronous::Full) {
+                            Ok(syncer) => Some(syncer),
+                            Err(e) => {
+                                let _ = opened_tx.send(Err(Error::Open(StoreError::Thread(e))));
+                                return;
+                            }
+                        }
+                    } else {
+                        None
+                    };
                     let _ = opened_tx.send(Ok(()));
                     let state = State::new(outbox);
                     let worker = Worker {
@@ -116,6 +128,7 @@ pub(crate) async fn spawn(
                         state,
                         meters,
                         changes,
+                        syncer,
                     };
                     worker.run(jobs).await;
                 })
@@ -147,6 +160,8 @@ struct Worker {
     /// Committed changes of served objects, for the MetaServer's live watches. Sending never
     /// waits: a watcher that falls behind the channel catches up from the history.
     changes: broadcast::Sender<Changes>,
+    /// Early hand-on: what is acknowledged outward waits here for the WAL's fsync.
+    syncer: Option<Syncer>,
 }
 
 impl Worker {
@@ -183,10 +198,37 @@ impl Worker {
             if !steps.is_empty() || !writes.is_empty() {
                 self.write_batch(steps, writes).await;
             }
-            // Reads see what is committed, whether or not this batch's writes were.
+            // Reads see what is committed, whether or not this batch's writes were; rows for
+            // the cloud only once durable.
             for read in reads {
-                outbox::answer(read, &self.db, self.state.outbox()).await;
+                match (read, &self.syncer) {
+                    (
+                        Read::Peek {
+                            after,
+                            limit,
+                            reply,
+                        },
+                        Some(syncer),
+                    ) => {
+                        let rows = self.db.outbox_peek(after, limit).await;
+                        let rows = rows.map_err(Error::store("read outbox"));
+                        syncer.after(
+                            false,
+                            Box::new(move |durable| {
+                                let _ = reply.send(if durable {
+                                    rows
+                                } else {
+                                    Err(Error::Commit("the store could not be synced".into()))
+                                });
+                            }),
+                        );
+                    }
+                    (read, _) => outbox::answer(read, &self.db, self.state.outbox()).await,
+                }
             }
+        }
+        if let Some(syncer) = self.syncer.as_mut() {
+            syncer.finish();
         }
         if let Err(e) = self.db.checkpoint().await {
             warn!(error_code = "EM-STORE-CHECKPOINT", error = %e, "final checkpoint failed");
@@ -343,16 +385,36 @@ impl Worker {
             }
         }
         self.feed.committed(handons);
-        for (step, outcome) in applied {
-            if let Step::Apply(_, Some(done)) = step {
-                done.send(outcome);
+        let dones: Vec<(Done, Outcome)> = applied
+            .into_iter()
+            .filter_map(|(step, outcome)| match step {
+                Step::Apply(_, done) => done.map(|done| (done, outcome)),
+                _ => None,
+            })
+            .collect();
+        let outbox_changed = outbox_written.then(|| self.outbox_changed.clone());
+        let release: Release = Box::new(move |durable| {
+            for (done, outcome) in dones {
+                if durable {
+                    done.send(outcome);
+                } else {
+                    done.refuse();
+                }
             }
-        }
-        for (reply, result) in replies {
-            let _ = reply.send(result);
-        }
-        if outbox_written {
-            self.outbox_changed.notify_one();
+            for (reply, result) in replies {
+                let _ = reply.send(if durable {
+                    result
+                } else {
+                    Err(Error::Commit("the store could not be synced".into()))
+                });
+            }
+            if let (true, Some(changed)) = (durable, outbox_changed) {
+                changed.notify_one();
+            }
+        });
+        match &self.syncer {
+            Some(syncer) => syncer.after(durable, release),
+            None => release(true),
         }
     }
 

@@ -39,6 +39,11 @@ pub struct StoreConfig {
     /// `full` survives power loss; `normal` only process crashes (SQLite `synchronous`).
     #[serde(default)]
     pub synchronous: Synchronous,
+    /// Commit without fsync and hand local messages on at once; PUBACKs, cloud acknowledgements
+    /// and outbox rows for the cloud wait for one fsync of the WAL that covers their commit
+    /// (protocol §6.3). `false`: every commit fsyncs before anything is handed on.
+    #[serde(default = "default_true")]
+    pub early_handon: bool,
     /// Most messages committed in one transaction (group commit).
     #[serde(default = "default_batch_max")]
     pub batch_max: usize,
@@ -66,6 +71,9 @@ pub enum Synchronous {
     Normal,
 }
 
+const fn default_true() -> bool {
+    true
+}
 fn default_path() -> std::path::PathBuf {
     "edgemeta.db".into()
 }
@@ -92,6 +100,7 @@ impl Default for StoreConfig {
             path: default_path(),
             busy_timeout_ms: default_busy_timeout_ms(),
             synchronous: Synchronous::default(),
+            early_handon: true,
             batch_max: default_batch_max(),
             max_pages: 0,
             outbox_max_entries: default_outbox_max_entries(),
@@ -174,7 +183,13 @@ impl Db {
         conn.busy_timeout(Duration::from_millis(config.busy_timeout_ms))?;
         // journal_mode returns a row, so it must go through query(), not execute().
         conn.query("PRAGMA journal_mode=WAL", ()).await?;
-        let sync = match config.synchronous {
+        // Early hand-on: commits never fsync; the worker's syncer makes them durable.
+        let level = if config.early_handon {
+            Synchronous::Normal
+        } else {
+            config.synchronous
+        };
+        let sync = match level {
             Synchronous::Full => "FULL",
             Synchronous::Normal => "NORMAL",
         };
@@ -187,7 +202,7 @@ impl Db {
         let this = Db {
             conn,
             statements: Mutex::new(HashMap::new()),
-            synchronous: config.synchronous,
+            synchronous: level,
             relaxed: AtomicBool::new(false),
             history: config.history,
             pending: Mutex::new(Vec::new()),
@@ -651,6 +666,28 @@ mod tests {
         );
     }
 
+    /// Early hand-on: no commit fsyncs (the worker's syncer does, after it).
+    #[tokio::test]
+    async fn with_early_hand_on_no_commit_syncs() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = StoreConfig {
+            path: dir.path().join("meta.db"),
+            ..StoreConfig::default()
+        };
+        let db = Db::open(&config).await.expect("open");
+        for durable in [true, false, true] {
+            let tx = db.begin(durable).await.expect("begin");
+            db.upsert("ns/pod/p", "pod", "v").await.expect("upsert");
+            tx.commit().await.expect("commit");
+            let found = db.scalar_i64("PRAGMA synchronous").await.expect("pragma");
+            assert_eq!(found, 1, "NORMAL, durable {durable}");
+        }
+        assert!(
+            dir.path().join("meta.db-wal").exists(),
+            "the WAL the syncer syncs"
+        );
+    }
+
     /// A batch that may skip its fsync must not leave the next, durable one without it.
     #[tokio::test]
     async fn a_relaxed_commit_does_not_outlive_its_batch() {
@@ -660,6 +697,7 @@ mod tests {
             let config = StoreConfig {
                 path: path.clone(),
                 synchronous: configured,
+                early_handon: false,
                 ..StoreConfig::default()
             };
             let db = Db::open(&config).await.expect("open");
