@@ -73,6 +73,7 @@ pub const ERROR_CODES: &[&str] = &[
     "EM-STORE-OPEN",
     "EM-STORE-CACHE",
     "EM-STORE-CHECKPOINT",
+    "EM-STORE-SYNC",
     "EM-STORE-PANIC",
     "EM-STORE-TRANSACTION",
     "EM-BRIDGE-CONNECT",
