@@ -1,13 +1,12 @@
-//! The durability watermark (protocol §6.3). With `store.early_handon`, commits run at SQLite's
-//! `synchronous=NORMAL` (no fsync), so a batch's local hand-ons leave at COMMIT; what the node
-//! acknowledges outward (PUBACKs, cloud acknowledgements, outbox rows read for the cloud) waits
-//! here, in commit order, until one `fdatasync` of the WAL on this thread covers its commit. The
-//! store thread goes on with the next batch meanwhile, so under load one sync covers several.
+//! The durability watermark (protocol §6.1). With `store.early_handon`, commits run at SQLite's
+//! `synchronous=NORMAL` (no fsync), so a batch's local hand-ons leave at COMMIT; then the store
+//! thread syncs the WAL once and only then releases what the node acknowledges outward
+//! (PUBACKs, cloud acknowledgements, outbox write replies). The sync stays on the store thread:
+//! on a second thread it ran beside the next commit's WAL writes, which then waited for the
+//! pages under writeback, and every batch paid two more thread wake-ups (docs/benchmarks.md).
 
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
-use std::sync::mpsc;
-use std::thread::JoinHandle;
 
 use tracing::error;
 
@@ -15,77 +14,43 @@ use tracing::error;
 /// caller refuses what it would have acknowledged, and the sender tries again).
 pub(crate) type Release = Box<dyn FnOnce(bool) + Send>;
 
-/// The thread that syncs the WAL and releases, in order, what waited for it.
+/// Syncs the WAL after a commit whose acknowledgements wait for it.
 pub(crate) struct Syncer {
-    tx: Option<mpsc::Sender<(bool, Release)>>,
-    thread: Option<JoinHandle<()>>,
+    wal: Wal,
+    /// `false` (`store.synchronous: normal`): nothing is synced.
+    sync: bool,
 }
 
 impl Syncer {
-    /// Syncs `db`'s WAL (`<db>-wal`); with `sync` false (`store.synchronous: normal`) it only
-    /// keeps the order.
-    pub(crate) fn start(db: &std::path::Path, sync: bool) -> std::io::Result<Syncer> {
+    /// Syncs `db`'s WAL (`<db>-wal`); with `sync` false it only releases.
+    pub(crate) fn new(db: &std::path::Path, sync: bool) -> Syncer {
         let mut wal = db.as_os_str().to_owned();
         wal.push("-wal");
-        let mut file = Wal {
-            path: PathBuf::from(wal),
-            db: db.to_owned(),
-            open: None,
-        };
-        let (tx, rx) = mpsc::channel::<(bool, Release)>();
-        let thread = std::thread::Builder::new()
-            .name("edgemeta-sync".into())
-            .spawn(move || {
-                while let Ok(first) = rx.recv() {
-                    let mut group = vec![first];
-                    group.extend(rx.try_iter());
-                    let durable = if sync && group.iter().any(|(needs, _)| *needs) {
-                        match file.sync() {
-                            Ok(()) => true,
-                            Err(e) => {
-                                error!(error_code = "EM-STORE-SYNC", error = %e, "syncing the store's WAL failed; its last commits are refused");
-                                false
-                            }
-                        }
-                    } else {
-                        true
-                    };
-                    for (_, release) in group {
-                        release(durable);
-                    }
-                }
-            })?;
-        Ok(Syncer {
-            tx: Some(tx),
-            thread: Some(thread),
-        })
+        Syncer {
+            wal: Wal {
+                path: PathBuf::from(wal),
+                db: db.to_owned(),
+                open: None,
+            },
+            sync,
+        }
     }
 
-    /// Runs `release` once everything committed so far is durable (`needs_sync`: this commit
-    /// added something to make durable; otherwise it only waits its turn).
-    pub(crate) fn after(&self, needs_sync: bool, release: Release) {
-        match &self.tx {
-            Some(tx) => {
-                if let Err(mpsc::SendError((_, release))) = tx.send((needs_sync, release)) {
-                    release(false);
+    /// Makes what is committed durable if `needs_sync` (the commit wrote something), then runs
+    /// `release`.
+    pub(crate) fn after(&mut self, needs_sync: bool, release: Release) {
+        let durable = if self.sync && needs_sync {
+            match self.wal.sync() {
+                Ok(()) => true,
+                Err(e) => {
+                    error!(error_code = "EM-STORE-SYNC", error = %e, "syncing the store's WAL failed; the batch's acknowledgements are refused");
+                    false
                 }
             }
-            None => release(false),
-        }
-    }
-
-    /// Releases what is still waiting (after a last sync) and ends the thread.
-    pub(crate) fn finish(&mut self) {
-        self.tx.take();
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
-}
-
-impl Drop for Syncer {
-    fn drop(&mut self) {
-        self.finish();
+        } else {
+            true
+        };
+        release(durable);
     }
 }
 
@@ -126,38 +91,35 @@ mod tests {
     use super::*;
     use std::sync::{Arc, Mutex};
 
+    fn recording(seen: &Arc<Mutex<Vec<bool>>>) -> Release {
+        let seen = seen.clone();
+        Box::new(move |durable| seen.lock().expect("lock").push(durable))
+    }
+
     #[test]
-    fn releases_come_in_commit_order_after_the_sync() {
+    fn a_commit_is_released_once_its_wal_is_synced() {
         let dir = tempfile::tempdir().expect("dir");
         let db = dir.path().join("edgemeta.db");
         std::fs::write(&db, b"db").expect("db");
-        std::fs::write(dir.path().join("edgemeta.db-wal"), b"wal").expect("wal");
-        let mut syncer = Syncer::start(&db, true).expect("start");
         let seen = Arc::new(Mutex::new(Vec::new()));
-        for n in 0..100 {
-            let seen = seen.clone();
-            syncer.after(
-                n % 3 == 0,
-                Box::new(move |durable| seen.lock().expect("lock").push((n, durable))),
-            );
-        }
-        syncer.finish();
-        let seen = seen.lock().expect("lock").clone();
-        assert_eq!(seen, (0..100).map(|n| (n, true)).collect::<Vec<_>>());
+        let mut syncer = Syncer::new(&db, true);
+        // No WAL (everything checkpointed): the database file is synced instead.
+        syncer.after(true, recording(&seen));
+        std::fs::write(dir.path().join("edgemeta.db-wal"), b"wal").expect("wal");
+        syncer.after(true, recording(&seen));
+        syncer.after(false, recording(&seen));
+        assert_eq!(*seen.lock().expect("lock"), vec![true, true, true]);
     }
 
     #[test]
     fn a_failed_sync_refuses_what_waited_for_it() {
         let dir = tempfile::tempdir().expect("dir");
         // Neither the WAL nor the database exists: the sync fails.
-        let mut syncer = Syncer::start(&dir.path().join("gone.db"), true).expect("start");
+        let mut syncer = Syncer::new(&dir.path().join("gone.db"), true);
         let seen = Arc::new(Mutex::new(Vec::new()));
-        let kept = seen.clone();
-        syncer.after(
-            true,
-            Box::new(move |durable| kept.lock().expect("lock").push(durable)),
-        );
-        syncer.finish();
-        assert_eq!(*seen.lock().expect("lock"), vec![false]);
+        syncer.after(true, recording(&seen));
+        // Nothing to make durable: released as it is.
+        syncer.after(false, recording(&seen));
+        assert_eq!(*seen.lock().expect("lock"), vec![false, true]);
     }
 }

@@ -106,17 +106,9 @@ pub(crate) async fn spawn(
                             return;
                         }
                     }
-                    let syncer = if store.early_handon {
-                        match Syncer::start(&store.path, store.synchronous == Synchronous::Full) {
-                            Ok(syncer) => Some(syncer),
-                            Err(e) => {
-                                let _ = opened_tx.send(Err(Error::Open(StoreError::Thread(e))));
-                                return;
-                            }
-                        }
-                    } else {
-                        None
-                    };
+                    let syncer = store
+                        .early_handon
+                        .then(|| Syncer::new(&store.path, store.synchronous == Synchronous::Full));
                     let _ = opened_tx.send(Ok(()));
                     let state = State::new(outbox);
                     let worker = Worker {
@@ -160,7 +152,8 @@ struct Worker {
     /// Committed changes of served objects, for the MetaServer's live watches. Sending never
     /// waits: a watcher that falls behind the channel catches up from the history.
     changes: broadcast::Sender<Changes>,
-    /// Early hand-on: what is acknowledged outward waits here for the WAL's fsync.
+    /// Early hand-on: what is acknowledged outward waits for the WAL's fsync, after the
+    /// batch's hand-ons have left.
     syncer: Option<Syncer>,
 }
 
@@ -198,37 +191,10 @@ impl Worker {
             if !steps.is_empty() || !writes.is_empty() {
                 self.write_batch(steps, writes).await;
             }
-            // Reads see what is committed, whether or not this batch's writes were; rows for
-            // the cloud only once durable.
+            // Reads see what is committed, whether or not this batch's writes were.
             for read in reads {
-                match (read, &self.syncer) {
-                    (
-                        Read::Peek {
-                            after,
-                            limit,
-                            reply,
-                        },
-                        Some(syncer),
-                    ) => {
-                        let rows = self.db.outbox_peek(after, limit).await;
-                        let rows = rows.map_err(Error::store("read outbox"));
-                        syncer.after(
-                            false,
-                            Box::new(move |durable| {
-                                let _ = reply.send(if durable {
-                                    rows
-                                } else {
-                                    Err(Error::Commit("the store could not be synced".into()))
-                                });
-                            }),
-                        );
-                    }
-                    (read, _) => outbox::answer(read, &self.db, self.state.outbox()).await,
-                }
+                outbox::answer(read, &self.db, self.state.outbox()).await;
             }
-        }
-        if let Some(syncer) = self.syncer.as_mut() {
-            syncer.finish();
         }
         if let Err(e) = self.db.checkpoint().await {
             warn!(error_code = "EM-STORE-CHECKPOINT", error = %e, "final checkpoint failed");
@@ -412,7 +378,7 @@ impl Worker {
                 changed.notify_one();
             }
         });
-        match &self.syncer {
+        match &mut self.syncer {
             Some(syncer) => syncer.after(durable, release),
             None => release(true),
         }
