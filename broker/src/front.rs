@@ -276,13 +276,8 @@ where
                             }
                             pending.advance(len);
                             session.heard(true);
-                            if forwarded.elapsed() >= NUDGE_AFTER {
-                                // rumqttd times a client out on what reaches it: a client that
-                                // only acknowledges such publishes still pings it, now and then.
-                                if to_backend.write_all(&PINGREQ).await.is_err() {
-                                    break 'client;
-                                }
-                                forwarded = Instant::now();
+                            if !kept_alive(&mut to_backend, &mut forwarded).await {
+                                break 'client;
                             }
                             continue;
                         }
@@ -313,11 +308,8 @@ where
                                         permit.send(message);
                                         pending.advance(len);
                                         session.heard(false);
-                                        if forwarded.elapsed() >= NUDGE_AFTER {
-                                            if to_backend.write_all(&PINGREQ).await.is_err() {
-                                                break 'client;
-                                            }
-                                            forwarded = Instant::now();
+                                        if !kept_alive(&mut to_backend, &mut forwarded).await {
+                                            break 'client;
                                         }
                                         continue;
                                     }
@@ -447,6 +439,17 @@ where
 /// MQTT clients take without having asked).
 const PINGREQ: [u8; 2] = [0xc0, 0x00];
 const NUDGE_AFTER: Duration = Duration::from_secs(1);
+
+/// rumqttd times a client out on what reaches it: for a client whose packets the front kept
+/// from it (acknowledgements of the front's publishes, publishes handed to a link), send it a
+/// PINGREQ once `forwarded` is [`NUDGE_AFTER`] old. `false`: rumqttd's socket is gone.
+async fn kept_alive<W: AsyncWrite + Unpin>(to_backend: &mut W, forwarded: &mut Instant) -> bool {
+    if forwarded.elapsed() < NUDGE_AFTER {
+        return true;
+    }
+    *forwarded = Instant::now();
+    to_backend.write_all(&PINGREQ).await.is_ok()
+}
 
 /// Bytes read from a socket at a time (each connection holds one such buffer per direction).
 const READ_CHUNK: usize = 8 * 1024;
