@@ -26,6 +26,8 @@ pub const MOST: usize = 64 * 1024;
 #[derive(Debug)]
 pub struct Intake {
     enabled: bool,
+    /// rumqttd's packet limit (`broker.max_packet_bytes`): a larger packet is rumqttd's to refuse.
+    max_packet: usize,
     lag: Arc<Lag>,
     sessions: Arc<Sessions>,
     /// Each link's filters (broker form) and inbox.
@@ -34,9 +36,10 @@ pub struct Intake {
 }
 
 impl Intake {
-    pub fn new(enabled: bool, lag: Arc<Lag>, sessions: Arc<Sessions>) -> Intake {
+    pub fn new(enabled: bool, max_packet: usize, lag: Arc<Lag>, sessions: Arc<Sessions>) -> Intake {
         Intake {
             enabled,
+            max_packet,
             lag,
             sessions,
             links: RwLock::new(Vec::new()),
@@ -63,7 +66,7 @@ impl Intake {
         session: &Session,
         packet: &[u8],
     ) -> Option<(mpsc::Sender<Message>, Message)> {
-        if !self.enabled || session.routing() {
+        if !self.enabled || packet.len() > self.max_packet || session.routing() {
             return None;
         }
         let rights = session.rights()?;

@@ -153,6 +153,7 @@ impl Broker {
         );
         let intake = Arc::new(Intake::new(
             config.front_intake,
+            config.max_packet_bytes,
             lag.clone(),
             sessions.clone(),
         ));
