@@ -42,7 +42,7 @@ use tracing::{debug, warn};
 use crate::backlog::Backlog;
 use crate::config::ListenerTls;
 use crate::framing::{head, Boundaries, Head};
-use crate::intake::{self, Intake};
+use crate::intake::Intake;
 use crate::session::{is_front_pkid, Session, Sessions};
 use crate::Error;
 
@@ -283,7 +283,7 @@ where
                         }
                         Head::Packet { len, topic, .. } => {
                             if topic.is_some_and(|t| backend.backlog.consumes_client_topic(t)) {
-                                if len <= intake::MOST {
+                                if backend.intake.wants(len) {
                                     if pending.len() < len {
                                         // Whole, it may go to its link past rumqttd.
                                         break;

@@ -20,7 +20,7 @@ use crate::session::{AckKind, Session, Sessions};
 
 /// The largest publish handed over this way: a larger one streams through rumqttd instead of
 /// being held whole in the front's buffer.
-pub const MOST: usize = 64 * 1024;
+const MOST: usize = 64 * 1024;
 
 /// Where the front hands client publishes to the node's links.
 #[derive(Debug)]
@@ -53,6 +53,12 @@ impl Intake {
         links.push((filters.to_vec(), inbox));
     }
 
+    /// Whether a consumed publish of `len` bytes may be handed over (then the front waits for
+    /// all of it before deciding); otherwise it streams through rumqttd as it arrives.
+    pub fn wants(&self, len: usize) -> bool {
+        self.enabled && len <= MOST.min(self.max_packet)
+    }
+
     /// Publishes handed to links by the front so far.
     pub fn taken(&self) -> u64 {
         self.taken.load(Ordering::Relaxed)
@@ -66,7 +72,7 @@ impl Intake {
         session: &Session,
         packet: &[u8],
     ) -> Option<(mpsc::Sender<Message>, Message)> {
-        if !self.enabled || packet.len() > self.max_packet || session.routing() {
+        if !self.wants(packet.len()) || session.routing() {
             return None;
         }
         let rights = session.rights()?;
