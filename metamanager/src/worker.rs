@@ -19,7 +19,7 @@ use crate::handlers;
 use crate::handon::Feed;
 use crate::meters::{self, Meters, Tally};
 use crate::outbox::{self, OutboxLimit, Read, Write};
-use crate::store::{Changes, Db, StoreConfig, StoreError, Synchronous};
+use crate::store::{Changes, Checkpointer, Db, StoreConfig, StoreError, Synchronous};
 use crate::unit::{Context, Done, Job, Outcome, Settings, State, Step, Waits};
 
 /// What the worker needs besides the store.
@@ -106,6 +106,13 @@ pub(crate) async fn spawn(
                             return;
                         }
                     }
+                    let checkpointer = match Checkpointer::start(&store.path) {
+                        Ok(checkpointer) => checkpointer,
+                        Err(e) => {
+                            let _ = opened_tx.send(Err(Error::Open(e)));
+                            return;
+                        }
+                    };
                     let syncer = store
                         .early_handon
                         .then(|| Syncer::new(&store.path, store.synchronous == Synchronous::Full));
@@ -121,6 +128,7 @@ pub(crate) async fn spawn(
                         meters,
                         changes,
                         syncer,
+                        checkpointer: Some(checkpointer),
                     };
                     worker.run(jobs).await;
                 })
@@ -155,6 +163,9 @@ struct Worker {
     /// Early hand-on: what is acknowledged outward waits for the WAL's fsync, after the
     /// batch's hand-ons have left.
     syncer: Option<Syncer>,
+    /// Folds the WAL into the database file off this thread; `None` once stopped for the
+    /// final checkpoint.
+    checkpointer: Option<Checkpointer>,
 }
 
 impl Worker {
@@ -196,6 +207,8 @@ impl Worker {
                 outbox::answer(read, &self.db, self.state.outbox()).await;
             }
         }
+        // Stopped first, so the final checkpoint is not answered `busy` by a passive one.
+        drop(self.checkpointer.take());
         if let Err(e) = self.db.checkpoint().await {
             warn!(error_code = "EM-STORE-CHECKPOINT", error = %e, "final checkpoint failed");
         }
@@ -334,6 +347,9 @@ impl Worker {
             return self.fail_batch(applied, Vec::new(), error).await;
         }
         // Committed: only now may anyone hear about it.
+        if let Some(checkpointer) = &self.checkpointer {
+            checkpointer.committed();
+        }
         let changes = self.db.take_changes();
         if !changes.is_empty() {
             // No receiver (no watch open) is not an error.

@@ -3,12 +3,14 @@
 //! [`Db`] is used only by the worker thread that owns it (see `worker.rs`): libsql runs SQLite
 //! synchronously inside its async calls, so it must never run on a tokio worker serving MQTT.
 
+mod checkpoint;
 mod devices;
 mod migrations;
 mod read_only;
 mod reader;
 mod versions;
 
+pub use checkpoint::Checkpointer;
 pub use devices::DeviceRow;
 pub use read_only::{read_meta, MetaRow};
 pub use reader::{ListPage, ListQuery, Reader, Since, StoredObject};
@@ -141,6 +143,8 @@ pub enum StoreError {
     Thread(std::io::Error),
     #[error("the store reader has stopped")]
     ReaderClosed,
+    #[error("the store's checkpoint thread stopped while opening")]
+    CheckpointerClosed,
 }
 
 /// One row of the cloud outbox.
@@ -195,6 +199,12 @@ impl Db {
         };
         conn.execute(&format!("PRAGMA synchronous={sync}"), ())
             .await?;
+        // The checkpoint thread folds the WAL in; the writer checkpoints only past the backstop.
+        conn.query(
+            &format!("PRAGMA wal_autocheckpoint={}", checkpoint::BACKSTOP_PAGES),
+            (),
+        )
+        .await?;
         if config.max_pages > 0 {
             conn.query(&format!("PRAGMA max_page_count={}", config.max_pages), ())
                 .await?;

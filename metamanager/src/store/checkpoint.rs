@@ -1,0 +1,172 @@
+//! Folds the WAL back into the database file on a thread of its own (`edgemeta-store-checkpoint`),
+//! so the store thread's commits no longer stop for SQLite's automatic checkpoint: it wrote
+//! and fsynced the database file inside every 1,000th page's commit, several ms that every
+//! report arriving meanwhile waited out (docs/benchmarks.md, "Checkpoints off the store thread").
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+use tracing::warn;
+
+use super::StoreError;
+
+/// How often the checkpointer folds in what was committed since its last pass.
+const PERIOD: Duration = Duration::from_millis(500);
+
+/// WAL pages past which the store thread still checkpoints inline (SQLite's
+/// `wal_autocheckpoint`): a backstop for when commits never pause long enough for a passive
+/// checkpoint to catch up, so the WAL can restart from its beginning. Mostly folded in by then,
+/// that checkpoint has little left to copy. 4 KiB pages: a WAL of at most ~16 MiB.
+pub(super) const BACKSTOP_PAGES: u32 = 4_000;
+
+/// The handle to the checkpoint thread; dropping it stops the thread and waits for it, so a
+/// final checkpoint after it does not race a passive one.
+pub struct Checkpointer {
+    /// Set by every commit; the thread checkpoints only when it finds it set.
+    dirty: Arc<AtomicBool>,
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Checkpointer {
+    /// Opens a second connection to the store at `path` (created and migrated already) on a new
+    /// thread, which runs a passive checkpoint every [`PERIOD`] after a commit.
+    pub fn start(path: &Path) -> Result<Checkpointer, StoreError> {
+        let dirty = Arc::new(AtomicBool::new(false));
+        let (stop, mut stopped) = oneshot::channel::<()>();
+        let (opened_tx, opened_rx) = std::sync::mpsc::channel();
+        let path = path.to_owned();
+        let seen = dirty.clone();
+        let thread = std::thread::Builder::new()
+            .name("edgemeta-store-checkpoint".into())
+            .spawn(move || {
+                let runtime = match tokio::runtime::Builder::new_current_thread()
+                    .enable_time()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = opened_tx.send(Err(StoreError::Thread(e)));
+                        return;
+                    }
+                };
+                runtime.block_on(async move {
+                    let opened = async {
+                        let db = libsql::Builder::new_local(&path).build().await?;
+                        let conn = db.connect()?;
+                        Ok::<_, libsql::Error>((db, conn))
+                    };
+                    let (_db, conn) = match opened.await {
+                        Ok(opened) => opened,
+                        Err(e) => {
+                            let _ = opened_tx.send(Err(StoreError::Sql(e)));
+                            return;
+                        }
+                    };
+                    let _ = opened_tx.send(Ok(()));
+                    loop {
+                        tokio::select! {
+                            _ = &mut stopped => break,
+                            _ = tokio::time::sleep(PERIOD) => {}
+                        }
+                        if !seen.swap(false, Ordering::Relaxed) {
+                            continue;
+                        }
+                        // PASSIVE never waits for the writer: it copies what is committed, and
+                        // the writer goes on appending meanwhile.
+                        if let Err(e) = passive(&conn).await {
+                            warn!(error_code = "EM-STORE-CHECKPOINT", error = %e, "background WAL checkpoint failed; the store thread's backstop checkpoint still runs");
+                        }
+                    }
+                });
+            })
+            .map_err(StoreError::Thread)?;
+        match opened_rx.recv() {
+            Ok(Ok(())) => Ok(Checkpointer {
+                dirty,
+                stop: Some(stop),
+                thread: Some(thread),
+            }),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(StoreError::CheckpointerClosed),
+        }
+    }
+
+    /// Notes a commit: the next pass has something to fold in.
+    pub fn committed(&self) {
+        self.dirty.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Drop for Checkpointer {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// One passive checkpoint; SQLite answers `busy` (not an error) when another is running.
+async fn passive(conn: &libsql::Connection) -> Result<(), libsql::Error> {
+    let mut rows = conn.query("PRAGMA wal_checkpoint(PASSIVE)", ()).await?;
+    while rows.next().await?.is_some() {}
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{Db, StoreConfig};
+
+    /// Frames in the WAL and frames already copied back, from a passive checkpoint's answer.
+    async fn wal_frames(db: &Db) -> (i64, i64) {
+        let mut rows = db
+            .conn
+            .query("PRAGMA wal_checkpoint(PASSIVE)", ())
+            .await
+            .expect("pragma");
+        let row = rows.next().await.expect("row").expect("one row");
+        (row.get(1).expect("log"), row.get(2).expect("done"))
+    }
+
+    #[tokio::test]
+    async fn commits_are_folded_back_into_the_database_file_off_the_writer() {
+        let dir = tempfile::tempdir().expect("dir");
+        let config = StoreConfig {
+            path: dir.path().join("edgemeta.db"),
+            ..StoreConfig::default()
+        };
+        let db = Db::open(&config).await.expect("open");
+        let checkpointer = Checkpointer::start(&config.path).expect("start");
+        let before = std::fs::metadata(&config.path).expect("db").len();
+        for i in 0..200 {
+            db.conn
+                .execute(
+                    "INSERT INTO meta (key, type, value) VALUES (?1, 'pod', ?2)",
+                    libsql::params![format!("default/pod/p{i}"), "x".repeat(2_000)],
+                )
+                .await
+                .expect("insert");
+        }
+        checkpointer.committed();
+        // The writer never checkpoints below the backstop: the rows reach the database file
+        // only through the checkpoint thread.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while std::fs::metadata(&config.path).expect("db").len() <= before + 200 * 2_000 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the checkpoint thread never folded the WAL in"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        drop(checkpointer);
+        let (log, done) = wal_frames(&db).await;
+        assert_eq!(log, done, "every WAL frame is in the database file");
+    }
+}
