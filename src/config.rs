@@ -41,6 +41,11 @@ pub struct Settings {
     /// How long SIGINT/SIGTERM may take to commit accepted work and stop, in milliseconds.
     #[serde(default = "default_shutdown_grace_ms")]
     pub shutdown_grace_ms: u64,
+    /// tokio worker threads serving the clients; 0: one fewer than the cores, at least one, so
+    /// the store thread keeps a core to itself (docs/benchmarks.md, "Checkpoints off the store
+    /// thread, one worker fewer").
+    #[serde(default)]
+    pub worker_threads: usize,
 }
 
 /// Logging settings.
@@ -116,6 +121,16 @@ impl Default for LogConfig {
 }
 
 impl Settings {
+    /// The tokio worker threads to start: `worker_threads`, or with 0 the cores less one.
+    pub fn workers(&self) -> usize {
+        match self.worker_threads {
+            0 => std::thread::available_parallelism()
+                .map_or(1, |cores| cores.get().saturating_sub(1))
+                .max(1),
+            n => n,
+        }
+    }
+
     /// Loads `file` (or the embedded default) with environment overrides on top.
     pub fn load(file: Option<&Path>) -> anyhow::Result<Settings> {
         let builder = match file {
@@ -185,6 +200,18 @@ mod tests {
             .and_then(Config::try_deserialize)
             .expect("empty config takes defaults");
         assert_eq!(from_yaml, built_in);
+    }
+
+    #[test]
+    fn worker_threads_default_to_the_cores_less_one_and_never_to_none() {
+        let mut settings: Settings = Config::builder()
+            .build()
+            .and_then(Config::try_deserialize)
+            .expect("defaults");
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(settings.workers(), cores.saturating_sub(1).max(1));
+        settings.worker_threads = 3;
+        assert_eq!(settings.workers(), 3);
     }
 
     #[test]

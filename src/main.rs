@@ -129,6 +129,7 @@ fn main() -> anyhow::Result<()> {
             telemetry::init(&settings.log, registry.as_ref().map(|r| r.error_layer()));
             let served = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
+                .worker_threads(settings.workers())
                 .thread_name("edgemeta")
                 .build()?
                 .block_on(app::run(settings, registry, shutdown::signal()));
