@@ -41,9 +41,9 @@ pub struct Settings {
     /// How long SIGINT/SIGTERM may take to commit accepted work and stop, in milliseconds.
     #[serde(default = "default_shutdown_grace_ms")]
     pub shutdown_grace_ms: u64,
-    /// tokio worker threads serving the clients; 0: one fewer than the cores, at least one, so
-    /// the store thread keeps a core to itself (docs/benchmarks.md, "Checkpoints off the store
-    /// thread, one worker fewer").
+    /// tokio worker threads serving the clients; 0: one per core (tokio's default). Fewer saves
+    /// CPU per message but lets one busy task stall every client (docs/benchmarks.md,
+    /// "Checkpoints off the store thread").
     #[serde(default)]
     pub worker_threads: usize,
 }
@@ -121,12 +121,10 @@ impl Default for LogConfig {
 }
 
 impl Settings {
-    /// The tokio worker threads to start: `worker_threads`, or with 0 the cores less one.
+    /// The tokio worker threads to start: `worker_threads`, or with 0 one per core.
     pub fn workers(&self) -> usize {
         match self.worker_threads {
-            0 => std::thread::available_parallelism()
-                .map_or(1, |cores| cores.get().saturating_sub(1))
-                .max(1),
+            0 => std::thread::available_parallelism().map_or(1, |cores| cores.get()),
             n => n,
         }
     }
@@ -203,13 +201,13 @@ mod tests {
     }
 
     #[test]
-    fn worker_threads_default_to_the_cores_less_one_and_never_to_none() {
+    fn worker_threads_default_to_one_per_core() {
         let mut settings: Settings = Config::builder()
             .build()
             .and_then(Config::try_deserialize)
             .expect("defaults");
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        assert_eq!(settings.workers(), cores.saturating_sub(1).max(1));
+        assert_eq!(settings.workers(), cores);
         settings.worker_threads = 3;
         assert_eq!(settings.workers(), 3);
     }

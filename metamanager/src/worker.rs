@@ -73,13 +73,10 @@ pub(crate) async fn spawn(
     std::thread::Builder::new()
         .name("edgemeta-store".into())
         .spawn(move || {
-            let runtime = match tokio::runtime::Builder::new_current_thread()
-                .enable_time()
-                .build()
-            {
+            let runtime = match crate::store::thread_runtime() {
                 Ok(rt) => rt,
                 Err(e) => {
-                    let _ = opened_tx.send(Err(Error::Open(StoreError::Thread(e))));
+                    let _ = opened_tx.send(Err(Error::Open(e)));
                     return;
                 }
             };

@@ -43,13 +43,10 @@ impl Checkpointer {
         let thread = std::thread::Builder::new()
             .name("edgemeta-store-checkpoint".into())
             .spawn(move || {
-                let runtime = match tokio::runtime::Builder::new_current_thread()
-                    .enable_time()
-                    .build()
-                {
+                let runtime = match super::thread_runtime() {
                     Ok(rt) => rt,
                     Err(e) => {
-                        let _ = opened_tx.send(Err(StoreError::Thread(e)));
+                        let _ = opened_tx.send(Err(e));
                         return;
                     }
                 };

@@ -155,6 +155,15 @@ pub struct OutboxEntry {
     pub payload: Vec<u8>,
 }
 
+/// The current-thread runtime each store thread (writer, checkpoint, reader) runs libsql's
+/// async calls and its timers on.
+pub(crate) fn thread_runtime() -> Result<tokio::runtime::Runtime, StoreError> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .map_err(StoreError::Thread)
+}
+
 /// A typed view of one SQLite connection.
 pub struct Db {
     conn: Connection,

@@ -86,10 +86,10 @@ impl Reader {
         std::thread::Builder::new()
             .name("edgemeta-store-reader".into())
             .spawn(move || {
-                let runtime = match tokio::runtime::Builder::new_current_thread().build() {
+                let runtime = match super::thread_runtime() {
                     Ok(rt) => rt,
                     Err(e) => {
-                        let _ = opened_tx.send(Err(StoreError::Thread(e)));
+                        let _ = opened_tx.send(Err(e));
                         return;
                     }
                 };
