@@ -181,9 +181,10 @@ async fn a_subscriber_that_stops_reading_is_cut_off_after_the_stall_time_and_no_
     const RESOURCES: usize = 1_500;
     let node = stalling_node().await;
     let mut reader = Reader::subscribe(node.port, &["ke/edged/#"], QoS::AtLeastOnce).await;
-    let (mut stopped, mut printed) = mosquitto_sub(node.port, "ke/edged/#", 1_000_000)
+    let (stopped, mut printed) = mosquitto_sub(node.port, "ke/edged/#", 1_000_000)
         .await
         .split();
+    let mut stopped = common::KillOnDrop(stopped);
     // Subscribed: a probe reaches both readers.
     let probe_client = node.client().await;
     common::send(
@@ -197,7 +198,7 @@ async fn a_subscriber_that_stops_reading_is_cut_off_after_the_stall_time_and_no_
     printed_line(&mut printed, "ke/edged/", "mosquitto_sub prints the probe").await;
     let probes = reader.take(1_000, Duration::from_millis(300)).await;
     assert!(!probes.is_empty(), "the reader got the probes");
-    signal(stopped.id(), "STOP");
+    signal(stopped.0.id(), "STOP");
     // Large hand-ons, so the stopped reader's socket buffers fill and its filter log with them.
     let pad = "x".repeat(8 * 1024);
     let names = (0..RESOURCES).map(|i| format!("big-{i}")).collect();
@@ -206,7 +207,7 @@ async fn a_subscriber_that_stops_reading_is_cut_off_after_the_stall_time_and_no_
     burst_task.await.expect("publisher");
     assert_cut_off(&node, "reader");
     assert_whole_and_in_order(&got, RESOURCES, "the reader that kept reading");
-    resumed_and_closed(&mut stopped, "subscriber");
+    resumed_and_closed(&mut stopped.0, "subscriber");
     // It reconnects and resyncs from the store, which has every pod.
     assert_eq!(
         node.meta_rows().await.len(),
@@ -507,7 +508,8 @@ async fn a_devices_results_skip_rumqttd_and_a_mapper_that_only_acks_them_stays_c
         &result,
     ])
     .await;
-    let (_mapper, mut lines) = sub.split();
+    let (mapper, mut lines) = sub.split();
+    let _mapper = common::KillOnDrop(mapper);
     let reporter = node.client().await;
     let report = |n: usize| {
         json!({"event_id": format!("r{n}"), "timestamp": 1,
@@ -567,7 +569,8 @@ async fn a_mapper_that_stops_reading_front_delivered_results_is_cut_off_and_the_
         )
         .await;
     let mut live = Reader::subscribe(node.port, &[&result], QoS::AtLeastOnce).await;
-    let (mut stopped, mut printed) = mosquitto_sub(node.port, &result, 1_000_000).await.split();
+    let (stopped, mut printed) = mosquitto_sub(node.port, &result, 1_000_000).await.split();
+    let mut stopped = common::KillOnDrop(stopped);
     let update = format!("$hw/events/device/{device}/twin/update");
     // Each result carries the twins back: 20 values of 500 bytes (KubeEdge's limit is 512) fill
     // the stopped mapper's socket.
@@ -588,7 +591,7 @@ async fn a_mapper_that_stops_reading_front_delivered_results_is_cut_off_and_the_
         "the second mapper gets the first result",
     )
     .await;
-    signal(stopped.id(), "STOP");
+    signal(stopped.0.id(), "STOP");
     for n in 1..REPORTS {
         cloud.publish(&update, report(n)).await;
     }
@@ -612,7 +615,7 @@ async fn a_mapper_that_stops_reading_front_delivered_results_is_cut_off_and_the_
         &last[..last.len().min(300)]
     );
     assert_cut_off(&node, "mapper");
-    resumed_and_closed(&mut stopped, "mapper");
+    resumed_and_closed(&mut stopped.0, "mapper");
 }
 
 /// The node's unlabelled metric `name` now.

@@ -1194,6 +1194,18 @@ impl MosquittoSub {
     }
 }
 
+/// A child process killed (and reaped) when dropped, also when a test panics: a
+/// `std::process::Child` is not, and a left-over `mosquitto_sub` reconnects forever.
+pub struct KillOnDrop(pub Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        // SIGKILL also ends a process stopped with SIGSTOP.
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 impl Drop for MosquittoSub {
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take() {
