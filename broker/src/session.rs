@@ -334,6 +334,12 @@ impl Ack {
         }
     }
 
+    /// Which connection waits for this acknowledgement (equal for the same connection while
+    /// it lives).
+    pub fn sender(&self) -> usize {
+        self._pending.session.as_ptr() as usize
+    }
+
     /// The message will not be committed (the node is stopping): no acknowledgement is sent,
     /// so the client publishes it again.
     pub fn abandon(&self) {

@@ -40,6 +40,14 @@ impl Done {
         }
     }
 
+    /// Who waits: a connection, or the cloud bridge (one sender, whatever its messages).
+    pub(crate) fn sender(&self) -> usize {
+        match self {
+            Done::Told(_) => 0,
+            Done::Acked(ack) => ack.sender(),
+        }
+    }
+
     /// Committed, but its commit may not be durable (a failed sync): no acknowledgement, so the
     /// sender delivers it again.
     pub(crate) fn refuse(self) {

@@ -110,9 +110,13 @@ pub(crate) async fn spawn(
                             return;
                         }
                     };
-                    let syncer = store
-                        .early_handon
-                        .then(|| Syncer::new(&store.path, store.synchronous == Synchronous::Full));
+                    let syncer = store.early_handon.then(|| {
+                        Syncer::new(
+                            &store.path,
+                            store.synchronous == Synchronous::Full,
+                            Duration::from_millis(store.sync_delay_ms),
+                        )
+                    });
                     let _ = opened_tx.send(Ok(()));
                     let state = State::new(outbox);
                     let worker = Worker {
@@ -146,6 +150,14 @@ pub(crate) async fn spawn(
     Ok(done_rx)
 }
 
+/// Resolves at `due`, never when there is none.
+async fn until(due: Option<std::time::Instant>) {
+    match due {
+        Some(due) => tokio::time::sleep_until(due.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
 struct Worker {
     db: Db,
     config: WorkerConfig,
@@ -172,7 +184,12 @@ impl Worker {
         sync.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {
             let mut batch = Batch::default();
+            let due = self.syncer.as_ref().and_then(Syncer::due);
             tokio::select! {
+                () = until(due) => {
+                    self.flush_sync();
+                    continue;
+                }
                 job = jobs.recv() => match job {
                     Some(job) => {
                         batch.add(job);
@@ -199,11 +216,19 @@ impl Worker {
             if !steps.is_empty() || !writes.is_empty() {
                 self.write_batch(steps, writes).await;
             }
+            if due.is_some_and(|due| due <= std::time::Instant::now()) {
+                self.flush_sync();
+            }
+            // Outbox rows are read for the cloud or the relay only once durable (protocol §6.1).
+            if reads.iter().any(|read| matches!(read, Read::Peek { .. })) {
+                self.flush_sync();
+            }
             // Reads see what is committed, whether or not this batch's writes were.
             for read in reads {
                 outbox::answer(read, &self.db, self.state.outbox()).await;
             }
         }
+        self.flush_sync();
         // Stopped first, so the final checkpoint is not answered `busy` by a passive one.
         drop(self.checkpointer.take());
         if let Err(e) = self.db.checkpoint().await {
@@ -371,6 +396,7 @@ impl Worker {
                 _ => None,
             })
             .collect();
+        let senders: Vec<usize> = dones.iter().map(|(done, _)| done.sender()).collect();
         let outbox_changed = outbox_written.then(|| self.outbox_changed.clone());
         let release: Release = Box::new(move |durable| {
             for (done, outcome) in dones {
@@ -392,7 +418,7 @@ impl Worker {
             }
         });
         match &mut self.syncer {
-            Some(syncer) => syncer.after(durable, release),
+            Some(syncer) => syncer.after(durable, &senders, release),
             None => release(true),
         }
     }
@@ -460,6 +486,8 @@ impl Worker {
 
     /// Nothing of the batch was committed: every request is told so.
     async fn fail_batch(&mut self, steps: Vec<(Step, Outcome)>, writes: Vec<Write>, error: Error) {
+        // Earlier commits are acknowledged first: a client's acknowledgements stay in order.
+        self.flush_sync();
         error!(error_code = error.code(), error = %error, "batch not committed");
         for (step, _) in steps {
             for message in self.error_reply(&step, &error) {
@@ -471,6 +499,13 @@ impl Worker {
         }
         for write in writes {
             write.fail(&error);
+        }
+    }
+
+    /// Syncs what is committed and releases what waited for it.
+    fn flush_sync(&mut self) {
+        if let Some(syncer) = self.syncer.as_mut().filter(|syncer| syncer.waiting()) {
+            syncer.flush();
         }
     }
 

@@ -46,6 +46,10 @@ pub struct StoreConfig {
     /// (protocol §6.3). `false`: every commit fsyncs before anything is handed on.
     #[serde(default = "default_true")]
     pub early_handon: bool,
+    /// With `early_handon`, how long a commit's acknowledgements may wait for later commits to
+    /// share its fsync, in milliseconds (0: every commit syncs at once; protocol §6.1).
+    #[serde(default = "default_sync_delay_ms")]
+    pub sync_delay_ms: u64,
     /// Most messages committed in one transaction (group commit).
     #[serde(default = "default_batch_max")]
     pub batch_max: usize,
@@ -82,6 +86,9 @@ fn default_path() -> std::path::PathBuf {
 const fn default_busy_timeout_ms() -> u64 {
     5_000
 }
+const fn default_sync_delay_ms() -> u64 {
+    2
+}
 const fn default_batch_max() -> usize {
     256
 }
@@ -103,6 +110,7 @@ impl Default for StoreConfig {
             busy_timeout_ms: default_busy_timeout_ms(),
             synchronous: Synchronous::default(),
             early_handon: true,
+            sync_delay_ms: default_sync_delay_ms(),
             batch_max: default_batch_max(),
             max_pages: 0,
             outbox_max_entries: default_outbox_max_entries(),
