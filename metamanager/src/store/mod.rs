@@ -46,8 +46,9 @@ pub struct StoreConfig {
     /// (protocol §6.3). `false`: every commit fsyncs before anything is handed on.
     #[serde(default = "default_true")]
     pub early_handon: bool,
-    /// With `early_handon`, how long a commit's acknowledgements may wait for later commits to
-    /// share its fsync, in milliseconds (0: every commit syncs at once; protocol §6.1).
+    /// With `early_handon`, while several senders commit, how long a commit's acknowledgements
+    /// may wait for later commits to share its fsync, in ms (0: every commit syncs at once;
+    /// a lone sender is never delayed; protocol §6.1).
     #[serde(default = "default_sync_delay_ms")]
     pub sync_delay_ms: u64,
     /// Most messages committed in one transaction (group commit).
