@@ -216,7 +216,10 @@ impl Worker {
             if !steps.is_empty() || !writes.is_empty() {
                 self.write_batch(steps, writes).await;
             }
-            if due.is_some_and(|due| due <= std::time::Instant::now()) {
+            // Busy (jobs queued during this batch): sync now, and they form the next batch
+            // meanwhile, as they would without the delay; committing them first in small
+            // batches would rewrite the same pages more often.
+            if !jobs.is_empty() || due.is_some_and(|due| due <= std::time::Instant::now()) {
                 self.flush_sync();
             }
             // Outbox rows are read for the cloud or the relay only once durable (protocol §6.1).
