@@ -150,6 +150,10 @@ pub(crate) async fn spawn(
     Ok(done_rx)
 }
 
+/// Jobs queued after a batch from which the store counts as busy: it syncs at once. A trickle
+/// of senders leaves one or two queued; a burst, hundreds.
+const BUSY: usize = 8;
+
 /// Resolves at `due`, never when there is none.
 async fn until(due: Option<std::time::Instant>) {
     match due {
@@ -216,10 +220,10 @@ impl Worker {
             if !steps.is_empty() || !writes.is_empty() {
                 self.write_batch(steps, writes).await;
             }
-            // Busy (jobs queued during this batch): sync now, and they form the next batch
-            // meanwhile, as they would without the delay; committing them first in small
-            // batches would rewrite the same pages more often.
-            if !jobs.is_empty() || due.is_some_and(|due| due <= std::time::Instant::now()) {
+            // Busy (a queue built up during this batch): sync now, and the queue forms the
+            // next batch meanwhile, as it would without the delay; committing it first in
+            // small batches would rewrite the same pages more often.
+            if jobs.len() >= BUSY || due.is_some_and(|due| due <= std::time::Instant::now()) {
                 self.flush_sync();
             }
             // Outbox rows are read for the cloud or the relay only once durable (protocol §6.1).
