@@ -130,6 +130,8 @@ pub(crate) async fn spawn(
                         changes,
                         syncer,
                         checkpointer: Some(checkpointer),
+                        held: Vec::new(),
+                        outbox_unsynced: false,
                     };
                     worker.run(jobs).await;
                 })
@@ -179,6 +181,10 @@ struct Worker {
     /// Folds the WAL into the database file off this thread; `None` once stopped for the
     /// final checkpoint.
     checkpointer: Option<Checkpointer>,
+    /// Outbox peeks for the cloud or the relay that wait for the sync of rows they would see.
+    held: Vec<Read>,
+    /// A commit whose sync is delayed wrote outbox rows.
+    outbox_unsynced: bool,
 }
 
 impl Worker {
@@ -187,6 +193,11 @@ impl Worker {
         let mut sync = interval_at(Instant::now() + period, period);
         sync.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {
+            if !self.outbox_unsynced && !self.held.is_empty() {
+                for read in std::mem::take(&mut self.held) {
+                    outbox::answer(read, &self.db, self.state.outbox()).await;
+                }
+            }
             let mut batch = Batch::default();
             let due = self.syncer.as_ref().and_then(Syncer::due);
             tokio::select! {
@@ -226,16 +237,21 @@ impl Worker {
             if jobs.len() >= BUSY || due.is_some_and(|due| due <= std::time::Instant::now()) {
                 self.flush_sync();
             }
-            // Outbox rows are read for the cloud or the relay only once durable (protocol §6.1).
-            if reads.iter().any(|read| matches!(read, Read::Peek { .. })) {
-                self.flush_sync();
-            }
-            // Reads see what is committed, whether or not this batch's writes were.
+            // Reads see what is committed, whether or not this batch's writes were; but outbox
+            // rows are read for the cloud or the relay only once durable (protocol §6.1): a
+            // peek waits for the sync rather than forcing it, or each relay round would.
             for read in reads {
-                outbox::answer(read, &self.db, self.state.outbox()).await;
+                if self.outbox_unsynced && matches!(read, Read::Peek { .. }) {
+                    self.held.push(read);
+                } else {
+                    outbox::answer(read, &self.db, self.state.outbox()).await;
+                }
             }
         }
         self.flush_sync();
+        for read in std::mem::take(&mut self.held) {
+            outbox::answer(read, &self.db, self.state.outbox()).await;
+        }
         // Stopped first, so the final checkpoint is not answered `busy` by a passive one.
         drop(self.checkpointer.take());
         if let Err(e) = self.db.checkpoint().await {
@@ -425,7 +441,10 @@ impl Worker {
             }
         });
         match &mut self.syncer {
-            Some(syncer) => syncer.after(durable, &senders, release),
+            Some(syncer) => {
+                syncer.after(durable, &senders, release);
+                self.outbox_unsynced = syncer.waiting() && (self.outbox_unsynced || outbox_written);
+            }
             None => release(true),
         }
     }
@@ -514,6 +533,7 @@ impl Worker {
         if let Some(syncer) = self.syncer.as_mut().filter(|syncer| syncer.waiting()) {
             syncer.flush();
         }
+        self.outbox_unsynced = false;
     }
 
     fn error_reply(&self, step: &Step, error: &Error) -> Vec<Message> {
