@@ -193,10 +193,8 @@ impl Worker {
         let mut sync = interval_at(Instant::now() + period, period);
         sync.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {
-            if !self.outbox_unsynced && !self.held.is_empty() {
-                for read in std::mem::take(&mut self.held) {
-                    outbox::answer(read, &self.db, self.state.outbox()).await;
-                }
+            if !self.outbox_unsynced {
+                self.answer_held().await;
             }
             let mut batch = Batch::default();
             let due = self.syncer.as_ref().and_then(Syncer::due);
@@ -249,9 +247,7 @@ impl Worker {
             }
         }
         self.flush_sync();
-        for read in std::mem::take(&mut self.held) {
-            outbox::answer(read, &self.db, self.state.outbox()).await;
-        }
+        self.answer_held().await;
         // Stopped first, so the final checkpoint is not answered `busy` by a passive one.
         drop(self.checkpointer.take());
         if let Err(e) = self.db.checkpoint().await {
@@ -525,6 +521,13 @@ impl Worker {
         }
         for write in writes {
             write.fail(&error);
+        }
+    }
+
+    /// Answers the outbox peeks that waited for a sync.
+    async fn answer_held(&mut self) {
+        for read in std::mem::take(&mut self.held) {
+            outbox::answer(read, &self.db, self.state.outbox()).await;
         }
     }
 
