@@ -27,9 +27,7 @@ pub(crate) struct Syncer {
     delay: Duration,
     /// Releases of commits not synced yet, oldest first.
     pending: Vec<Release>,
-    /// A pending commit wrote something.
-    dirty: bool,
-    /// When the oldest pending commit that wrote something committed.
+    /// When the oldest pending commit that wrote something committed; `None`: nothing to sync.
     since: Option<Instant>,
     /// The last two distinct senders whose messages committed, and when. A sync waits only
     /// while more than one sender commits: a lone sender's next message may be waiting for
@@ -52,7 +50,6 @@ impl Syncer {
             sync,
             delay: if sync { delay } else { Duration::ZERO },
             pending: Vec::new(),
-            dirty: false,
             since: None,
             recent: [None; 2],
         }
@@ -67,11 +64,10 @@ impl Syncer {
             self.heard(sender, now);
         }
         self.pending.push(release);
-        if needs_sync && !self.dirty {
-            self.dirty = true;
+        if needs_sync && self.since.is_none() {
             self.since = Some(now);
         }
-        if !self.dirty || self.delay.is_zero() || !self.shared(now) {
+        if self.since.is_none() || self.delay.is_zero() || !self.shared(now) {
             self.flush();
         }
     }
@@ -95,13 +91,13 @@ impl Syncer {
 
     /// Whether a commit waits for a sync.
     pub(crate) fn waiting(&self) -> bool {
-        self.dirty
+        self.since.is_some()
     }
 
     /// Makes every pending commit durable (one sync, if one wrote something), then releases
     /// them in order.
     pub(crate) fn flush(&mut self) {
-        let durable = if self.sync && self.dirty {
+        let durable = if self.sync && self.since.is_some() {
             match self.wal.sync() {
                 Ok(()) => true,
                 Err(e) => {
@@ -112,7 +108,6 @@ impl Syncer {
         } else {
             true
         };
-        self.dirty = false;
         self.since = None;
         for release in self.pending.drain(..) {
             release(durable);
