@@ -487,8 +487,9 @@ async fn publishes_and_connects(
 
 /// A device's results, which only its mapper's exact subscription takes, are written by the
 /// front past rumqttd (packet ids from 32768, protocol §6.11). A mapper that only acknowledges
-/// them, with a 5 s keep-alive (mosquitto's clients then send no PINGREQ), stays connected; a
-/// wildcard subscriber appearing sends them through rumqttd again, to both.
+/// them, with a 5 s keep-alive (mosquitto's clients then send no PINGREQ), stays connected. A
+/// clean-session wildcard subscriber takes them from the front too; a persistent session
+/// subscribing sends them through rumqttd again, to all three.
 #[tokio::test]
 async fn a_devices_results_skip_rumqttd_and_a_mapper_that_only_acks_them_stays_connected() {
     let node = Node::start().await;
@@ -531,14 +532,48 @@ async fn a_devices_results_skip_rumqttd_and_a_mapper_that_only_acks_them_stays_c
     );
     assert_eq!(connects, 0, "the mapper was never disconnected");
 
-    let _wild = mosquitto_sub(node.port, "$hw/events/device/+/twin/update/result", 1).await;
+    let wildcard = "$hw/events/device/+/twin/update/result";
+    let wild = mosquitto_sub(node.port, wildcard, 2).await;
     reporter.publish(&update, report(REPORTS)).await;
+    let (pkids, connects) = publishes_and_connects(&mut lines, Duration::from_secs(1)).await;
+    assert_eq!(pkids.len(), 1, "{pkids:?}");
+    assert!(pkids[0] >= 32768, "still written by the front: {pkids:?}");
+    assert_eq!(connects, 0);
+
+    let port = node.port.to_string();
+    let persistent_id = unique_id("keeper");
+    let wait = common::WAIT.as_secs().to_string();
+    let kept = common::MosquittoSub::start(&[
+        "-h",
+        "127.0.0.1",
+        "-p",
+        &port,
+        "-q",
+        "1",
+        "-c",
+        "-i",
+        &persistent_id,
+        "-t",
+        wildcard,
+        "-C",
+        "1",
+        "-W",
+        &wait,
+    ])
+    .await;
+    reporter.publish(&update, report(REPORTS + 1)).await;
     let (pkids, connects) = publishes_and_connects(&mut lines, Duration::from_secs(1)).await;
     assert_eq!(pkids.len(), 1, "{pkids:?}");
     assert!(pkids[0] < 32768, "through rumqttd: {pkids:?}");
     assert_eq!(connects, 0);
-    let (_, got) = _wild.output().await;
-    assert_eq!(got.len(), 1, "the wildcard subscriber has it too: {got:?}");
+    let (_, got) = wild.output().await;
+    assert_eq!(
+        got.len(),
+        2,
+        "the clean wildcard subscriber has both: {got:?}"
+    );
+    let (_, got) = kept.output().await;
+    assert_eq!(got.len(), 1, "the persistent one has the second: {got:?}");
 }
 
 /// `kill -STOP` on one of two mappers subscribed to the same device's results, which the front

@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 use tracing::warn;
 
+use crate::dollar::INTERNAL_PREFIX;
 use crate::session::{Session, Written};
 
 /// What rumqttd counts against a filter's log for one publish (`PublishData::size`).
@@ -53,8 +54,8 @@ pub struct Lag {
     /// hold each: not counted for lag (each member gets only some messages), but they are
     /// subscribers [`Lag::reaches`].
     shared: Mutex<HashMap<String, usize>>,
-    /// Whether hand-ons that only exact, clean-session subscriptions take are written by the
-    /// front instead of going through rumqttd's logs ([`Route::Front`]).
+    /// Whether hand-ons that only clean-session subscriptions take are written by the front
+    /// instead of going through rumqttd's logs ([`Route::Front`]).
     front: bool,
     /// Publishes the front has been given to write past rumqttd, one per subscriber.
     front_delivered: AtomicU64,
@@ -75,7 +76,7 @@ pub enum Route {
     /// Into rumqttd, which appends it to every matching filter's log.
     Router,
     /// Straight to these subscriptions' clients, by the front: every subscription the topic
-    /// reaches is an exact filter whose client the front can write to.
+    /// reaches is one whose client the front can write to (clean session, QoS 0 or 1).
     Front(Vec<Arc<Owed>>),
 }
 
@@ -276,7 +277,7 @@ impl Lag {
         }
     }
 
-    /// Hand-ons that only exact, clean-session subscriptions take are written by the front.
+    /// Hand-ons that only clean-session subscriptions take are written by the front.
     pub fn with_front_delivery(mut self, front: bool) -> Lag {
         self.front = front;
         self
@@ -382,25 +383,23 @@ impl Lag {
         if !(front && self.front) {
             return Some(Route::Router);
         }
-        let Some(exact) = watched.exact.get(topic) else {
-            return Some(Route::Router);
-        };
-        let others = watched
-            .wild
-            .iter()
-            .any(|w| rumqttd::protocol::matches(topic, &w.filter));
-        let live: Vec<Arc<Owed>> = exact
-            .subscriptions
-            .iter()
-            .filter(|o| !o.session.is_cut())
-            .cloned()
-            .collect();
+        let internal = topic.starts_with(INTERNAL_PREFIX);
+        let mut live: Vec<Arc<Owed>> = Vec::new();
+        for w in watched.matching(topic) {
+            // rumqttd hands `$hw`/`$ke` topics to filters that start with a wildcard and the
+            // guard withholds them (withhold.rs): such a subscriber never gets the message.
+            if internal && w.filter.starts_with(['+', '#']) {
+                return Some(Route::Router);
+            }
+            for owed in w.subscriptions.iter().filter(|o| !o.session.is_cut()) {
+                if owed.via == Via::Router {
+                    return Some(Route::Router);
+                }
+                live.push(owed.clone());
+            }
+        }
         drop(watched);
-        if others
-            || live.is_empty()
-            || live.iter().any(|o| o.via == Via::Router)
-            || self.shared_reaches(topic)
-        {
+        if live.is_empty() || self.shared_reaches(topic) || self.kept_reaches(topic) {
             return Some(Route::Router);
         }
         Some(Route::Front(live))
@@ -515,9 +514,12 @@ impl Lag {
     /// [`Lag::reaches`], or a persistent session, connected or not, subscribed to `topic`:
     /// whether a client's publish there must go through rumqttd.
     pub fn reaches_any_session(&self, topic: &str) -> bool {
-        if self.reaches(topic) {
-            return true;
-        }
+        self.reaches(topic) || self.kept_reaches(topic)
+    }
+
+    /// Whether a persistent session, connected or not, ever subscribed to a filter of `topic`:
+    /// rumqttd queues for it while it is away, so only rumqttd may carry the message.
+    fn kept_reaches(&self, topic: &str) -> bool {
         let kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
         let reached = kept
             .iter()
@@ -676,7 +678,7 @@ mod tests {
     }
 
     #[test]
-    fn hand_ons_only_exact_clean_subscriptions_take_are_written_by_the_front() {
+    fn hand_ons_only_clean_subscriptions_take_are_written_by_the_front() {
         let lag = Arc::new(Lag::new(1_000).with_front_delivery(true));
         let sessions = Sessions::default();
         let (mapper, other, persistent) = (sessions.open(), sessions.open(), sessions.open());
@@ -697,10 +699,19 @@ mod tests {
         let wild = lag.subscribe("dev/+/result", "m2", &other, true, front);
         assert_eq!(
             route("dev/d1/result", true),
-            None,
-            "a wildcard also takes it"
+            Some(2),
+            "a wildcard of a clean session also takes it"
         );
+        assert_eq!(route("dev/d2/result", true), Some(1), "the wildcard only");
         lag.unsubscribe(&wild);
+        let all = lag.subscribe("#", "monitor", &other, true, front);
+        assert_eq!(
+            route("edgemeta$hw/events/device/d1/twin/update/result", true),
+            None,
+            "rumqttd's to withhold from a filter starting with a wildcard"
+        );
+        assert_eq!(route("ke/edged/x", true), Some(1));
+        lag.unsubscribe(&all);
         let kept = lag.subscribe("dev/d1/result", "m3", &persistent, true, Via::Router);
         assert_eq!(
             route("dev/d1/result", true),
@@ -732,6 +743,14 @@ mod tests {
         assert_eq!(out.bytes[0], 0x32, "a QoS 1 PUBLISH");
         out.done(&mapper);
         assert_eq!(exact.bytes(), owed_before, "paid once written");
+
+        // A persistent session that subscribed once, now away: rumqttd queues for it.
+        lag.keep("dev/+/result");
+        assert_eq!(
+            route("dev/d1/result", true),
+            None,
+            "a persistent session's filter, connected or not"
+        );
     }
 
     #[test]
