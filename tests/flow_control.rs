@@ -496,19 +496,9 @@ async fn a_devices_results_skip_rumqttd_and_a_mapper_that_only_acks_them_stays_c
     let device = unique_id("dev");
     let result = format!("$hw/events/device/{device}/twin/update/result");
     let port = node.port.to_string();
-    let sub = common::MosquittoSub::start(&[
-        "-h",
-        "127.0.0.1",
-        "-p",
-        &port,
-        "-q",
-        "1",
-        "-k",
-        "5",
-        "-t",
-        &result,
-    ])
-    .await;
+    let sub_args = ["-h", "127.0.0.1", "-p", &port, "-q", "1"];
+    let sub =
+        common::MosquittoSub::start(&[&sub_args[..], &["-k", "5", "-t", &result]].concat()).await;
     let (mapper, mut lines) = sub.split();
     let _mapper = common::KillOnDrop(mapper);
     let reporter = node.client().await;
@@ -540,16 +530,9 @@ async fn a_devices_results_skip_rumqttd_and_a_mapper_that_only_acks_them_stays_c
     assert!(pkids[0] >= 32768, "still written by the front: {pkids:?}");
     assert_eq!(connects, 0);
 
-    let port = node.port.to_string();
     let persistent_id = unique_id("keeper");
     let wait = common::WAIT.as_secs().to_string();
-    let kept = common::MosquittoSub::start(&[
-        "-h",
-        "127.0.0.1",
-        "-p",
-        &port,
-        "-q",
-        "1",
+    let persistent = [
         "-c",
         "-i",
         &persistent_id,
@@ -559,8 +542,8 @@ async fn a_devices_results_skip_rumqttd_and_a_mapper_that_only_acks_them_stays_c
         "1",
         "-W",
         &wait,
-    ])
-    .await;
+    ];
+    let kept = common::MosquittoSub::start(&[&sub_args[..], &persistent].concat()).await;
     reporter.publish(&update, report(REPORTS + 1)).await;
     let (pkids, connects) = publishes_and_connects(&mut lines, Duration::from_secs(1)).await;
     assert_eq!(pkids.len(), 1, "{pkids:?}");
