@@ -375,31 +375,25 @@ impl Lag {
         if !room {
             return None;
         }
-        for w in watched.matching(topic) {
-            for owed in w.subscriptions.iter().filter(|o| !o.session.is_cut()) {
-                owed.owe(size);
-            }
-        }
-        if !(front && self.front) {
-            return Some(Route::Router);
-        }
         let internal = topic.starts_with(INTERNAL_PREFIX);
+        // Counted and sorted in one pass: `live` holds the subscriptions the front writes to,
+        // until one turns out to need rumqttd.
+        let mut router = !(front && self.front);
         let mut live: Vec<Arc<Owed>> = Vec::new();
         for w in watched.matching(topic) {
             // rumqttd hands `$hw`/`$ke` topics to filters that start with a wildcard and the
             // guard withholds them (withhold.rs): such a subscriber never gets the message.
-            if internal && w.filter.starts_with(['+', '#']) {
-                return Some(Route::Router);
-            }
+            router |= internal && w.filter.starts_with(['+', '#']);
             for owed in w.subscriptions.iter().filter(|o| !o.session.is_cut()) {
-                if owed.via == Via::Router {
-                    return Some(Route::Router);
+                owed.owe(size);
+                router |= owed.via == Via::Router;
+                if !router {
+                    live.push(owed.clone());
                 }
-                live.push(owed.clone());
             }
         }
         drop(watched);
-        if live.is_empty() || self.shared_reaches(topic) || self.kept_reaches(topic) {
+        if router || live.is_empty() || self.shared_reaches(topic) || self.kept_reaches(topic) {
             return Some(Route::Router);
         }
         Some(Route::Front(live))
