@@ -11,9 +11,9 @@
 //! - acknowledging what the node consumes only once it is committed: the guard keeps rumqttd's
 //!   early PUBACK / PUBCOMP, and the front writes the node's between rumqttd's packets;
 //! - delivering the node's hand-ons to a topic only clean-session subscribers hold (a device's
-//!   results, edged's `ke/edged/#`) past rumqttd: written between rumqttd's packets with packet ids of
-//!   its own, whose PUBACKs it keeps from rumqttd. rumqttd would keep each in the filter's log,
-//!   for every device (`lag.rs`, [`crate::session::Session::deliver`]);
+//!   results, edged's `ke/edged/#`) past rumqttd: written between rumqttd's packets with packet
+//!   ids of its own, whose PUBACKs it keeps from rumqttd. rumqttd would keep each in the
+//!   filter's log, for every device (`lag.rs`, [`crate::session::Session::deliver`]);
 //! - rumqttd 0.20's connection races: it never lets rumqttd see a client's end of stream before
 //!   rumqttd is done with the connection (see `splice`).
 //!
