@@ -1436,6 +1436,7 @@ async fn latency(
     let started = Instant::now();
     let producer = paced_inserts(publisher, epoch, rate, total);
     let mut samples = Vec::with_capacity(total as usize);
+    let mut sent_at = Vec::with_capacity(total as usize);
     while (samples.len() as u64) < total {
         let (_, payload) = tokio::time::timeout(Duration::from_secs(30), rx.recv())
             .await
@@ -1445,10 +1446,25 @@ async fn latency(
         let body: serde_json::Value = serde_json::from_slice(&payload)?;
         if let Some(sent) = body["content"]["t"].as_u64() {
             samples.push(now.saturating_sub(sent));
+            sent_at.push(sent);
         }
     }
     let delivered = total as f64 / started.elapsed().as_secs_f64();
     producer.abort();
+    // Every sample in send order, to see when the slow ones happened (not in any table).
+    if let Ok(path) = std::env::var("BENCH_SAMPLES") {
+        let epoch_unix_us = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_micros()
+            .saturating_sub(epoch.elapsed().as_micros());
+        let lines: String = std::iter::once(format!("# epoch {epoch_unix_us} {epoch:?}\n"))
+            .chain(sent_at
+            .iter()
+            .zip(&samples)
+            .map(|(sent, took)| format!("{sent} {took}\n")))
+            .collect();
+        std::fs::write(path, lines)?;
+    }
     Ok((percentiles(samples), delivered))
 }
 

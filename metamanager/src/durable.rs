@@ -31,7 +31,9 @@ pub(crate) struct Syncer {
     since: Option<Instant>,
     /// The last two distinct senders whose messages committed, and when. A sync waits only
     /// while more than one sender commits: a lone sender's next message may be waiting for
-    /// this very acknowledgement (one message in flight), and nobody else would share it.
+    /// this very acknowledgement (one message in flight), and nobody else would share it;
+    /// unless its later messages are queued already: then they share it (a burst from one
+    /// client hands on without waiting for an fsync between its batches).
     recent: [Option<(usize, Instant)>; 2],
 }
 
@@ -56,9 +58,16 @@ impl Syncer {
     }
 
     /// Queues `release` behind the commits not synced yet; `needs_sync`: the commit wrote
-    /// something; `senders`: whose messages it committed ([`crate::unit::Done::sender`]).
-    /// Syncs and releases at once unless other senders' commits may share the sync.
-    pub(crate) fn after(&mut self, needs_sync: bool, senders: &[usize], release: Release) {
+    /// something; `senders`: whose messages it committed ([`crate::unit::Done::sender`]);
+    /// `queued`: more jobs wait for the store thread. Syncs and releases at once unless other
+    /// senders' commits, or the queued jobs, may share the sync.
+    pub(crate) fn after(
+        &mut self,
+        needs_sync: bool,
+        senders: &[usize],
+        release: Release,
+        queued: bool,
+    ) {
         let now = Instant::now();
         for &sender in senders {
             self.heard(sender, now);
@@ -67,7 +76,15 @@ impl Syncer {
         if needs_sync && self.since.is_none() {
             self.since = Some(now);
         }
-        if self.since.is_none() || self.delay.is_zero() || !self.shared(now) {
+        if self.since.is_none() || self.delay.is_zero() || !(queued || self.shared(now)) {
+            self.flush();
+        }
+    }
+
+    /// The store thread found nothing queued: a lone sender's commits are synced now, since
+    /// nobody else would share the sync (see [`Syncer::after`]).
+    pub(crate) fn idle(&mut self) {
+        if self.since.is_some() && !self.shared(Instant::now()) {
             self.flush();
         }
     }
@@ -173,10 +190,10 @@ mod tests {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let mut syncer = Syncer::new(&db, true, Duration::ZERO);
         // No WAL (everything checkpointed): the database file is synced instead.
-        syncer.after(true, &[], recording(&seen));
+        syncer.after(true, &[], recording(&seen), false);
         std::fs::write(dir.path().join("edgemeta.db-wal"), b"wal").expect("wal");
-        syncer.after(true, &[], recording(&seen));
-        syncer.after(false, &[], recording(&seen));
+        syncer.after(true, &[], recording(&seen), false);
+        syncer.after(false, &[], recording(&seen), false);
         assert_eq!(*seen.lock().expect("lock"), vec![true, true, true]);
     }
 
@@ -186,9 +203,9 @@ mod tests {
         // Neither the WAL nor the database exists: the sync fails.
         let mut syncer = Syncer::new(&dir.path().join("gone.db"), true, Duration::ZERO);
         let seen = Arc::new(Mutex::new(Vec::new()));
-        syncer.after(true, &[], recording(&seen));
+        syncer.after(true, &[], recording(&seen), false);
         // Nothing to make durable: released as it is.
-        syncer.after(false, &[], recording(&seen));
+        syncer.after(false, &[], recording(&seen), false);
         assert_eq!(*seen.lock().expect("lock"), vec![false, true]);
     }
 
@@ -206,18 +223,18 @@ mod tests {
         let delay = Duration::from_secs(60);
         let mut syncer = Syncer::new(&db, true, delay);
         // A lone sender is synced at once: its next message may wait for this PUBACK.
-        syncer.after(true, &[7], numbered(&seen, 1));
-        syncer.after(true, &[7], numbered(&seen, 2));
+        syncer.after(true, &[7], numbered(&seen, 1), false);
+        syncer.after(true, &[7], numbered(&seen, 2), false);
         assert_eq!(*seen.lock().expect("lock"), vec![(1, true), (2, true)]);
         assert!(syncer.due().is_none());
         // A second sender within the delay: commits wait for others to share their sync.
         let before = Instant::now();
-        syncer.after(true, &[8], numbered(&seen, 3));
+        syncer.after(true, &[8], numbered(&seen, 3), false);
         let due = syncer.due().expect("a commit waits");
         assert!(due >= before + delay && due <= Instant::now() + delay);
         // Behind a commit that waits, one with nothing to sync waits too: order is kept.
-        syncer.after(false, &[], numbered(&seen, 4));
-        syncer.after(true, &[7], numbered(&seen, 5));
+        syncer.after(false, &[], numbered(&seen, 4), false);
+        syncer.after(true, &[7], numbered(&seen, 5), false);
         assert_eq!(
             syncer.due(),
             Some(due),
@@ -231,13 +248,39 @@ mod tests {
         );
         assert!(!syncer.waiting() && syncer.due().is_none());
         // Nothing waits: a commit that wrote nothing is released at once.
-        syncer.after(false, &[8], numbered(&seen, 6));
+        syncer.after(false, &[8], numbered(&seen, 6), false);
         assert_eq!(seen.lock().expect("lock").len(), 6);
         // What is still waiting when the store thread ends is synced and released.
-        syncer.after(true, &[7], numbered(&seen, 7));
+        syncer.after(true, &[7], numbered(&seen, 7), false);
         assert_eq!(seen.lock().expect("lock").len(), 6);
         drop(syncer);
         assert_eq!(seen.lock().expect("lock").last(), Some(&(7, true)));
+    }
+
+    #[test]
+    fn a_lone_senders_burst_shares_one_sync_once_nothing_is_queued() {
+        let dir = tempfile::tempdir().expect("dir");
+        let db = dir.path().join("edgemeta.db");
+        std::fs::write(dir.path().join("edgemeta.db-wal"), b"wal").expect("wal");
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let mut syncer = Syncer::new(&db, true, Duration::from_secs(60));
+        // More of its messages are queued: they commit before the sync, not after it.
+        syncer.after(true, &[7], numbered(&seen, 1), true);
+        syncer.after(true, &[7], numbered(&seen, 2), true);
+        assert!(seen.lock().expect("lock").is_empty());
+        assert!(syncer.waiting());
+        // The last batch of the burst, with nothing queued behind it: synced at once.
+        syncer.after(true, &[7], numbered(&seen, 3), false);
+        assert_eq!(*seen.lock().expect("lock"), vec![(1, true), (2, true), (3, true)]);
+        // Queued work that commits nothing (a read): the idle store thread syncs.
+        syncer.after(true, &[7], numbered(&seen, 4), true);
+        syncer.idle();
+        assert_eq!(seen.lock().expect("lock").len(), 4);
+        // Two senders: idle leaves the sync to the delay, for others to share.
+        syncer.after(true, &[8], numbered(&seen, 5), false);
+        syncer.idle();
+        assert_eq!(seen.lock().expect("lock").len(), 4);
+        assert!(syncer.due().is_some());
     }
 
     #[test]
@@ -245,8 +288,8 @@ mod tests {
         let dir = tempfile::tempdir().expect("dir");
         let mut syncer = Syncer::new(&dir.path().join("gone.db"), true, Duration::from_secs(60));
         let seen = Arc::new(Mutex::new(Vec::new()));
-        syncer.after(true, &[1, 2], numbered(&seen, 1));
-        syncer.after(true, &[2], numbered(&seen, 2));
+        syncer.after(true, &[1, 2], numbered(&seen, 1), false);
+        syncer.after(true, &[2], numbered(&seen, 2), false);
         assert!(seen.lock().expect("lock").is_empty());
         syncer.flush();
         assert_eq!(*seen.lock().expect("lock"), vec![(1, false), (2, false)]);
@@ -258,7 +301,7 @@ mod tests {
         // `synchronous: normal`: the delay does not apply, since there is no sync to share.
         let mut syncer = Syncer::new(&dir.path().join("gone.db"), false, Duration::from_secs(60));
         let seen = Arc::new(Mutex::new(Vec::new()));
-        syncer.after(true, &[1, 2], numbered(&seen, 1));
+        syncer.after(true, &[1, 2], numbered(&seen, 1), false);
         assert_eq!(*seen.lock().expect("lock"), vec![(1, true)]);
     }
 }

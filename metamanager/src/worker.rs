@@ -227,13 +227,15 @@ impl Worker {
             } = batch;
             // Reads only (the relay or the bridge asking for rows) open no transaction.
             if !steps.is_empty() || !writes.is_empty() {
-                self.write_batch(steps, writes).await;
+                self.write_batch(steps, writes, &jobs).await;
             }
             // Busy (a queue built up during this batch): sync now, and the queue forms the
             // next batch meanwhile, as it would without the delay; committing it first in
             // small batches would rewrite the same pages more often.
             if jobs.len() >= BUSY || due.is_some_and(|due| due <= std::time::Instant::now()) {
                 self.flush_sync();
+            } else if jobs.is_empty() {
+                self.idle_sync();
             }
             // Reads see what is committed, whether or not this batch's writes were; but outbox
             // rows are read for the cloud or the relay only once durable (protocol §6.1): a
@@ -256,7 +258,12 @@ impl Worker {
     }
 
     /// Applies requests and outbox writes in one transaction; answers only after `COMMIT`.
-    async fn write_batch(&mut self, steps: Vec<Step>, writes: Vec<Write>) {
+    async fn write_batch(
+        &mut self,
+        steps: Vec<Step>,
+        writes: Vec<Write>,
+        jobs: &mpsc::Receiver<Job>,
+    ) {
         let durable = outbox::needs_fsync(steps.len(), &writes);
         let outbox_before = *self.state.outbox();
         let tx = match self.db.begin(durable).await {
@@ -438,7 +445,7 @@ impl Worker {
         });
         match &mut self.syncer {
             Some(syncer) => {
-                syncer.after(durable, &senders, release);
+                syncer.after(durable, &senders, release, !jobs.is_empty());
                 self.outbox_unsynced = syncer.waiting() && (self.outbox_unsynced || outbox_written);
             }
             None => release(true),
@@ -521,6 +528,14 @@ impl Worker {
         }
         for write in writes {
             write.fail(&error);
+        }
+    }
+
+    /// Nothing is queued: syncs now unless other senders' commits may still share the sync.
+    fn idle_sync(&mut self) {
+        if let Some(syncer) = self.syncer.as_mut() {
+            syncer.idle();
+            self.outbox_unsynced &= syncer.waiting();
         }
     }
 

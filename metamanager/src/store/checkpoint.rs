@@ -13,13 +13,17 @@ use tracing::warn;
 
 use super::StoreError;
 
-/// How often the checkpointer folds in what was committed since its last pass.
-const PERIOD: Duration = Duration::from_millis(500);
+/// How often the checkpointer folds in what was committed since its last pass. Short, because
+/// what it has not folded in when the WAL reaches [`BACKSTOP_PAGES`] the store thread copies
+/// and fsyncs inline: at 500 ms that was up to 2,000 pages and 3-5 ms every 0.3 s at 10k msg/s,
+/// the whole of P2's p99 (docs/benchmarks.md, "Checkpoint every 20 ms").
+const PERIOD: Duration = Duration::from_millis(20);
 
 /// WAL pages past which the store thread still checkpoints inline (SQLite's
 /// `wal_autocheckpoint`): a backstop for when commits never pause long enough for a passive
-/// checkpoint to catch up, so the WAL can restart from its beginning. Mostly folded in by then,
-/// that checkpoint has little left to copy. 4 KiB pages: a WAL of at most ~16 MiB.
+/// checkpoint to catch up, so the WAL can restart from its beginning. Folded in up to the last
+/// [`PERIOD`] by then, that checkpoint has little left to copy. 4 KiB pages: a WAL of at most
+/// ~16 MiB.
 pub(super) const BACKSTOP_PAGES: u32 = 4_000;
 
 /// The handle to the checkpoint thread; dropping it stops the thread and waits for it, so a
