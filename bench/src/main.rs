@@ -1451,17 +1451,21 @@ async fn latency(
     }
     let delivered = total as f64 / started.elapsed().as_secs_f64();
     producer.abort();
-    // Every sample in send order, to see when the slow ones happened (not in any table).
+    // Every sample in send order, to see when the slow ones happened (not in any table). The
+    // first line is the send times' origin: wall-clock µs, and the monotonic clock as Rust
+    // prints an `Instant` (CLOCK_MONOTONIC on Linux), to lay them beside `perf record -k mono`.
     if let Ok(path) = std::env::var("BENCH_SAMPLES") {
         let epoch_unix_us = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)?
             .as_micros()
             .saturating_sub(epoch.elapsed().as_micros());
         let lines: String = std::iter::once(format!("# epoch {epoch_unix_us} {epoch:?}\n"))
-            .chain(sent_at
-            .iter()
-            .zip(&samples)
-            .map(|(sent, took)| format!("{sent} {took}\n")))
+            .chain(
+                sent_at
+                    .iter()
+                    .zip(&samples)
+                    .map(|(sent, took)| format!("{sent} {took}\n")),
+            )
             .collect();
         std::fs::write(path, lines)?;
     }

@@ -271,7 +271,10 @@ mod tests {
         assert!(syncer.waiting());
         // The last batch of the burst, with nothing queued behind it: synced at once.
         syncer.after(true, &[7], numbered(&seen, 3), false);
-        assert_eq!(*seen.lock().expect("lock"), vec![(1, true), (2, true), (3, true)]);
+        assert_eq!(
+            *seen.lock().expect("lock"),
+            vec![(1, true), (2, true), (3, true)]
+        );
         // Queued work that commits nothing (a read): the idle store thread syncs.
         syncer.after(true, &[7], numbered(&seen, 4), true);
         syncer.idle();
