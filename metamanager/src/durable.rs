@@ -214,14 +214,19 @@ mod tests {
         Box::new(move |durable| seen.lock().expect("lock").push((n, durable)))
     }
 
+    /// A syncer with `delay` over a store whose WAL exists (in the returned directory).
+    fn over_a_wal(delay: Duration) -> (tempfile::TempDir, Syncer) {
+        let dir = tempfile::tempdir().expect("dir");
+        std::fs::write(dir.path().join("edgemeta.db-wal"), b"wal").expect("wal");
+        let syncer = Syncer::new(&dir.path().join("edgemeta.db"), true, delay);
+        (dir, syncer)
+    }
+
     #[test]
     fn commits_of_several_senders_within_the_delay_share_one_sync_in_order() {
-        let dir = tempfile::tempdir().expect("dir");
-        let db = dir.path().join("edgemeta.db");
-        std::fs::write(dir.path().join("edgemeta.db-wal"), b"wal").expect("wal");
         let seen = Arc::new(Mutex::new(Vec::new()));
         let delay = Duration::from_secs(60);
-        let mut syncer = Syncer::new(&db, true, delay);
+        let (_dir, mut syncer) = over_a_wal(delay);
         // A lone sender is synced at once: its next message may wait for this PUBACK.
         syncer.after(true, &[7], numbered(&seen, 1), false);
         syncer.after(true, &[7], numbered(&seen, 2), false);
@@ -259,11 +264,8 @@ mod tests {
 
     #[test]
     fn a_lone_senders_burst_shares_one_sync_once_nothing_is_queued() {
-        let dir = tempfile::tempdir().expect("dir");
-        let db = dir.path().join("edgemeta.db");
-        std::fs::write(dir.path().join("edgemeta.db-wal"), b"wal").expect("wal");
         let seen = Arc::new(Mutex::new(Vec::new()));
-        let mut syncer = Syncer::new(&db, true, Duration::from_secs(60));
+        let (_dir, mut syncer) = over_a_wal(Duration::from_secs(60));
         // More of its messages are queued: they commit before the sync, not after it.
         syncer.after(true, &[7], numbered(&seen, 1), true);
         syncer.after(true, &[7], numbered(&seen, 2), true);
