@@ -6,18 +6,26 @@
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 use tracing::warn;
 
 use super::StoreError;
 
-/// How often the checkpointer folds in what was committed since its last pass. Short, because
-/// what it has not folded in when the WAL reaches [`BACKSTOP_PAGES`] the store thread copies
-/// and fsyncs inline: at 500 ms that was up to 2,000 pages and 3-5 ms every 0.3 s at 10k msg/s,
-/// the whole of P2's p99 (docs/benchmarks.md, "Checkpoint every 20 ms").
+/// How often the checkpointer looks at the WAL. Short, because what it has not folded in when
+/// the WAL reaches [`BACKSTOP_PAGES`] the store thread copies and fsyncs inline: at 500 ms that
+/// was up to 2,000 pages and 3-5 ms every 0.3 s at 10k msg/s, the whole of P2's p99
+/// (docs/benchmarks.md, "Checkpoint every 20 ms").
 const PERIOD: Duration = Duration::from_millis(20);
+
+/// Unfolded WAL pages worth a pass at once. A pass costs two fsyncs whatever it copies, so a
+/// trickle of commits (a device report a millisecond: one page each) waits for this many, or
+/// for [`MAX_WAIT`]; 256 is what [`PERIOD`] gathers at 10k msg/s.
+const FOLD_PAGES: u32 = 256;
+
+/// The longest a commit waits to be folded in.
+const MAX_WAIT: Duration = Duration::from_millis(500);
 
 /// WAL pages past which the store thread still checkpoints inline (SQLite's
 /// `wal_autocheckpoint`): a backstop for when commits never pause long enough for a passive
@@ -68,14 +76,20 @@ impl Checkpointer {
                         }
                     };
                     let _ = opened_tx.send(Ok(()));
+                    let mut index = WalIndex::new(&path);
+                    let mut last_pass = Instant::now();
                     loop {
                         tokio::select! {
                             _ = &mut stopped => break,
                             _ = tokio::time::sleep(PERIOD) => {}
                         }
-                        if !seen.swap(false, Ordering::Relaxed) {
+                        if !seen.load(Ordering::Relaxed)
+                            || !index.worth_a_pass(last_pass.elapsed())
+                        {
                             continue;
                         }
+                        seen.store(false, Ordering::Relaxed);
+                        last_pass = Instant::now();
                         // PASSIVE never waits for the writer: it copies what is committed, and
                         // the writer goes on appending meanwhile.
                         if let Err(e) = passive(&conn).await {
@@ -113,6 +127,57 @@ impl Drop for Checkpointer {
     }
 }
 
+/// What the checkpointer reads of SQLite's WAL index (`<db>-shm`, laid out in SQLite's
+/// "WAL-index format" document): how far the WAL goes and how much of it is folded in. Read
+/// without SQLite's locks, so a torn read is possible: it only moves one pass earlier or later.
+struct WalIndex {
+    path: std::path::PathBuf,
+    file: Option<std::fs::File>,
+}
+
+impl WalIndex {
+    fn new(db: &Path) -> WalIndex {
+        let mut path = db.as_os_str().to_owned();
+        path.push("-shm");
+        WalIndex {
+            path: path.into(),
+            file: None,
+        }
+    }
+
+    /// `(mxFrame, nBackfill)`: the WAL's last committed frame and the frames folded in. `None`
+    /// when there is no index to read (SQLite keeps it in memory, or it is not there yet).
+    fn frames(&mut self) -> Option<(u32, u32)> {
+        use std::os::unix::fs::FileExt as _;
+        if self.file.is_none() {
+            self.file = std::fs::File::open(&self.path).ok();
+        }
+        let mut header = [0_u8; 100];
+        if self.file.as_ref()?.read_exact_at(&mut header, 0).is_err() {
+            self.file = None;
+            return None;
+        }
+        let word = |at: usize| {
+            u32::from_ne_bytes([header[at], header[at + 1], header[at + 2], header[at + 3]])
+        };
+        // isInit (byte 12) of the first header copy; mxFrame at 16; nBackfill at 96.
+        (header[12] == 1).then(|| (word(16), word(96)))
+    }
+
+    /// Whether a pass pays now: enough to fold in, the WAL near the backstop (keep what the
+    /// store thread would copy inline small), or the oldest commit waited long enough.
+    fn worth_a_pass(&mut self, since_last: Duration) -> bool {
+        match self.frames() {
+            Some((last, folded)) => {
+                last.saturating_sub(folded) >= FOLD_PAGES
+                    || last + FOLD_PAGES >= BACKSTOP_PAGES
+                    || since_last >= MAX_WAIT
+            }
+            None => true,
+        }
+    }
+}
+
 /// One passive checkpoint; SQLite answers `busy` (not an error) when another is running.
 async fn passive(conn: &libsql::Connection) -> Result<(), libsql::Error> {
     let mut rows = conn.query("PRAGMA wal_checkpoint(PASSIVE)", ()).await?;
@@ -134,6 +199,43 @@ mod tests {
             .expect("pragma");
         let row = rows.next().await.expect("row").expect("one row");
         (row.get(1).expect("log"), row.get(2).expect("done"))
+    }
+
+    #[tokio::test]
+    async fn the_wal_index_tells_how_much_is_left_to_fold_in() {
+        let dir = tempfile::tempdir().expect("dir");
+        let config = StoreConfig {
+            path: dir.path().join("edgemeta.db"),
+            ..StoreConfig::default()
+        };
+        let db = Db::open(&config).await.expect("open");
+        let _ = wal_frames(&db).await;
+        let mut index = WalIndex::new(&config.path);
+        let (before, folded) = index.frames().expect("an index");
+        assert_eq!(before, folded, "nothing left after a checkpoint");
+        for i in 0..20 {
+            db.conn
+                .execute(
+                    "INSERT INTO meta (key, type, value) VALUES (?1, 'pod', ?2)",
+                    libsql::params![format!("default/pod/p{i}"), "x".repeat(2_000)],
+                )
+                .await
+                .expect("insert");
+        }
+        // The first write after a complete checkpoint restarts the WAL from its beginning.
+        let (last, folded) = index.frames().expect("an index");
+        assert!(
+            last >= folded + 20,
+            "20 commits are left to fold in: {folded} of {last} frames folded"
+        );
+        assert!(!index.worth_a_pass(Duration::ZERO), "20 pages wait");
+        assert!(index.worth_a_pass(MAX_WAIT), "but not for ever");
+        let (log, done) = wal_frames(&db).await;
+        assert_eq!(u32::try_from(log).expect("frames"), last);
+        assert_eq!(
+            index.frames(),
+            Some((last, u32::try_from(done).expect("frames")))
+        );
     }
 
     #[tokio::test]

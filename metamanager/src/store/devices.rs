@@ -164,13 +164,15 @@ impl Db {
                 .await?
             }
             Some(row) => {
-                let mut with_row = values.to_vec();
+                // A row keeps its device and name, and leaving them out of the SET keeps SQLite
+                // from rewriting their index entry: one page less per report in the WAL.
+                let mut with_row = values[2..].to_vec();
                 with_row.push(Value::Integer(row));
                 self.exec(
-                    "UPDATE device_twin SET deviceid = ?1, name = ?2, description = ?3,
-                     expected = ?4, actual = ?5, expected_meta = ?6, actual_meta = ?7,
-                     expected_version = ?8, actual_version = ?9, optional = ?10,
-                     attr_type = ?11, metadata = ?12 WHERE id = ?13",
+                    "UPDATE device_twin SET description = ?1, expected = ?2, actual = ?3,
+                     expected_meta = ?4, actual_meta = ?5, expected_version = ?6,
+                     actual_version = ?7, optional = ?8, attr_type = ?9, metadata = ?10
+                     WHERE id = ?11",
                     with_row,
                 )
                 .await?

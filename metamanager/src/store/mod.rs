@@ -371,9 +371,11 @@ impl Db {
         if versioned(res_type) {
             return self.upsert_versioned(key, res_type, value).await;
         }
+        // The type is the key's second level, so an existing row keeps it: left out of the
+        // SET, SQLite leaves the row's `meta_type_key` entry alone (one WAL page less).
         self.exec(
             "INSERT INTO meta (key, type, value) VALUES (?1, ?2, ?3)
-             ON CONFLICT(key) DO UPDATE SET type = excluded.type, value = excluded.value",
+             ON CONFLICT(key) DO UPDATE SET value = excluded.value",
             params![key, res_type, value],
         )
         .await

@@ -98,8 +98,7 @@ impl Db {
         let rv = self.record(res_type, key, event, value).await?;
         self.exec(
             "INSERT INTO meta (key, type, value, rv) VALUES (?1, ?2, ?3, ?4)
-             ON CONFLICT(key) DO UPDATE SET type = excluded.type, value = excluded.value,
-             rv = excluded.rv",
+             ON CONFLICT(key) DO UPDATE SET value = excluded.value, rv = excluded.rv",
             params![key, res_type, value, rv as i64],
         )
         .await
