@@ -146,7 +146,8 @@ impl WalIndex {
     }
 
     /// `(mxFrame, nBackfill)`: the WAL's last committed frame and the frames folded in. `None`
-    /// when there is no index to read (SQLite keeps it in memory, or it is not there yet).
+    /// when there is no index to read (SQLite keeps it in memory, or it is not there yet) or
+    /// the read caught SQLite writing it.
     fn frames(&mut self) -> Option<(u32, u32)> {
         use std::os::unix::fs::FileExt as _;
         if self.file.is_none() {
@@ -160,8 +161,9 @@ impl WalIndex {
         let word = |at: usize| {
             u32::from_ne_bytes([header[at], header[at + 1], header[at + 2], header[at + 3]])
         };
-        // isInit (byte 12) of the first header copy; mxFrame at 16; nBackfill at 96.
-        (header[12] == 1).then(|| (word(16), word(96)))
+        // SQLite writes the header twice (bytes 0-47, 48-95) and trusts it when both agree;
+        // then isInit (byte 12), mxFrame at 16; nBackfill at 96.
+        (header[12] == 1 && header[..48] == header[48..96]).then(|| (word(16), word(96)))
     }
 
     /// Whether a pass pays now: enough to fold in, the WAL near the backstop (keep what the
@@ -170,7 +172,7 @@ impl WalIndex {
         match self.frames() {
             Some((last, folded)) => {
                 last.saturating_sub(folded) >= FOLD_PAGES
-                    || last + FOLD_PAGES >= BACKSTOP_PAGES
+                    || last.saturating_add(FOLD_PAGES) >= BACKSTOP_PAGES
                     || since_last >= MAX_WAIT
             }
             None => true,
