@@ -203,19 +203,20 @@ mod tests {
         (row.get(1).expect("log"), row.get(2).expect("done"))
     }
 
-    #[tokio::test]
-    async fn the_wal_index_tells_how_much_is_left_to_fold_in() {
+    /// A fresh store in its own directory (kept alive by the returned guard).
+    async fn fresh_store() -> (tempfile::TempDir, StoreConfig, Db) {
         let dir = tempfile::tempdir().expect("dir");
         let config = StoreConfig {
             path: dir.path().join("edgemeta.db"),
             ..StoreConfig::default()
         };
         let db = Db::open(&config).await.expect("open");
-        let _ = wal_frames(&db).await;
-        let mut index = WalIndex::new(&config.path);
-        let (before, folded) = index.frames().expect("an index");
-        assert_eq!(before, folded, "nothing left after a checkpoint");
-        for i in 0..20 {
+        (dir, config, db)
+    }
+
+    /// Commits `count` pods of 2,000 bytes each, one per transaction.
+    async fn insert_pods(db: &Db, count: usize) {
+        for i in 0..count {
             db.conn
                 .execute(
                     "INSERT INTO meta (key, type, value) VALUES (?1, 'pod', ?2)",
@@ -224,6 +225,16 @@ mod tests {
                 .await
                 .expect("insert");
         }
+    }
+
+    #[tokio::test]
+    async fn the_wal_index_tells_how_much_is_left_to_fold_in() {
+        let (_dir, config, db) = fresh_store().await;
+        let _ = wal_frames(&db).await;
+        let mut index = WalIndex::new(&config.path);
+        let (before, folded) = index.frames().expect("an index");
+        assert_eq!(before, folded, "nothing left after a checkpoint");
+        insert_pods(&db, 20).await;
         // The first write after a complete checkpoint restarts the WAL from its beginning.
         let (last, folded) = index.frames().expect("an index");
         assert!(
@@ -242,23 +253,10 @@ mod tests {
 
     #[tokio::test]
     async fn commits_are_folded_back_into_the_database_file_off_the_writer() {
-        let dir = tempfile::tempdir().expect("dir");
-        let config = StoreConfig {
-            path: dir.path().join("edgemeta.db"),
-            ..StoreConfig::default()
-        };
-        let db = Db::open(&config).await.expect("open");
+        let (_dir, config, db) = fresh_store().await;
         let checkpointer = Checkpointer::start(&config.path).expect("start");
         let before = std::fs::metadata(&config.path).expect("db").len();
-        for i in 0..200 {
-            db.conn
-                .execute(
-                    "INSERT INTO meta (key, type, value) VALUES (?1, 'pod', ?2)",
-                    libsql::params![format!("default/pod/p{i}"), "x".repeat(2_000)],
-                )
-                .await
-                .expect("insert");
-        }
+        insert_pods(&db, 200).await;
         checkpointer.committed();
         // The writer never checkpoints below the backstop: the rows reach the database file
         // only through the checkpoint thread.
