@@ -589,7 +589,10 @@ impl<'a> Transaction<'a> {
 
     /// Commits; when that fails, rolls back, so the connection is ready for the next batch.
     pub async fn commit(self) -> Result<(), libsql::Error> {
-        let committed = self.db.control("COMMIT").await;
+        let committed = match self.db.prune_history().await {
+            Ok(()) => self.db.control("COMMIT").await,
+            Err(e) => Err(e),
+        };
         if committed.is_err() {
             self.db.forget_changes(0);
         }
