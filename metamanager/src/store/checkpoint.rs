@@ -88,8 +88,7 @@ impl Checkpointer {
                             _ = &mut stopped => break,
                             _ = tokio::time::sleep(PERIOD) => {}
                         }
-                        if !seen.load(Ordering::Relaxed)
-                            || !index.worth_a_pass(last_pass.elapsed())
+                        if !seen.load(Ordering::Relaxed) || !index.worth_a_pass(last_pass.elapsed())
                         {
                             continue;
                         }
@@ -97,8 +96,7 @@ impl Checkpointer {
                         last_pass = Instant::now();
                         // PASSIVE never waits for the writer: it copies what is committed, and
                         // the writer goes on appending meanwhile.
-                        if let Err(e) = passive(&conn).await {
-                            warn!(error_code = "EM-STORE-CHECKPOINT", error = %e, "background WAL checkpoint failed; the store thread's backstop checkpoint still runs");
+                        if !fold(&conn).await {
                             continue;
                         }
                         // Only a pass that no commit overtook completes: it syncs the database
@@ -107,11 +105,7 @@ impl Checkpointer {
                         // completes one itself at the backstop, its fsyncs inline (P2's slowest
                         // 1 %). So while a short tail is left, pass again at once.
                         for _ in 0..CATCH_UP_TRIES {
-                            if !index.tail_left() {
-                                break;
-                            }
-                            if let Err(e) = passive(&conn).await {
-                                warn!(error_code = "EM-STORE-CHECKPOINT", error = %e, "background WAL checkpoint failed; the store thread's backstop checkpoint still runs");
+                            if !index.tail_left() || !fold(&conn).await {
                                 break;
                             }
                         }
@@ -202,6 +196,17 @@ impl WalIndex {
                     || since_last >= MAX_WAIT
             }
             None => true,
+        }
+    }
+}
+
+/// One passive checkpoint, its failure logged; `false`: it failed.
+async fn fold(conn: &libsql::Connection) -> bool {
+    match passive(conn).await {
+        Ok(()) => true,
+        Err(e) => {
+            warn!(error_code = "EM-STORE-CHECKPOINT", error = %e, "background WAL checkpoint failed; the store thread's backstop checkpoint still runs");
+            false
         }
     }
 }
