@@ -92,7 +92,7 @@ struct Args {
     /// limit (open loop, as before 2026-11-23: the node then cuts the P1 subscriber off).
     #[arg(long, default_value_t = WINDOW)]
     window: usize,
-    /// With `--load-port`: the P1 subscriber's filter (`ke/meta/#` to load a mosquitto).
+    /// With `--load-port`: the P1 and P2 subscriber's filter (`ke/meta/#` to load a mosquitto).
     #[arg(long, default_value = "ke/edged/#")]
     watch: String,
 }
@@ -171,7 +171,7 @@ async fn main() -> anyhow::Result<()> {
     if let Some(port) = args.load_port {
         for round in 0..args.rounds {
             if let Some(rate) = args.latency_rate {
-                let (p, delivered) = latency(port, "ke/edged/#", rate, 3).await?;
+                let (p, delivered) = latency(port, &args.watch, rate, 3).await?;
                 println!("round {round}: p50 / p99 / p999 {p} µs, delivered {delivered:.0} msg/s");
                 continue;
             }
