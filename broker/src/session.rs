@@ -85,8 +85,6 @@ pub struct Session {
     /// Publishes to our links passed to rumqttd that no link has received yet: while there are
     /// any, the front hands none to a link itself, which would overtake them.
     routed: AtomicI64,
-    /// The client's publishes the node has promised to acknowledge and not yet released.
-    promised: AtomicI64,
     /// What the client may publish, once rumqttd has accepted its CONNECT.
     rights: OnceLock<Rights>,
 }
@@ -321,29 +319,19 @@ struct Pending {
     session: Weak<Session>,
     kind: AckKind,
     pkid: u16,
-    /// The client had sent this before an earlier publish was acknowledged.
-    pipelined: bool,
     abandoned: std::sync::atomic::AtomicBool,
 }
 
 impl Ack {
-    fn new(session: &Arc<Session>, kind: AckKind, pkid: u16) -> Ack {
-        let earlier = session.promised.fetch_add(1, Ordering::Relaxed);
+    fn new(session: Weak<Session>, kind: AckKind, pkid: u16) -> Ack {
         Ack {
             _pending: Arc::new(Pending {
-                session: Arc::downgrade(session),
+                session,
                 kind,
                 pkid,
-                pipelined: earlier > 0,
                 abandoned: Default::default(),
             }),
         }
-    }
-
-    /// Whether the client sent this publish while an earlier one still waited for its
-    /// acknowledgement: it does not wait for each before the next (a window over one).
-    pub fn pipelined(&self) -> bool {
-        self._pending.pipelined
     }
 
     /// Which connection waits for this acknowledgement (equal for the same connection while
@@ -361,11 +349,10 @@ impl Ack {
 
 impl Drop for Pending {
     fn drop(&mut self) {
-        let Some(session) = self.session.upgrade() else {
+        if self.abandoned.load(Ordering::Relaxed) {
             return;
-        };
-        session.promised.fetch_sub(1, Ordering::Relaxed);
-        if !self.abandoned.load(Ordering::Relaxed) {
+        }
+        if let Some(session) = self.session.upgrade() {
             session.release(self.kind, self.pkid);
         }
     }
@@ -447,16 +434,17 @@ impl Sessions {
     /// A routed publish of connection `id` reached a link ([`Session::arrived`]); the promise
     /// to acknowledge it, if it asks for one and the connection is still open.
     pub fn reached_link(&self, id: u64, ack: Option<(AckKind, u16)>) -> Option<Ack> {
-        let session = self.lock_live().get(&id)?.upgrade()?;
-        session.arrived();
+        let session = self.lock_live().get(&id)?.clone();
+        session.upgrade()?.arrived();
         let (kind, pkid) = ack?;
-        Some(Ack::new(&session, kind, pkid))
+        Some(Ack::new(session, kind, pkid))
     }
 
     /// A promise to acknowledge `pkid` on connection `id`, if it is still open.
     pub fn promise(&self, id: u64, kind: AckKind, pkid: u16) -> Option<Ack> {
-        let session = self.lock_live().get(&id)?.upgrade()?;
-        Some(Ack::new(&session, kind, pkid))
+        let session = self.lock_live().get(&id)?.clone();
+        session.upgrade()?;
+        Some(Ack::new(session, kind, pkid))
     }
 
     fn lock_live(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Weak<Session>>> {
@@ -512,31 +500,6 @@ mod tests {
         fn written(&self) {
             self.0.fetch_add(1, Ordering::Relaxed);
         }
-    }
-
-    #[test]
-    fn a_publish_sent_before_the_last_was_acknowledged_is_pipelined() {
-        let sessions = Sessions::default();
-        let session = sessions.open();
-        let id = session.id();
-        let first = sessions.promise(id, AckKind::PubAck, 1).expect("open");
-        assert!(!first.pipelined(), "nothing else waited");
-        let second = sessions.promise(id, AckKind::PubAck, 2).expect("open");
-        assert!(second.pipelined(), "the first was not acknowledged yet");
-        drop(first);
-        drop(second);
-        // Both released: the client waited for them before its next.
-        let third = sessions.promise(id, AckKind::PubAck, 3).expect("open");
-        assert!(!third.pipelined());
-        // An abandoned promise no longer counts either.
-        third.abandon();
-        drop(third);
-        assert!(!sessions
-            .promise(id, AckKind::PubAck, 4)
-            .expect("open")
-            .pipelined());
-        // The released acknowledgements are queued for the front, the abandoned one is not.
-        assert_eq!(session.take_out().bytes.len(), 3 * 4);
     }
 
     #[test]

@@ -35,12 +35,6 @@ pub(crate) struct Syncer {
     /// unless its later messages are queued already: then they share it (a burst from one
     /// client hands on without waiting for an fsync between its batches).
     recent: [Option<(usize, Instant)>; 2],
-    /// When the last commit of acknowledged messages landed.
-    last: Option<Instant>,
-    /// A lone sender that pipelines: its commits wait for its next message until then (twice
-    /// the gap between its last two commits, at most `delay`), so a paced stream shares a sync
-    /// instead of paying one per commit; a sender that waits for each acknowledgement does not.
-    linger: Option<Instant>,
 }
 
 impl Syncer {
@@ -60,8 +54,6 @@ impl Syncer {
             pending: Vec::new(),
             since: None,
             recent: [None; 2],
-            last: None,
-            linger: None,
         }
     }
 
@@ -69,12 +61,10 @@ impl Syncer {
     /// something; `senders`: whose messages it committed ([`crate::unit::Done::sender`]);
     /// `queued`: more jobs wait for the store thread. Syncs and releases at once unless other
     /// senders' commits, or the queued jobs, may share the sync.
-    /// `pipelined`: a committed message was sent before an earlier one was acknowledged.
     pub(crate) fn after(
         &mut self,
         needs_sync: bool,
         senders: &[usize],
-        pipelined: bool,
         release: Release,
         queued: bool,
     ) {
@@ -86,28 +76,15 @@ impl Syncer {
         if needs_sync && self.since.is_none() {
             self.since = Some(now);
         }
-        if !senders.is_empty() {
-            let gap = self
-                .last
-                .map_or(self.delay, |last| now.duration_since(last));
-            self.linger = pipelined.then(|| now + (gap * 2).min(self.delay));
-            self.last = Some(now);
-        }
-        let lingers = self.linger.is_some_and(|until| until > now);
-        if self.since.is_none() || self.delay.is_zero() || !(queued || lingers || self.shared(now))
-        {
+        if self.since.is_none() || self.delay.is_zero() || !(queued || self.shared(now)) {
             self.flush();
         }
     }
 
     /// The store thread found nothing queued: a lone sender's commits are synced now, since
-    /// nobody else would share the sync, unless it pipelines (see [`Syncer::after`]).
+    /// nobody else would share the sync (see [`Syncer::after`]).
     pub(crate) fn idle(&mut self) {
-        let now = Instant::now();
-        if self.since.is_some()
-            && !self.shared(now)
-            && !self.linger.is_some_and(|until| until > now)
-        {
+        if self.since.is_some() && !self.shared(Instant::now()) {
             self.flush();
         }
     }
@@ -126,12 +103,7 @@ impl Syncer {
 
     /// When the oldest commit waiting for a sync has waited `delay`.
     pub(crate) fn due(&self) -> Option<Instant> {
-        let due = self.since? + self.delay;
-        let now = Instant::now();
-        Some(match self.linger {
-            Some(until) if !self.shared(now) => due.min(until),
-            _ => due,
-        })
+        self.since.map(|since| since + self.delay)
     }
 
     /// Whether a commit waits for a sync.
@@ -218,10 +190,10 @@ mod tests {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let mut syncer = Syncer::new(&db, true, Duration::ZERO);
         // No WAL (everything checkpointed): the database file is synced instead.
-        syncer.after(true, &[], false, recording(&seen), false);
+        syncer.after(true, &[], recording(&seen), false);
         std::fs::write(dir.path().join("edgemeta.db-wal"), b"wal").expect("wal");
-        syncer.after(true, &[], false, recording(&seen), false);
-        syncer.after(false, &[], false, recording(&seen), false);
+        syncer.after(true, &[], recording(&seen), false);
+        syncer.after(false, &[], recording(&seen), false);
         assert_eq!(*seen.lock().expect("lock"), vec![true, true, true]);
     }
 
@@ -231,9 +203,9 @@ mod tests {
         // Neither the WAL nor the database exists: the sync fails.
         let mut syncer = Syncer::new(&dir.path().join("gone.db"), true, Duration::ZERO);
         let seen = Arc::new(Mutex::new(Vec::new()));
-        syncer.after(true, &[], false, recording(&seen), false);
+        syncer.after(true, &[], recording(&seen), false);
         // Nothing to make durable: released as it is.
-        syncer.after(false, &[], false, recording(&seen), false);
+        syncer.after(false, &[], recording(&seen), false);
         assert_eq!(*seen.lock().expect("lock"), vec![false, true]);
     }
 
@@ -256,18 +228,18 @@ mod tests {
         let delay = Duration::from_secs(60);
         let (_dir, mut syncer) = over_a_wal(delay);
         // A lone sender is synced at once: its next message may wait for this PUBACK.
-        syncer.after(true, &[7], false, numbered(&seen, 1), false);
-        syncer.after(true, &[7], false, numbered(&seen, 2), false);
+        syncer.after(true, &[7], numbered(&seen, 1), false);
+        syncer.after(true, &[7], numbered(&seen, 2), false);
         assert_eq!(*seen.lock().expect("lock"), vec![(1, true), (2, true)]);
         assert!(syncer.due().is_none());
         // A second sender within the delay: commits wait for others to share their sync.
         let before = Instant::now();
-        syncer.after(true, &[8], false, numbered(&seen, 3), false);
+        syncer.after(true, &[8], numbered(&seen, 3), false);
         let due = syncer.due().expect("a commit waits");
         assert!(due >= before + delay && due <= Instant::now() + delay);
         // Behind a commit that waits, one with nothing to sync waits too: order is kept.
-        syncer.after(false, &[], false, numbered(&seen, 4), false);
-        syncer.after(true, &[7], false, numbered(&seen, 5), false);
+        syncer.after(false, &[], numbered(&seen, 4), false);
+        syncer.after(true, &[7], numbered(&seen, 5), false);
         assert_eq!(
             syncer.due(),
             Some(due),
@@ -281,10 +253,10 @@ mod tests {
         );
         assert!(!syncer.waiting() && syncer.due().is_none());
         // Nothing waits: a commit that wrote nothing is released at once.
-        syncer.after(false, &[8], false, numbered(&seen, 6), false);
+        syncer.after(false, &[8], numbered(&seen, 6), false);
         assert_eq!(seen.lock().expect("lock").len(), 6);
         // What is still waiting when the store thread ends is synced and released.
-        syncer.after(true, &[7], false, numbered(&seen, 7), false);
+        syncer.after(true, &[7], numbered(&seen, 7), false);
         assert_eq!(seen.lock().expect("lock").len(), 6);
         drop(syncer);
         assert_eq!(seen.lock().expect("lock").last(), Some(&(7, true)));
@@ -295,68 +267,25 @@ mod tests {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let (_dir, mut syncer) = over_a_wal(Duration::from_secs(60));
         // More of its messages are queued: they commit before the sync, not after it.
-        syncer.after(true, &[7], false, numbered(&seen, 1), true);
-        syncer.after(true, &[7], false, numbered(&seen, 2), true);
+        syncer.after(true, &[7], numbered(&seen, 1), true);
+        syncer.after(true, &[7], numbered(&seen, 2), true);
         assert!(seen.lock().expect("lock").is_empty());
         assert!(syncer.waiting());
         // The last batch of the burst, with nothing queued behind it: synced at once.
-        syncer.after(true, &[7], false, numbered(&seen, 3), false);
+        syncer.after(true, &[7], numbered(&seen, 3), false);
         assert_eq!(
             *seen.lock().expect("lock"),
             vec![(1, true), (2, true), (3, true)]
         );
         // Queued work that commits nothing (a read): the idle store thread syncs.
-        syncer.after(true, &[7], false, numbered(&seen, 4), true);
+        syncer.after(true, &[7], numbered(&seen, 4), true);
         syncer.idle();
         assert_eq!(seen.lock().expect("lock").len(), 4);
         // Two senders: idle leaves the sync to the delay, for others to share.
-        syncer.after(true, &[8], false, numbered(&seen, 5), false);
+        syncer.after(true, &[8], numbered(&seen, 5), false);
         syncer.idle();
         assert_eq!(seen.lock().expect("lock").len(), 4);
         assert!(syncer.due().is_some());
-    }
-
-    #[test]
-    fn a_lone_sender_that_pipelines_shares_a_sync_while_its_pace_holds() {
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let delay = Duration::from_millis(200);
-        let (_dir, mut syncer) = over_a_wal(delay);
-        // It waited for each acknowledgement: synced at once, as before.
-        syncer.after(true, &[7], false, numbered(&seen, 1), false);
-        assert_eq!(seen.lock().expect("lock").len(), 1);
-        // Sent before the last was acknowledged, 10 ms after it: waits twice that for the next.
-        std::thread::sleep(Duration::from_millis(10));
-        let at = Instant::now();
-        syncer.after(true, &[7], true, numbered(&seen, 2), false);
-        syncer.idle();
-        assert_eq!(
-            seen.lock().expect("lock").len(),
-            1,
-            "nothing queued, yet it waits"
-        );
-        let due = syncer.due().expect("a commit waits");
-        assert!(due >= at + Duration::from_millis(20) && due < at + delay);
-        // The next came in time: it shares the sync, and the wait moves on with it.
-        syncer.after(true, &[7], true, numbered(&seen, 3), false);
-        assert_eq!(seen.lock().expect("lock").len(), 1);
-        // Its pace stopped: once the wait is over, the idle store thread syncs both.
-        std::thread::sleep(
-            syncer
-                .due()
-                .expect("waits")
-                .saturating_duration_since(Instant::now()),
-        );
-        syncer.idle();
-        assert_eq!(
-            *seen.lock().expect("lock"),
-            vec![(1, true), (2, true), (3, true)]
-        );
-        // However fast it pipelines, no commit waits past the delay.
-        for n in 4..8 {
-            syncer.after(true, &[7], true, numbered(&seen, n), false);
-        }
-        let since = Instant::now();
-        assert!(syncer.due().expect("waits") <= since + delay);
     }
 
     #[test]
@@ -364,8 +293,8 @@ mod tests {
         let dir = tempfile::tempdir().expect("dir");
         let mut syncer = Syncer::new(&dir.path().join("gone.db"), true, Duration::from_secs(60));
         let seen = Arc::new(Mutex::new(Vec::new()));
-        syncer.after(true, &[1, 2], false, numbered(&seen, 1), false);
-        syncer.after(true, &[2], false, numbered(&seen, 2), false);
+        syncer.after(true, &[1, 2], numbered(&seen, 1), false);
+        syncer.after(true, &[2], numbered(&seen, 2), false);
         assert!(seen.lock().expect("lock").is_empty());
         syncer.flush();
         assert_eq!(*seen.lock().expect("lock"), vec![(1, false), (2, false)]);
@@ -377,7 +306,7 @@ mod tests {
         // `synchronous: normal`: the delay does not apply, since there is no sync to share.
         let mut syncer = Syncer::new(&dir.path().join("gone.db"), false, Duration::from_secs(60));
         let seen = Arc::new(Mutex::new(Vec::new()));
-        syncer.after(true, &[1, 2], false, numbered(&seen, 1), false);
+        syncer.after(true, &[1, 2], numbered(&seen, 1), false);
         assert_eq!(*seen.lock().expect("lock"), vec![(1, true)]);
     }
 }

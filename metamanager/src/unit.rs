@@ -48,15 +48,6 @@ impl Done {
         }
     }
 
-    /// Whether the sender did not wait for earlier acknowledgements before sending this (the
-    /// cloud bridge never does): its next message may come before this one is acknowledged.
-    pub(crate) fn pipelined(&self) -> bool {
-        match self {
-            Done::Told(_) => true,
-            Done::Acked(ack) => ack.pipelined(),
-        }
-    }
-
     /// Committed, but its commit may not be durable (a failed sync): no acknowledgement, so the
     /// sender delivers it again.
     pub(crate) fn refuse(self) {

@@ -423,7 +423,6 @@ impl Worker {
             })
             .collect();
         let senders: Vec<usize> = dones.iter().map(|(done, _)| done.sender()).collect();
-        let pipelined = dones.iter().any(|(done, _)| done.pipelined());
         let outbox_changed = outbox_written.then(|| self.outbox_changed.clone());
         let release: Release = Box::new(move |durable| {
             for (done, outcome) in dones {
@@ -446,7 +445,7 @@ impl Worker {
         });
         match &mut self.syncer {
             Some(syncer) => {
-                syncer.after(durable, &senders, pipelined, release, !jobs.is_empty());
+                syncer.after(durable, &senders, release, !jobs.is_empty());
                 self.outbox_unsynced = syncer.waiting() && (self.outbox_unsynced || outbox_written);
             }
             None => release(true),
