@@ -9,7 +9,9 @@
 //! - back-pressure: it stops reading from a client that is about to publish to a topic our
 //!   links consume while they lag (backlog.rs); other clients and other packets go on;
 //! - acknowledging what the node consumes only once it is committed: the guard keeps rumqttd's
-//!   early PUBACK / PUBCOMP, and the front writes the node's between rumqttd's packets;
+//!   early PUBACK / PUBCOMP, and the node's is written between rumqttd's packets: over plain
+//!   TCP by the thread that releases it while this front idles between packets (no wake-up of
+//!   the front, `Session::attach`), else by the front;
 //! - delivering the node's hand-ons to a topic only clean-session subscribers hold (a device's
 //!   results, edged's `ke/edged/#`) past rumqttd: written between rumqttd's packets with packet
 //!   ids of its own, whose PUBACKs it keeps from rumqttd. rumqttd would keep each in the
@@ -26,6 +28,7 @@
 //! the preamble and refuses clients without it.
 
 use std::net::SocketAddr;
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -168,7 +171,16 @@ pub async fn serve(
             }
             let result = match tls {
                 Some(tls) => splice_tls(stream, &tls, &backend).await,
-                None => splice(stream, None, &backend).await,
+                None => {
+                    // A second handle for writing acknowledgements and deliveries from the
+                    // thread that releases them (Session::attach).
+                    let direct = stream
+                        .as_fd()
+                        .try_clone_to_owned()
+                        .ok()
+                        .map(std::net::TcpStream::from);
+                    splice(stream, None, direct, &backend).await
+                }
             };
             if let Err(reason) = result {
                 debug!(%peer, reason, "client dropped by the front");
@@ -183,7 +195,7 @@ async fn splice_tls(stream: TcpStream, tls: &Tls, backend: &Backend) -> Result<(
         .map_err(|_| "TLS handshake timed out".to_owned())?
         .map_err(|e| format!("TLS handshake: {e}"))?;
     if !tls.client_certificates {
-        return splice(stream, None, backend).await;
+        return splice(stream, None, None, backend).await;
     }
     let (_, session) = stream.get_ref();
     let name = session
@@ -197,7 +209,7 @@ async fn splice_tls(stream: TcpStream, tls: &Tls, backend: &Backend) -> Result<(
         );
         return Err("no usable common name".to_owned());
     };
-    splice(stream, Some(&name), backend).await
+    splice(stream, Some(&name), None, backend).await
 }
 
 /// How far the back end has got, as the client side sees it.
@@ -212,17 +224,26 @@ enum BackendState {
 const LINGER: Duration = Duration::from_millis(500);
 
 /// Copies both ways between the client and the back end until the back end closes, or until
-/// the guard cuts the connection off.
-async fn splice<S>(client: S, name: Option<&str>, backend: &Backend) -> Result<(), String>
+/// the guard cuts the connection off. `direct`: the client's plain TCP socket once more.
+async fn splice<S>(
+    client: S,
+    name: Option<&str>,
+    direct: Option<std::net::TcpStream>,
+    backend: &Backend,
+) -> Result<(), String>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
     let session = backend.sessions.open();
+    if let Some(socket) = direct {
+        session.attach(socket);
+    }
     let result = tokio::select! {
         result = relay(client, name, backend, &session) => result,
         // Dropping both sockets ends rumqttd's side even while it is blocked writing.
         () = session.cut_off() => Err("cut off by the broker".to_owned()),
     };
+    session.detach();
     backend.sessions.close(session.id());
     backend.backlog.landed(session.drop_carried());
     result
@@ -371,10 +392,16 @@ where
         let mut client_gone = false;
         let mut packets = Boundaries::default();
         loop {
+            if packets.between() && !client_gone {
+                session.front_idle();
+            }
             let n = tokio::select! {
-                read = from_backend.read(&mut buffer) => match read {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => n,
+                read = from_backend.read(&mut buffer) => {
+                    session.front_busy();
+                    match read {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => n,
+                    }
                 },
                 // The node committed what the client published, or delivers a publish past
                 // rumqttd: write it now, between two of rumqttd's packets.
@@ -427,6 +454,7 @@ where
             };
             session.written();
         }
+        session.front_busy();
         state_tx.send_replace(BackendState::Closed);
         let _ = to_client.shutdown().await;
     };

@@ -3,6 +3,8 @@
 //! preamble, so a decision the guard takes (cut this client off) reaches the socket.
 
 use std::collections::HashMap;
+use std::io::Write;
+use std::net::TcpStream;
 use std::sync::atomic::{AtomicI64, AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -62,13 +64,49 @@ impl Out {
     }
 }
 
+/// What waits to be written to the client besides rumqttd's packets, and whether the node may
+/// write it to the socket itself: that spares waking the front for each acknowledgement and
+/// delivery (a thread hand-off, the largest share of a hand-on's latency on a busy node).
+#[derive(Debug, Default)]
+struct Outgoing {
+    out: Out,
+    /// A second handle on the client's socket (plain TCP only; a TLS stream has one writer).
+    direct: Option<TcpStream>,
+    /// The front waits between two of rumqttd's packets with nothing of its own to write, so
+    /// bytes written now cannot land inside one of them.
+    idle: bool,
+}
+
+impl Outgoing {
+    /// Writes what is queued without waiting: all of it (returned, for [`Out::done`]), or, when
+    /// the socket is full or failed, what it took, leaving the rest to the front.
+    fn write_direct(&mut self) -> Option<Out> {
+        let socket = self.direct.as_ref()?;
+        let mut at = 0;
+        while at < self.out.bytes.len() {
+            match (&*socket).write(&self.out.bytes[at..]) {
+                Ok(0) => break,
+                Ok(n) => at += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                // Full (the socket is non-blocking) or broken: the front finds out which.
+                Err(_) => break,
+            }
+        }
+        self.out.bytes.drain(..at);
+        self.out
+            .bytes
+            .is_empty()
+            .then(|| std::mem::take(&mut self.out))
+    }
+}
+
 /// A connection the node may cut off, and what the front is to write to it besides rumqttd's.
 #[derive(Debug, Default)]
 pub struct Session {
     id: u64,
     cut: CancellationToken,
     /// Released acknowledgements (committed) and delivered publishes, not yet written.
-    out: Mutex<Out>,
+    out: Mutex<Outgoing>,
     out_ready: Notify,
     /// Numbers the front's QoS 1 publishes, from [`FRONT_PKIDS`] up, wrapping within the half.
     next_pkid: AtomicU16,
@@ -227,17 +265,20 @@ impl Session {
         }
     }
 
-    /// Queues the acknowledgement of `pkid` for the front to write.
+    /// Writes the acknowledgement of `pkid` to the client, or queues it for the front.
     pub fn release(&self, kind: AckKind, pkid: u16) {
         let [hi, lo] = pkid.to_be_bytes();
-        self.lock_out()
+        let mut outgoing = self.lock_out();
+        outgoing
+            .out
             .bytes
             .extend_from_slice(&[kind.header(), 2, hi, lo]);
-        self.out_ready.notify_one();
+        self.queued(outgoing);
     }
 
-    /// Queues a PUBLISH of `payload` on `topic` (clients' form) for the front to write, at QoS 1
-    /// with one of the front's packet ids when `reliable`; `written` is told once it is written.
+    /// Writes a PUBLISH of `payload` on `topic` (clients' form) to the client, or queues it for
+    /// the front, at QoS 1 with one of the front's packet ids when `reliable`; `written` is told
+    /// once it is written.
     pub fn deliver(
         &self,
         topic: &[u8],
@@ -248,19 +289,59 @@ impl Session {
     ) {
         let pkid = reliable
             .then(|| FRONT_PKIDS | (self.next_pkid.fetch_add(1, Ordering::Relaxed) & !FRONT_PKIDS));
-        let mut out = self.lock_out();
+        let mut outgoing = self.lock_out();
+        let out = &mut outgoing.out;
         encode_publish(&mut out.bytes, topic, payload, pkid, v5);
         out.written.push(written);
         out.reliable += i64::from(reliable);
-        drop(out);
+        self.queued(outgoing);
+    }
+
+    /// Something was queued: written at once while the front is idle, else the front is woken.
+    fn queued(&self, mut outgoing: std::sync::MutexGuard<'_, Outgoing>) {
+        if outgoing.idle {
+            if let Some(out) = outgoing.write_direct() {
+                drop(outgoing);
+                out.done(self);
+                return;
+            }
+            outgoing.idle = false;
+        }
+        drop(outgoing);
         self.out_ready.notify_one();
+    }
+
+    /// The node may write to the client through `socket` (the client's, non-blocking) while
+    /// the front is idle ([`Session::front_idle`]).
+    pub fn attach(&self, socket: TcpStream) {
+        self.lock_out().direct = socket.set_nonblocking(true).is_ok().then_some(socket);
+    }
+
+    /// The front let go of the client's socket: so does the node, or the client would not see
+    /// the connection close.
+    pub fn detach(&self) {
+        let mut outgoing = self.lock_out();
+        outgoing.direct = None;
+        outgoing.idle = false;
+    }
+
+    /// The front waits between rumqttd's packets: the node may write directly, once nothing is
+    /// queued (else [`Session::out_ready`] is already due).
+    pub fn front_idle(&self) {
+        let mut outgoing = self.lock_out();
+        outgoing.idle = outgoing.direct.is_some() && outgoing.out.bytes.is_empty();
+    }
+
+    /// The front is about to write rumqttd's bytes: from now on the node queues.
+    pub fn front_busy(&self) {
+        self.lock_out().idle = false;
     }
 
     /// Resolves once something is queued for the front to write (at once if it already is).
     pub async fn out_ready(&self) {
         loop {
             let notified = self.out_ready.notified();
-            if !self.lock_out().bytes.is_empty() {
+            if !self.lock_out().out.bytes.is_empty() {
                 return;
             }
             notified.await;
@@ -268,11 +349,14 @@ impl Session {
     }
 
     /// What is queued, in the order it was queued; the front calls [`Out::done`] once written.
+    /// The front is busy until it says it is idle again.
     pub fn take_out(&self) -> Out {
-        std::mem::take(&mut *self.lock_out())
+        let mut outgoing = self.lock_out();
+        outgoing.idle = false;
+        std::mem::take(&mut outgoing.out)
     }
 
-    fn lock_out(&self) -> std::sync::MutexGuard<'_, Out> {
+    fn lock_out(&self) -> std::sync::MutexGuard<'_, Outgoing> {
         self.out.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -546,6 +630,100 @@ mod tests {
         };
         assert_eq!((&v5.topic[..], &v5.payload[..]), (&b"t"[..], &b"p"[..]));
         assert!(properties.is_none_or(|p| p.user_properties.is_empty()));
+    }
+
+    /// A connected pair of real sockets: the client's end and the node's.
+    fn socket_pair() -> (TcpStream, TcpStream) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let client = TcpStream::connect(listener.local_addr().expect("address")).expect("connect");
+        let (node, _) = listener.accept().expect("accept");
+        client
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        (client, node)
+    }
+
+    #[test]
+    fn an_idle_front_lets_the_node_write_to_the_socket_and_a_busy_one_gets_it_queued() {
+        use std::io::Read;
+        let (mut client, node) = socket_pair();
+        let session = Session::default();
+        session.attach(node);
+        let count = Arc::new(Count::default());
+
+        // Not idle yet (the front has not said so): queued.
+        session.release(AckKind::PubAck, 7);
+        assert_eq!(session.take_out().bytes, [0x40, 2, 0, 7]);
+
+        session.front_idle();
+        session.release(AckKind::PubAck, 8);
+        session.deliver(b"t", b"p", false, false, count.clone());
+        let mut read = [0_u8; 10];
+        client.read_exact(&mut read).expect("written by the node");
+        assert_eq!(read, [0x40, 2, 0, 8, 0x30, 4, 0, 1, b't', b'p']);
+        assert_eq!(count.0.load(Ordering::Relaxed), 1, "told once written");
+        assert!(
+            session.take_out().bytes.is_empty(),
+            "nothing left for the front"
+        );
+
+        // The front reads rumqttd's bytes: it writes them first, what comes meanwhile waits.
+        session.front_idle();
+        session.front_busy();
+        session.release(AckKind::PubComp, 9);
+        assert_eq!(session.take_out().bytes, [0x70, 2, 0, 9]);
+
+        // Once the front lets go, the client sees the connection end.
+        session.front_idle();
+        session.detach();
+        session.release(AckKind::PubAck, 10);
+        assert_eq!(client.read(&mut read).expect("end of stream"), 0);
+        assert_eq!(session.take_out().bytes, [0x40, 2, 0, 10]);
+    }
+
+    #[test]
+    fn what_a_full_socket_does_not_take_is_left_to_the_front_in_order() {
+        use std::io::Read;
+        let (mut client, node) = socket_pair();
+        let session = Session::default();
+        session.attach(node);
+        let count = Arc::new(Count::default());
+        session.front_idle();
+        // More than the socket buffers hold while the client reads nothing.
+        let payload = vec![b'x'; 1 << 16];
+        let mut sent = 0;
+        while session.lock_out().out.bytes.is_empty() {
+            session.front_idle();
+            session.deliver(b"t", &payload, true, false, count.clone());
+            sent += 1;
+            assert!(sent < 1_000, "the socket never filled");
+        }
+        // The publish that did not fit went partly to the socket, the rest was queued: reading
+        // it all back gives whole packets, and the last one is told written only by the front.
+        assert_eq!(count.0.load(Ordering::Relaxed), sent - 1);
+        let mut whole = Vec::new();
+        let rest = session.take_out();
+        assert!(
+            rest.bytes.len() <= payload.len() + 9,
+            "only the last publish is left"
+        );
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                let packet = 4 + 2 + 1 + 2 + payload.len();
+                whole.resize(packet * sent, 0);
+                client.read_exact(&mut whole).expect("every packet");
+            });
+            let mut node = session.lock_out().direct.take().expect("attached");
+            node.set_nonblocking(false).expect("blocking");
+            node.write_all(&rest.bytes).expect("the rest");
+        });
+        let packet = 4 + 2 + 1 + 2 + payload.len();
+        for (n, p) in whole.chunks(packet).enumerate() {
+            assert_eq!(p[0], 0x32, "packet {n} starts where it should");
+            assert!(p[9..].iter().all(|&b| b == b'x'), "packet {n} is whole");
+        }
+        rest.done(&session);
+        assert_eq!(count.0.load(Ordering::Relaxed), sent);
     }
 
     #[test]
