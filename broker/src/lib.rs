@@ -45,7 +45,7 @@ pub use message::{Front, Message};
 pub use rumqttd::protocol::matches;
 pub use security::hash_password;
 pub use server::{reachable, Broker, BrokerStats};
-pub use session::{Ack, AckKind};
+pub use session::{Ack, AckKind, Cork};
 
 /// Client ids starting with this prefix are reserved for the node's own in-process links.
 pub const RESERVED_CLIENT_PREFIX: &str = "edgemeta-";

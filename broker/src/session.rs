@@ -104,6 +104,8 @@ impl Outgoing {
 #[derive(Debug, Default)]
 pub struct Session {
     id: u64,
+    /// This session, for a [`Cork`] to flush it later.
+    me: Weak<Session>,
     cut: CancellationToken,
     /// Released acknowledgements (committed) and delivered publishes, not yet written.
     out: Mutex<Outgoing>,
@@ -297,8 +299,20 @@ impl Session {
         self.queued(outgoing);
     }
 
-    /// Something was queued: written at once while the front is idle, else the front is woken.
-    fn queued(&self, mut outgoing: std::sync::MutexGuard<'_, Outgoing>) {
+    /// Something was queued: written at once while the front is idle, else the front is woken;
+    /// under a [`Cork`] only once the cork is pulled.
+    fn queued(&self, outgoing: std::sync::MutexGuard<'_, Outgoing>) {
+        if Cork::holds(self) {
+            return;
+        }
+        self.flush_out(outgoing);
+    }
+
+    fn flush_out(&self, mut outgoing: std::sync::MutexGuard<'_, Outgoing>) {
+        if outgoing.out.bytes.is_empty() {
+            // The front took it meanwhile.
+            return;
+        }
         if outgoing.idle {
             if let Some(out) = outgoing.write_direct() {
                 drop(outgoing);
@@ -358,6 +372,71 @@ impl Session {
 
     fn lock_out(&self) -> std::sync::MutexGuard<'_, Outgoing> {
         self.out.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+thread_local! {
+    /// Sessions written to while this thread holds a [`Cork`], and how many corks it holds.
+    static CORKED: std::cell::RefCell<(usize, Vec<Arc<Session>>)> =
+        const { std::cell::RefCell::new((0, Vec::new())) };
+}
+
+/// While held, acknowledgements and deliveries this thread releases to a client are only
+/// queued; dropping the (outermost) cork writes each client's in one go: a commit's hand-ons or
+/// a sync's PUBACKs then cost one socket write per client instead of one each (a loopback send
+/// is most of a hand-on's CPU on the store thread).
+pub struct Cork {
+    _thread_bound: std::marker::PhantomData<*const ()>,
+}
+
+impl Cork {
+    pub fn new() -> Cork {
+        CORKED.with(|corked| corked.borrow_mut().0 += 1);
+        Cork {
+            _thread_bound: std::marker::PhantomData,
+        }
+    }
+
+    /// Whether this thread holds a cork; if so, `session` is flushed when it is pulled.
+    fn holds(session: &Session) -> bool {
+        CORKED.with(|corked| {
+            let mut corked = corked.borrow_mut();
+            let (depth, sessions) = &mut *corked;
+            if *depth == 0 {
+                return false;
+            }
+            if !sessions.iter().any(|held| held.id == session.id) {
+                match session.me.upgrade() {
+                    Some(me) => sessions.push(me),
+                    // Not one the front opened (a test's): nothing would flush it.
+                    None => return false,
+                }
+            }
+            true
+        })
+    }
+}
+
+impl Default for Cork {
+    fn default() -> Cork {
+        Cork::new()
+    }
+}
+
+impl Drop for Cork {
+    fn drop(&mut self) {
+        let sessions = CORKED.with(|corked| {
+            let mut corked = corked.borrow_mut();
+            corked.0 -= 1;
+            if corked.0 == 0 {
+                std::mem::take(&mut corked.1)
+            } else {
+                Vec::new()
+            }
+        });
+        for session in sessions {
+            session.flush_out(session.lock_out());
+        }
     }
 }
 
@@ -471,8 +550,9 @@ impl Sessions {
     pub fn open(&self) -> Arc<Session> {
         let id = self.next.fetch_add(1, Ordering::Relaxed) + 1;
         self.open.fetch_add(1, Ordering::Relaxed);
-        let session = Arc::new(Session {
+        let session = Arc::new_cyclic(|me| Session {
             id,
+            me: me.clone(),
             ..Session::default()
         });
         self.lock().insert(id, session.clone());
@@ -679,6 +759,42 @@ mod tests {
         session.release(AckKind::PubAck, 10);
         assert_eq!(client.read(&mut read).expect("end of stream"), 0);
         assert_eq!(session.take_out().bytes, [0x40, 2, 0, 10]);
+    }
+
+    #[test]
+    fn under_a_cork_a_client_gets_everything_in_one_write_when_it_is_pulled() {
+        use std::io::Read;
+        let (mut client, node) = socket_pair();
+        let sessions = Sessions::default();
+        let session = sessions.open();
+        session.attach(node);
+        session.front_idle();
+        let count = Arc::new(Count::default());
+        {
+            let _outer = Cork::new();
+            {
+                let _inner = Cork::new();
+                session.deliver(b"t", b"1", false, false, count.clone());
+            }
+            session.release(AckKind::PubAck, 5);
+            session.deliver(b"t", b"2", false, false, count.clone());
+            assert_eq!(count.0.load(Ordering::Relaxed), 0, "nothing written yet");
+            client.set_nonblocking(true).expect("non-blocking");
+            let mut none = [0_u8; 1];
+            assert!(client.read(&mut none).is_err(), "nothing on the wire yet");
+            client.set_nonblocking(false).expect("blocking");
+        }
+        let mut read = [0_u8; 16];
+        client
+            .read_exact(&mut read)
+            .expect("written once the cork is pulled");
+        assert_eq!(
+            read,
+            [0x30, 4, 0, 1, b't', b'1', 0x40, 2, 0, 5, 0x30, 4, 0, 1, b't', b'2'],
+            "in the order released"
+        );
+        assert_eq!(count.0.load(Ordering::Relaxed), 2);
+        assert!(session.take_out().bytes.is_empty());
     }
 
     #[test]

@@ -126,6 +126,8 @@ impl Syncer {
             true
         };
         self.since = None;
+        // One write per client for all the PUBACKs this sync releases.
+        let _cork = edgemeta_broker::Cork::new();
         for release in self.pending.drain(..) {
             release(durable);
         }
