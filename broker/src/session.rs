@@ -308,6 +308,7 @@ impl Session {
         self.flush_out(outgoing);
     }
 
+    /// Writes what is queued to the socket while the front idles, else wakes the front.
     fn flush_out(&self, mut outgoing: std::sync::MutexGuard<'_, Outgoing>) {
         if outgoing.out.bytes.is_empty() {
             // The front took it meanwhile.
