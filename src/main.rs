@@ -14,6 +14,7 @@
 mod app;
 mod cli;
 mod config;
+mod limits;
 mod observe;
 mod shutdown;
 mod telemetry;
@@ -120,13 +121,14 @@ fn main() -> anyhow::Result<()> {
             std::process::exit(if ready { 0 } else { 1 });
         }
         Command::Run { config } => {
-            let settings = config::Settings::load(config.as_deref())?;
+            let mut settings = config::Settings::load(config.as_deref())?;
             let registry = if settings.observe.enabled {
                 Some(observe::Registry::new()?)
             } else {
                 None
             };
             telemetry::init(&settings.log, registry.as_ref().map(|r| r.error_layer()));
+            limits::fit(&mut settings.broker.max_connections)?;
             let served = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .worker_threads(settings.workers())

@@ -1078,6 +1078,82 @@ async fn a_client_refused_at_the_connection_limit_can_retry_and_the_listener_ser
     assert!(!node.log().contains("PoisonError"));
 }
 
+/// The node's open-files limits as `/proc` shows them: (soft, hard).
+fn open_files(pid: u32) -> (String, String) {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).expect("limits");
+    let line = limits
+        .lines()
+        .find(|line| line.starts_with("Max open files"))
+        .expect("an open-files line");
+    let words: Vec<&str> = line.split_whitespace().collect();
+    (words[3].to_owned(), words[4].to_owned())
+}
+
+#[tokio::test]
+async fn a_low_soft_open_files_limit_is_raised_and_every_client_is_served() {
+    // A soft limit of 64 would not carry the node itself, let alone 30 clients (four
+    // descriptors each).
+    let node = Node::start_with(Options {
+        nofile: Some((64, 4096)),
+        ..Options::default()
+    })
+    .await;
+    assert_eq!(open_files(node.pid()), ("4096".into(), "4096".into()));
+    let mut clients = Vec::new();
+    for i in 0..30 {
+        let id = unique_id(&format!("fd{i}"));
+        clients.push(Raw::connect(node.port, &id, None).await.expect("admitted"));
+    }
+    let sub = common::mosquitto_sub(node.port, "fd/served", 1).await;
+    let (sent, error) = mosquitto_pub(node.port, &["-q", "1", "-t", "fd/served", "-m", "yes"]);
+    assert!(sent, "{error}");
+    assert_eq!(common::sub_output(sub).await, ["fd/served yes"]);
+    assert!(!node.log().contains("EM-FRONT-ACCEPT"), "{}", node.log());
+    // What the hard limit carries is what the node admits: (4096 - 256) / 4.
+    let warning = node.await_log("EM-BROKER-FD-LIMIT").await;
+    assert!(
+        warning.contains("admitting at most 960 clients"),
+        "{warning}"
+    );
+}
+
+#[tokio::test]
+async fn a_hard_open_files_limit_caps_the_clients_admitted_and_says_what_to_raise() {
+    // (300 - 256 kept for the node itself) / 4 per client = 11 of the default 10,000.
+    let node = Node::start_with(Options {
+        nofile: Some((300, 300)),
+        ..Options::default()
+    })
+    .await;
+    let warning = node.await_log("EM-BROKER-FD-LIMIT").await;
+    assert!(
+        warning.contains("admitting at most 11 clients") && warning.contains("LimitNOFILE"),
+        "{warning}"
+    );
+    let mut clients = Vec::new();
+    for i in 0..11 {
+        let id = unique_id(&format!("fd{i}"));
+        clients.push(Raw::connect(node.port, &id, None).await.expect("admitted"));
+    }
+    // Refused at CONNECT, as at broker.max_connections, not left to a failing accept.
+    let refusal = refused(Raw::connect(node.port, "one-too-many", None).await);
+    assert_eq!(refusal, "refused: ServiceUnavailable");
+    drop(clients.pop());
+    drop(admitted_soon(node.port, "one-too-many").await);
+    assert!(!node.log().contains("EM-FRONT-ACCEPT"), "{}", node.log());
+}
+
+#[test]
+fn an_open_files_limit_that_carries_no_client_stops_the_node_saying_so() {
+    let (status, text) = common::run_limited_expecting_exit(
+        "broker:\n  max_connections: 5\n",
+        &[],
+        Some((100, 100)),
+    );
+    assert!(!status.success());
+    assert!(text.contains("may open only 100 files"), "{text}");
+}
+
 #[tokio::test]
 async fn short_lived_clients_are_not_dropped_under_churn() {
     let node = Node::start().await;

@@ -175,6 +175,8 @@ pub struct Options {
     /// `edgemeta.db` in the node's directory, and only the ports moved, through the environment
     /// ([`Node::env`]). The settings above other than `env` and `files` are not used.
     pub embedded_config: bool,
+    /// `(soft, hard)` open-files limits the node starts with (through `prlimit`).
+    pub nofile: Option<(u64, u64)>,
 }
 
 /// The `cloud:` section for a node under test.
@@ -247,6 +249,7 @@ impl Default for Options {
             env: Vec::new(),
             files: Vec::new(),
             embedded_config: false,
+            nofile: None,
         }
     }
 }
@@ -376,6 +379,11 @@ impl Node {
         self.dir.path().join("edge.yaml")
     }
 
+    /// The node's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("the node runs").id()
+    }
+
     pub fn log_path(&self) -> PathBuf {
         self.dir.path().join("edgemeta.log")
     }
@@ -458,6 +466,7 @@ impl Node {
         let child = run_command(
             self.dir(),
             (!self.options.embedded_config).then_some(config.as_path()),
+            self.options.nofile,
         )
         .envs(self.env())
         .stdout(log.try_clone().expect("log file"))
@@ -1424,10 +1433,20 @@ impl Node {
     }
 }
 
-/// `edgemeta run` working in `dir`, with `config` (or the embedded default configuration):
-/// the one way the tests start a node ([`Node`], [`run_expecting_exit`]).
-fn run_command(dir: &Path, config: Option<&Path>) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_edgemeta"));
+/// `edgemeta run` working in `dir`, with `config` (or the embedded default configuration) and
+/// `nofile`'s open-files limits (soft, hard) if given: the one way the tests start a node
+/// ([`Node`], [`run_expecting_exit`]).
+fn run_command(dir: &Path, config: Option<&Path>, nofile: Option<(u64, u64)>) -> Command {
+    let binary = env!("CARGO_BIN_EXE_edgemeta");
+    let mut command = match nofile {
+        // prlimit (util-linux) sets its own limits and execs the node: the pid stays the node's.
+        Some((soft, hard)) => {
+            let mut command = Command::new("prlimit");
+            command.arg(format!("--nofile={soft}:{hard}")).arg(binary);
+            command
+        }
+        None => Command::new(binary),
+    };
     command.arg("run");
     if let Some(config) = config {
         command.arg("--config").arg(config);
@@ -1442,10 +1461,19 @@ fn run_command(dir: &Path, config: Option<&Path>) -> Command {
 /// Runs `edgemeta run` with `yaml` as its configuration file and `env`; it must exit on its
 /// own within the wait. Returns its exit status and what it printed (stdout, then stderr).
 pub fn run_expecting_exit(yaml: &str, env: &[(&str, &str)]) -> (ExitStatus, String) {
+    run_limited_expecting_exit(yaml, env, None)
+}
+
+/// [`run_expecting_exit`] with the open-files limits `nofile` (soft, hard).
+pub fn run_limited_expecting_exit(
+    yaml: &str,
+    env: &[(&str, &str)],
+    nofile: Option<(u64, u64)>,
+) -> (ExitStatus, String) {
     let dir = tempfile::tempdir().expect("temp dir");
     let config = dir.path().join("edge.yaml");
     std::fs::write(&config, yaml).expect("config");
-    let mut child = run_command(dir.path(), Some(&config))
+    let mut child = run_command(dir.path(), Some(&config), nofile)
         // The default 10550 is not the test's to take: any free port.
         .env("EDGEMETA_METASERVER__ADDRESS", "127.0.0.1:0")
         .envs(env.iter().copied())
