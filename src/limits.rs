@@ -72,7 +72,7 @@ pub fn fit(max_connections: &mut usize) -> anyhow::Result<()> {
             "broker.max_connections {configured} needs {} open files and the process may open \
              {limit}: admitting at most {carried} clients (raise `ulimit -n`, or LimitNOFILE \
              under systemd)",
-            RESERVED + configured * PER_CLIENT
+            RESERVED.saturating_add(configured.saturating_mul(PER_CLIENT))
         );
         *max_connections = carried as usize;
     } else {
