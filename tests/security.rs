@@ -1089,21 +1089,32 @@ fn open_files(pid: u32) -> (String, String) {
     (words[3].to_owned(), words[4].to_owned())
 }
 
+/// A node started with the open-files limits `soft` and `hard`.
+async fn with_open_files(soft: u64, hard: u64) -> Node {
+    Node::start_with(Options {
+        nofile: Some((soft, hard)),
+        ..Options::default()
+    })
+    .await
+}
+
+/// `count` clients with unique ids, each admitted.
+async fn all_admitted(port: u16, count: usize) -> Vec<Raw> {
+    let mut clients = Vec::with_capacity(count);
+    for i in 0..count {
+        let id = unique_id(&format!("fd{i}"));
+        clients.push(Raw::connect(port, &id, None).await.expect("admitted"));
+    }
+    clients
+}
+
 #[tokio::test]
 async fn a_low_soft_open_files_limit_is_raised_and_every_client_is_served() {
     // A soft limit of 64 would not carry the node itself, let alone 30 clients (four
     // descriptors each).
-    let node = Node::start_with(Options {
-        nofile: Some((64, 4096)),
-        ..Options::default()
-    })
-    .await;
+    let node = with_open_files(64, 4096).await;
     assert_eq!(open_files(node.pid()), ("4096".into(), "4096".into()));
-    let mut clients = Vec::new();
-    for i in 0..30 {
-        let id = unique_id(&format!("fd{i}"));
-        clients.push(Raw::connect(node.port, &id, None).await.expect("admitted"));
-    }
+    let _clients = all_admitted(node.port, 30).await;
     let sub = common::mosquitto_sub(node.port, "fd/served", 1).await;
     let (sent, error) = mosquitto_pub(node.port, &["-q", "1", "-t", "fd/served", "-m", "yes"]);
     assert!(sent, "{error}");
@@ -1120,21 +1131,13 @@ async fn a_low_soft_open_files_limit_is_raised_and_every_client_is_served() {
 #[tokio::test]
 async fn a_hard_open_files_limit_caps_the_clients_admitted_and_says_what_to_raise() {
     // (300 - 256 kept for the node itself) / 4 per client = 11 of the default 10,000.
-    let node = Node::start_with(Options {
-        nofile: Some((300, 300)),
-        ..Options::default()
-    })
-    .await;
+    let node = with_open_files(300, 300).await;
     let warning = node.await_log("EM-BROKER-FD-LIMIT").await;
     assert!(
         warning.contains("admitting at most 11 clients") && warning.contains("LimitNOFILE"),
         "{warning}"
     );
-    let mut clients = Vec::new();
-    for i in 0..11 {
-        let id = unique_id(&format!("fd{i}"));
-        clients.push(Raw::connect(node.port, &id, None).await.expect("admitted"));
-    }
+    let mut clients = all_admitted(node.port, 11).await;
     // Refused at CONNECT, as at broker.max_connections, not left to a failing accept.
     let refusal = refused(Raw::connect(node.port, "one-too-many", None).await);
     assert_eq!(refusal, "refused: ServiceUnavailable");
