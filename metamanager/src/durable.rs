@@ -1,31 +1,35 @@
 //! The durability watermark (protocol §6.1). With `store.early_handon`, commits run at SQLite's
-//! `synchronous=NORMAL` (no fsync), so a batch's local hand-ons leave at COMMIT; then the store
-//! thread syncs the WAL once and only then releases what the node acknowledges outward
-//! (PUBACKs, cloud acknowledgements, outbox write replies). The sync stays on the store thread:
-//! on a second thread it ran beside the next commit's WAL writes, which then waited for the
-//! pages under writeback, and every batch paid two more thread wake-ups (docs/benchmarks.md).
+//! `synchronous=NORMAL` (no fsync), so a batch's local hand-ons leave at COMMIT; then the WAL is
+//! synced once and only then is what the node acknowledges outward released (PUBACKs, cloud
+//! acknowledgements, outbox write replies), in commit order. The sync runs on a thread of its
+//! own (`edgemeta-store-sync`), so the store thread goes on committing while the disk works: a
+//! report arriving during a slow fsync no longer waits it out (docs/benchmarks.md).
 //! `store.sync_delay_ms` lets the commits of that long share one sync: at a steady trickle
 //! (1,000 devices reporting once a second) one fsync per commit was a fifth of the node's CPU.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use tokio::sync::Notify;
 use tracing::error;
 
 /// What to do once a commit is durable; `false`: its sync failed, so it may not be (the
 /// caller refuses what it would have acknowledged, and the sender tries again).
 pub(crate) type Release = Box<dyn FnOnce(bool) + Send>;
 
-/// Syncs the WAL after commits whose acknowledgements wait for it, and releases them in commit
-/// order.
+/// Flushes the sync thread may hold before the store thread waits for it: the disk sets the
+/// pace then, as it would with the sync inline.
+const QUEUED_FLUSHES: usize = 64;
+
+/// Decides when the commits that wait for a sync are synced, and hands them to the sync
+/// thread, which syncs the WAL and releases them in commit order.
 pub(crate) struct Syncer {
-    wal: Wal,
-    /// `false` (`store.synchronous: normal`): nothing is synced.
-    sync: bool,
     /// How long a commit's acknowledgements may wait for later commits to share its sync.
     delay: Duration,
-    /// Releases of commits not synced yet, oldest first.
+    /// Releases of commits not handed to the sync thread yet, oldest first.
     pending: Vec<Release>,
     /// When the oldest pending commit that wrote something committed; `None`: nothing to sync.
     since: Option<Instant>,
@@ -35,44 +39,86 @@ pub(crate) struct Syncer {
     /// unless its later messages are queued already: then they share it (a burst from one
     /// client hands on without waiting for an fsync between its batches).
     recent: [Option<(usize, Instant)>; 2],
+    /// A pending commit wrote outbox rows.
+    pending_outbox: bool,
+    /// Flushes handed to the sync thread, and the last of them with outbox rows.
+    sent: u64,
+    outbox_sent: u64,
+    synced: Arc<Synced>,
+    thread: Option<(mpsc::SyncSender<Flush>, std::thread::JoinHandle<()>)>,
+}
+
+/// What the sync thread has finished, for the store thread's outbox reads that wait for it.
+#[derive(Default)]
+pub(crate) struct Synced {
+    /// The last flush whose sync is over.
+    through: AtomicU64,
+    /// Notified after each flush.
+    pub(crate) notify: Notify,
+}
+
+/// One hand-over to the sync thread.
+struct Flush {
+    number: u64,
+    needs_sync: bool,
+    releases: Vec<Release>,
+    /// Told once this flush is released ([`Syncer::settle`]).
+    settled: Option<mpsc::SyncSender<()>>,
 }
 
 impl Syncer {
-    /// Syncs `db`'s WAL (`<db>-wal`); with `sync` false it only releases. A commit waits at
-    /// most `delay` for others to share its sync.
-    pub(crate) fn new(db: &std::path::Path, sync: bool, delay: Duration) -> Syncer {
+    /// Starts the sync thread for `db`'s WAL (`<db>-wal`); with `sync` false it only
+    /// releases. A commit waits at most `delay` for others to share its sync.
+    pub(crate) fn start(
+        db: &std::path::Path,
+        sync: bool,
+        delay: Duration,
+    ) -> std::io::Result<Syncer> {
         let mut wal = db.as_os_str().to_owned();
         wal.push("-wal");
-        Syncer {
-            wal: Wal {
-                path: PathBuf::from(wal),
-                db: db.to_owned(),
-                open: None,
-            },
-            sync,
+        let mut wal = Wal {
+            path: PathBuf::from(wal),
+            db: db.to_owned(),
+            open: None,
+        };
+        let synced = Arc::new(Synced::default());
+        let (tx, rx) = mpsc::sync_channel::<Flush>(QUEUED_FLUSHES);
+        let shared = synced.clone();
+        let thread = std::thread::Builder::new()
+            .name("edgemeta-store-sync".into())
+            .spawn(move || serve(&rx, &mut wal, sync, &shared))?;
+        Ok(Syncer {
             delay: if sync { delay } else { Duration::ZERO },
             pending: Vec::new(),
             since: None,
             recent: [None; 2],
-        }
+            pending_outbox: false,
+            sent: 0,
+            outbox_sent: 0,
+            synced,
+            thread: Some((tx, thread)),
+        })
     }
 
     /// Queues `release` behind the commits not synced yet; `needs_sync`: the commit wrote
     /// something; `senders`: whose messages it committed ([`crate::unit::Done::sender`]);
-    /// `queued`: more jobs wait for the store thread. Syncs and releases at once unless other
-    /// senders' commits, or the queued jobs, may share the sync.
+    /// `queued`: more jobs wait for the store thread; `outbox`: it wrote outbox rows. Syncs
+    /// and releases at once unless other senders' commits, or the queued jobs, may share the
+    /// sync.
     pub(crate) fn after(
         &mut self,
         needs_sync: bool,
         senders: &[usize],
         release: Release,
         queued: bool,
+        outbox: bool,
     ) {
         let now = Instant::now();
         for &sender in senders {
             self.heard(sender, now);
         }
         self.pending.push(release);
+        self.pending_outbox |= outbox;
         if needs_sync && self.since.is_none() {
             self.since = Some(now);
         }
@@ -106,39 +152,133 @@ impl Syncer {
         self.since.map(|since| since + self.delay)
     }
 
-    /// Whether a commit waits for a sync.
+    /// Whether a commit waits for a sync not yet begun.
     pub(crate) fn waiting(&self) -> bool {
         self.since.is_some()
     }
 
-    /// Makes every pending commit durable (one sync, if one wrote something), then releases
-    /// them in order.
+    /// Whether every committed outbox row is synced (or its sync is over, failed): only then
+    /// are outbox rows read for the cloud or the relay (protocol §6.1).
+    pub(crate) fn outbox_synced(&self) -> bool {
+        !self.pending_outbox && self.synced.through.load(Ordering::Acquire) >= self.outbox_sent
+    }
+
+    /// Notified whenever a sync is over.
+    pub(crate) fn synced(&self) -> Arc<Synced> {
+        self.synced.clone()
+    }
+
+    /// Hands every pending commit to the sync thread: one sync (if one wrote something),
+    /// then their releases in order.
     pub(crate) fn flush(&mut self) {
-        let durable = if self.sync && self.since.is_some() {
-            match self.wal.sync() {
-                Ok(()) => true,
-                Err(e) => {
-                    error!(error_code = "EM-STORE-SYNC", error = %e, "syncing the store's WAL failed; the batch's acknowledgements are refused");
-                    false
+        if self.pending.is_empty() {
+            return;
+        }
+        self.send(None);
+    }
+
+    /// Flushes, and waits until everything handed over so far is released: what follows
+    /// (a failed batch's refusals, the final checkpoint) comes after it.
+    pub(crate) fn settle(&mut self) {
+        let (tx, rx) = mpsc::sync_channel(1);
+        if self.send(Some(tx)) {
+            let _ = rx.recv();
+        }
+    }
+
+    /// Whether the sync thread took the flush.
+    fn send(&mut self, settled: Option<mpsc::SyncSender<()>>) -> bool {
+        self.sent += 1;
+        if std::mem::take(&mut self.pending_outbox) {
+            self.outbox_sent = self.sent;
+        }
+        let flush = Flush {
+            number: self.sent,
+            needs_sync: self.since.take().is_some(),
+            releases: std::mem::take(&mut self.pending),
+            settled,
+        };
+        let refused = match &self.thread {
+            Some((tx, _)) => match tx.send(flush) {
+                Ok(()) => return true,
+                Err(mpsc::SendError(flush)) => flush,
+            },
+            None => flush,
+        };
+        // The sync thread is gone (it panicked): nothing of this flush may be acknowledged.
+        for release in refused.releases {
+            release(false);
+        }
+        false
+    }
+}
+
+/// The sync thread: syncs the WAL for each flush, and for the flushes that queued up
+/// meanwhile (they share the sync), then releases them in order.
+fn serve(rx: &mpsc::Receiver<Flush>, wal: &mut Wal, sync: bool, synced: &Synced) {
+    while let Ok(first) = rx.recv() {
+        let mut flushes = vec![first];
+        flushes.extend(rx.try_iter());
+        let ok = !(sync && flushes.iter().any(|f| f.needs_sync))
+            || {
+                match wal.sync() {
+                    Ok(()) => true,
+                    Err(e) => {
+                        error!(error_code = "EM-STORE-SYNC", error = %e, "syncing the store's WAL failed; the batch's acknowledgements are refused");
+                        false
+                    }
+                }
+            };
+        // Before the releases: an outbox read that one of them prompts finds its rows synced.
+        let last = flushes.last().map_or(0, |f| f.number);
+        synced.through.store(last, Ordering::Release);
+        {
+            // One write per client for all the PUBACKs this sync releases.
+            let _cork = edgemeta_broker::Cork::new();
+            for flush in &mut flushes {
+                // A flush whose commits wrote nothing needs no sync to be durable.
+                let durable = ok || !flush.needs_sync;
+                for release in flush.releases.drain(..) {
+                    release(durable);
                 }
             }
-        } else {
-            true
+        }
+        synced.notify.notify_one();
+        for settled in flushes.into_iter().filter_map(|f| f.settled) {
+            let _ = settled.send(());
+        }
+    }
+}
+
+#[cfg(test)]
+impl Syncer {
+    /// Waits until the sync thread has released everything handed to it so far, leaving what
+    /// is pending here as it is.
+    fn caught_up(&self) {
+        let (tx, rx) = mpsc::sync_channel(1);
+        let flush = Flush {
+            number: self.sent,
+            needs_sync: false,
+            releases: Vec::new(),
+            settled: Some(tx),
         };
-        self.since = None;
-        // One write per client for all the PUBACKs this sync releases.
-        let _cork = edgemeta_broker::Cork::new();
-        for release in self.pending.drain(..) {
-            release(durable);
+        if let Some((sender, _)) = &self.thread {
+            if sender.send(flush).is_ok() {
+                let _ = rx.recv();
+            }
         }
     }
 }
 
 impl Drop for Syncer {
     /// Nothing committed is left unacknowledged when the store thread ends, even by a panic:
-    /// it is synced first.
+    /// it is synced first, and the sync thread ends after releasing it.
     fn drop(&mut self) {
         self.flush();
+        if let Some((tx, thread)) = self.thread.take() {
+            drop(tx);
+            let _ = thread.join();
+        }
     }
 }
 
@@ -190,12 +330,13 @@ mod tests {
         let db = dir.path().join("edgemeta.db");
         std::fs::write(&db, b"db").expect("db");
         let seen = Arc::new(Mutex::new(Vec::new()));
-        let mut syncer = Syncer::new(&db, true, Duration::ZERO);
+        let mut syncer = Syncer::start(&db, true, Duration::ZERO).expect("start");
         // No WAL (everything checkpointed): the database file is synced instead.
-        syncer.after(true, &[], recording(&seen), false);
+        syncer.after(true, &[], recording(&seen), false, false);
         std::fs::write(dir.path().join("edgemeta.db-wal"), b"wal").expect("wal");
-        syncer.after(true, &[], recording(&seen), false);
-        syncer.after(false, &[], recording(&seen), false);
+        syncer.after(true, &[], recording(&seen), false, false);
+        syncer.after(false, &[], recording(&seen), false, false);
+        syncer.caught_up();
         assert_eq!(*seen.lock().expect("lock"), vec![true, true, true]);
     }
 
@@ -203,11 +344,13 @@ mod tests {
     fn a_failed_sync_refuses_what_waited_for_it() {
         let dir = tempfile::tempdir().expect("dir");
         // Neither the WAL nor the database exists: the sync fails.
-        let mut syncer = Syncer::new(&dir.path().join("gone.db"), true, Duration::ZERO);
+        let mut syncer =
+            Syncer::start(&dir.path().join("gone.db"), true, Duration::ZERO).expect("start");
         let seen = Arc::new(Mutex::new(Vec::new()));
-        syncer.after(true, &[], recording(&seen), false);
+        syncer.after(true, &[], recording(&seen), false, false);
         // Nothing to make durable: released as it is.
-        syncer.after(false, &[], recording(&seen), false);
+        syncer.after(false, &[], recording(&seen), false, false);
+        syncer.caught_up();
         assert_eq!(*seen.lock().expect("lock"), vec![false, true]);
     }
 
@@ -220,7 +363,7 @@ mod tests {
     fn over_a_wal(delay: Duration) -> (tempfile::TempDir, Syncer) {
         let dir = tempfile::tempdir().expect("dir");
         std::fs::write(dir.path().join("edgemeta.db-wal"), b"wal").expect("wal");
-        let syncer = Syncer::new(&dir.path().join("edgemeta.db"), true, delay);
+        let syncer = Syncer::start(&dir.path().join("edgemeta.db"), true, delay).expect("start");
         (dir, syncer)
     }
 
@@ -230,35 +373,40 @@ mod tests {
         let delay = Duration::from_secs(60);
         let (_dir, mut syncer) = over_a_wal(delay);
         // A lone sender is synced at once: its next message may wait for this PUBACK.
-        syncer.after(true, &[7], numbered(&seen, 1), false);
-        syncer.after(true, &[7], numbered(&seen, 2), false);
+        syncer.after(true, &[7], numbered(&seen, 1), false, false);
+        syncer.after(true, &[7], numbered(&seen, 2), false, false);
+        syncer.caught_up();
         assert_eq!(*seen.lock().expect("lock"), vec![(1, true), (2, true)]);
         assert!(syncer.due().is_none());
         // A second sender within the delay: commits wait for others to share their sync.
         let before = Instant::now();
-        syncer.after(true, &[8], numbered(&seen, 3), false);
+        syncer.after(true, &[8], numbered(&seen, 3), false, false);
         let due = syncer.due().expect("a commit waits");
         assert!(due >= before + delay && due <= Instant::now() + delay);
         // Behind a commit that waits, one with nothing to sync waits too: order is kept.
-        syncer.after(false, &[], numbered(&seen, 4), false);
-        syncer.after(true, &[7], numbered(&seen, 5), false);
+        syncer.after(false, &[], numbered(&seen, 4), false, false);
+        syncer.after(true, &[7], numbered(&seen, 5), false, false);
         assert_eq!(
             syncer.due(),
             Some(due),
             "the oldest commit sets the deadline"
         );
+        syncer.caught_up();
         assert_eq!(seen.lock().expect("lock").len(), 2);
         syncer.flush();
+        syncer.caught_up();
         assert_eq!(
             seen.lock().expect("lock")[2..],
             [(3, true), (4, true), (5, true)]
         );
         assert!(!syncer.waiting() && syncer.due().is_none());
         // Nothing waits: a commit that wrote nothing is released at once.
-        syncer.after(false, &[8], numbered(&seen, 6), false);
+        syncer.after(false, &[8], numbered(&seen, 6), false, false);
+        syncer.caught_up();
         assert_eq!(seen.lock().expect("lock").len(), 6);
         // What is still waiting when the store thread ends is synced and released.
-        syncer.after(true, &[7], numbered(&seen, 7), false);
+        syncer.after(true, &[7], numbered(&seen, 7), false, false);
+        syncer.caught_up();
         assert_eq!(seen.lock().expect("lock").len(), 6);
         drop(syncer);
         assert_eq!(seen.lock().expect("lock").last(), Some(&(7, true)));
@@ -269,23 +417,27 @@ mod tests {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let (_dir, mut syncer) = over_a_wal(Duration::from_secs(60));
         // More of its messages are queued: they commit before the sync, not after it.
-        syncer.after(true, &[7], numbered(&seen, 1), true);
-        syncer.after(true, &[7], numbered(&seen, 2), true);
+        syncer.after(true, &[7], numbered(&seen, 1), true, false);
+        syncer.after(true, &[7], numbered(&seen, 2), true, false);
+        syncer.caught_up();
         assert!(seen.lock().expect("lock").is_empty());
         assert!(syncer.waiting());
         // The last batch of the burst, with nothing queued behind it: synced at once.
-        syncer.after(true, &[7], numbered(&seen, 3), false);
+        syncer.after(true, &[7], numbered(&seen, 3), false, false);
+        syncer.caught_up();
         assert_eq!(
             *seen.lock().expect("lock"),
             vec![(1, true), (2, true), (3, true)]
         );
         // Queued work that commits nothing (a read): the idle store thread syncs.
-        syncer.after(true, &[7], numbered(&seen, 4), true);
+        syncer.after(true, &[7], numbered(&seen, 4), true, false);
         syncer.idle();
+        syncer.caught_up();
         assert_eq!(seen.lock().expect("lock").len(), 4);
         // Two senders: idle leaves the sync to the delay, for others to share.
-        syncer.after(true, &[8], numbered(&seen, 5), false);
+        syncer.after(true, &[8], numbered(&seen, 5), false, false);
         syncer.idle();
+        syncer.caught_up();
         assert_eq!(seen.lock().expect("lock").len(), 4);
         assert!(syncer.due().is_some());
     }
@@ -293,12 +445,15 @@ mod tests {
     #[test]
     fn a_failed_shared_sync_refuses_every_commit_that_waited_for_it() {
         let dir = tempfile::tempdir().expect("dir");
-        let mut syncer = Syncer::new(&dir.path().join("gone.db"), true, Duration::from_secs(60));
+        let mut syncer = Syncer::start(&dir.path().join("gone.db"), true, Duration::from_secs(60))
+            .expect("start");
         let seen = Arc::new(Mutex::new(Vec::new()));
-        syncer.after(true, &[1, 2], numbered(&seen, 1), false);
-        syncer.after(true, &[2], numbered(&seen, 2), false);
+        syncer.after(true, &[1, 2], numbered(&seen, 1), false, false);
+        syncer.after(true, &[2], numbered(&seen, 2), false, false);
+        syncer.caught_up();
         assert!(seen.lock().expect("lock").is_empty());
         syncer.flush();
+        syncer.caught_up();
         assert_eq!(*seen.lock().expect("lock"), vec![(1, false), (2, false)]);
     }
 
@@ -306,9 +461,31 @@ mod tests {
     fn without_fsync_nothing_waits() {
         let dir = tempfile::tempdir().expect("dir");
         // `synchronous: normal`: the delay does not apply, since there is no sync to share.
-        let mut syncer = Syncer::new(&dir.path().join("gone.db"), false, Duration::from_secs(60));
+        let mut syncer = Syncer::start(&dir.path().join("gone.db"), false, Duration::from_secs(60))
+            .expect("start");
         let seen = Arc::new(Mutex::new(Vec::new()));
-        syncer.after(true, &[1, 2], numbered(&seen, 1), false);
+        syncer.after(true, &[1, 2], numbered(&seen, 1), false, false);
+        syncer.caught_up();
         assert_eq!(*seen.lock().expect("lock"), vec![(1, true)]);
+    }
+
+    #[test]
+    fn outbox_rows_count_as_synced_only_once_their_sync_is_over() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let (_dir, mut syncer) = over_a_wal(Duration::from_secs(60));
+        assert!(syncer.outbox_synced());
+        // Two senders: the commit with outbox rows waits for the delay.
+        syncer.after(true, &[7], numbered(&seen, 1), false, false);
+        syncer.after(true, &[8], numbered(&seen, 2), false, true);
+        assert!(!syncer.outbox_synced());
+        // A later commit without outbox rows keeps them unsynced until the sync is over.
+        syncer.after(true, &[7], numbered(&seen, 3), false, false);
+        assert!(!syncer.outbox_synced());
+        syncer.settle();
+        assert!(syncer.outbox_synced());
+        assert_eq!(
+            *seen.lock().expect("lock"),
+            vec![(1, true), (2, true), (3, true)]
+        );
     }
 }

@@ -110,13 +110,20 @@ pub(crate) async fn spawn(
                             return;
                         }
                     };
-                    let syncer = store.early_handon.then(|| {
-                        Syncer::new(
+                    let syncer = match store.early_handon.then(|| {
+                        Syncer::start(
                             &store.path,
                             store.synchronous == Synchronous::Full,
                             Duration::from_millis(store.sync_delay_ms),
                         )
-                    });
+                    }) {
+                        None => None,
+                        Some(Ok(syncer)) => Some(syncer),
+                        Some(Err(e)) => {
+                            let _ = opened_tx.send(Err(Error::Open(StoreError::Thread(e))));
+                            return;
+                        }
+                    };
                     let _ = opened_tx.send(Ok(()));
                     let state = State::new(outbox);
                     let worker = Worker {
@@ -131,7 +138,6 @@ pub(crate) async fn spawn(
                         syncer,
                         checkpointer: Some(checkpointer),
                         held: Vec::new(),
-                        outbox_unsynced: false,
                     };
                     worker.run(jobs).await;
                 })
@@ -156,6 +162,14 @@ pub(crate) async fn spawn(
 /// of senders leaves one or two queued; a burst, hundreds.
 const BUSY: usize = 8;
 
+/// Resolves once the sync thread finishes a sync; never without one.
+async fn synced_after(synced: Option<&crate::durable::Synced>) {
+    match synced {
+        Some(synced) => synced.notify.notified().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Resolves at `due`, never when there is none.
 async fn until(due: Option<std::time::Instant>) {
     match due {
@@ -175,16 +189,14 @@ struct Worker {
     /// Committed changes of served objects, for the MetaServer's live watches. Sending never
     /// waits: a watcher that falls behind the channel catches up from the history.
     changes: broadcast::Sender<Changes>,
-    /// Early hand-on: what is acknowledged outward waits for the WAL's fsync, after the
-    /// batch's hand-ons have left.
+    /// Early hand-on: what is acknowledged outward waits for the WAL's fsync (on the sync
+    /// thread), after the batch's hand-ons have left.
     syncer: Option<Syncer>,
     /// Folds the WAL into the database file off this thread; `None` once stopped for the
     /// final checkpoint.
     checkpointer: Option<Checkpointer>,
     /// Outbox peeks for the cloud or the relay that wait for the sync of rows they would see.
     held: Vec<Read>,
-    /// A commit whose sync is delayed wrote outbox rows.
-    outbox_unsynced: bool,
 }
 
 impl Worker {
@@ -192,8 +204,9 @@ impl Worker {
         let period = self.config.podstatus_sync_interval;
         let mut sync = interval_at(Instant::now() + period, period);
         sync.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let synced = self.syncer.as_ref().map(Syncer::synced);
         loop {
-            if !self.outbox_unsynced {
+            if self.outbox_synced() {
                 self.answer_held().await;
             }
             let mut batch = Batch::default();
@@ -203,6 +216,8 @@ impl Worker {
                     self.flush_sync();
                     continue;
                 }
+                // A sync is over: the outbox peeks held for it may be answered.
+                () = synced_after(synced.as_deref()), if !self.held.is_empty() => continue,
                 job = jobs.recv() => match job {
                     Some(job) => {
                         batch.add(job);
@@ -241,14 +256,16 @@ impl Worker {
             // rows are read for the cloud or the relay only once durable (protocol §6.1): a
             // peek waits for the sync rather than forcing it, or each relay round would.
             for read in reads {
-                if self.outbox_unsynced && matches!(read, Read::Peek { .. }) {
+                if !self.outbox_synced() && matches!(read, Read::Peek { .. }) {
                     self.held.push(read);
                 } else {
                     outbox::answer(read, &self.db, self.state.outbox()).await;
                 }
             }
         }
-        self.flush_sync();
+        if let Some(syncer) = self.syncer.as_mut() {
+            syncer.settle();
+        }
         self.answer_held().await;
         // Stopped first, so the final checkpoint is not answered `busy` by a passive one.
         drop(self.checkpointer.take());
@@ -448,8 +465,7 @@ impl Worker {
         });
         match &mut self.syncer {
             Some(syncer) => {
-                syncer.after(durable, &senders, release, !jobs.is_empty());
-                self.outbox_unsynced = syncer.waiting() && (self.outbox_unsynced || outbox_written);
+                syncer.after(durable, &senders, release, !jobs.is_empty(), outbox_written);
             }
             None => release(true),
         }
@@ -519,7 +535,9 @@ impl Worker {
     /// Nothing of the batch was committed: every request is told so.
     async fn fail_batch(&mut self, steps: Vec<(Step, Outcome)>, writes: Vec<Write>, error: Error) {
         // Earlier commits are acknowledged first: a client's acknowledgements stay in order.
-        self.flush_sync();
+        if let Some(syncer) = self.syncer.as_mut() {
+            syncer.settle();
+        }
         error!(error_code = error.code(), error = %error, "batch not committed");
         for (step, _) in steps {
             for message in self.error_reply(&step, &error) {
@@ -538,7 +556,6 @@ impl Worker {
     fn idle_sync(&mut self) {
         if let Some(syncer) = self.syncer.as_mut() {
             syncer.idle();
-            self.outbox_unsynced &= syncer.waiting();
         }
     }
 
@@ -549,12 +566,16 @@ impl Worker {
         }
     }
 
-    /// Syncs what is committed and releases what waited for it.
+    /// Hands what is committed to the sync thread, which releases what waited for it.
     fn flush_sync(&mut self) {
         if let Some(syncer) = self.syncer.as_mut().filter(|syncer| syncer.waiting()) {
             syncer.flush();
         }
-        self.outbox_unsynced = false;
+    }
+
+    /// Whether outbox rows may be read for the cloud or the relay: every committed one synced.
+    fn outbox_synced(&self) -> bool {
+        self.syncer.as_ref().is_none_or(Syncer::outbox_synced)
     }
 
     fn error_reply(&self, step: &Step, error: &Error) -> Vec<Message> {
