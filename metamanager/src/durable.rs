@@ -9,11 +9,10 @@
 
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use tokio::sync::Notify;
 use tracing::error;
 
 /// What to do once a commit is durable; `false`: its sync failed, so it may not be (the
@@ -39,27 +38,17 @@ pub(crate) struct Syncer {
     /// unless its later messages are queued already: then they share it (a burst from one
     /// client hands on without waiting for an fsync between its batches).
     recent: [Option<(usize, Instant)>; 2],
-    /// A pending commit wrote outbox rows.
-    pending_outbox: bool,
-    /// Flushes handed to the sync thread, and the last of them with outbox rows.
-    sent: u64,
-    outbox_sent: u64,
-    synced: Arc<Synced>,
+    /// The newest outbox row of the pending commits, if they wrote any.
+    pending_outbox: Option<i64>,
+    /// The newest outbox row the sync thread has synced.
+    outbox_synced: Arc<AtomicI64>,
     thread: Option<(mpsc::SyncSender<Flush>, std::thread::JoinHandle<()>)>,
-}
-
-/// What the sync thread has finished, for the store thread's outbox reads that wait for it.
-#[derive(Default)]
-pub(crate) struct Synced {
-    /// The last flush whose sync is over.
-    through: AtomicU64,
-    /// Notified after each flush.
-    pub(crate) notify: Notify,
 }
 
 /// One hand-over to the sync thread.
 struct Flush {
-    number: u64,
+    /// The newest outbox row of its commits, if they wrote any.
+    outbox: Option<i64>,
     needs_sync: bool,
     releases: Vec<Release>,
     /// Told once this flush is released ([`Syncer::settle`]).
@@ -68,11 +57,13 @@ struct Flush {
 
 impl Syncer {
     /// Starts the sync thread for `db`'s WAL (`<db>-wal`); with `sync` false it only
-    /// releases. A commit waits at most `delay` for others to share its sync.
+    /// releases. A commit waits at most `delay` for others to share its sync. `outbox`: the
+    /// newest outbox row when the store opened (durable by then).
     pub(crate) fn start(
         db: &std::path::Path,
         sync: bool,
         delay: Duration,
+        outbox: i64,
     ) -> std::io::Result<Syncer> {
         let mut wal = db.as_os_str().to_owned();
         wal.push("-wal");
@@ -81,9 +72,9 @@ impl Syncer {
             db: db.to_owned(),
             open: None,
         };
-        let synced = Arc::new(Synced::default());
+        let outbox_synced = Arc::new(AtomicI64::new(outbox));
         let (tx, rx) = mpsc::sync_channel::<Flush>(QUEUED_FLUSHES);
-        let shared = synced.clone();
+        let shared = outbox_synced.clone();
         let thread = std::thread::Builder::new()
             .name("edgemeta-store-sync".into())
             .spawn(move || serve(&rx, &mut wal, sync, &shared))?;
@@ -92,17 +83,16 @@ impl Syncer {
             pending: Vec::new(),
             since: None,
             recent: [None; 2],
-            pending_outbox: false,
-            sent: 0,
-            outbox_sent: 0,
-            synced,
+            pending_outbox: None,
+            outbox_synced,
             thread: Some((tx, thread)),
         })
     }
 
     /// Queues `release` behind the commits not synced yet; `needs_sync`: the commit wrote
     /// something; `senders`: whose messages it committed ([`crate::unit::Done::sender`]);
-    /// `queued`: more jobs wait for the store thread; `outbox`: it wrote outbox rows. Syncs
+    /// `queued`: more jobs wait for the store thread; `outbox`: its newest outbox row, if it
+    /// wrote any. Syncs
     /// and releases at once unless other senders' commits, or the queued jobs, may share the
     /// sync.
     pub(crate) fn after(
@@ -111,14 +101,14 @@ impl Syncer {
         senders: &[usize],
         release: Release,
         queued: bool,
-        outbox: bool,
+        outbox: Option<i64>,
     ) {
         let now = Instant::now();
         for &sender in senders {
             self.heard(sender, now);
         }
         self.pending.push(release);
-        self.pending_outbox |= outbox;
+        self.pending_outbox = outbox.or(self.pending_outbox);
         if needs_sync && self.since.is_none() {
             self.since = Some(now);
         }
@@ -157,15 +147,10 @@ impl Syncer {
         self.since.is_some()
     }
 
-    /// Whether every committed outbox row is synced (or its sync is over, failed): only then
-    /// are outbox rows read for the cloud or the relay (protocol §6.1).
-    pub(crate) fn outbox_synced(&self) -> bool {
-        !self.pending_outbox && self.synced.through.load(Ordering::Acquire) >= self.outbox_sent
-    }
-
-    /// Notified whenever a sync is over.
-    pub(crate) fn synced(&self) -> Arc<Synced> {
-        self.synced.clone()
+    /// The newest outbox row that is synced: outbox rows are read for the cloud or the relay
+    /// only up to it (protocol §6.1).
+    pub(crate) fn outbox_synced(&self) -> i64 {
+        self.outbox_synced.load(Ordering::Acquire)
     }
 
     /// Hands every pending commit to the sync thread: one sync (if one wrote something),
@@ -188,12 +173,8 @@ impl Syncer {
 
     /// Whether the sync thread took the flush.
     fn send(&mut self, settled: Option<mpsc::SyncSender<()>>) -> bool {
-        self.sent += 1;
-        if std::mem::take(&mut self.pending_outbox) {
-            self.outbox_sent = self.sent;
-        }
         let flush = Flush {
-            number: self.sent,
+            outbox: self.pending_outbox.take(),
             needs_sync: self.since.take().is_some(),
             releases: std::mem::take(&mut self.pending),
             settled,
@@ -215,7 +196,7 @@ impl Syncer {
 
 /// The sync thread: syncs the WAL for each flush, and for the flushes that queued up
 /// meanwhile (they share the sync), then releases them in order.
-fn serve(rx: &mpsc::Receiver<Flush>, wal: &mut Wal, sync: bool, synced: &Synced) {
+fn serve(rx: &mpsc::Receiver<Flush>, wal: &mut Wal, sync: bool, outbox_synced: &AtomicI64) {
     while let Ok(first) = rx.recv() {
         let mut flushes = vec![first];
         flushes.extend(rx.try_iter());
@@ -229,9 +210,12 @@ fn serve(rx: &mpsc::Receiver<Flush>, wal: &mut Wal, sync: bool, synced: &Synced)
                     }
                 }
             };
-        // Before the releases: an outbox read that one of them prompts finds its rows synced.
-        let last = flushes.last().map_or(0, |f| f.number);
-        synced.through.store(last, Ordering::Release);
+        // Before the releases: an outbox read that one of them prompts finds its rows. After a
+        // failed sync they count as synced too (as when the sync was inline): they are
+        // committed, and a later sync covers them.
+        if let Some(last) = flushes.iter().filter_map(|f| f.outbox).max() {
+            outbox_synced.fetch_max(last, Ordering::Release);
+        }
         {
             // One write per client for all the PUBACKs this sync releases.
             let _cork = edgemeta_broker::Cork::new();
@@ -243,7 +227,6 @@ fn serve(rx: &mpsc::Receiver<Flush>, wal: &mut Wal, sync: bool, synced: &Synced)
                 }
             }
         }
-        synced.notify.notify_one();
         for settled in flushes.into_iter().filter_map(|f| f.settled) {
             let _ = settled.send(());
         }
@@ -257,7 +240,7 @@ impl Syncer {
     fn caught_up(&self) {
         let (tx, rx) = mpsc::sync_channel(1);
         let flush = Flush {
-            number: self.sent,
+            outbox: None,
             needs_sync: false,
             releases: Vec::new(),
             settled: Some(tx),
@@ -330,12 +313,12 @@ mod tests {
         let db = dir.path().join("edgemeta.db");
         std::fs::write(&db, b"db").expect("db");
         let seen = Arc::new(Mutex::new(Vec::new()));
-        let mut syncer = Syncer::start(&db, true, Duration::ZERO).expect("start");
+        let mut syncer = Syncer::start(&db, true, Duration::ZERO, 0).expect("start");
         // No WAL (everything checkpointed): the database file is synced instead.
-        syncer.after(true, &[], recording(&seen), false, false);
+        syncer.after(true, &[], recording(&seen), false, None);
         std::fs::write(dir.path().join("edgemeta.db-wal"), b"wal").expect("wal");
-        syncer.after(true, &[], recording(&seen), false, false);
-        syncer.after(false, &[], recording(&seen), false, false);
+        syncer.after(true, &[], recording(&seen), false, None);
+        syncer.after(false, &[], recording(&seen), false, None);
         syncer.caught_up();
         assert_eq!(*seen.lock().expect("lock"), vec![true, true, true]);
     }
@@ -345,11 +328,11 @@ mod tests {
         let dir = tempfile::tempdir().expect("dir");
         // Neither the WAL nor the database exists: the sync fails.
         let mut syncer =
-            Syncer::start(&dir.path().join("gone.db"), true, Duration::ZERO).expect("start");
+            Syncer::start(&dir.path().join("gone.db"), true, Duration::ZERO, 0).expect("start");
         let seen = Arc::new(Mutex::new(Vec::new()));
-        syncer.after(true, &[], recording(&seen), false, false);
+        syncer.after(true, &[], recording(&seen), false, None);
         // Nothing to make durable: released as it is.
-        syncer.after(false, &[], recording(&seen), false, false);
+        syncer.after(false, &[], recording(&seen), false, None);
         syncer.caught_up();
         assert_eq!(*seen.lock().expect("lock"), vec![false, true]);
     }
@@ -363,7 +346,7 @@ mod tests {
     fn over_a_wal(delay: Duration) -> (tempfile::TempDir, Syncer) {
         let dir = tempfile::tempdir().expect("dir");
         std::fs::write(dir.path().join("edgemeta.db-wal"), b"wal").expect("wal");
-        let syncer = Syncer::start(&dir.path().join("edgemeta.db"), true, delay).expect("start");
+        let syncer = Syncer::start(&dir.path().join("edgemeta.db"), true, delay, 0).expect("start");
         (dir, syncer)
     }
 
@@ -373,19 +356,19 @@ mod tests {
         let delay = Duration::from_secs(60);
         let (_dir, mut syncer) = over_a_wal(delay);
         // A lone sender is synced at once: its next message may wait for this PUBACK.
-        syncer.after(true, &[7], numbered(&seen, 1), false, false);
-        syncer.after(true, &[7], numbered(&seen, 2), false, false);
+        syncer.after(true, &[7], numbered(&seen, 1), false, None);
+        syncer.after(true, &[7], numbered(&seen, 2), false, None);
         syncer.caught_up();
         assert_eq!(*seen.lock().expect("lock"), vec![(1, true), (2, true)]);
         assert!(syncer.due().is_none());
         // A second sender within the delay: commits wait for others to share their sync.
         let before = Instant::now();
-        syncer.after(true, &[8], numbered(&seen, 3), false, false);
+        syncer.after(true, &[8], numbered(&seen, 3), false, None);
         let due = syncer.due().expect("a commit waits");
         assert!(due >= before + delay && due <= Instant::now() + delay);
         // Behind a commit that waits, one with nothing to sync waits too: order is kept.
-        syncer.after(false, &[], numbered(&seen, 4), false, false);
-        syncer.after(true, &[7], numbered(&seen, 5), false, false);
+        syncer.after(false, &[], numbered(&seen, 4), false, None);
+        syncer.after(true, &[7], numbered(&seen, 5), false, None);
         assert_eq!(
             syncer.due(),
             Some(due),
@@ -401,11 +384,11 @@ mod tests {
         );
         assert!(!syncer.waiting() && syncer.due().is_none());
         // Nothing waits: a commit that wrote nothing is released at once.
-        syncer.after(false, &[8], numbered(&seen, 6), false, false);
+        syncer.after(false, &[8], numbered(&seen, 6), false, None);
         syncer.caught_up();
         assert_eq!(seen.lock().expect("lock").len(), 6);
         // What is still waiting when the store thread ends is synced and released.
-        syncer.after(true, &[7], numbered(&seen, 7), false, false);
+        syncer.after(true, &[7], numbered(&seen, 7), false, None);
         syncer.caught_up();
         assert_eq!(seen.lock().expect("lock").len(), 6);
         drop(syncer);
@@ -417,25 +400,25 @@ mod tests {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let (_dir, mut syncer) = over_a_wal(Duration::from_secs(60));
         // More of its messages are queued: they commit before the sync, not after it.
-        syncer.after(true, &[7], numbered(&seen, 1), true, false);
-        syncer.after(true, &[7], numbered(&seen, 2), true, false);
+        syncer.after(true, &[7], numbered(&seen, 1), true, None);
+        syncer.after(true, &[7], numbered(&seen, 2), true, None);
         syncer.caught_up();
         assert!(seen.lock().expect("lock").is_empty());
         assert!(syncer.waiting());
         // The last batch of the burst, with nothing queued behind it: synced at once.
-        syncer.after(true, &[7], numbered(&seen, 3), false, false);
+        syncer.after(true, &[7], numbered(&seen, 3), false, None);
         syncer.caught_up();
         assert_eq!(
             *seen.lock().expect("lock"),
             vec![(1, true), (2, true), (3, true)]
         );
         // Queued work that commits nothing (a read): the idle store thread syncs.
-        syncer.after(true, &[7], numbered(&seen, 4), true, false);
+        syncer.after(true, &[7], numbered(&seen, 4), true, None);
         syncer.idle();
         syncer.caught_up();
         assert_eq!(seen.lock().expect("lock").len(), 4);
         // Two senders: idle leaves the sync to the delay, for others to share.
-        syncer.after(true, &[8], numbered(&seen, 5), false, false);
+        syncer.after(true, &[8], numbered(&seen, 5), false, None);
         syncer.idle();
         syncer.caught_up();
         assert_eq!(seen.lock().expect("lock").len(), 4);
@@ -445,11 +428,16 @@ mod tests {
     #[test]
     fn a_failed_shared_sync_refuses_every_commit_that_waited_for_it() {
         let dir = tempfile::tempdir().expect("dir");
-        let mut syncer = Syncer::start(&dir.path().join("gone.db"), true, Duration::from_secs(60))
-            .expect("start");
+        let mut syncer = Syncer::start(
+            &dir.path().join("gone.db"),
+            true,
+            Duration::from_secs(60),
+            0,
+        )
+        .expect("start");
         let seen = Arc::new(Mutex::new(Vec::new()));
-        syncer.after(true, &[1, 2], numbered(&seen, 1), false, false);
-        syncer.after(true, &[2], numbered(&seen, 2), false, false);
+        syncer.after(true, &[1, 2], numbered(&seen, 1), false, None);
+        syncer.after(true, &[2], numbered(&seen, 2), false, None);
         syncer.caught_up();
         assert!(seen.lock().expect("lock").is_empty());
         syncer.flush();
@@ -461,10 +449,15 @@ mod tests {
     fn without_fsync_nothing_waits() {
         let dir = tempfile::tempdir().expect("dir");
         // `synchronous: normal`: the delay does not apply, since there is no sync to share.
-        let mut syncer = Syncer::start(&dir.path().join("gone.db"), false, Duration::from_secs(60))
-            .expect("start");
+        let mut syncer = Syncer::start(
+            &dir.path().join("gone.db"),
+            false,
+            Duration::from_secs(60),
+            0,
+        )
+        .expect("start");
         let seen = Arc::new(Mutex::new(Vec::new()));
-        syncer.after(true, &[1, 2], numbered(&seen, 1), false, false);
+        syncer.after(true, &[1, 2], numbered(&seen, 1), false, None);
         syncer.caught_up();
         assert_eq!(*seen.lock().expect("lock"), vec![(1, true)]);
     }
@@ -473,19 +466,25 @@ mod tests {
     fn outbox_rows_count_as_synced_only_once_their_sync_is_over() {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let (_dir, mut syncer) = over_a_wal(Duration::from_secs(60));
-        assert!(syncer.outbox_synced());
-        // Two senders: the commit with outbox rows waits for the delay.
-        syncer.after(true, &[7], numbered(&seen, 1), false, false);
-        syncer.after(true, &[8], numbered(&seen, 2), false, true);
-        assert!(!syncer.outbox_synced());
-        // A later commit without outbox rows keeps them unsynced until the sync is over.
-        syncer.after(true, &[7], numbered(&seen, 3), false, false);
-        assert!(!syncer.outbox_synced());
+        assert_eq!(syncer.outbox_synced(), 0);
+        // Two senders: the commit with outbox rows up to 5 waits for the delay.
+        syncer.after(true, &[7], numbered(&seen, 1), false, None);
+        syncer.after(true, &[8], numbered(&seen, 2), false, Some(5));
+        syncer.caught_up();
+        assert_eq!(syncer.outbox_synced(), 0);
+        // A later commit without outbox rows does not lower the watermark it waits for.
+        syncer.after(true, &[7], numbered(&seen, 3), false, None);
         syncer.settle();
-        assert!(syncer.outbox_synced());
+        assert_eq!(syncer.outbox_synced(), 5);
+        syncer.after(true, &[8], numbered(&seen, 4), false, Some(9));
+        syncer.caught_up();
+        assert_eq!(syncer.outbox_synced(), 5, "row 9 waits for its sync");
+        syncer.flush();
+        syncer.caught_up();
+        assert_eq!(syncer.outbox_synced(), 9);
         assert_eq!(
             *seen.lock().expect("lock"),
-            vec![(1, true), (2, true), (3, true)]
+            vec![(1, true), (2, true), (3, true), (4, true)]
         );
     }
 }

@@ -35,7 +35,8 @@ pub enum Write {
     HandonAck { seq: i64, reply: Reply<()> },
 }
 
-/// An outbox read: answered from committed state, after the batch it arrived with.
+/// An outbox read: answered from committed (for a peek: synced) state, after the batch it
+/// arrived with.
 pub enum Read {
     /// The oldest `limit` entries with `seq > after`.
     Peek {
@@ -124,15 +125,17 @@ pub async fn apply(
     }
 }
 
-/// Answers `read` from committed state; a stats read also re-anchors the running counters.
-pub async fn answer(read: Read, db: &Db, counters: &mut OutboxStats) {
+/// Answers `read` from committed state; a peek sees the entries up to `synced` only (protocol
+/// §6.1: what leaves for the cloud is durable). A stats read also re-anchors the running
+/// counters.
+pub async fn answer(read: Read, db: &Db, counters: &mut OutboxStats, synced: i64) {
     match read {
         Read::Peek {
             after,
             limit,
             reply,
         } => {
-            let result = db.outbox_peek(after, limit).await;
+            let result = db.outbox_peek(after, synced, limit).await;
             let _ = reply.send(result.map_err(Error::store("read outbox")));
         }
         Read::HandonPeek {

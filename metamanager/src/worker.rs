@@ -110,11 +110,19 @@ pub(crate) async fn spawn(
                             return;
                         }
                     };
+                    let outbox_last = match db.outbox_last().await {
+                        Ok(last) => last,
+                        Err(e) => {
+                            let _ = opened_tx.send(Err(Error::Open(e.into())));
+                            return;
+                        }
+                    };
                     let syncer = match store.early_handon.then(|| {
                         Syncer::start(
                             &store.path,
                             store.synchronous == Synchronous::Full,
                             Duration::from_millis(store.sync_delay_ms),
+                            outbox_last,
                         )
                     }) {
                         None => None,
@@ -137,7 +145,6 @@ pub(crate) async fn spawn(
                         changes,
                         syncer,
                         checkpointer: Some(checkpointer),
-                        held: Vec::new(),
                     };
                     worker.run(jobs).await;
                 })
@@ -161,14 +168,6 @@ pub(crate) async fn spawn(
 /// Jobs queued after a batch from which the store counts as busy: it syncs at once. A trickle
 /// of senders leaves one or two queued; a burst, hundreds.
 const BUSY: usize = 8;
-
-/// Resolves once the sync thread finishes a sync; never without one.
-async fn synced_after(synced: Option<&crate::durable::Synced>) {
-    match synced {
-        Some(synced) => synced.notify.notified().await,
-        None => std::future::pending().await,
-    }
-}
 
 /// Resolves at `due`, never when there is none.
 async fn until(due: Option<std::time::Instant>) {
@@ -195,8 +194,6 @@ struct Worker {
     /// Folds the WAL into the database file off this thread; `None` once stopped for the
     /// final checkpoint.
     checkpointer: Option<Checkpointer>,
-    /// Outbox peeks for the cloud or the relay that wait for the sync of rows they would see.
-    held: Vec<Read>,
 }
 
 impl Worker {
@@ -204,11 +201,7 @@ impl Worker {
         let period = self.config.podstatus_sync_interval;
         let mut sync = interval_at(Instant::now() + period, period);
         sync.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        let synced = self.syncer.as_ref().map(Syncer::synced);
         loop {
-            if self.outbox_synced() {
-                self.answer_held().await;
-            }
             let mut batch = Batch::default();
             let due = self.syncer.as_ref().and_then(Syncer::due);
             tokio::select! {
@@ -216,8 +209,6 @@ impl Worker {
                     self.flush_sync();
                     continue;
                 }
-                // A sync is over: the outbox peeks held for it may be answered.
-                () = synced_after(synced.as_deref()), if !self.held.is_empty() => continue,
                 job = jobs.recv() => match job {
                     Some(job) => {
                         batch.add(job);
@@ -254,19 +245,16 @@ impl Worker {
             }
             // Reads see what is committed, whether or not this batch's writes were; but outbox
             // rows are read for the cloud or the relay only once durable (protocol §6.1): a
-            // peek waits for the sync rather than forcing it, or each relay round would.
+            // peek sees them up to the sync thread's watermark, and their release's notify
+            // prompts the next.
+            let synced = self.outbox_synced();
             for read in reads {
-                if !self.outbox_synced() && matches!(read, Read::Peek { .. }) {
-                    self.held.push(read);
-                } else {
-                    outbox::answer(read, &self.db, self.state.outbox()).await;
-                }
+                outbox::answer(read, &self.db, self.state.outbox(), synced).await;
             }
         }
         if let Some(syncer) = self.syncer.as_mut() {
             syncer.settle();
         }
-        self.answer_held().await;
         // Stopped first, so the final checkpoint is not answered `busy` by a passive one.
         drop(self.checkpointer.take());
         if let Err(e) = self.db.checkpoint().await {
@@ -463,9 +451,21 @@ impl Worker {
                 changed.notify_one();
             }
         });
+        // The newest outbox row this commit wrote, for the watermark of what peeks may see.
+        let outbox_last = match (&self.syncer, outbox_written) {
+            (Some(_), true) => match self.db.outbox_last().await {
+                Ok(last) => Some(last),
+                Err(e) => {
+                    // Its rows become readable with the next commit's that writes the outbox.
+                    warn!(error_code = "EM-STORE-WRITE", error = %e, "reading the outbox's newest row failed; its new rows leave with the next commit's");
+                    None
+                }
+            },
+            _ => None,
+        };
         match &mut self.syncer {
             Some(syncer) => {
-                syncer.after(durable, &senders, release, !jobs.is_empty(), outbox_written);
+                syncer.after(durable, &senders, release, !jobs.is_empty(), outbox_last);
             }
             None => release(true),
         }
@@ -559,13 +559,6 @@ impl Worker {
         }
     }
 
-    /// Answers the outbox peeks that waited for a sync.
-    async fn answer_held(&mut self) {
-        for read in std::mem::take(&mut self.held) {
-            outbox::answer(read, &self.db, self.state.outbox()).await;
-        }
-    }
-
     /// Hands what is committed to the sync thread, which releases what waited for it.
     fn flush_sync(&mut self) {
         if let Some(syncer) = self.syncer.as_mut().filter(|syncer| syncer.waiting()) {
@@ -573,9 +566,10 @@ impl Worker {
         }
     }
 
-    /// Whether outbox rows may be read for the cloud or the relay: every committed one synced.
-    fn outbox_synced(&self) -> bool {
-        self.syncer.as_ref().is_none_or(Syncer::outbox_synced)
+    /// The newest outbox row that may be read for the cloud or the relay: every committed one
+    /// without early hand-on (each commit fsyncs).
+    fn outbox_synced(&self) -> i64 {
+        self.syncer.as_ref().map_or(i64::MAX, Syncer::outbox_synced)
     }
 
     fn error_reply(&self, step: &Step, error: &Error) -> Vec<Message> {

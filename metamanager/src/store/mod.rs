@@ -430,16 +430,17 @@ impl Db {
         .map(drop)
     }
 
-    /// The oldest `limit` outbox entries after `after`, oldest first.
+    /// The oldest `limit` outbox entries after `after` and up to `upto`, oldest first.
     pub async fn outbox_peek(
         &self,
         after: i64,
+        upto: i64,
         limit: usize,
     ) -> Result<Vec<OutboxEntry>, libsql::Error> {
-        const SQL: &str =
-            "SELECT seq, topic, payload FROM outbox WHERE seq > ?1 ORDER BY seq LIMIT ?2";
+        const SQL: &str = "SELECT seq, topic, payload FROM outbox WHERE seq > ?1 AND seq <= ?2 \
+             ORDER BY seq LIMIT ?3";
         let statement = self.statement(SQL).await?;
-        let mut rows = statement.query([after, limit as i64]).await?;
+        let mut rows = statement.query([after, upto, limit as i64]).await?;
         let mut out = Vec::new();
         while let Some(row) = rows.next().await? {
             out.push(OutboxEntry {
@@ -451,6 +452,20 @@ impl Db {
         drop(rows);
         self.keep(SQL, statement);
         Ok(out)
+    }
+
+    /// The newest outbox entry's seq (0: none): the rowid b-tree's last entry, no scan.
+    pub async fn outbox_last(&self) -> Result<i64, libsql::Error> {
+        const SQL: &str = "SELECT coalesce(max(seq), 0) FROM outbox";
+        let statement = self.statement(SQL).await?;
+        let mut rows = statement.query(()).await?;
+        let last = match rows.next().await? {
+            Some(row) => row.get::<i64>(0)?,
+            None => 0,
+        };
+        drop(rows);
+        self.keep(SQL, statement);
+        Ok(last)
     }
 
     /// Removes every outbox entry up to and including `seq`; the entries and bytes removed.
