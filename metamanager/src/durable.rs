@@ -51,7 +51,7 @@ struct Flush {
     outbox: Option<i64>,
     needs_sync: bool,
     releases: Vec<Release>,
-    /// Told once this flush is released ([`Syncer::settle`]).
+    /// Told once this flush and those before it are released ([`Syncer::settle`]).
     settled: Option<mpsc::SyncSender<()>>,
 }
 
@@ -92,9 +92,8 @@ impl Syncer {
     /// Queues `release` behind the commits not synced yet; `needs_sync`: the commit wrote
     /// something; `senders`: whose messages it committed ([`crate::unit::Done::sender`]);
     /// `queued`: more jobs wait for the store thread; `outbox`: its newest outbox row, if it
-    /// wrote any. Syncs
-    /// and releases at once unless other senders' commits, or the queued jobs, may share the
-    /// sync.
+    /// wrote any. Syncs and releases at once unless other senders' commits, or the queued
+    /// jobs, may share the sync.
     pub(crate) fn after(
         &mut self,
         needs_sync: bool,
@@ -159,29 +158,15 @@ impl Syncer {
         if self.pending.is_empty() {
             return;
         }
-        self.send(None);
-    }
-
-    /// Flushes, and waits until everything handed over so far is released: what follows
-    /// (a failed batch's refusals, the final checkpoint) comes after it.
-    pub(crate) fn settle(&mut self) {
-        let (tx, rx) = mpsc::sync_channel(1);
-        if self.send(Some(tx)) {
-            let _ = rx.recv();
-        }
-    }
-
-    /// Whether the sync thread took the flush.
-    fn send(&mut self, settled: Option<mpsc::SyncSender<()>>) -> bool {
         let flush = Flush {
             outbox: self.pending_outbox.take(),
             needs_sync: self.since.take().is_some(),
             releases: std::mem::take(&mut self.pending),
-            settled,
+            settled: None,
         };
         let refused = match &self.thread {
             Some((tx, _)) => match tx.send(flush) {
-                Ok(()) => return true,
+                Ok(()) => return,
                 Err(mpsc::SendError(flush)) => flush,
             },
             None => flush,
@@ -190,7 +175,30 @@ impl Syncer {
         for release in refused.releases {
             release(false);
         }
-        false
+    }
+
+    /// Flushes, and waits until everything handed over so far is released: what follows
+    /// (a failed batch's refusals, the final checkpoint) comes after it.
+    pub(crate) fn settle(&mut self) {
+        self.flush();
+        self.handed_over();
+    }
+
+    /// Waits until the sync thread has released everything handed to it so far, leaving what
+    /// is pending here as it is.
+    fn handed_over(&self) {
+        let (tx, rx) = mpsc::sync_channel(1);
+        let marker = Flush {
+            outbox: None,
+            needs_sync: false,
+            releases: Vec::new(),
+            settled: Some(tx),
+        };
+        if let Some((sender, _)) = &self.thread {
+            if sender.send(marker).is_ok() {
+                let _ = rx.recv();
+            }
+        }
     }
 }
 
@@ -229,26 +237,6 @@ fn serve(rx: &mpsc::Receiver<Flush>, wal: &mut Wal, sync: bool, outbox_synced: &
         }
         for settled in flushes.into_iter().filter_map(|f| f.settled) {
             let _ = settled.send(());
-        }
-    }
-}
-
-#[cfg(test)]
-impl Syncer {
-    /// Waits until the sync thread has released everything handed to it so far, leaving what
-    /// is pending here as it is.
-    fn caught_up(&self) {
-        let (tx, rx) = mpsc::sync_channel(1);
-        let flush = Flush {
-            outbox: None,
-            needs_sync: false,
-            releases: Vec::new(),
-            settled: Some(tx),
-        };
-        if let Some((sender, _)) = &self.thread {
-            if sender.send(flush).is_ok() {
-                let _ = rx.recv();
-            }
         }
     }
 }
@@ -319,7 +307,7 @@ mod tests {
         std::fs::write(dir.path().join("edgemeta.db-wal"), b"wal").expect("wal");
         syncer.after(true, &[], recording(&seen), false, None);
         syncer.after(false, &[], recording(&seen), false, None);
-        syncer.caught_up();
+        syncer.handed_over();
         assert_eq!(*seen.lock().expect("lock"), vec![true, true, true]);
     }
 
@@ -333,7 +321,7 @@ mod tests {
         syncer.after(true, &[], recording(&seen), false, None);
         // Nothing to make durable: released as it is.
         syncer.after(false, &[], recording(&seen), false, None);
-        syncer.caught_up();
+        syncer.handed_over();
         assert_eq!(*seen.lock().expect("lock"), vec![false, true]);
     }
 
@@ -358,7 +346,7 @@ mod tests {
         // A lone sender is synced at once: its next message may wait for this PUBACK.
         syncer.after(true, &[7], numbered(&seen, 1), false, None);
         syncer.after(true, &[7], numbered(&seen, 2), false, None);
-        syncer.caught_up();
+        syncer.handed_over();
         assert_eq!(*seen.lock().expect("lock"), vec![(1, true), (2, true)]);
         assert!(syncer.due().is_none());
         // A second sender within the delay: commits wait for others to share their sync.
@@ -374,10 +362,10 @@ mod tests {
             Some(due),
             "the oldest commit sets the deadline"
         );
-        syncer.caught_up();
+        syncer.handed_over();
         assert_eq!(seen.lock().expect("lock").len(), 2);
         syncer.flush();
-        syncer.caught_up();
+        syncer.handed_over();
         assert_eq!(
             seen.lock().expect("lock")[2..],
             [(3, true), (4, true), (5, true)]
@@ -385,11 +373,11 @@ mod tests {
         assert!(!syncer.waiting() && syncer.due().is_none());
         // Nothing waits: a commit that wrote nothing is released at once.
         syncer.after(false, &[8], numbered(&seen, 6), false, None);
-        syncer.caught_up();
+        syncer.handed_over();
         assert_eq!(seen.lock().expect("lock").len(), 6);
         // What is still waiting when the store thread ends is synced and released.
         syncer.after(true, &[7], numbered(&seen, 7), false, None);
-        syncer.caught_up();
+        syncer.handed_over();
         assert_eq!(seen.lock().expect("lock").len(), 6);
         drop(syncer);
         assert_eq!(seen.lock().expect("lock").last(), Some(&(7, true)));
@@ -402,12 +390,12 @@ mod tests {
         // More of its messages are queued: they commit before the sync, not after it.
         syncer.after(true, &[7], numbered(&seen, 1), true, None);
         syncer.after(true, &[7], numbered(&seen, 2), true, None);
-        syncer.caught_up();
+        syncer.handed_over();
         assert!(seen.lock().expect("lock").is_empty());
         assert!(syncer.waiting());
         // The last batch of the burst, with nothing queued behind it: synced at once.
         syncer.after(true, &[7], numbered(&seen, 3), false, None);
-        syncer.caught_up();
+        syncer.handed_over();
         assert_eq!(
             *seen.lock().expect("lock"),
             vec![(1, true), (2, true), (3, true)]
@@ -415,12 +403,12 @@ mod tests {
         // Queued work that commits nothing (a read): the idle store thread syncs.
         syncer.after(true, &[7], numbered(&seen, 4), true, None);
         syncer.idle();
-        syncer.caught_up();
+        syncer.handed_over();
         assert_eq!(seen.lock().expect("lock").len(), 4);
         // Two senders: idle leaves the sync to the delay, for others to share.
         syncer.after(true, &[8], numbered(&seen, 5), false, None);
         syncer.idle();
-        syncer.caught_up();
+        syncer.handed_over();
         assert_eq!(seen.lock().expect("lock").len(), 4);
         assert!(syncer.due().is_some());
     }
@@ -438,10 +426,10 @@ mod tests {
         let seen = Arc::new(Mutex::new(Vec::new()));
         syncer.after(true, &[1, 2], numbered(&seen, 1), false, None);
         syncer.after(true, &[2], numbered(&seen, 2), false, None);
-        syncer.caught_up();
+        syncer.handed_over();
         assert!(seen.lock().expect("lock").is_empty());
         syncer.flush();
-        syncer.caught_up();
+        syncer.handed_over();
         assert_eq!(*seen.lock().expect("lock"), vec![(1, false), (2, false)]);
     }
 
@@ -458,7 +446,7 @@ mod tests {
         .expect("start");
         let seen = Arc::new(Mutex::new(Vec::new()));
         syncer.after(true, &[1, 2], numbered(&seen, 1), false, None);
-        syncer.caught_up();
+        syncer.handed_over();
         assert_eq!(*seen.lock().expect("lock"), vec![(1, true)]);
     }
 
@@ -470,17 +458,17 @@ mod tests {
         // Two senders: the commit with outbox rows up to 5 waits for the delay.
         syncer.after(true, &[7], numbered(&seen, 1), false, None);
         syncer.after(true, &[8], numbered(&seen, 2), false, Some(5));
-        syncer.caught_up();
+        syncer.handed_over();
         assert_eq!(syncer.outbox_synced(), 0);
         // A later commit without outbox rows does not lower the watermark it waits for.
         syncer.after(true, &[7], numbered(&seen, 3), false, None);
         syncer.settle();
         assert_eq!(syncer.outbox_synced(), 5);
         syncer.after(true, &[8], numbered(&seen, 4), false, Some(9));
-        syncer.caught_up();
+        syncer.handed_over();
         assert_eq!(syncer.outbox_synced(), 5, "row 9 waits for its sync");
         syncer.flush();
-        syncer.caught_up();
+        syncer.handed_over();
         assert_eq!(syncer.outbox_synced(), 9);
         assert_eq!(
             *seen.lock().expect("lock"),
