@@ -181,8 +181,10 @@ pub(crate) struct Settings<'a> {
     pub(crate) node: &'a str,
     pub(crate) waits: Waits,
     pub(crate) outbox_limit: OutboxLimit,
-    /// Standalone: where the outbox is relayed (the local broker), else `None` (a cloud).
-    pub(crate) relay: Option<&'a Publisher>,
+    /// The node's link to the local broker: who subscribes to what.
+    pub(crate) broker: &'a Publisher,
+    /// Standalone: the outbox is relayed to the local broker, not carried to a cloud.
+    pub(crate) relay: bool,
 }
 
 /// Everything a handler may touch, borrowed field by field so the open transaction (which
@@ -256,6 +258,14 @@ impl<'a> Context<'a> {
         std::mem::replace(&mut self.state.connected, connected)
     }
 
+    /// Whether a client subscribes to the device topic `topic` (`$hw/...`) now: what nobody
+    /// hears is dropped at the commit ([`crate::handon::unheard`]), so it need not be built.
+    pub(crate) fn heard(&self, topic: &str) -> bool {
+        self.settings
+            .broker
+            .reaches_anyone(&edgemeta_broker::to_broker(topic))
+    }
+
     /// Publishes `message` after the commit.
     pub(crate) fn publish(&mut self, message: Message) {
         self.local.push(message);
@@ -299,11 +309,7 @@ impl<'a> Context<'a> {
     ) -> Result<(), Error> {
         // Standalone, a row is relayed to whoever subscribes to its topic when it goes out, and
         // deleted: one nobody subscribes to now would only cost a write, a read and a delete.
-        if self
-            .settings
-            .relay
-            .is_some_and(|relay| !relay.reaches_anyone(topic))
-        {
+        if self.settings.relay && !self.settings.broker.reaches_anyone(topic) {
             return Ok(());
         }
         outbox::append(

@@ -292,7 +292,12 @@ impl Worker {
                 applied.push((step, Outcome::Retry));
                 continue;
             }
-            let savepoint = match tx.savepoint().await {
+            let opened = if applied.is_empty() {
+                tx.first_savepoint().await
+            } else {
+                tx.savepoint().await
+            };
+            let savepoint = match opened {
                 Ok(savepoint) => savepoint,
                 Err(e) => {
                     aborted = Some(Error::Commit(format!("cannot open a savepoint: {e}")));
@@ -301,8 +306,8 @@ impl Worker {
                 }
             };
             let counters = *self.state.outbox();
-            let relay = self.config.local_relay.then_some(&self.publisher);
-            let mut cx = Context::new(&self.db, settings(&self.config, relay), &mut self.state);
+            let settings = settings(&self.config, &self.publisher);
+            let mut cx = Context::new(&self.db, settings, &mut self.state);
             let result = match &step {
                 Step::Apply(work, _) => handlers::apply(work, &mut cx).await,
                 Step::Expired(id) => handlers::expire(id, &mut cx).await,
@@ -622,12 +627,13 @@ fn count_failed<'a>(meters: &Meters, steps: impl Iterator<Item = &'a Step>) {
 }
 
 /// What every handler reads of the worker's configuration.
-fn settings<'a>(config: &'a WorkerConfig, relay: Option<&'a Publisher>) -> Settings<'a> {
+fn settings<'a>(config: &'a WorkerConfig, broker: &'a Publisher) -> Settings<'a> {
     Settings {
         root: &config.root,
         node: &config.node,
         waits: config.waits,
         outbox_limit: config.outbox_limit,
-        relay,
+        broker,
+        relay: config.local_relay,
     }
 }

@@ -3,7 +3,7 @@
 use crate::devices::wire::{Base, TwinResult};
 use crate::devices::{local, Event};
 use crate::error::Error;
-use crate::handlers::device::{device_exists, load_twins, read_request, refuse};
+use crate::handlers::device::{known_twins, read_request, refuse};
 use crate::handlers::family::{applying, Family};
 use crate::unit::Context;
 
@@ -16,12 +16,11 @@ async fn apply(event: &Event, cx: &mut Context<'_>) -> Result<(), Error> {
         return Ok(());
     };
     let id = event.id.as_str();
-    if !device_exists(id, cx).await? {
+    let Some(twins) = known_twins(id, cx).await? else {
         let reason = format!("Device {id} not found while getting twin");
         return refuse(cx, &topic, &base.event_id, 404, &reason, "");
-    }
-    let twin = load_twins(id, cx)
-        .await?
+    };
+    let twin = twins
         .into_iter()
         .filter(|(_, t)| !t.is_deleted())
         .map(|(k, t)| (k, Some(t.to_msg(false))))

@@ -5,7 +5,7 @@ use crate::devices::wire::{Base, TwinResult, TwinUpdate};
 use crate::devices::{local, Event};
 use crate::error::Error;
 use crate::handlers::device::{
-    after_twin_change, device_exists, load_twins, read_request, refuse, write_twins,
+    after_twin_change, known_twins, read_request, refuse, write_twins,
 };
 use crate::handlers::family::{applying, Family};
 use crate::unit::Context;
@@ -34,7 +34,7 @@ async fn apply(event: &Event, cx: &mut Context<'_>) -> Result<(), Error> {
     if let Err(reason) = twin::check_update(&changes) {
         return refuse(cx, &topic, &event_id, 400, &reason, "");
     }
-    if !device_exists(id, cx).await? {
+    let Some(mut twins) = known_twins(id, cx).await? else {
         return refuse(
             cx,
             &topic,
@@ -43,8 +43,7 @@ async fn apply(event: &Event, cx: &mut Context<'_>) -> Result<(), Error> {
             "update rejected due to the device is not existed",
             id,
         );
-    }
-    let mut twins = load_twins(id, cx).await?;
+    };
     let now = now_ms();
     let merged = match twin::merge(&mut twins, &changes, Source::Device, now) {
         Ok(merged) => merged,
