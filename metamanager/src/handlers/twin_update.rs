@@ -4,9 +4,7 @@ use crate::devices::twin::{self, Source};
 use crate::devices::wire::{Base, TwinResult, TwinUpdate};
 use crate::devices::{local, Event};
 use crate::error::Error;
-use crate::handlers::device::{
-    after_twin_change, known_twins, read_request, refuse, write_twins,
-};
+use crate::handlers::device::{after_twin_change, known_twins, read_request, refuse, write_twins};
 use crate::handlers::family::{applying, Family};
 use crate::unit::Context;
 use edgemeta_protocol::now_ms;

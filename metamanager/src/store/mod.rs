@@ -715,15 +715,21 @@ mod tests {
         db.upsert("ns/pod/kept", "pod", "v0").await.expect("upsert");
         let tx = db.begin(true).await.expect("begin");
         let first = tx.first_savepoint().await.expect("first");
-        db.upsert("ns/pod/kept", "pod", "undone").await.expect("upsert");
-        db.upsert("ns/pod/a", "pod", "undone").await.expect("upsert");
+        db.upsert("ns/pod/kept", "pod", "undone")
+            .await
+            .expect("upsert");
+        db.upsert("ns/pod/a", "pod", "undone")
+            .await
+            .expect("upsert");
         first.rollback().await.expect("roll back the first");
         assert!(tx.is_open(), "the batch's transaction is open again");
         let second = tx.first_savepoint().await.expect("a real savepoint now");
         db.upsert("ns/pod/b", "pod", "v1").await.expect("upsert");
         second.release().await.expect("release");
         let third = tx.savepoint().await.expect("savepoint");
-        db.upsert("ns/pod/c", "pod", "undone").await.expect("upsert");
+        db.upsert("ns/pod/c", "pod", "undone")
+            .await
+            .expect("upsert");
         third.rollback().await.expect("roll back the third");
         tx.commit().await.expect("commit");
         let value = |key: &'static str| {
