@@ -23,6 +23,10 @@ pub(crate) type Release = Box<dyn FnOnce(bool) + Send>;
 /// pace then, as it would with the sync inline.
 const QUEUED_FLUSHES: usize = 64;
 
+/// A sender heard within this many sync delays may still share a sync: a commit waits for
+/// others only while some sender heard that recently has nothing waiting for the sync.
+const RECENT_DELAYS: u32 = 10;
+
 /// Decides when the commits that wait for a sync are synced, and hands them to the sync
 /// thread, which syncs the WAL and releases them in commit order.
 pub(crate) struct Syncer {
@@ -38,6 +42,10 @@ pub(crate) struct Syncer {
     /// unless its later messages are queued already: then they share it (a burst from one
     /// client hands on without waiting for an fsync between its batches).
     recent: [Option<(usize, Instant)>; 2],
+    /// Every sender heard within [`RECENT_DELAYS`] delays, when, and whether a commit of its
+    /// waits here for a sync. When all of them wait, nobody is left to share the sync (several
+    /// clients that each wait for their PUBACK before the next publish): it starts at once.
+    senders: Vec<(usize, Instant, bool)>,
     /// The newest outbox row of the pending commits, if they wrote any.
     pending_outbox: Option<i64>,
     /// The newest outbox row the sync thread has synced.
@@ -83,6 +91,7 @@ impl Syncer {
             pending: Vec::new(),
             since: None,
             recent: [None; 2],
+            senders: Vec::new(),
             pending_outbox: None,
             outbox_synced,
             thread: Some((tx, thread)),
@@ -111,7 +120,10 @@ impl Syncer {
         if needs_sync && self.since.is_none() {
             self.since = Some(now);
         }
-        if self.since.is_none() || self.delay.is_zero() || !(queued || self.shared(now)) {
+        if self.since.is_none()
+            || self.delay.is_zero()
+            || !(queued || (self.shared(now) && !self.all_waiting(now)))
+        {
             self.flush();
         }
     }
@@ -119,16 +131,29 @@ impl Syncer {
     /// The store thread found nothing queued: a lone sender's commits are synced now, since
     /// nobody else would share the sync (see [`Syncer::after`]).
     pub(crate) fn idle(&mut self) {
-        if self.since.is_some() && !self.shared(Instant::now()) {
+        let now = Instant::now();
+        if self.since.is_some() && (!self.shared(now) || self.all_waiting(now)) {
             self.flush();
         }
     }
 
     fn heard(&mut self, sender: usize, now: Instant) {
+        match self.senders.iter_mut().find(|(s, _, _)| *s == sender) {
+            Some(entry) => *entry = (sender, now, true),
+            None => self.senders.push((sender, now, true)),
+        }
         match self.recent[0] {
             Some((last, _)) if last == sender => self.recent[0] = Some((sender, now)),
             _ => self.recent = [Some((sender, now)), self.recent[0]],
         }
+    }
+
+    /// Whether every sender heard recently has a commit waiting here (forgetting the others).
+    fn all_waiting(&mut self, now: Instant) -> bool {
+        let recent = self.delay * RECENT_DELAYS;
+        self.senders
+            .retain(|(_, at, _)| now.duration_since(*at) <= recent);
+        self.senders.iter().all(|(_, _, waiting)| *waiting)
     }
 
     /// Whether a second sender committed within the delay.
@@ -157,6 +182,9 @@ impl Syncer {
     pub(crate) fn flush(&mut self) {
         if self.pending.is_empty() {
             return;
+        }
+        for (_, _, waiting) in &mut self.senders {
+            *waiting = false;
         }
         let flush = Flush {
             outbox: self.pending_outbox.take(),
@@ -356,7 +384,6 @@ mod tests {
         assert!(due >= before + delay && due <= Instant::now() + delay);
         // Behind a commit that waits, one with nothing to sync waits too: order is kept.
         syncer.after(false, &[], numbered(&seen, 4), false, None);
-        syncer.after(true, &[7], numbered(&seen, 5), false, None);
         assert_eq!(
             syncer.due(),
             Some(due),
@@ -364,7 +391,9 @@ mod tests {
         );
         syncer.handed_over();
         assert_eq!(seen.lock().expect("lock").len(), 2);
-        syncer.flush();
+        // Now every sender heard lately has a commit waiting (each waits for its PUBACK before
+        // it publishes again): nobody is left to share the sync, which starts at once.
+        syncer.after(true, &[7], numbered(&seen, 5), false, None);
         syncer.handed_over();
         assert_eq!(
             seen.lock().expect("lock")[2..],
@@ -381,6 +410,29 @@ mod tests {
         assert_eq!(seen.lock().expect("lock").len(), 6);
         drop(syncer);
         assert_eq!(seen.lock().expect("lock").last(), Some(&(7, true)));
+    }
+
+    #[test]
+    fn a_sender_not_heard_for_ten_delays_no_longer_holds_a_sync_back() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let delay = Duration::from_millis(50);
+        let (_dir, mut syncer) = over_a_wal(delay);
+        syncer.after(true, &[1], numbered(&seen, 1), false, None);
+        syncer.flush();
+        // Sender 1 goes quiet; 2 and 3 take turns, each waiting for its PUBACK.
+        std::thread::sleep(delay * (RECENT_DELAYS + 2));
+        syncer.after(true, &[3], numbered(&seen, 2), false, None);
+        syncer.after(true, &[2], numbered(&seen, 3), false, None);
+        syncer.idle();
+        syncer.handed_over();
+        assert_eq!(seen.lock().expect("lock").len(), 2, "3 may publish again");
+        syncer.after(true, &[3], numbered(&seen, 4), false, None);
+        syncer.handed_over();
+        assert_eq!(
+            *seen.lock().expect("lock"),
+            vec![(1, true), (2, true), (3, true), (4, true)],
+            "2 and 3 both wait: the sync starts without waiting for the quiet sender 1"
+        );
     }
 
     #[test]
@@ -424,8 +476,9 @@ mod tests {
         )
         .expect("start");
         let seen = Arc::new(Mutex::new(Vec::new()));
-        syncer.after(true, &[1, 2], numbered(&seen, 1), false, None);
-        syncer.after(true, &[2], numbered(&seen, 2), false, None);
+        // More jobs queued: the two commits share the sync.
+        syncer.after(true, &[1, 2], numbered(&seen, 1), true, None);
+        syncer.after(true, &[2], numbered(&seen, 2), true, None);
         syncer.handed_over();
         assert!(seen.lock().expect("lock").is_empty());
         syncer.flush();
