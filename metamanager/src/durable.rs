@@ -140,7 +140,11 @@ impl Syncer {
     fn heard(&mut self, sender: usize, now: Instant) {
         match self.senders.iter_mut().find(|(s, _, _)| *s == sender) {
             Some(entry) => *entry = (sender, now, true),
-            None => self.senders.push((sender, now, true)),
+            None => {
+                // Only senders heard lately are kept, however many connect over time.
+                self.forget_quiet(now);
+                self.senders.push((sender, now, true));
+            }
         }
         match self.recent[0] {
             Some((last, _)) if last == sender => self.recent[0] = Some((sender, now)),
@@ -150,10 +154,15 @@ impl Syncer {
 
     /// Whether every sender heard recently has a commit waiting here (forgetting the others).
     fn all_waiting(&mut self, now: Instant) -> bool {
+        self.forget_quiet(now);
+        self.senders.iter().all(|(_, _, waiting)| *waiting)
+    }
+
+    /// Forgets the senders not heard within [`RECENT_DELAYS`] delays.
+    fn forget_quiet(&mut self, now: Instant) {
         let recent = self.delay * RECENT_DELAYS;
         self.senders
             .retain(|(_, at, _)| now.duration_since(*at) <= recent);
-        self.senders.iter().all(|(_, _, waiting)| *waiting)
     }
 
     /// Whether a second sender committed within the delay.
@@ -433,6 +442,27 @@ mod tests {
             vec![(1, true), (2, true), (3, true), (4, true)],
             "2 and 3 both wait: the sync starts without waiting for the quiet sender 1"
         );
+    }
+
+    #[test]
+    fn only_senders_heard_lately_are_remembered() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let delay = Duration::from_millis(1);
+        let (_dir, mut syncer) = over_a_wal(delay);
+        for n in 0..5_000_u32 {
+            let sender = usize::try_from(n).expect("fits");
+            syncer.after(true, &[sender], numbered(&seen, n), true, None);
+            if n % 500 == 499 {
+                std::thread::sleep(delay * (RECENT_DELAYS + 2));
+            }
+        }
+        assert!(
+            syncer.senders.len() <= 500,
+            "{} senders remembered",
+            syncer.senders.len()
+        );
+        drop(syncer);
+        assert_eq!(seen.lock().expect("lock").len(), 5_000);
     }
 
     #[test]
