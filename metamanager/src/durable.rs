@@ -6,6 +6,7 @@
 //! report arriving during a slow fsync no longer waits it out (docs/benchmarks.md).
 //! `store.sync_delay_ms` lets the commits of that long share one sync: at a steady trickle
 //! (1,000 devices reporting once a second) one fsync per commit was a fifth of the node's CPU.
+//! Nobody waits for others who cannot come: see [`Syncer::after`].
 
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
@@ -27,6 +28,11 @@ const QUEUED_FLUSHES: usize = 64;
 /// others only while some sender heard that recently has nothing waiting for the sync.
 const RECENT_DELAYS: u32 = 10;
 
+/// A sync this many messages wait for starts without waiting for more: they share its cost
+/// well enough, and a pipelining sender may have filled its window by then (`mosquitto_pub`
+/// keeps 20 in flight, Paho Java 10), so waiting longer would only stall it.
+const SHARED_ENOUGH: usize = 8;
+
 /// Decides when the commits that wait for a sync are synced, and hands them to the sync
 /// thread, which syncs the WAL and releases them in commit order.
 pub(crate) struct Syncer {
@@ -46,6 +52,8 @@ pub(crate) struct Syncer {
     /// waits here for a sync. When all of them wait, nobody is left to share the sync (several
     /// clients that each wait for their PUBACK before the next publish): it starts at once.
     senders: Vec<(usize, Instant, bool)>,
+    /// How many messages the pending commits hold ([`SHARED_ENOUGH`]).
+    pending_messages: usize,
     /// The newest outbox row of the pending commits, if they wrote any.
     pending_outbox: Option<i64>,
     /// The newest outbox row the sync thread has synced.
@@ -92,6 +100,7 @@ impl Syncer {
             since: None,
             recent: [None; 2],
             senders: Vec::new(),
+            pending_messages: 0,
             pending_outbox: None,
             outbox_synced,
             thread: Some((tx, thread)),
@@ -102,7 +111,7 @@ impl Syncer {
     /// something; `senders`: whose messages it committed ([`crate::unit::Done::sender`]);
     /// `queued`: more jobs wait for the store thread; `outbox`: its newest outbox row, if it
     /// wrote any. Syncs and releases at once unless other senders' commits, or the queued
-    /// jobs, may share the sync.
+    /// jobs, may share the sync (and fewer than [`SHARED_ENOUGH`] messages share it yet).
     pub(crate) fn after(
         &mut self,
         needs_sync: bool,
@@ -116,13 +125,14 @@ impl Syncer {
             self.heard(sender, now);
         }
         self.pending.push(release);
+        self.pending_messages += senders.len();
         self.pending_outbox = outbox.or(self.pending_outbox);
         if needs_sync && self.since.is_none() {
             self.since = Some(now);
         }
         if self.since.is_none()
             || self.delay.is_zero()
-            || !(queued || (self.shared(now) && !self.all_waiting(now)))
+            || !(queued || (self.shared(now) && !self.all_waiting(now) && !self.enough()))
         {
             self.flush();
         }
@@ -132,7 +142,8 @@ impl Syncer {
     /// nobody else would share the sync (see [`Syncer::after`]).
     pub(crate) fn idle(&mut self) {
         let now = Instant::now();
-        if self.since.is_some() && (!self.shared(now) || self.all_waiting(now)) {
+        if self.since.is_some() && (!self.shared(now) || self.all_waiting(now) || self.enough())
+        {
             self.flush();
         }
     }
@@ -165,6 +176,11 @@ impl Syncer {
             .retain(|(_, at, _)| now.duration_since(*at) <= recent);
     }
 
+    /// Whether enough messages wait for the sync to share it without waiting for more.
+    fn enough(&self) -> bool {
+        self.pending_messages >= SHARED_ENOUGH
+    }
+
     /// Whether a second sender committed within the delay.
     fn shared(&self, now: Instant) -> bool {
         self.recent[1].is_some_and(|(_, at)| now.duration_since(at) <= self.delay)
@@ -195,6 +211,7 @@ impl Syncer {
         for (_, _, waiting) in &mut self.senders {
             *waiting = false;
         }
+        self.pending_messages = 0;
         let flush = Flush {
             outbox: self.pending_outbox.take(),
             needs_sync: self.since.take().is_some(),
@@ -419,6 +436,33 @@ mod tests {
         assert_eq!(seen.lock().expect("lock").len(), 6);
         drop(syncer);
         assert_eq!(seen.lock().expect("lock").last(), Some(&(7, true)));
+    }
+
+    #[test]
+    fn a_sync_enough_messages_wait_for_starts_without_waiting_for_more() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let (_dir, mut syncer) = over_a_wal(Duration::from_secs(60));
+        // Sender 7 trickles; sender 8 pipelines a window of messages, one commit each.
+        syncer.after(true, &[7], numbered(&seen, 0), false, None);
+        syncer.after(true, &[7], numbered(&seen, 1), false, None);
+        syncer.handed_over();
+        let start = seen.lock().expect("lock").len();
+        for n in 1..u32::try_from(SHARED_ENOUGH).expect("fits") {
+            syncer.after(true, &[8], numbered(&seen, 10 + n), false, None);
+            syncer.idle();
+        }
+        syncer.handed_over();
+        assert_eq!(seen.lock().expect("lock").len(), start, "they wait to share the sync");
+        // With the window's next message enough wait: the sync starts, the sender is unblocked.
+        syncer.after(true, &[8], numbered(&seen, 99), false, None);
+        syncer.handed_over();
+        assert_eq!(seen.lock().expect("lock").last(), Some(&(99, true)));
+        assert!(!syncer.waiting());
+        // The count starts again after each sync.
+        syncer.after(true, &[8], numbered(&seen, 100), false, None);
+        syncer.after(true, &[9], numbered(&seen, 101), false, None);
+        syncer.handed_over();
+        assert!(syncer.waiting(), "two messages are not enough");
     }
 
     #[test]
