@@ -127,6 +127,10 @@ pub struct Session {
     routed: AtomicI64,
     /// What the client may publish, once rumqttd has accepted its CONNECT.
     rights: OnceLock<Rights>,
+    /// Acknowledgements the node promised for the client's publishes and has not released.
+    promised: AtomicI64,
+    /// When the node last released one (ns after [`epoch`]; 0: never).
+    acked_at: AtomicU64,
 }
 
 /// What an accepted client may publish, and how it speaks: what the front needs to hand its
@@ -483,19 +487,31 @@ struct Pending {
     session: Weak<Session>,
     kind: AckKind,
     pkid: u16,
+    after_ack: Option<Duration>,
     abandoned: std::sync::atomic::AtomicBool,
 }
 
 impl Ack {
-    fn new(session: Weak<Session>, kind: AckKind, pkid: u16) -> Ack {
+    fn new(session: &Arc<Session>, kind: AckKind, pkid: u16) -> Ack {
+        let owed = session.promised.fetch_add(1, Ordering::Relaxed);
+        let acked = session.acked_at.load(Ordering::Relaxed);
         Ack {
             _pending: Arc::new(Pending {
-                session,
+                session: Arc::downgrade(session),
                 kind,
                 pkid,
+                after_ack: (owed == 0 && acked != 0)
+                    .then(|| Duration::from_nanos(now_ns().saturating_sub(acked))),
                 abandoned: Default::default(),
             }),
         }
+    }
+
+    /// How long after the client's last acknowledgement it sent this publish, if it waited
+    /// for none other meanwhile: a client that waits for each PUBACK before it publishes
+    /// again ("stop and wait") sends its next right after it (protocol §6.1).
+    pub fn after_ack(&self) -> Option<Duration> {
+        self._pending.after_ack
     }
 
     /// Which connection waits for this acknowledgement (equal for the same connection while
@@ -513,10 +529,12 @@ impl Ack {
 
 impl Drop for Pending {
     fn drop(&mut self) {
-        if self.abandoned.load(Ordering::Relaxed) {
+        let Some(session) = self.session.upgrade() else {
             return;
-        }
-        if let Some(session) = self.session.upgrade() {
+        };
+        session.promised.fetch_sub(1, Ordering::Relaxed);
+        if !self.abandoned.load(Ordering::Relaxed) {
+            session.acked_at.store(now_ns(), Ordering::Relaxed);
             session.release(self.kind, self.pkid);
         }
     }
@@ -599,17 +617,16 @@ impl Sessions {
     /// A routed publish of connection `id` reached a link ([`Session::arrived`]); the promise
     /// to acknowledge it, if it asks for one and the connection is still open.
     pub fn reached_link(&self, id: u64, ack: Option<(AckKind, u16)>) -> Option<Ack> {
-        let session = self.lock_live().get(&id)?.clone();
-        session.upgrade()?.arrived();
+        let session = self.lock_live().get(&id)?.upgrade()?;
+        session.arrived();
         let (kind, pkid) = ack?;
-        Some(Ack::new(session, kind, pkid))
+        Some(Ack::new(&session, kind, pkid))
     }
 
     /// A promise to acknowledge `pkid` on connection `id`, if it is still open.
     pub fn promise(&self, id: u64, kind: AckKind, pkid: u16) -> Option<Ack> {
-        let session = self.lock_live().get(&id)?.clone();
-        session.upgrade()?;
-        Some(Ack::new(session, kind, pkid))
+        let session = self.lock_live().get(&id)?.upgrade()?;
+        Some(Ack::new(&session, kind, pkid))
     }
 
     fn lock_live(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Weak<Session>>> {
@@ -904,5 +921,34 @@ mod tests {
         assert_eq!(session.take_out().bytes, vec![0x70, 2, 0, 7]);
         sessions.close(session.id());
         assert!(sessions.promise(session.id(), AckKind::PubAck, 1).is_none());
+    }
+
+    #[test]
+    fn a_publish_sent_right_after_its_ack_with_nothing_else_in_flight_is_told_apart() {
+        let sessions = Sessions::default();
+        let session = sessions.open();
+        let promise = |pkid| {
+            sessions
+                .promise(session.id(), AckKind::PubAck, pkid)
+                .expect("open")
+        };
+        let first = promise(1);
+        assert_eq!(first.after_ack(), None, "no acknowledgement yet");
+        drop(first);
+        std::thread::sleep(Duration::from_millis(20));
+        // Stop and wait: the next publish comes once the previous one is acknowledged.
+        let next = promise(2);
+        let after = next.after_ack().expect("nothing else in flight");
+        assert!(after >= Duration::from_millis(20), "{after:?}");
+        // Pipelining: a publish sent while another waits for its acknowledgement.
+        let pipelined = promise(3);
+        assert_eq!(pipelined.after_ack(), None);
+        drop(next);
+        // An abandoned promise no longer counts as in flight, nor as acknowledged.
+        pipelined.abandon();
+        drop(pipelined);
+        std::thread::sleep(Duration::from_millis(20));
+        let again = promise(4);
+        assert!(again.after_ack().expect("nothing in flight") >= Duration::from_millis(20));
     }
 }

@@ -54,6 +54,9 @@ pub(crate) struct Syncer {
     senders: Vec<(usize, Instant, bool)>,
     /// How many messages the pending commits hold ([`SHARED_ENOUGH`]).
     pending_messages: usize,
+    /// A pending commit holds a message its client sent within a delay of its previous
+    /// PUBACK, with nothing else in flight: it waits for this sync to publish again.
+    awaited: bool,
     /// The newest outbox row of the pending commits, if they wrote any.
     pending_outbox: Option<i64>,
     /// The newest outbox row the sync thread has synced.
@@ -101,6 +104,7 @@ impl Syncer {
             recent: [None; 2],
             senders: Vec::new(),
             pending_messages: 0,
+            awaited: false,
             pending_outbox: None,
             outbox_synced,
             thread: Some((tx, thread)),
@@ -109,13 +113,15 @@ impl Syncer {
 
     /// Queues `release` behind the commits not synced yet; `needs_sync`: the commit wrote
     /// something; `senders`: whose messages it committed ([`crate::unit::Done::sender`]);
-    /// `queued`: more jobs wait for the store thread; `outbox`: its newest outbox row, if it
-    /// wrote any. Syncs and releases at once unless other senders' commits, or the queued
-    /// jobs, may share the sync (and fewer than [`SHARED_ENOUGH`] messages share it yet).
+    /// `after_ack`: the soonest any was sent after its client's previous PUBACK
+    /// ([`crate::unit::Done::after_ack`]); `queued`: more jobs wait for the store thread;
+    /// `outbox`: its newest outbox row, if it wrote any. Syncs and releases at once unless
+    /// other senders' commits, or the queued jobs, may share the sync ([`Syncer::nothing_to_wait_for`]).
     pub(crate) fn after(
         &mut self,
         needs_sync: bool,
         senders: &[usize],
+        after_ack: Option<Duration>,
         release: Release,
         queued: bool,
         outbox: Option<i64>,
@@ -126,13 +132,14 @@ impl Syncer {
         }
         self.pending.push(release);
         self.pending_messages += senders.len();
+        self.awaited |= after_ack.is_some_and(|after| after <= self.delay);
         self.pending_outbox = outbox.or(self.pending_outbox);
         if needs_sync && self.since.is_none() {
             self.since = Some(now);
         }
         if self.since.is_none()
             || self.delay.is_zero()
-            || !(queued || (self.shared(now) && !self.all_waiting(now) && !self.enough()))
+            || (!queued && self.nothing_to_wait_for(now))
         {
             self.flush();
         }
@@ -142,10 +149,15 @@ impl Syncer {
     /// nobody else would share the sync (see [`Syncer::after`]).
     pub(crate) fn idle(&mut self) {
         let now = Instant::now();
-        if self.since.is_some() && (!self.shared(now) || self.all_waiting(now) || self.enough())
-        {
+        if self.since.is_some() && self.nothing_to_wait_for(now) {
             self.flush();
         }
+    }
+
+    /// Whether the sync should not wait for more commits: one sender only; every sender heard
+    /// lately waits for it; enough messages share it; or a client waits for it to go on.
+    fn nothing_to_wait_for(&mut self, now: Instant) -> bool {
+        !self.shared(now) || self.all_waiting(now) || self.enough() || self.awaited
     }
 
     fn heard(&mut self, sender: usize, now: Instant) {
@@ -212,6 +224,7 @@ impl Syncer {
             *waiting = false;
         }
         self.pending_messages = 0;
+        self.awaited = false;
         let flush = Flush {
             outbox: self.pending_outbox.take(),
             needs_sync: self.since.take().is_some(),
@@ -357,10 +370,10 @@ mod tests {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let mut syncer = Syncer::start(&db, true, Duration::ZERO, 0).expect("start");
         // No WAL (everything checkpointed): the database file is synced instead.
-        syncer.after(true, &[], recording(&seen), false, None);
+        syncer.after(true, &[], None, recording(&seen), false, None);
         std::fs::write(dir.path().join("edgemeta.db-wal"), b"wal").expect("wal");
-        syncer.after(true, &[], recording(&seen), false, None);
-        syncer.after(false, &[], recording(&seen), false, None);
+        syncer.after(true, &[], None, recording(&seen), false, None);
+        syncer.after(false, &[], None, recording(&seen), false, None);
         syncer.handed_over();
         assert_eq!(*seen.lock().expect("lock"), vec![true, true, true]);
     }
@@ -372,9 +385,9 @@ mod tests {
         let mut syncer =
             Syncer::start(&dir.path().join("gone.db"), true, Duration::ZERO, 0).expect("start");
         let seen = Arc::new(Mutex::new(Vec::new()));
-        syncer.after(true, &[], recording(&seen), false, None);
+        syncer.after(true, &[], None, recording(&seen), false, None);
         // Nothing to make durable: released as it is.
-        syncer.after(false, &[], recording(&seen), false, None);
+        syncer.after(false, &[], None, recording(&seen), false, None);
         syncer.handed_over();
         assert_eq!(*seen.lock().expect("lock"), vec![false, true]);
     }
@@ -398,18 +411,18 @@ mod tests {
         let delay = Duration::from_secs(60);
         let (_dir, mut syncer) = over_a_wal(delay);
         // A lone sender is synced at once: its next message may wait for this PUBACK.
-        syncer.after(true, &[7], numbered(&seen, 1), false, None);
-        syncer.after(true, &[7], numbered(&seen, 2), false, None);
+        syncer.after(true, &[7], None, numbered(&seen, 1), false, None);
+        syncer.after(true, &[7], None, numbered(&seen, 2), false, None);
         syncer.handed_over();
         assert_eq!(*seen.lock().expect("lock"), vec![(1, true), (2, true)]);
         assert!(syncer.due().is_none());
         // A second sender within the delay: commits wait for others to share their sync.
         let before = Instant::now();
-        syncer.after(true, &[8], numbered(&seen, 3), false, None);
+        syncer.after(true, &[8], None, numbered(&seen, 3), false, None);
         let due = syncer.due().expect("a commit waits");
         assert!(due >= before + delay && due <= Instant::now() + delay);
         // Behind a commit that waits, one with nothing to sync waits too: order is kept.
-        syncer.after(false, &[], numbered(&seen, 4), false, None);
+        syncer.after(false, &[], None, numbered(&seen, 4), false, None);
         assert_eq!(
             syncer.due(),
             Some(due),
@@ -419,7 +432,7 @@ mod tests {
         assert_eq!(seen.lock().expect("lock").len(), 2);
         // Now every sender heard lately has a commit waiting (each waits for its PUBACK before
         // it publishes again): nobody is left to share the sync, which starts at once.
-        syncer.after(true, &[7], numbered(&seen, 5), false, None);
+        syncer.after(true, &[7], None, numbered(&seen, 5), false, None);
         syncer.handed_over();
         assert_eq!(
             seen.lock().expect("lock")[2..],
@@ -427,11 +440,11 @@ mod tests {
         );
         assert!(!syncer.waiting() && syncer.due().is_none());
         // Nothing waits: a commit that wrote nothing is released at once.
-        syncer.after(false, &[8], numbered(&seen, 6), false, None);
+        syncer.after(false, &[8], None, numbered(&seen, 6), false, None);
         syncer.handed_over();
         assert_eq!(seen.lock().expect("lock").len(), 6);
         // What is still waiting when the store thread ends is synced and released.
-        syncer.after(true, &[7], numbered(&seen, 7), false, None);
+        syncer.after(true, &[7], None, numbered(&seen, 7), false, None);
         syncer.handed_over();
         assert_eq!(seen.lock().expect("lock").len(), 6);
         drop(syncer);
@@ -443,26 +456,70 @@ mod tests {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let (_dir, mut syncer) = over_a_wal(Duration::from_secs(60));
         // Sender 7 trickles; sender 8 pipelines a window of messages, one commit each.
-        syncer.after(true, &[7], numbered(&seen, 0), false, None);
-        syncer.after(true, &[7], numbered(&seen, 1), false, None);
+        syncer.after(true, &[7], None, numbered(&seen, 0), false, None);
+        syncer.after(true, &[7], None, numbered(&seen, 1), false, None);
         syncer.handed_over();
         let start = seen.lock().expect("lock").len();
         for n in 1..u32::try_from(SHARED_ENOUGH).expect("fits") {
-            syncer.after(true, &[8], numbered(&seen, 10 + n), false, None);
+            syncer.after(true, &[8], None, numbered(&seen, 10 + n), false, None);
             syncer.idle();
         }
         syncer.handed_over();
-        assert_eq!(seen.lock().expect("lock").len(), start, "they wait to share the sync");
+        assert_eq!(
+            seen.lock().expect("lock").len(),
+            start,
+            "they wait to share the sync"
+        );
         // With the window's next message enough wait: the sync starts, the sender is unblocked.
-        syncer.after(true, &[8], numbered(&seen, 99), false, None);
+        syncer.after(true, &[8], None, numbered(&seen, 99), false, None);
         syncer.handed_over();
         assert_eq!(seen.lock().expect("lock").last(), Some(&(99, true)));
         assert!(!syncer.waiting());
         // The count starts again after each sync.
-        syncer.after(true, &[8], numbered(&seen, 100), false, None);
-        syncer.after(true, &[9], numbered(&seen, 101), false, None);
+        syncer.after(true, &[8], None, numbered(&seen, 100), false, None);
+        syncer.after(true, &[9], None, numbered(&seen, 101), false, None);
         syncer.handed_over();
         assert!(syncer.waiting(), "two messages are not enough");
+    }
+
+    #[test]
+    fn a_commit_its_client_waits_for_is_synced_without_waiting_for_others() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let delay = Duration::from_millis(50);
+        let (_dir, mut syncer) = over_a_wal(delay);
+        syncer.after(true, &[7], None, numbered(&seen, 1), false, None);
+        syncer.handed_over();
+        // Sender 8 published well after its last PUBACK (a trickle): it waits to share.
+        syncer.after(true, &[8], Some(delay * 3), numbered(&seen, 2), false, None);
+        syncer.idle();
+        syncer.handed_over();
+        assert_eq!(seen.lock().expect("lock").len(), 1);
+        // Sender 9 published right after its PUBACK, nothing else in flight: it waits for
+        // this sync before its next publish, so the sync starts now, for all three.
+        syncer.after(
+            true,
+            &[9],
+            Some(Duration::from_micros(80)),
+            numbered(&seen, 3),
+            true,
+            None,
+        );
+        syncer.handed_over();
+        assert_eq!(
+            seen.lock().expect("lock").len(),
+            1,
+            "queued jobs share it first"
+        );
+        syncer.idle();
+        syncer.handed_over();
+        assert_eq!(
+            *seen.lock().expect("lock"),
+            vec![(1, true), (2, true), (3, true)]
+        );
+        // The next sync waits again, unless someone waits for it.
+        syncer.after(true, &[8], None, numbered(&seen, 4), false, None);
+        syncer.handed_over();
+        assert!(syncer.waiting());
     }
 
     #[test]
@@ -470,16 +527,16 @@ mod tests {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let delay = Duration::from_millis(50);
         let (_dir, mut syncer) = over_a_wal(delay);
-        syncer.after(true, &[1], numbered(&seen, 1), false, None);
+        syncer.after(true, &[1], None, numbered(&seen, 1), false, None);
         syncer.flush();
         // Sender 1 goes quiet; 2 and 3 take turns, each waiting for its PUBACK.
         std::thread::sleep(delay * (RECENT_DELAYS + 2));
-        syncer.after(true, &[3], numbered(&seen, 2), false, None);
-        syncer.after(true, &[2], numbered(&seen, 3), false, None);
+        syncer.after(true, &[3], None, numbered(&seen, 2), false, None);
+        syncer.after(true, &[2], None, numbered(&seen, 3), false, None);
         syncer.idle();
         syncer.handed_over();
         assert_eq!(seen.lock().expect("lock").len(), 2, "3 may publish again");
-        syncer.after(true, &[3], numbered(&seen, 4), false, None);
+        syncer.after(true, &[3], None, numbered(&seen, 4), false, None);
         syncer.handed_over();
         assert_eq!(
             *seen.lock().expect("lock"),
@@ -495,7 +552,7 @@ mod tests {
         let (_dir, mut syncer) = over_a_wal(delay);
         for n in 0..5_000_u32 {
             let sender = usize::try_from(n).expect("fits");
-            syncer.after(true, &[sender], numbered(&seen, n), true, None);
+            syncer.after(true, &[sender], None, numbered(&seen, n), true, None);
             if n % 500 == 499 {
                 std::thread::sleep(delay * (RECENT_DELAYS + 2));
             }
@@ -514,25 +571,25 @@ mod tests {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let (_dir, mut syncer) = over_a_wal(Duration::from_secs(60));
         // More of its messages are queued: they commit before the sync, not after it.
-        syncer.after(true, &[7], numbered(&seen, 1), true, None);
-        syncer.after(true, &[7], numbered(&seen, 2), true, None);
+        syncer.after(true, &[7], None, numbered(&seen, 1), true, None);
+        syncer.after(true, &[7], None, numbered(&seen, 2), true, None);
         syncer.handed_over();
         assert!(seen.lock().expect("lock").is_empty());
         assert!(syncer.waiting());
         // The last batch of the burst, with nothing queued behind it: synced at once.
-        syncer.after(true, &[7], numbered(&seen, 3), false, None);
+        syncer.after(true, &[7], None, numbered(&seen, 3), false, None);
         syncer.handed_over();
         assert_eq!(
             *seen.lock().expect("lock"),
             vec![(1, true), (2, true), (3, true)]
         );
         // Queued work that commits nothing (a read): the idle store thread syncs.
-        syncer.after(true, &[7], numbered(&seen, 4), true, None);
+        syncer.after(true, &[7], None, numbered(&seen, 4), true, None);
         syncer.idle();
         syncer.handed_over();
         assert_eq!(seen.lock().expect("lock").len(), 4);
         // Two senders: idle leaves the sync to the delay, for others to share.
-        syncer.after(true, &[8], numbered(&seen, 5), false, None);
+        syncer.after(true, &[8], None, numbered(&seen, 5), false, None);
         syncer.idle();
         syncer.handed_over();
         assert_eq!(seen.lock().expect("lock").len(), 4);
@@ -551,8 +608,8 @@ mod tests {
         .expect("start");
         let seen = Arc::new(Mutex::new(Vec::new()));
         // More jobs queued: the two commits share the sync.
-        syncer.after(true, &[1, 2], numbered(&seen, 1), true, None);
-        syncer.after(true, &[2], numbered(&seen, 2), true, None);
+        syncer.after(true, &[1, 2], None, numbered(&seen, 1), true, None);
+        syncer.after(true, &[2], None, numbered(&seen, 2), true, None);
         syncer.handed_over();
         assert!(seen.lock().expect("lock").is_empty());
         syncer.flush();
@@ -572,7 +629,7 @@ mod tests {
         )
         .expect("start");
         let seen = Arc::new(Mutex::new(Vec::new()));
-        syncer.after(true, &[1, 2], numbered(&seen, 1), false, None);
+        syncer.after(true, &[1, 2], None, numbered(&seen, 1), false, None);
         syncer.handed_over();
         assert_eq!(*seen.lock().expect("lock"), vec![(1, true)]);
     }
@@ -583,15 +640,15 @@ mod tests {
         let (_dir, mut syncer) = over_a_wal(Duration::from_secs(60));
         assert_eq!(syncer.outbox_synced(), 0);
         // Two senders: the commit with outbox rows up to 5 waits for the delay.
-        syncer.after(true, &[7], numbered(&seen, 1), false, None);
-        syncer.after(true, &[8], numbered(&seen, 2), false, Some(5));
+        syncer.after(true, &[7], None, numbered(&seen, 1), false, None);
+        syncer.after(true, &[8], None, numbered(&seen, 2), false, Some(5));
         syncer.handed_over();
         assert_eq!(syncer.outbox_synced(), 0);
         // A later commit without outbox rows does not lower the watermark it waits for.
-        syncer.after(true, &[7], numbered(&seen, 3), false, None);
+        syncer.after(true, &[7], None, numbered(&seen, 3), false, None);
         syncer.settle();
         assert_eq!(syncer.outbox_synced(), 5);
-        syncer.after(true, &[8], numbered(&seen, 4), false, Some(9));
+        syncer.after(true, &[8], None, numbered(&seen, 4), false, Some(9));
         syncer.handed_over();
         assert_eq!(syncer.outbox_synced(), 5, "row 9 waits for its sync");
         syncer.flush();

@@ -48,6 +48,15 @@ impl Done {
         }
     }
 
+    /// How soon after its previous acknowledgement a client sent this, with nothing else
+    /// waiting for one ([`edgemeta_broker::Ack::after_ack`]); the cloud bridge pipelines.
+    pub(crate) fn after_ack(&self) -> Option<std::time::Duration> {
+        match self {
+            Done::Told(_) => None,
+            Done::Acked(ack) => ack.after_ack(),
+        }
+    }
+
     /// Committed, but its commit may not be durable (a failed sync): no acknowledgement, so the
     /// sender delivers it again.
     pub(crate) fn refuse(self) {

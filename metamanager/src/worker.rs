@@ -436,6 +436,7 @@ impl Worker {
             })
             .collect();
         let senders: Vec<usize> = dones.iter().map(|(done, _)| done.sender()).collect();
+        let after_ack = dones.iter().filter_map(|(done, _)| done.after_ack()).min();
         let outbox_changed = outbox_written.then(|| self.outbox_changed.clone());
         let release: Release = Box::new(move |durable| {
             for (done, outcome) in dones {
@@ -470,7 +471,14 @@ impl Worker {
         };
         match &mut self.syncer {
             Some(syncer) => {
-                syncer.after(durable, &senders, release, !jobs.is_empty(), outbox_last);
+                syncer.after(
+                    durable,
+                    &senders,
+                    after_ack,
+                    release,
+                    !jobs.is_empty(),
+                    outbox_last,
+                );
             }
             None => release(true),
         }
