@@ -48,7 +48,7 @@ pub struct StoreConfig {
     pub early_handon: bool,
     /// With `early_handon`, while several senders commit, how long a commit's acknowledgements
     /// may wait for later commits to share its fsync, in ms (0: every commit syncs at once;
-    /// a lone sender is never delayed, nor are 8 messages waiting; protocol §6.1).
+    /// a lone sender is never delayed, nor a stop-and-wait one, nor 8 messages; protocol §6.1).
     #[serde(default = "default_sync_delay_ms")]
     pub sync_delay_ms: u64,
     /// Most messages committed in one transaction (group commit).
