@@ -116,7 +116,8 @@ impl Syncer {
     /// `after_ack`: the soonest any was sent after its client's previous PUBACK
     /// ([`crate::unit::Done::after_ack`]); `queued`: more jobs wait for the store thread;
     /// `outbox`: its newest outbox row, if it wrote any. Syncs and releases at once unless
-    /// other senders' commits, or the queued jobs, may share the sync ([`Syncer::nothing_to_wait_for`]).
+    /// other senders' commits, or the queued jobs, may share the sync
+    /// ([`Syncer::nothing_to_wait_for`]).
     pub(crate) fn after(
         &mut self,
         needs_sync: bool,
