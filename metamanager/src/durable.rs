@@ -42,12 +42,6 @@ pub(crate) struct Syncer {
     pending: Vec<Release>,
     /// When the oldest pending commit that wrote something committed; `None`: nothing to sync.
     since: Option<Instant>,
-    /// The last two distinct senders whose messages committed, and when. A sync waits only
-    /// while more than one sender commits: a lone sender's next message may be waiting for
-    /// this very acknowledgement (one message in flight), and nobody else would share it;
-    /// unless its later messages are queued already: then they share it (a burst from one
-    /// client hands on without waiting for an fsync between its batches).
-    recent: [Option<(usize, Instant)>; 2],
     /// Every sender heard within [`RECENT_DELAYS`] delays, when, and whether a commit of its
     /// waits here for a sync. When all of them wait, nobody is left to share the sync (several
     /// clients that each wait for their PUBACK before the next publish): it starts at once.
@@ -101,7 +95,6 @@ impl Syncer {
             delay: if sync { delay } else { Duration::ZERO },
             pending: Vec::new(),
             since: None,
-            recent: [None; 2],
             senders: Vec::new(),
             pending_messages: 0,
             awaited: false,
@@ -170,10 +163,6 @@ impl Syncer {
                 self.senders.push((sender, now, true));
             }
         }
-        match self.recent[0] {
-            Some((last, _)) if last == sender => self.recent[0] = Some((sender, now)),
-            _ => self.recent = [Some((sender, now)), self.recent[0]],
-        }
     }
 
     /// Whether every sender heard recently has a commit waiting here (forgetting the others).
@@ -194,9 +183,17 @@ impl Syncer {
         self.pending_messages >= SHARED_ENOUGH
     }
 
-    /// Whether a second sender committed within the delay.
+    /// Whether a second sender committed within the delay. A sync waits only while more than
+    /// one sender commits: a lone sender's next message may be waiting for this very
+    /// acknowledgement (one message in flight), and nobody else would share it; unless its
+    /// later messages are queued already: then they share it (a burst from one client hands on
+    /// without waiting for an fsync between its batches).
     fn shared(&self, now: Instant) -> bool {
-        self.recent[1].is_some_and(|(_, at)| now.duration_since(at) <= self.delay)
+        self.senders
+            .iter()
+            .filter(|(_, at, _)| now.duration_since(*at) <= self.delay)
+            .nth(1)
+            .is_some()
     }
 
     /// When the oldest commit waiting for a sync has waited `delay`.
