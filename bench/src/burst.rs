@@ -4,8 +4,8 @@
 //! mosquitto passes the same load through (`ke/meta/#`) in the same run, runs alternating.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
@@ -32,11 +32,27 @@ struct Run {
     rate: f64,
     complete: bool,
     peak_rss_kib: u64,
+    /// Every [`SAMPLE`] from the start of the burst.
+    course: Vec<Sample>,
+}
+
+/// The course of a run, sampled this often.
+const SAMPLE: Duration = Duration::from_millis(100);
+
+/// One sample of a run's course.
+#[derive(Clone, Copy)]
+struct Sample {
+    /// Since the burst started.
+    ms: u64,
+    rss_kib: u64,
+    /// Distinct messages the QoS 1 and the QoS 0 reader have received so far.
+    received: (usize, usize),
 }
 
 pub async fn burst(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     let (total, runs) = sizes(args);
     let (mut em, mut mq) = (Vec::new(), Vec::new());
+    let mut csv = String::from("system,run,t_ms,rss_mb,qos1_received,qos0_received\n");
     for run in 0..runs {
         // A fresh process per run: its memory is measured from its start.
         let dir = tempfile::tempdir()?;
@@ -48,6 +64,7 @@ pub async fn burst(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             result.complete,
             result.peak_rss_kib as f64 / 1024.0
         );
+        course(&mut csv, "edgemeta", run, &result);
         em.push(result);
         drop(node);
         let mosquitto = Server::mosquitto(&args.mosquitto, dir.path()).await?;
@@ -58,7 +75,11 @@ pub async fn burst(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             result.complete,
             result.peak_rss_kib as f64 / 1024.0
         );
+        course(&mut csv, "mosquitto", run, &result);
         mq.push(result);
+    }
+    if let Some(path) = &args.burst_csv {
+        std::fs::write(path, &csv)?;
     }
     let summary = |runs: &[Run]| {
         let complete = runs.iter().filter(|r| r.complete).count();
@@ -88,24 +109,46 @@ pub async fn burst(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Appends one run's course to the CSV.
+fn course(csv: &mut String, system: &str, run: usize, result: &Run) {
+    for s in &result.course {
+        csv.push_str(&format!(
+            "{system},{run},{},{:.1},{},{}\n",
+            s.ms,
+            s.rss_kib as f64 / 1024.0,
+            s.received.0,
+            s.received.1
+        ));
+    }
+}
+
 /// One burst of `total` inserts into `server`, read on `watch` at QoS 1 and QoS 0.
 async fn one(server: &Server, watch: &str, total: usize, ns: &str) -> anyhow::Result<Run> {
     let (reliable, mut reliable_rx) = client(server.port, "burst-q1").await?;
     subscribe_at(&reliable, &mut reliable_rx, watch, QoS::AtLeastOnce).await?;
     let (quick, mut quick_rx) = client(server.port, "burst-q0").await?;
     subscribe_at(&quick, &mut quick_rx, watch, QoS::AtMostOnce).await?;
-    let peak = Arc::new(AtomicU64::new(0));
+    let received = Arc::new((AtomicUsize::new(0), AtomicUsize::new(0)));
+    let course = Arc::new(Mutex::new(Vec::new()));
+    let started = Instant::now();
     let sampler = tokio::spawn({
-        let peak = peak.clone();
+        let (received, course) = (received.clone(), course.clone());
         let pid = server.pid();
         async move {
-            while let Ok(rss) = rss_of(pid) {
-                peak.fetch_max(rss, Ordering::Relaxed);
-                tokio::time::sleep(Duration::from_millis(100)).await;
+            while let Ok(rss_kib) = rss_of(pid) {
+                let sample = Sample {
+                    ms: started.elapsed().as_millis() as u64,
+                    rss_kib,
+                    received: (
+                        received.0.load(Ordering::Relaxed),
+                        received.1.load(Ordering::Relaxed),
+                    ),
+                };
+                course.lock().expect("course").push(sample);
+                tokio::time::sleep(SAMPLE).await;
             }
         }
     });
-    let started = Instant::now();
     let mut publishers = Vec::new();
     for p in 0..4 {
         let (publisher, acks) = client(server.port, "burst-pub").await?;
@@ -128,8 +171,8 @@ async fn one(server: &Server, watch: &str, total: usize, ns: &str) -> anyhow::Re
         }));
     }
     let (a, b) = tokio::join!(
-        read_all(&mut reliable_rx, total),
-        read_all(&mut quick_rx, total)
+        read_all(&mut reliable_rx, total, &received.0),
+        read_all(&mut quick_rx, total, &received.1)
     );
     let elapsed = started.elapsed();
     sampler.abort();
@@ -141,20 +184,24 @@ async fn one(server: &Server, watch: &str, total: usize, ns: &str) -> anyhow::Re
     if !complete {
         eprintln!("burst: QoS 1 reader got {a} of {total}, QoS 0 reader {b}");
     }
+    let course = std::mem::take(&mut *course.lock().expect("course"));
     Ok(Run {
         rate: total as f64 / elapsed.as_secs_f64(),
         complete,
-        peak_rss_kib: peak.load(Ordering::Relaxed),
+        peak_rss_kib: course.iter().map(|s| s.rss_kib).max().unwrap_or(0),
+        course,
     })
 }
 
 /// Distinct resources received until `total` or 30 s of silence; a repeat is not counted.
-async fn read_all(rx: &mut Inbox, total: usize) -> usize {
+/// `so_far` follows the count, for the sampler.
+async fn read_all(rx: &mut Inbox, total: usize, so_far: &AtomicUsize) -> usize {
     let mut seen = HashSet::with_capacity(total);
     while seen.len() < total {
         match tokio::time::timeout(Duration::from_secs(30), rx.recv()).await {
             Ok(Some((topic, payload))) if topic != PUBACK && topic != SUBACK => {
                 seen.insert(resource_of(&payload));
+                so_far.store(seen.len(), Ordering::Relaxed);
             }
             Ok(Some(_)) => {}
             _ => break,

@@ -70,6 +70,10 @@ struct Outcome {
     slow: Vec<usize>,
     /// Report → result, µs, by minute of the run (when the report was scheduled).
     minutes: Vec<Vec<u64>>,
+    /// Report → result, µs, by second of the run (when the report was scheduled).
+    seconds: Vec<Vec<u64>>,
+    /// The broker's course over the run, one entry per [`Course::interval`].
+    course: Course,
 }
 
 /// Seconds of the run left out of the steady-state p99.
@@ -125,7 +129,11 @@ pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     let (before, before_responder) = (mosquitto.cpu()?, responder.cpu()?);
     let mq_rss_before = mosquitto.rss_kib()?;
     let sampler = rss_sampler(mosquitto.pid(), "mosquitto", !args.quick);
-    let mq = run_load(mosquitto.port, &ids, load, "mosquitto").await?;
+    let watched = Watched {
+        broker: mosquitto.pid(),
+        helper: Some(responder.pid()?),
+    };
+    let mq = run_load(mosquitto.port, &ids, load, "mosquitto", watched).await?;
     sampler.abort();
     let per_report = |d: Duration| d.as_secs_f64() * 1e6 / mq.sent as f64;
     let mq_cpu = per_report(mosquitto.cpu()? - before);
@@ -142,7 +150,11 @@ pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     let em_rss_before = node.rss_kib()?;
     let commits_before = commits(&node).await;
     let sampler = rss_sampler(node.pid(), "edgemeta", !args.quick);
-    let em = run_load(node.port, &ids, load, "edgemeta").await?;
+    let watched = Watched {
+        broker: node.pid(),
+        helper: None,
+    };
+    let em = run_load(node.port, &ids, load, "edgemeta", watched).await?;
     sampler.abort();
     let commits_after = commits(&node).await;
     let em_cpu = (node.cpu()? - before).as_secs_f64() * 1e6 / em.sent as f64;
@@ -200,6 +212,14 @@ pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         target: "(diagnostic)".into(),
         verdict: "—".into(),
     });
+    if let Some(path) = &args.devices_csv {
+        let mut csv = String::from(
+            "system,t_s,rss_mb,cpu_us_per_report,responder_cpu_us_per_report,p50_us,p99_us\n",
+        );
+        course_csv(&mut csv, "edgemeta", &em, load.devices);
+        course_csv(&mut csv, "mosquitto", &mq, load.devices);
+        std::fs::write(path, csv)?;
+    }
     if em.errors > 0 {
         bail!(
             "edgemeta answered {} device twin reports with an error result",
@@ -374,6 +394,7 @@ async fn run_load(
     ids: &[String],
     load: DeviceLoad,
     side: &str,
+    watched: Watched,
 ) -> anyhow::Result<Outcome> {
     let mut connections = Vec::new();
     for c in 0..load.connections {
@@ -432,6 +453,7 @@ async fn run_load(
 
     let n = ids.len();
     let start = tokio::time::Instant::now() + Duration::from_millis(100);
+    let sampler = tokio::spawn(Course::sample(start, load.seconds, watched));
     let mut tasks = Vec::new();
     for (client, rx, own) in connections {
         let mut schedule = Vec::with_capacity(own.len() * load.seconds as usize);
@@ -455,6 +477,8 @@ async fn run_load(
         late_max: 0,
         slow: vec![0; load.seconds as usize],
         minutes: vec![Vec::new(); load.seconds.div_ceil(60) as usize],
+        seconds: vec![Vec::new(); load.seconds as usize],
+        course: Course::default(),
     };
     let mut last = start;
     for task in tasks {
@@ -471,8 +495,12 @@ async fn run_load(
         for (minute, took) in c.minutes {
             outcome.minutes[minute as usize].extend(took);
         }
+        for (second, took) in c.seconds {
+            outcome.seconds[second as usize].extend(took);
+        }
         last = last.max(c.last_result);
     }
+    outcome.course = sampler.await?;
     outcome.rate = outcome.samples.len() as f64 / (last - start).as_secs_f64().max(1e-6);
     Ok(outcome)
 }
@@ -489,6 +517,8 @@ struct ConnectionOutcome {
     slow: HashMap<u64, usize>,
     /// (minute of the run, report → result µs).
     minutes: HashMap<u64, Vec<u64>>,
+    /// (second of the run, report → result µs).
+    seconds: HashMap<u64, Vec<u64>>,
     last_result: tokio::time::Instant,
 }
 
@@ -509,6 +539,7 @@ async fn connection(
         late_max: 0,
         slow: HashMap::new(),
         minutes: HashMap::new(),
+        seconds: HashMap::new(),
         last_result: tokio::time::Instant::now(),
     };
     let mut next = 0;
@@ -542,6 +573,7 @@ async fn connection(
                         *out.slow.entry(second).or_default() += 1;
                     }
                     out.minutes.entry(second / 60).or_default().push(took.as_micros() as u64);
+                    out.seconds.entry(second).or_default().push(took.as_micros() as u64);
                 }
                 out.last_result = tokio::time::Instant::now();
                 if next == schedule.len() && pending.is_empty() {
@@ -563,6 +595,79 @@ async fn connection(
     out.lost = pending.len();
     let _ = client.disconnect().await;
     Ok(out)
+}
+
+/// The processes a side's course follows: the broker (RSS and CPU) and the pass-through
+/// responder beside it, if any (CPU).
+#[derive(Clone, Copy)]
+struct Watched {
+    broker: u32,
+    helper: Option<u32>,
+}
+
+/// A side's RSS and CPU time at the start of the load and at the end of each interval.
+#[derive(Default)]
+struct Course {
+    interval: u64,
+    /// (broker RSS KiB, broker CPU, helper CPU), the first at the start of the load.
+    samples: Vec<(u64, Duration, Duration)>,
+}
+
+impl Course {
+    /// Seconds per interval: 5 for runs of 30 s and more, else 1.
+    fn interval(seconds: u64) -> u64 {
+        if seconds >= 30 {
+            5
+        } else {
+            1
+        }
+    }
+
+    /// Samples `watched` at `start` and at the end of every interval of a load of `seconds`;
+    /// stops early if a process is gone.
+    async fn sample(start: tokio::time::Instant, seconds: u64, watched: Watched) -> Course {
+        let interval = Course::interval(seconds);
+        let mut samples = Vec::new();
+        for k in 0..=seconds / interval {
+            tokio::time::sleep_until(start + Duration::from_secs(k * interval)).await;
+            let helper = match watched.helper {
+                Some(pid) => cpu_of(pid),
+                None => Ok(Duration::ZERO),
+            };
+            match (rss_of(watched.broker), cpu_of(watched.broker), helper) {
+                (Ok(rss), Ok(cpu), Ok(helper)) => samples.push((rss, cpu, helper)),
+                _ => break,
+            }
+        }
+        Course { interval, samples }
+    }
+}
+
+/// Appends `side`'s course to the devices CSV: per interval, the RSS at its end, CPU µs per
+/// report scheduled in it (the broker's, the responder's), and p50 / p99 of those reports.
+fn course_csv(csv: &mut String, side: &str, o: &Outcome, devices: usize) {
+    let interval = o.course.interval;
+    let reports = (devices as u64 * interval) as f64;
+    for (k, pair) in o.course.samples.windows(2).enumerate() {
+        let ((_, cpu0, helper0), (rss, cpu1, helper1)) = (pair[0], pair[1]);
+        let from = k * interval as usize;
+        let took: Vec<u64> = o
+            .seconds
+            .iter()
+            .skip(from)
+            .take(interval as usize)
+            .flatten()
+            .copied()
+            .collect();
+        let (p50, p99, _) = percentiles(&took);
+        csv.push_str(&format!(
+            "{side},{},{:.1},{:.0},{:.0},{p50},{p99}\n",
+            from as u64 + interval,
+            rss as f64 / 1024.0,
+            (cpu1 - cpu0).as_secs_f64() * 1e6 / reports,
+            (helper1 - helper0).as_secs_f64() * 1e6 / reports,
+        ));
+    }
 }
 
 fn update_topic(id: &str) -> String {
@@ -618,7 +723,11 @@ impl Responder {
     }
 
     fn cpu(&self) -> anyhow::Result<Duration> {
-        cpu_of(self.0.id().context("responder gone")?)
+        cpu_of(self.pid()?)
+    }
+
+    fn pid(&self) -> anyhow::Result<u32> {
+        self.0.id().context("responder gone")
     }
 }
 

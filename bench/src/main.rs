@@ -30,6 +30,14 @@ struct Args {
     /// Also write the P2 latency figures as CSV here (for the plot).
     #[arg(long)]
     csv: Option<PathBuf>,
+    /// Also write the devices row's course as CSV here (for the plot): per side and interval of
+    /// the run, RSS, CPU per report and the latency of the reports scheduled in it.
+    #[arg(long)]
+    devices_csv: Option<PathBuf>,
+    /// Also write each burst run's course as CSV here (for the plot): every 100 ms, the messages
+    /// each reader has received and the broker's RSS.
+    #[arg(long)]
+    burst_csv: Option<PathBuf>,
     /// Only offer P1's load, `--rounds` times, to an edgemeta already serving on this port
     /// (to profile it: `perf record -p <pid>`), and print the rates.
     #[arg(long)]
