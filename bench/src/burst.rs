@@ -176,6 +176,14 @@ async fn one(server: &Server, watch: &str, total: usize, ns: &str) -> anyhow::Re
     );
     let elapsed = started.elapsed();
     sampler.abort();
+    // The course ends where the readers did.
+    if let Ok(rss_kib) = rss_of(server.pid()) {
+        course.lock().expect("course").push(Sample {
+            ms: elapsed.as_millis() as u64,
+            rss_kib,
+            received: (a, b),
+        });
+    }
     for publisher in publishers {
         let (client, _acks) = publisher.await.context("publisher")?;
         let _ = client.disconnect().await;
@@ -184,7 +192,9 @@ async fn one(server: &Server, watch: &str, total: usize, ns: &str) -> anyhow::Re
     if !complete {
         eprintln!("burst: QoS 1 reader got {a} of {total}, QoS 0 reader {b}");
     }
-    let course = std::mem::take(&mut *course.lock().expect("course"));
+    let mut course = std::mem::take(&mut *course.lock().expect("course"));
+    // The sampler may have taken one more sample after the readers' last.
+    course.sort_by_key(|s| s.ms);
     Ok(Run {
         rate: total as f64 / elapsed.as_secs_f64(),
         complete,
