@@ -43,7 +43,7 @@ pub struct Settings {
     pub shutdown_grace_ms: u64,
     /// tokio worker threads serving the clients; 0: one per core (tokio's default). Fewer saves
     /// CPU per message but lets one busy task stall every client (docs/benchmarks.md,
-    /// "Checkpoints off the store thread").
+    /// "One tokio worker per core").
     #[serde(default)]
     pub worker_threads: usize,
 }

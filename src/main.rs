@@ -22,7 +22,7 @@ mod telemetry;
 use std::path::PathBuf;
 
 /// jemalloc: the store thread and rumqttd's router allocate and free per message, and glibc's
-/// malloc cost about 15 % more CPU per device report (docs/benchmarks.md, "Allocator").
+/// malloc cost about a quarter more CPU per P1 message (docs/benchmarks.md, "jemalloc").
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 

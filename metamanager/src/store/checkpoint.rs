@@ -1,7 +1,7 @@
 //! Folds the WAL back into the database file on a thread of its own (`edgemeta-store-checkpoint`),
 //! so the store thread's commits no longer stop for SQLite's automatic checkpoint: it wrote
 //! and fsynced the database file inside every 1,000th page's commit, several ms that every
-//! report arriving meanwhile waited out (docs/benchmarks.md, "Checkpoints off the store thread").
+//! report arriving meanwhile waited out (docs/benchmarks.md, "Checkpoints off the store thread, on demand").
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,7 +16,7 @@ use super::StoreError;
 /// How often the checkpointer looks at the WAL. Short, because what it has not folded in when
 /// the WAL reaches [`BACKSTOP_PAGES`] the store thread copies and fsyncs inline: at 500 ms that
 /// was up to 2,000 pages and 3-5 ms every 0.3 s at 10k msg/s, the whole of P2's p99
-/// (docs/benchmarks.md, "Checkpoint every 20 ms").
+/// (docs/benchmarks.md, "Checkpoints off the store thread, on demand").
 const PERIOD: Duration = Duration::from_millis(20);
 
 /// Unfolded WAL pages worth a pass at once. A pass fsyncs the WAL whatever it copies, so a
