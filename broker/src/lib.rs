@@ -17,6 +17,10 @@
 //! - [`session`]: one connection as both the front and the guard know it.
 //! - [`link`]: an in-process client: subscribe, receive [`Message`]s, publish them.
 //! - [`message`]: the one value all crates exchange.
+//! - [`index`]: the subscription index the one path routes with (ARCHITECTURE.md, "The broker's
+//!   one path"): MQTT 5's subscription options, shared groups, `$` topics.
+//! - [`mailbox`]: what one session of the one path is owed, within its client's bounds.
+//! - [`retained`]: the one path's retained messages.
 
 mod backlog;
 mod codec;
@@ -27,10 +31,13 @@ mod events;
 mod framing;
 mod front;
 mod guard;
+mod index;
 mod intake;
 mod lag;
 mod link;
+mod mailbox;
 mod message;
+mod retained;
 mod security;
 mod server;
 mod session;
@@ -39,8 +46,14 @@ mod withhold;
 pub use config::{BrokerConfig, ListenerConfig, MqttVersion};
 pub use dollar::{to_broker, to_client, INTERNAL_PREFIX};
 pub use error::Error;
+pub use index::{
+    matches as filter_matches, valid_topic, Delivery, FilterError, Index, Options, RetainHandling,
+    SessionId,
+};
 pub use link::{Link, Publisher};
+pub use mailbox::{Dropped, Limits, Mailbox, Outgoing, Owed, Published, Resend};
 pub use message::{Front, Message};
+pub use retained::{Refused, Retained};
 /// rumqttd's topic matching (broker forms), for checks on filters our links hold.
 pub use rumqttd::protocol::matches;
 pub use security::hash_password;

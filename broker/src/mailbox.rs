@@ -1,0 +1,468 @@
+//! What one session is owed, within the bounds its client and the node set: a queue with a byte
+//! limit (kept while the client is away, for a persistent session), at most the client's Receive
+//! Maximum in flight, nothing larger than its Maximum Packet Size, expired messages dropped, and
+//! topic aliases keyed by topic. No I/O: the connection task asks what to write next.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+/// A published message as every recipient shares it.
+#[derive(Debug)]
+pub struct Published {
+    pub topic: Arc<str>,
+    pub payload: Bytes,
+    /// When the node took it, for its Message Expiry Interval.
+    pub received: Instant,
+    /// The publisher's Message Expiry Interval (MQTT 5.0 §3.3.2.3.3).
+    pub expiry: Option<Duration>,
+}
+
+/// One message owed to this session, as the index routed it.
+#[derive(Clone, Debug)]
+pub struct Owed {
+    pub message: Arc<Published>,
+    pub qos: u8,
+    pub retain: bool,
+    pub subscription_ids: Vec<u32>,
+}
+
+impl Owed {
+    /// What it holds in the queue's byte count.
+    fn weight(&self) -> usize {
+        self.message.topic.len() + self.message.payload.len()
+    }
+}
+
+/// The bounds of one session; the client's come from its CONNECT, the queue's from the node.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// The client's Receive Maximum: QoS 1 and 2 publishes unacknowledged at once (§3.1.2.11.3).
+    pub receive_maximum: u16,
+    /// The client's Maximum Packet Size (§3.1.2.11.4); None: the protocol's own limit.
+    pub maximum_packet_size: Option<u32>,
+    /// The client's Topic Alias Maximum (§3.1.2.11.5); 0: no aliases.
+    pub topic_alias_maximum: u16,
+    /// Bytes of topic and payload the queue holds before it refuses more.
+    pub queue_bytes: usize,
+}
+
+/// A PUBLISH to write: the connection task encodes it.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Outgoing {
+    pub pkid: u16,
+    pub qos: u8,
+    pub retain: bool,
+    pub dup: bool,
+    /// Empty when the alias stands for it (§3.3.2.3.4).
+    pub topic: Arc<str>,
+    pub topic_alias: Option<u16>,
+    pub payload: Bytes,
+    /// The expiry left, sent in place of the publisher's (§3.3.2.3.3).
+    pub expiry_left: Option<u32>,
+    pub subscription_ids: Vec<u32>,
+}
+
+/// Why a message was not kept for the client (counted, and logged by the caller).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dropped {
+    /// The queue was at its byte limit.
+    QueueFull,
+    /// Larger than the client's Maximum Packet Size ([MQTT-3.1.2-25]).
+    TooLarge,
+    /// Its Message Expiry Interval ran out while it waited.
+    Expired,
+}
+
+/// A delivery in flight: its packet id, and whether its PUBREC came (QoS 2).
+#[derive(Debug)]
+struct Flight {
+    pkid: u16,
+    owed: Owed,
+    released: bool,
+}
+
+/// What one session is owed. Owned by the session's lock; every call is short and never waits.
+#[derive(Debug)]
+pub struct Mailbox {
+    limits: Limits,
+    queued: VecDeque<Owed>,
+    queued_bytes: usize,
+    inflight: VecDeque<Flight>,
+    last_pkid: u16,
+    aliases: HashMap<Arc<str>, u16>,
+    /// Messages dropped so far, by reason, for the session's metrics.
+    pub dropped: [u64; 3],
+}
+
+impl Mailbox {
+    pub fn new(limits: Limits) -> Mailbox {
+        Mailbox {
+            limits,
+            queued: VecDeque::new(),
+            queued_bytes: 0,
+            inflight: VecDeque::new(),
+            last_pkid: 0,
+            aliases: HashMap::new(),
+            dropped: [0; 3],
+        }
+    }
+
+    /// Queues a message; refused when the queue is at its byte limit. QoS 0 messages are
+    /// refused first: while the queue is over half full only QoS 1 and 2 are taken.
+    pub fn push(&mut self, owed: Owed) -> Result<(), Dropped> {
+        let weight = owed.weight();
+        let bound = if owed.qos == 0 {
+            self.limits.queue_bytes / 2
+        } else {
+            self.limits.queue_bytes
+        };
+        // One message always fits an empty queue, so a message larger than the bound is not
+        // refused for ever to a reader that keeps up.
+        if !self.queued.is_empty() && self.queued_bytes + weight > bound {
+            return self.drop(Dropped::QueueFull);
+        }
+        self.queued_bytes += weight;
+        self.queued.push_back(owed);
+        Ok(())
+    }
+
+    /// The next PUBLISH to write, if the client may take one: in order, skipping (and counting)
+    /// expired and oversized messages. `encoded_len` is the PUBLISH's size on the wire.
+    pub fn next(
+        &mut self,
+        now: Instant,
+        encoded_len: impl Fn(&Outgoing) -> usize,
+    ) -> Option<Outgoing> {
+        loop {
+            let front = self.queued.front()?;
+            // §4.9: no more QoS 1 and 2 in flight than the client's Receive Maximum.
+            if front.qos > 0 && self.inflight.len() >= usize::from(self.limits.receive_maximum) {
+                return None;
+            }
+            let owed = self.queued.pop_front()?;
+            self.queued_bytes -= owed.weight();
+            let Some(expiry_left) = left(&owed.message, now) else {
+                self.dropped[Dropped::Expired as usize] += 1;
+                continue;
+            };
+            let mut out = self.outgoing(&owed, 0, expiry_left, false);
+            if let Some(max) = self.limits.maximum_packet_size {
+                if encoded_len(&out) > max as usize {
+                    // [MQTT-3.1.2-25]: discarded for this client, as if sent.
+                    self.dropped[Dropped::TooLarge as usize] += 1;
+                    continue;
+                }
+            }
+            self.alias(&mut out);
+            if owed.qos > 0 {
+                out.pkid = self.next_pkid();
+                self.inflight.push_back(Flight {
+                    pkid: out.pkid,
+                    owed,
+                    released: false,
+                });
+            }
+            return Some(out);
+        }
+    }
+
+    /// A PUBACK (QoS 1) or PUBCOMP (QoS 2) ends a delivery; false for an unknown packet id.
+    pub fn completed(&mut self, pkid: u16) -> bool {
+        match self.inflight.iter().position(|f| f.pkid == pkid) {
+            Some(at) => self.inflight.remove(at).is_some(),
+            None => false,
+        }
+    }
+
+    /// A PUBREC: the PUBREL is owed from now on, also after a reconnect (§4.3.3).
+    pub fn received(&mut self, pkid: u16) -> bool {
+        match self.inflight.iter_mut().find(|f| f.pkid == pkid) {
+            Some(flight) => {
+                flight.released = true;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A new connection took the session over (Clean Start 0): the client's new limits apply,
+    /// aliases start anew (they live only as long as a connection, §3.3.2.3.4), and what was in
+    /// flight is sent again with its packet id, a PUBLISH with DUP set or a PUBREL
+    /// ([MQTT-4.4.0-1]). Returns those, in their original order.
+    pub fn resume(&mut self, limits: Limits, now: Instant) -> Vec<Resend> {
+        self.limits = limits;
+        self.aliases.clear();
+        let mut resend = Vec::with_capacity(self.inflight.len());
+        for flight in &self.inflight {
+            if flight.released {
+                resend.push(Resend::Release(flight.pkid));
+            } else {
+                // Onward delivery began, so it is finished even past the expiry (§3.3.2.3.3).
+                let left = left(&flight.owed.message, now).unwrap_or(Some(1));
+                resend.push(Resend::Publish(self.outgoing(
+                    &flight.owed,
+                    flight.pkid,
+                    left,
+                    true,
+                )));
+            }
+        }
+        resend
+    }
+
+    /// QoS 1 and 2 messages owed: queued and in flight.
+    pub fn len(&self) -> usize {
+        self.queued.len() + self.inflight.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes of topic and payload queued (not yet written).
+    pub fn queued_bytes(&self) -> usize {
+        self.queued_bytes
+    }
+
+    fn drop(&mut self, why: Dropped) -> Result<(), Dropped> {
+        self.dropped[why as usize] += 1;
+        Err(why)
+    }
+
+    fn outgoing(&self, owed: &Owed, pkid: u16, expiry_left: Option<u32>, dup: bool) -> Outgoing {
+        Outgoing {
+            pkid,
+            qos: owed.qos,
+            retain: owed.retain,
+            dup,
+            topic: owed.message.topic.clone(),
+            topic_alias: None,
+            payload: owed.message.payload.clone(),
+            expiry_left,
+            subscription_ids: owed.subscription_ids.clone(),
+        }
+    }
+
+    /// Topic aliases to the client, keyed by topic, up to its Topic Alias Maximum: the first
+    /// PUBLISH on a topic carries the topic and its new alias, later ones the alias alone.
+    fn alias(&mut self, out: &mut Outgoing) {
+        if self.limits.topic_alias_maximum == 0 {
+            return;
+        }
+        if let Some(&alias) = self.aliases.get(&out.topic) {
+            out.topic_alias = Some(alias);
+            out.topic = Arc::from("");
+        } else if self.aliases.len() < usize::from(self.limits.topic_alias_maximum) {
+            let alias = self.aliases.len() as u16 + 1;
+            self.aliases.insert(out.topic.clone(), alias);
+            out.topic_alias = Some(alias);
+        }
+    }
+
+    /// Packet ids 1..=65535 in turn, skipping those still in flight (§2.2.1).
+    fn next_pkid(&mut self) -> u16 {
+        loop {
+            self.last_pkid = self.last_pkid.checked_add(1).unwrap_or(1);
+            if !self.inflight.iter().any(|f| f.pkid == self.last_pkid) {
+                return self.last_pkid;
+            }
+        }
+    }
+}
+
+/// What a resumed session writes first.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Resend {
+    Publish(Outgoing),
+    Release(u16),
+}
+
+/// The expiry left in whole seconds: None when it ran out, Some(None) when it has none.
+fn left(message: &Published, now: Instant) -> Option<Option<u32>> {
+    match message.expiry {
+        None => Some(None),
+        Some(expiry) => {
+            let waited = now.saturating_duration_since(message.received);
+            let left = expiry.checked_sub(waited)?;
+            if left.is_zero() {
+                return None;
+            }
+            Some(Some(left.as_secs().max(1).min(u64::from(u32::MAX)) as u32))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(receive_maximum: u16) -> Limits {
+        Limits {
+            receive_maximum,
+            maximum_packet_size: None,
+            topic_alias_maximum: 0,
+            queue_bytes: 1 << 20,
+        }
+    }
+
+    fn owed(topic: &str, payload: &[u8], qos: u8, expiry: Option<u64>) -> Owed {
+        Owed {
+            message: Arc::new(Published {
+                topic: topic.into(),
+                payload: Bytes::copy_from_slice(payload),
+                received: Instant::now(),
+                expiry: expiry.map(Duration::from_secs),
+            }),
+            qos,
+            retain: false,
+            subscription_ids: Vec::new(),
+        }
+    }
+
+    fn len(out: &Outgoing) -> usize {
+        2 + out.topic.len() + 2 + out.payload.len()
+    }
+
+    #[test]
+    fn never_more_in_flight_than_the_clients_receive_maximum() {
+        let mut mailbox = Mailbox::new(limits(5));
+        for i in 0..10_000u32 {
+            mailbox.push(owed("t", &i.to_be_bytes(), 1, None)).unwrap();
+        }
+        let now = Instant::now();
+        let mut delivered = Vec::new();
+        loop {
+            let mut window = Vec::new();
+            while let Some(out) = mailbox.next(now, len) {
+                window.push(out);
+            }
+            assert!(window.len() <= 5, "{} in flight", window.len());
+            if window.is_empty() {
+                break;
+            }
+            for out in window {
+                assert!(mailbox.completed(out.pkid));
+                delivered.push(u32::from_be_bytes(out.payload[..].try_into().unwrap()));
+            }
+        }
+        assert_eq!(
+            delivered,
+            (0..10_000).collect::<Vec<_>>(),
+            "all of them, in order"
+        );
+        assert!(mailbox.is_empty());
+    }
+
+    #[test]
+    fn qos_0_does_not_wait_for_the_window() {
+        let mut mailbox = Mailbox::new(limits(1));
+        mailbox.push(owed("t", b"1", 1, None)).unwrap();
+        let first = mailbox.next(Instant::now(), len).unwrap();
+        mailbox.push(owed("t", b"0", 0, None)).unwrap();
+        let zero = mailbox.next(Instant::now(), len).unwrap();
+        assert_eq!((first.qos, zero.qos, zero.pkid), (1, 0, 0));
+    }
+
+    #[test]
+    fn a_message_larger_than_the_clients_maximum_is_discarded_for_it() {
+        let mut mailbox = Mailbox::new(Limits {
+            maximum_packet_size: Some(64),
+            ..limits(10)
+        });
+        mailbox.push(owed("t", &[0; 100], 1, None)).unwrap();
+        mailbox.push(owed("t", b"small", 1, None)).unwrap();
+        let out = mailbox.next(Instant::now(), len).unwrap();
+        assert_eq!(&out.payload[..], b"small");
+        assert_eq!(mailbox.dropped[Dropped::TooLarge as usize], 1);
+    }
+
+    #[test]
+    fn an_expired_message_is_dropped_and_the_rest_carry_what_is_left() {
+        let mut mailbox = Mailbox::new(limits(10));
+        mailbox.push(owed("t", b"short", 1, Some(1))).unwrap();
+        mailbox.push(owed("t", b"long", 1, Some(60))).unwrap();
+        mailbox.push(owed("t", b"none", 1, None)).unwrap();
+        let later = Instant::now() + Duration::from_secs(2);
+        let first = mailbox.next(later, len).unwrap();
+        assert_eq!(&first.payload[..], b"long");
+        assert!(
+            matches!(first.expiry_left, Some(57..=58)),
+            "{:?}",
+            first.expiry_left
+        );
+        assert_eq!(mailbox.next(later, len).unwrap().expiry_left, None);
+        assert_eq!(mailbox.dropped[Dropped::Expired as usize], 1);
+    }
+
+    #[test]
+    fn the_queue_refuses_past_its_byte_limit_qos_0_first() {
+        let mut mailbox = Mailbox::new(Limits {
+            queue_bytes: 1000,
+            ..limits(10)
+        });
+        for _ in 0..5 {
+            mailbox.push(owed("t", &[0; 99], 1, None)).unwrap();
+        }
+        assert_eq!(
+            mailbox.push(owed("t", &[0; 99], 0, None)),
+            Err(Dropped::QueueFull)
+        );
+        for _ in 0..5 {
+            mailbox.push(owed("t", &[0; 99], 1, None)).unwrap();
+        }
+        assert_eq!(
+            mailbox.push(owed("t", &[0; 99], 1, None)),
+            Err(Dropped::QueueFull)
+        );
+        assert_eq!(mailbox.queued_bytes(), 1000);
+        assert_eq!(mailbox.dropped[Dropped::QueueFull as usize], 2);
+    }
+
+    #[test]
+    fn aliases_are_keyed_by_topic_within_the_clients_maximum() {
+        let mut mailbox = Mailbox::new(Limits {
+            topic_alias_maximum: 1,
+            ..limits(10)
+        });
+        for topic in ["a/1", "a/2", "a/1"] {
+            mailbox.push(owed(topic, b"x", 0, None)).unwrap();
+        }
+        let now = Instant::now();
+        let sent: Vec<_> = std::iter::from_fn(|| mailbox.next(now, len))
+            .map(|o| (o.topic.to_string(), o.topic_alias))
+            .collect();
+        assert_eq!(
+            sent,
+            [
+                ("a/1".to_string(), Some(1)),
+                ("a/2".to_string(), None),
+                (String::new(), Some(1))
+            ]
+        );
+    }
+
+    #[test]
+    fn a_resumed_session_resends_what_was_in_flight_with_its_packet_ids() {
+        let mut mailbox = Mailbox::new(limits(10));
+        for payload in [b"1", b"2", b"3"] {
+            mailbox.push(owed("t", payload, 2, None)).unwrap();
+        }
+        let now = Instant::now();
+        let sent: Vec<_> = std::iter::from_fn(|| mailbox.next(now, len)).collect();
+        assert!(mailbox.completed(sent[0].pkid));
+        assert!(mailbox.received(sent[1].pkid));
+        let resend = mailbox.resume(limits(10), now);
+        assert_eq!(resend.len(), 2);
+        assert_eq!(resend[0], Resend::Release(sent[1].pkid));
+        match &resend[1] {
+            Resend::Publish(out) => {
+                assert!(out.dup);
+                assert_eq!((out.pkid, &out.payload[..]), (sent[2].pkid, &b"3"[..]));
+            }
+            other => panic!("expected a publish, got {other:?}"),
+        }
+    }
+}
