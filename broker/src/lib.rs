@@ -21,6 +21,7 @@
 //!   one path"): MQTT 5's subscription options, shared groups, `$` topics.
 //! - [`mailbox`]: what one session of the one path is owed, within its client's bounds.
 //! - [`retained`]: the one path's retained messages.
+//! - [`registry`]: the one path's sessions by client id: take-over, expiry, delayed wills.
 
 mod backlog;
 mod codec;
@@ -37,6 +38,7 @@ mod lag;
 mod link;
 mod mailbox;
 mod message;
+mod registry;
 mod retained;
 mod security;
 mod server;
@@ -53,6 +55,7 @@ pub use index::{
 pub use link::{Link, Publisher};
 pub use mailbox::{Dropped, Limits, Mailbox, Outgoing, Owed, Published, Resend};
 pub use message::{Front, Message};
+pub use registry::{Connected, Fired, Registry, Session as KeptSession, Will};
 pub use retained::{Refused, Retained};
 /// rumqttd's topic matching (broker forms), for checks on filters our links hold.
 pub use rumqttd::protocol::matches;
