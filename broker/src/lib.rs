@@ -22,6 +22,7 @@
 //! - [`mailbox`]: what one session of the one path is owed, within its client's bounds.
 //! - [`retained`]: the one path's retained messages.
 //! - [`registry`]: the one path's sessions by client id: take-over, expiry, delayed wills.
+//! - [`wire`]: the one path's codecs: MQTT 3.1.1 and 5 read into and written from one model.
 
 mod backlog;
 mod codec;
@@ -43,6 +44,7 @@ mod retained;
 mod security;
 mod server;
 mod session;
+mod wire;
 mod withhold;
 
 pub use config::{BrokerConfig, ListenerConfig, MqttVersion};
@@ -62,6 +64,7 @@ pub use rumqttd::protocol::matches;
 pub use security::hash_password;
 pub use server::{reachable, Broker, BrokerStats};
 pub use session::{Ack, AckKind, Cork};
+pub use wire::{Packet as WirePacket, Wire, WireError};
 
 /// Client ids starting with this prefix are reserved for the node's own in-process links.
 pub const RESERVED_CLIENT_PREFIX: &str = "edgemeta-";
