@@ -23,16 +23,20 @@
 //! - [`retained`]: the one path's retained messages.
 //! - [`registry`]: the one path's sessions by client id: take-over, expiry, delayed wills.
 //! - [`wire`]: the one path's codecs: MQTT 3.1.1 and 5 read into and written from one model.
+//! - [`hub`]: the one path's shared state and its one `publish`.
+//! - [`conn`]: the one path's connection task.
 
 mod backlog;
 mod codec;
 mod config;
+mod conn;
 mod dollar;
 mod error;
 mod events;
 mod framing;
 mod front;
 mod guard;
+mod hub;
 mod index;
 mod intake;
 mod lag;
@@ -48,8 +52,10 @@ mod wire;
 mod withhold;
 
 pub use config::{BrokerConfig, ListenerConfig, MqttVersion};
+pub use conn::serve as serve_one_path;
 pub use dollar::{to_broker, to_client, INTERNAL_PREFIX};
 pub use error::Error;
+pub use hub::{Hub, HubLimits, Mailroom};
 pub use index::{
     matches as filter_matches, valid_topic, Delivery, FilterError, Index, Options, RetainHandling,
     SessionId,

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use rumqttc::v5::mqttbytes::v5::PublishProperties;
 
 /// A published message as every recipient shares it.
 #[derive(Debug)]
@@ -18,6 +19,9 @@ pub struct Published {
     pub received: Instant,
     /// The publisher's Message Expiry Interval (MQTT 5.0 §3.3.2.3.3).
     pub expiry: Option<Duration>,
+    /// The properties passed on unchanged (§3.3.2.3: payload format, content type, response
+    /// topic, correlation data, user properties); alias, expiry and identifiers are per delivery.
+    pub properties: Option<PublishProperties>,
 }
 
 /// One message owed to this session, as the index routed it.
@@ -63,6 +67,7 @@ pub struct Outgoing {
     /// The expiry left, sent in place of the publisher's (§3.3.2.3.3).
     pub expiry_left: Option<u32>,
     pub subscription_ids: Vec<u32>,
+    pub properties: Option<PublishProperties>,
 }
 
 /// Why a message was not kept for the client (counted, and logged by the caller).
@@ -202,12 +207,12 @@ impl Mailbox {
             } else {
                 // Onward delivery began, so it is finished even past the expiry (§3.3.2.3.3).
                 let left = left(&flight.owed.message, now).unwrap_or(Some(1));
-                resend.push(Resend::Publish(self.outgoing(
+                resend.push(Resend::Publish(Box::new(self.outgoing(
                     &flight.owed,
                     flight.pkid,
                     left,
                     true,
-                )));
+                ))));
             }
         }
         resend
@@ -243,6 +248,7 @@ impl Mailbox {
             payload: owed.message.payload.clone(),
             expiry_left,
             subscription_ids: owed.subscription_ids.clone(),
+            properties: owed.message.properties.clone(),
         }
     }
 
@@ -276,7 +282,7 @@ impl Mailbox {
 /// What a resumed session writes first.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Resend {
-    Publish(Outgoing),
+    Publish(Box<Outgoing>),
     Release(u16),
 }
 
@@ -315,6 +321,7 @@ mod tests {
                 payload: Bytes::copy_from_slice(payload),
                 received: Instant::now(),
                 expiry: expiry.map(Duration::from_secs),
+                properties: None,
             }),
             qos,
             retain: false,

@@ -273,6 +273,7 @@ mod tests {
                 payload: Bytes::from_static(b"bye"),
                 received: Instant::now(),
                 expiry: None,
+                properties: None,
             }),
             qos: 1,
             retain: false,

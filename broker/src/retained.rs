@@ -82,6 +82,7 @@ mod tests {
             payload: Bytes::copy_from_slice(payload.as_bytes()),
             received: Instant::now(),
             expiry: expiry.map(Duration::from_secs),
+            properties: None,
         })
     }
 
@@ -137,6 +138,7 @@ mod tests {
                 payload: Bytes::from_static(b"old"),
                 received: Instant::now() - Duration::from_secs(5),
                 expiry: Some(Duration::from_secs(1)),
+                properties: None,
             }))
             .unwrap();
         assert!(topics(&retained, "t").is_empty());

@@ -1,0 +1,51 @@
+//! The one path serving MQTT on its own, for conformance runs before it serves the node:
+//! `cargo run --release -p edgemeta-broker --example one_path -- 127.0.0.1:1883 127.0.0.1:1885`
+//! (both versions on every address; `scripts/paho CHECKOUT --server "target/release/examples/one_path"`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use edgemeta_broker::{serve_one_path, Hub, HubLimits};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+#[global_allocator]
+static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+#[tokio::main]
+async fn main() {
+    let mut addresses: Vec<String> = std::env::args().skip(1).collect();
+    if addresses.is_empty() {
+        addresses = vec!["127.0.0.1:1883".into(), "127.0.0.1:1885".into()];
+    }
+    let hub = Arc::new(Hub::new(HubLimits {
+        queue_bytes: 1 << 20,
+        retained_bytes: 16 << 20,
+    }));
+    let cancel = CancellationToken::new();
+    let timers = hub.clone();
+    tokio::spawn(async move {
+        loop {
+            let next = timers.fire();
+            let wait = next.map_or(Duration::from_secs(3600), |at| {
+                at.saturating_duration_since(std::time::Instant::now())
+            });
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = timers.timers.notified() => {}
+            }
+        }
+    });
+    for address in addresses {
+        let listener = TcpListener::bind(&address).await.expect("bind");
+        let (hub, cancel) = (hub.clone(), cancel.clone());
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let _ = stream.set_nodelay(true);
+                tokio::spawn(serve_one_path(stream, hub.clone(), cancel.clone()));
+            }
+        });
+    }
+    let _ = tokio::signal::ctrl_c().await;
+    cancel.cancel();
+}

@@ -1,0 +1,212 @@
+//! The one path's shared state: sessions, subscriptions and retained messages, and the one
+//! `publish` every client and in-process module calls. A publish routes through the index and
+//! is pushed into each matching session's mailbox; nothing waits for a reader.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+use crate::index::{Index, SessionId};
+use crate::mailbox::{Limits, Mailbox, Owed, Published};
+use crate::registry::{Connected, Fired, Registry, Will};
+use crate::retained::Retained;
+
+/// A session's mailbox and the bell its connection task waits on.
+#[derive(Debug)]
+pub struct Mailroom {
+    pub mailbox: Arc<Mutex<Mailbox>>,
+    pub ready: Notify,
+}
+
+/// The node-wide bounds of the one path.
+#[derive(Clone, Copy, Debug)]
+pub struct HubLimits {
+    /// Bytes a session's queue holds (connected or not).
+    pub queue_bytes: usize,
+    /// Bytes of retained messages kept in all.
+    pub retained_bytes: usize,
+}
+
+/// Sessions, subscriptions and retained messages, each behind its own short lock; no lock is
+/// held across an await, and none is taken while another is held except index → mailrooms.
+#[derive(Debug)]
+pub struct Hub {
+    pub limits: HubLimits,
+    registry: Mutex<Registry>,
+    index: RwLock<Index>,
+    retained: Mutex<Retained>,
+    rooms: Mutex<HashMap<SessionId, Arc<Mailroom>>>,
+    /// Each live connection's token, so a take-over closes the connection it replaces.
+    connections: Mutex<HashMap<u64, CancellationToken>>,
+    /// Rung when an expiry or a delayed will may have come nearer.
+    pub timers: Notify,
+}
+
+/// Poisoning only follows a panic elsewhere; the state itself stays consistent per call.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Hub {
+    pub fn new(limits: HubLimits) -> Hub {
+        Hub {
+            limits,
+            registry: Mutex::new(Registry::default()),
+            index: RwLock::new(Index::default()),
+            retained: Mutex::new(Retained::new(limits.retained_bytes)),
+            rooms: Mutex::new(HashMap::new()),
+            connections: Mutex::new(HashMap::new()),
+            timers: Notify::new(),
+        }
+    }
+
+    /// A CONNECT: the session it starts or resumes, with its mailroom; a connection it takes
+    /// over is told to close.
+    pub fn connect(
+        &self,
+        client_id: &str,
+        clean_start: bool,
+        expiry: Duration,
+        limits: Limits,
+        token: CancellationToken,
+    ) -> (Connected, Arc<Mailroom>) {
+        let connected = lock(&self.registry).connect(client_id, clean_start, expiry, limits);
+        if let Some(old) = connected.discarded.as_ref() {
+            self.forget(old.id, &old.filters);
+        }
+        let mut connections = lock(&self.connections);
+        if let Some(old) = connected.took_over.and_then(|c| connections.remove(&c)) {
+            old.cancel();
+        }
+        connections.insert(connected.connection, token);
+        drop(connections);
+        let room = lock(&self.rooms)
+            .entry(connected.session)
+            .or_insert_with(|| {
+                Arc::new(Mailroom {
+                    mailbox: connected.mailbox.clone(),
+                    ready: Notify::new(),
+                })
+            })
+            .clone();
+        (connected, room)
+    }
+
+    /// A connection ended; its will goes out now or after its delay, and a session with no
+    /// expiry left is freed.
+    pub fn disconnect(
+        &self,
+        client_id: &str,
+        connection: u64,
+        will: Option<Will>,
+        expiry: Duration,
+    ) {
+        lock(&self.connections).remove(&connection);
+        let fired =
+            lock(&self.registry).disconnect(client_id, connection, will, expiry, Instant::now());
+        self.settle(fired);
+        self.timers.notify_one();
+    }
+
+    /// Runs what came due by now; returns when the next thing is due.
+    pub fn fire(&self) -> Option<Instant> {
+        let mut registry = lock(&self.registry);
+        let fired = registry.fire(Instant::now());
+        let next = registry.next_due();
+        drop(registry);
+        self.settle(fired);
+        next
+    }
+
+    pub fn subscribe(
+        &self,
+        client_id: &str,
+        session: SessionId,
+        filter: &str,
+        options: crate::index::Options,
+    ) -> Result<bool, crate::index::FilterError> {
+        let new = self
+            .index
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .subscribe(session, filter, options)?;
+        lock(&self.registry).subscribed(client_id, filter);
+        Ok(new)
+    }
+
+    pub fn unsubscribe(&self, client_id: &str, session: SessionId, filter: &str) -> bool {
+        lock(&self.registry).unsubscribed(client_id, filter);
+        self.index
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .unsubscribe(session, filter)
+    }
+
+    /// The retained messages a new subscription to `filter` gets.
+    pub fn retained_for(&self, filter: &str) -> Vec<Arc<Published>> {
+        let filter = filter
+            .strip_prefix("$share/")
+            .and_then(|rest| rest.split_once('/').map(|(_, f)| f))
+            .unwrap_or(filter);
+        lock(&self.retained).matching(filter).cloned().collect()
+    }
+
+    /// Routes a message to every matching session; `from` is the publishing session (for No
+    /// Local), None for the node itself.
+    pub fn publish(&self, from: Option<SessionId>, message: Arc<Published>, qos: u8, retain: bool) {
+        if retain && lock(&self.retained).set(message.clone()).is_err() {
+            warn!(error_code = "EM-BROKER-RETAINED-FULL", topic = %message.topic,
+                "retained message not kept: the retained store is full");
+        }
+        let deliveries = self
+            .index
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .route(&message.topic, from, qos, retain);
+        let rooms = lock(&self.rooms);
+        for delivery in deliveries {
+            let Some(room) = rooms.get(&delivery.session) else {
+                continue;
+            };
+            let owed = Owed {
+                message: message.clone(),
+                qos: delivery.qos,
+                retain: delivery.retain,
+                subscription_ids: delivery.subscription_ids,
+            };
+            match lock(&room.mailbox).push(owed) {
+                Ok(()) => room.ready.notify_one(),
+                Err(why) => warn!(error_code = "EM-BROKER-QUEUE-FULL", session = delivery.session,
+                    topic = %message.topic, ?why, "message dropped for a session"),
+            }
+        }
+    }
+
+    /// Sessions held, connected or not.
+    pub fn sessions(&self) -> usize {
+        lock(&self.registry).len()
+    }
+
+    fn settle(&self, fired: Fired) {
+        for session in &fired.ended {
+            self.forget(session.id, &session.filters);
+        }
+        for will in fired.wills {
+            self.publish(None, will.message, will.qos, will.retain);
+        }
+    }
+
+    /// Frees what an ended session held in the index and its mailroom.
+    fn forget(&self, session: SessionId, filters: &[String]) {
+        let mut index = self.index.write().unwrap_or_else(PoisonError::into_inner);
+        for filter in filters {
+            index.unsubscribe(session, filter);
+        }
+        drop(index);
+        lock(&self.rooms).remove(&session);
+    }
+}
