@@ -645,12 +645,25 @@ async fn a_node_registers_itself_reports_its_status_and_lease_but_only_its_own()
     // A changed one is written at once; the unchanged Ready keeps its transition time.
     report(ready("10.0.0.8")).await;
     wait_until("the changed address written", RUN_WAIT, async || {
-        let status = nodes.get(&node).await.expect("node").status.unwrap_or_default();
+        let status = nodes
+            .get(&node)
+            .await
+            .expect("node")
+            .status
+            .unwrap_or_default();
         let addresses = status.addresses.unwrap_or_default();
-        if addresses.iter().any(|a| a.address == "10.0.0.8") { Ok(()) } else { Err(controller.log()) }
+        if addresses.iter().any(|a| a.address == "10.0.0.8") {
+            Ok(())
+        } else {
+            Err(controller.log())
+        }
     })
     .await;
-    assert_eq!(api.writes("nodes/status"), writes + 1, "the unchanged report was written");
+    assert_eq!(
+        api.writes("nodes/status"),
+        writes + 1,
+        "the unchanged report was written"
+    );
     let again = ready_condition().await.expect("Ready");
     assert_eq!(again.last_transition_time, condition.last_transition_time);
 
@@ -660,16 +673,33 @@ async fn a_node_registers_itself_reports_its_status_and_lease_but_only_its_own()
     let lease_down = format!("kubeedge/{node}/down/edgecontroller/response/kube-node-lease/lease");
     let spec = json!({"spec": {"holderIdentity": node, "leaseDurationSeconds": 40,
                                "renewTime": "2001-01-01T00:00:00.000000Z"}});
-    let (id, payload) = envelope("edged", "insert", &format!("kube-node-lease/lease/{node}"), spec.clone());
+    let (id, payload) = envelope(
+        "edged",
+        "insert",
+        &format!("kube-node-lease/lease/{node}"),
+        spec.clone(),
+    );
     link.publish(&lease_up("insert"), payload).await;
     let stored = link.expect_reply(&lease_down, &id).await;
-    let first = stored.content()["spec"]["renewTime"].as_str().unwrap_or_default().to_owned();
-    assert!(first.starts_with("20") && !first.starts_with("2001"), "{first}\n{}", controller.log());
+    let first = stored.content()["spec"]["renewTime"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        first.starts_with("20") && !first.starts_with("2001"),
+        "{first}\n{}",
+        controller.log()
+    );
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
         Api::namespaced(cluster.client.clone(), "kube-node-lease");
     // pacing: the renewal falls in a later microsecond for sure.
     tokio::time::sleep(Duration::from_millis(10)).await;
-    let (_, payload) = envelope("edged", "update", &format!("kube-node-lease/lease/{node}"), spec);
+    let (_, payload) = envelope(
+        "edged",
+        "update",
+        &format!("kube-node-lease/lease/{node}"),
+        spec,
+    );
     link.publish(&lease_up("update"), payload).await;
     let first_rv = stored.content()["metadata"]["resourceVersion"]
         .as_str()
@@ -857,27 +887,53 @@ async fn the_node_registers_itself_and_stays_ready_with_its_pod_through_ten_scal
     let started = Instant::now();
     let rig = lifecycle_rig(None, cloud).await;
     let took = await_ready(&rig, "True", Duration::from_secs(10)).await;
-    eprintln!("registered and Ready {took:?} after edged started ({:?} in all)", started.elapsed());
+    eprintln!(
+        "registered and Ready {took:?} after edged started ({:?} in all)",
+        started.elapsed()
+    );
     let nodes: Api<KubeNode> = Api::all(rig.cluster.client.clone());
-    let node = nodes.get(&rig.bridge.node_id).await.expect("the registered Node");
+    let node = nodes
+        .get(&rig.bridge.node_id)
+        .await
+        .expect("the registered Node");
     let labels = node.metadata.labels.clone().unwrap_or_default();
-    assert!(labels.contains_key("node-role.kubernetes.io/edge"), "{labels:?}");
+    assert!(
+        labels.contains_key("node-role.kubernetes.io/edge"),
+        "{labels:?}"
+    );
     let status = node.status.clone().expect("status");
     let info = status.node_info.clone().expect("nodeInfo");
-    assert!(info.kubelet_version.contains(env!("CARGO_PKG_VERSION")), "{info:?}");
-    assert!(info.container_runtime_version.starts_with("process://"), "{info:?}");
-    assert!(!info.kernel_version.is_empty() && !info.os_image.is_empty(), "{info:?}");
+    assert!(
+        info.kubelet_version.contains(env!("CARGO_PKG_VERSION")),
+        "{info:?}"
+    );
+    assert!(
+        info.container_runtime_version.starts_with("process://"),
+        "{info:?}"
+    );
+    assert!(
+        !info.kernel_version.is_empty() && !info.os_image.is_empty(),
+        "{info:?}"
+    );
     assert_eq!(info.operating_system, "linux");
     let addresses = status.addresses.clone().unwrap_or_default();
     assert!(
-        addresses.iter().any(|a| a.type_ == "InternalIP" && a.address == "127.0.0.1"),
+        addresses
+            .iter()
+            .any(|a| a.type_ == "InternalIP" && a.address == "127.0.0.1"),
         "{addresses:?}"
     );
     let capacity = status.capacity.clone().unwrap_or_default();
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    assert_eq!(capacity.get("cpu").map(|q| q.0.clone()), Some(cpus.to_string()));
+    assert_eq!(
+        capacity.get("cpu").map(|q| q.0.clone()),
+        Some(cpus.to_string())
+    );
     for resource in ["memory", "pods", "ephemeral-storage"] {
-        assert!(capacity.contains_key(resource), "{resource} missing: {capacity:?}");
+        assert!(
+            capacity.contains_key(resource),
+            "{resource} missing: {capacity:?}"
+        );
     }
     assert!(status.allocatable.is_some_and(|a| a.contains_key("memory")));
     let conditions: Vec<String> = status
@@ -886,12 +942,28 @@ async fn the_node_registers_itself_and_stays_ready_with_its_pod_through_ten_scal
         .into_iter()
         .map(|c| format!("{}={}", c.type_, c.status))
         .collect();
-    for kind in ["Ready=True", "MemoryPressure=", "DiskPressure=", "PIDPressure="] {
-        assert!(conditions.iter().any(|c| c.starts_with(kind)), "{kind}: {conditions:?}");
+    for kind in [
+        "Ready=True",
+        "MemoryPressure=",
+        "DiskPressure=",
+        "PIDPressure=",
+    ] {
+        assert!(
+            conditions.iter().any(|c| c.starts_with(kind)),
+            "{kind}: {conditions:?}"
+        );
     }
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
         Api::namespaced(rig.cluster.client.clone(), "kube-node-lease");
-    let lease = leases.get(&rig.bridge.node_id).await.expect("the node's Lease");
+    let lease = wait_until("the node's Lease", RUN_WAIT, async || {
+        leases
+            .get_opt(&rig.bridge.node_id)
+            .await
+            .ok()
+            .flatten()
+            .ok_or_else(|| rig.logs())
+    })
+    .await;
     let spec = lease.spec.expect("spec");
     assert_eq!(spec.lease_duration_seconds, Some(40));
     assert!(spec.renew_time.is_some());
@@ -905,7 +977,12 @@ async fn the_node_registers_itself_and_stays_ready_with_its_pod_through_ten_scal
     // pacing: ten minutes scaled by a tenth, with the node connected throughout.
     while watched.elapsed() < Duration::from_secs(60) {
         let (ready, tainted) = readiness(&rig.cluster, &rig.bridge.node_id).await;
-        assert!(ready == "True" && !tainted, "Ready={ready} tainted={tainted} after {:?}\n{}", watched.elapsed(), rig.logs());
+        assert!(
+            ready == "True" && !tainted,
+            "Ready={ready} tainted={tainted} after {:?}\n{}",
+            watched.elapsed(),
+            rig.logs()
+        );
         let pod = rig.cluster.pods().get("web").await.expect("the pod");
         assert!(
             phase(&pod) == "Running" && pod.metadata.deletion_timestamp.is_none(),
@@ -938,11 +1015,18 @@ async fn a_node_cut_off_past_the_grace_is_unknown_at_once_and_keeps_only_its_tol
     let mut pids = Vec::new();
     for (name, tolerations) in [("keep", forever), ("go", briefly)] {
         let pid_file = marks.path().join(name);
-        let script = format!("echo $$$$ > {}; while true; do sleep 0.1; done", pid_file.display());
+        let script = format!(
+            "echo $$$$ > {}; while true; do sleep 0.1; done",
+            pid_file.display()
+        );
         let pod = rig.pod(name, &script, json!({"tolerations": tolerations}));
         rig.cluster.create::<Pod>(pod).await;
         rig.await_running(name).await;
-        let pid: u32 = await_file_text(&pid_file).await.trim().parse().expect("pid");
+        let pid: u32 = await_file_text(&pid_file)
+            .await
+            .trim()
+            .parse()
+            .expect("pid");
         pids.push(pid);
     }
 
@@ -950,41 +1034,75 @@ async fn a_node_cut_off_past_the_grace_is_unknown_at_once_and_keeps_only_its_tol
     relay.cut();
     let took = await_ready(&rig, "Unknown", Duration::from_secs(10)).await;
     eprintln!("Ready=Unknown {took:?} after the cut");
-    assert!(took <= Duration::from_secs(2), "Unknown only after {took:?}\n{}", rig.logs());
-    wait_until("the simulated controller evicts the pod without a long toleration", RUN_WAIT, async || {
-        let pod = rig.cluster.pods().get("go").await.expect("go");
-        if pod.metadata.deletion_timestamp.is_some() { Ok(()) } else { Err(rig.logs()) }
-    })
+    assert!(
+        took <= Duration::from_secs(2),
+        "Unknown only after {took:?}\n{}",
+        rig.logs()
+    );
+    wait_until(
+        "the simulated controller evicts the pod without a long toleration",
+        RUN_WAIT,
+        async || {
+            let pod = rig.cluster.pods().get("go").await.expect("go");
+            if pod.metadata.deletion_timestamp.is_some() {
+                Ok(())
+            } else {
+                Err(rig.logs())
+            }
+        },
+    )
     .await;
     // pacing: the outage outlasts the grace period (4 s) by a margin.
     tokio::time::sleep(Duration::from_secs(5)).await;
     let (ready, tainted) = readiness(&rig.cluster, &rig.bridge.node_id).await;
-    assert!(ready == "Unknown" && tainted, "Ready={ready} tainted={tainted}");
+    assert!(
+        ready == "Unknown" && tainted,
+        "Ready={ready} tainted={tainted}"
+    );
     let keep = rig.cluster.pods().get("keep").await.expect("keep");
-    assert!(keep.metadata.deletion_timestamp.is_none(), "keep was evicted");
+    assert!(
+        keep.metadata.deletion_timestamp.is_none(),
+        "keep was evicted"
+    );
     // The node went on running both meanwhile.
-    assert!(pids.iter().all(|pid| Path::new(&format!("/proc/{pid}")).exists()));
+    assert!(pids
+        .iter()
+        .all(|pid| Path::new(&format!("/proc/{pid}")).exists()));
 
     relay.restore().await;
     let took = await_ready(&rig, "True", Duration::from_secs(15)).await;
     eprintln!("Ready=True {took:?} after the reconnect");
-    wait_until("the evicted pod stopped on the node and gone from the API", RUN_WAIT, async || {
-        match rig.cluster.pods().get_opt("go").await.expect("get") {
+    wait_until(
+        "the evicted pod stopped on the node and gone from the API",
+        RUN_WAIT,
+        async || match rig.cluster.pods().get_opt("go").await.expect("get") {
             None => Ok(()),
             Some(_) => Err(rig.logs()),
-        }
-    })
+        },
+    )
     .await;
     let stopped = |pid: u32| {
         !Path::new(&format!("/proc/{pid}")).exists()
-            || std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.contains(") Z "))
+            || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .is_ok_and(|s| s.contains(") Z "))
     };
     assert!(stopped(pids[1]), "the evicted pod's process still runs");
-    assert!(!stopped(pids[0]), "the tolerating pod's process was stopped");
+    assert!(
+        !stopped(pids[0]),
+        "the tolerating pod's process was stopped"
+    );
     let keep = rig.await_running("keep").await;
     assert!(keep.metadata.deletion_timestamp.is_none());
-    let (_, tainted) = readiness(&rig.cluster, &rig.bridge.node_id).await;
-    assert!(!tainted, "the taints stayed after the reconnect");
+    // The lifecycle controller lifts its taints at its next look.
+    wait_until("the taints lifted", Duration::from_secs(5), async || {
+        let (_, tainted) = readiness(&rig.cluster, &rig.bridge.node_id).await;
+        if tainted {
+            Err(rig.logs())
+        } else {
+            Ok(())
+        }
+    })
+    .await;
 }
 
 /// Waits until `path` holds text; returns it.
@@ -1022,24 +1140,51 @@ async fn heartbeats_sent_during_an_outage_are_replaced_not_replayed() {
         }
     }
     // A pod status meanwhile is history: it waits in the outbox.
-    let (pod_status, payload) = envelope("edged", "update", "default/podstatus/web", json!({"seq": 1}));
-    edged.publish("ke/meta/edged/update/default/podstatus", payload).await;
+    let (pod_status, payload) = envelope(
+        "edged",
+        "update",
+        "default/podstatus/web",
+        json!({"seq": 1}),
+    );
+    edged
+        .publish("ke/meta/edged/update/default/podstatus", payload)
+        .await;
     common::cloud::await_outbox(&node, 1, common::WAIT).await;
 
     relay.restore().await;
     let mut seen = Vec::new();
-    wait_until("the pod status and the newest heartbeats in the cloud", RUN_WAIT, async || {
-        for m in controller.drain(Duration::from_millis(250)).await {
-            seen.push((m.resource(), m.content()["seq"].as_i64().unwrap_or(0), m.msg_id()));
-        }
-        let done = seen.iter().any(|(_, _, id)| *id == pod_status)
-            && seen.iter().filter(|(r, _, _)| *r != "default/podstatus/web").count() >= 2;
-        if done { Ok(()) } else { Err(format!("{seen:?}")) }
-    })
+    wait_until(
+        "the pod status and the newest heartbeats in the cloud",
+        RUN_WAIT,
+        async || {
+            for m in controller.drain(Duration::from_millis(250)).await {
+                seen.push((
+                    m.resource(),
+                    m.content()["seq"].as_i64().unwrap_or(0),
+                    m.msg_id(),
+                ));
+            }
+            let done = seen.iter().any(|(_, _, id)| *id == pod_status)
+                && seen
+                    .iter()
+                    .filter(|(r, _, _)| *r != "default/podstatus/web")
+                    .count()
+                    >= 2;
+            if done {
+                Ok(())
+            } else {
+                Err(format!("{seen:?}"))
+            }
+        },
+    )
     .await;
     // A little longer: nothing else of the outage's heartbeats follows.
     for m in controller.drain(Duration::from_secs(1)).await {
-        seen.push((m.resource(), m.content()["seq"].as_i64().unwrap_or(0), m.msg_id()));
+        seen.push((
+            m.resource(),
+            m.content()["seq"].as_i64().unwrap_or(0),
+            m.msg_id(),
+        ));
     }
     let heartbeats: Vec<(String, i64)> = seen
         .iter()

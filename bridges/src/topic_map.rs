@@ -59,7 +59,10 @@ impl TopicMap {
             return false;
         };
         let levels: Vec<&str> = rest.split('/').collect();
-        matches!(levels.as_slice(), [_, "insert" | "update", _, "nodestatus" | "lease"])
+        matches!(
+            levels.as_slice(),
+            [_, "insert" | "update", _, "nodestatus" | "lease"]
+        )
     }
 
     /// Cloud topic → local MetaManager topic; `None` if it is not this node's down traffic.

@@ -57,7 +57,13 @@ fn cpu_ticks(pid: u32) -> u64 {
     // After the command name's closing parenthesis: fields 3.. of stat(5); utime and stime
     // are the 14th and 15th.
     stat.rsplit_once(')')
-        .map(|(_, rest)| rest.split_whitespace().skip(11).take(2).filter_map(|v| v.parse::<u64>().ok()).sum())
+        .map(|(_, rest)| {
+            rest.split_whitespace()
+                .skip(11)
+                .take(2)
+                .filter_map(|v| v.parse::<u64>().ok())
+                .sum()
+        })
         .unwrap_or(0)
 }
 
@@ -73,9 +79,7 @@ const HEARTBEAT: Duration = Duration::from_secs(10);
 
 /// A node status as edged reports it (the same fields and about the same size).
 fn node_status(i: usize) -> Value {
-    let condition = |kind: &str, status: &str, reason: &str, message: &str| {
-        json!({"type": kind, "status": status, "reason": reason, "message": message})
-    };
+    let condition = |kind: &str, status: &str, reason: &str, message: &str| json!({"type": kind, "status": status, "reason": reason, "message": message});
     json!({"metadata": {"name": format!("n{i}"), "labels": {"node-role.kubernetes.io/edge": "",
             "kubernetes.io/hostname": format!("n{i}"), "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64"}},
         "status": {
@@ -100,12 +104,21 @@ fn send_heartbeats(client: &AsyncClient, i: usize, beat: u64) {
     let node = format!("n{i}");
     for (kind, ns, content) in [
         ("nodestatus", "default", node_status(i)),
-        ("lease", "kube-node-lease", json!({"spec": {"holderIdentity": node, "leaseDurationSeconds": 40}})),
+        (
+            "lease",
+            "kube-node-lease",
+            json!({"spec": {"holderIdentity": node, "leaseDurationSeconds": 40}}),
+        ),
     ] {
         let envelope = json!({"header": {"msg_id": format!("h-{i}-{beat}-{kind}"), "timestamp": 0},
             "route": {"source": "edged", "group": "meta", "operation": "update", "resource": format!("{ns}/{kind}/{node}")},
             "content": content});
-        let _ = client.try_publish(format!("kubeedge/{node}/up/edged/update/{ns}/{kind}"), QoS::AtMostOnce, false, envelope.to_string());
+        let _ = client.try_publish(
+            format!("kubeedge/{node}/up/edged/update/{ns}/{kind}"),
+            QoS::AtMostOnce,
+            false,
+            envelope.to_string(),
+        );
     }
 }
 
@@ -376,7 +389,12 @@ async fn main() {
     let warm_up = Duration::from_secs(arg("--heartbeat-warm-up-s", 30) as u64);
     let window = Duration::from_secs(arg("--heartbeat-window-s", 60) as u64);
     tokio::time::sleep(warm_up).await;
-    let writes = |api: &FakeApi| (api.writes("nodes/status"), api.writes("leases.coordination.k8s.io"));
+    let writes = |api: &FakeApi| {
+        (
+            api.writes("nodes/status"),
+            api.writes("leases.coordination.k8s.io"),
+        )
+    };
     let (status_before, leases_before) = writes(&api);
     let cpu_before = cpu_ticks(pid);
     let measured = Instant::now();

@@ -77,7 +77,10 @@ enum Input {
         failed: bool,
     },
     /// A Lease write finished: its new resourceVersion (`None`: unknown).
-    LeaseWritten { node: String, rv: Option<String> },
+    LeaseWritten {
+        node: String,
+        rv: Option<String>,
+    },
 }
 
 /// Where nodes' heartbeat Leases live (as kubelet's).
@@ -598,7 +601,11 @@ impl Owner {
             return;
         }
         let work = LeaseWork {
-            spec: envelope.content.get("spec").cloned().unwrap_or_else(|| json!({})),
+            spec: envelope
+                .content
+                .get("spec")
+                .cloned()
+                .unwrap_or_else(|| json!({})),
             answer: up.operation == "insert",
             request: envelope,
         };
@@ -627,8 +634,11 @@ impl Owner {
     fn write_node_status(&self, node: String, work: StatusWork) {
         let current = self.current_node(&node);
         let api: Api<Node> = Api::all(self.client.clone());
-        let (writers, results, refresh) =
-            (self.writers.clone(), self.results.clone(), self.beats.refresh);
+        let (writers, results, refresh) = (
+            self.writers.clone(),
+            self.results.clone(),
+            self.beats.refresh,
+        );
         let (mqtt, root) = (self.mqtt.clone(), self.root.clone());
         tokio::spawn(async move {
             let Ok(_permit) = writers.acquire_owned().await else {

@@ -177,7 +177,12 @@ pub fn status_to_write(
 ) -> Option<Value> {
     let mut wanted = status::merge(current, reported, now);
     // What the node cannot know stays as the API has it.
-    for kept in ["daemonEndpoints", "volumesAttached", "volumesInUse", "images"] {
+    for kept in [
+        "daemonEndpoints",
+        "volumesAttached",
+        "volumesInUse",
+        "images",
+    ] {
         if wanted.get(kept).is_none() && !current[kept].is_null() {
             wanted[kept] = current[kept].clone();
         }
@@ -272,8 +277,8 @@ mod tests {
         assert!(status_to_write(&stored, &rebooted, "2026-11-27T10:00:01Z", refresh).is_some());
         let mut pressed = report();
         pressed["conditions"][0]["status"] = json!("False");
-        let written = status_to_write(&stored, &pressed, "2026-11-27T10:00:01Z", refresh)
-            .expect("changed");
+        let written =
+            status_to_write(&stored, &pressed, "2026-11-27T10:00:01Z", refresh).expect("changed");
         assert_eq!(
             written["conditions"][0]["lastTransitionTime"],
             "2026-11-27T10:00:01Z"
@@ -293,7 +298,13 @@ mod tests {
         let bare = offline_status(&Value::Null, T0).expect("written");
         assert_eq!(bare["conditions"][0]["type"], "Ready");
         // The first heartbeat after the outage is a change: written at once.
-        assert!(status_to_write(&unknown, &report(), "2026-11-27T10:01:01Z", Duration::from_secs(20)).is_some());
+        assert!(status_to_write(
+            &unknown,
+            &report(),
+            "2026-11-27T10:01:01Z",
+            Duration::from_secs(20)
+        )
+        .is_some());
     }
 
     #[test]
@@ -327,6 +338,9 @@ mod tests {
         assert!(next.answer);
         assert_eq!(rv.as_deref(), Some("7"));
         assert!(beats.lease_done("n", Some("8".to_owned())).is_none());
-        assert_eq!(beats.lease("n", lease(false)).map(|(_, rv)| rv), Some(Some("8".to_owned())));
+        assert_eq!(
+            beats.lease("n", lease(false)).map(|(_, rv)| rv),
+            Some(Some("8".to_owned()))
+        );
     }
 }

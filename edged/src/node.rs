@@ -101,7 +101,9 @@ pub fn measure(pods_dir: &Path) -> Host {
         cpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u64),
         memory_kib: meminfo(&meminfo_text, "MemTotal"),
         memory_available_kib: meminfo(&meminfo_text, "MemAvailable"),
-        pid_max: read_trimmed("/proc/sys/kernel/pid_max").parse().unwrap_or(0),
+        pid_max: read_trimmed("/proc/sys/kernel/pid_max")
+            .parse()
+            .unwrap_or(0),
         processes,
         kernel: read_trimmed("/proc/sys/kernel/osrelease"),
         os_image: os_image(&os_release),
@@ -154,7 +156,12 @@ pub fn conditions(host: &Host) -> Vec<Value> {
         PIDS_FREE_MIN_PERCENT,
     );
     let ready = match &host.disk_error {
-        None => condition("Ready", true, "KubeletReady", "kubelet is posting ready status"),
+        None => condition(
+            "Ready",
+            true,
+            "KubeletReady",
+            "kubelet is posting ready status",
+        ),
         Some(e) => condition(
             "Ready",
             false,
@@ -164,19 +171,49 @@ pub fn conditions(host: &Host) -> Vec<Value> {
     };
     vec![
         if memory {
-            condition("MemoryPressure", true, "KubeletHasInsufficientMemory", "kubelet has insufficient memory available")
+            condition(
+                "MemoryPressure",
+                true,
+                "KubeletHasInsufficientMemory",
+                "kubelet has insufficient memory available",
+            )
         } else {
-            condition("MemoryPressure", false, "KubeletHasSufficientMemory", "kubelet has sufficient memory available")
+            condition(
+                "MemoryPressure",
+                false,
+                "KubeletHasSufficientMemory",
+                "kubelet has sufficient memory available",
+            )
         },
         if disk {
-            condition("DiskPressure", true, "KubeletHasDiskPressure", "kubelet has disk pressure")
+            condition(
+                "DiskPressure",
+                true,
+                "KubeletHasDiskPressure",
+                "kubelet has disk pressure",
+            )
         } else {
-            condition("DiskPressure", false, "KubeletHasNoDiskPressure", "kubelet has no disk pressure")
+            condition(
+                "DiskPressure",
+                false,
+                "KubeletHasNoDiskPressure",
+                "kubelet has no disk pressure",
+            )
         },
         if pids {
-            condition("PIDPressure", true, "KubeletHasInsufficientPID", "kubelet has insufficient PID available")
+            condition(
+                "PIDPressure",
+                true,
+                "KubeletHasInsufficientPID",
+                "kubelet has insufficient PID available",
+            )
         } else {
-            condition("PIDPressure", false, "KubeletHasSufficientPID", "kubelet has sufficient PID available")
+            condition(
+                "PIDPressure",
+                false,
+                "KubeletHasSufficientPID",
+                "kubelet has sufficient PID available",
+            )
         },
         ready,
     ]
@@ -280,7 +317,13 @@ pub async fn run(
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     }
     let registration = measured(&settings).await;
-    publish(&client, &root, Operation::Insert, &status_resource, registration);
+    publish(
+        &client,
+        &root,
+        Operation::Insert,
+        &status_resource,
+        registration,
+    );
     info!(node = %name, "node registration sent");
     loop {
         tokio::select! {
@@ -340,7 +383,10 @@ mod tests {
     fn pressure_follows_the_host_with_kubelets_reasons() {
         let ok = conditions(&healthy());
         assert_eq!(status_of(&ok, "Ready").1, "KubeletReady");
-        assert_eq!(status_of(&ok, "MemoryPressure"), ("False".into(), "KubeletHasSufficientMemory".into()));
+        assert_eq!(
+            status_of(&ok, "MemoryPressure"),
+            ("False".into(), "KubeletHasSufficientMemory".into())
+        );
         let tight = Host {
             memory_available_kib: 50 * 1024,
             disk_free_bytes: 5 << 20,
@@ -348,9 +394,18 @@ mod tests {
             ..healthy()
         };
         let tight = conditions(&tight);
-        assert_eq!(status_of(&tight, "MemoryPressure"), ("True".into(), "KubeletHasInsufficientMemory".into()));
-        assert_eq!(status_of(&tight, "DiskPressure"), ("True".into(), "KubeletHasDiskPressure".into()));
-        assert_eq!(status_of(&tight, "PIDPressure"), ("True".into(), "KubeletHasInsufficientPID".into()));
+        assert_eq!(
+            status_of(&tight, "MemoryPressure"),
+            ("True".into(), "KubeletHasInsufficientMemory".into())
+        );
+        assert_eq!(
+            status_of(&tight, "DiskPressure"),
+            ("True".into(), "KubeletHasDiskPressure".into())
+        );
+        assert_eq!(
+            status_of(&tight, "PIDPressure"),
+            ("True".into(), "KubeletHasInsufficientPID".into())
+        );
         let broken = Host {
             disk_error: Some("gone".to_owned()),
             ..healthy()
@@ -369,14 +424,19 @@ mod tests {
         assert_eq!(status["capacity"]["pods"], "110");
         assert_eq!(status["addresses"][0]["address"], "10.0.0.7");
         assert_eq!(doc["metadata"]["labels"][EDGE_LABEL], "");
-        let version = status["nodeInfo"]["kubeletVersion"].as_str().unwrap_or_default();
+        let version = status["nodeInfo"]["kubeletVersion"]
+            .as_str()
+            .unwrap_or_default();
         assert!(version.contains(env!("CARGO_PKG_VERSION")), "{version}");
     }
 
     #[test]
     fn this_host_can_be_measured() {
         let host = measure(Path::new("/"));
-        assert!(host.cpus > 0 && host.memory_kib > 0 && host.disk_bytes > 0, "{host:?}");
+        assert!(
+            host.cpus > 0 && host.memory_kib > 0 && host.disk_bytes > 0,
+            "{host:?}"
+        );
         assert!(!host.kernel.is_empty());
     }
 }

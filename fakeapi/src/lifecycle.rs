@@ -112,22 +112,33 @@ fn pass(store: &mut Store, config: &Lifecycle, probes: &mut HashMap<String, Prob
                 node["status"] = unknown;
                 match store.update(nodes_kind, "", &name, node.clone(), true) {
                     Ok(written) => node = written,
-                    Err(e) => warn!(error_code = "EM-FAKEAPI-LIFECYCLE", node = %name, error = %e, "status not written"),
+                    Err(e) => {
+                        warn!(error_code = "EM-FAKEAPI-LIFECYCLE", node = %name, error = %e, "status not written")
+                    }
                 }
             }
         }
-        let state = ready(&node).and_then(|c| c["status"].as_str()).unwrap_or("Unknown");
+        let state = ready(&node)
+            .and_then(|c| c["status"].as_str())
+            .unwrap_or("Unknown");
         if let Some(taints) = retaint(&node["spec"]["taints"], state) {
             info!(node = %name, ready = state, "node lifecycle: taints changed");
             node["spec"]["taints"] = taints;
             match store.update(nodes_kind, "", &name, node.clone(), false) {
                 Ok(written) => node = written,
-                Err(e) => warn!(error_code = "EM-FAKEAPI-LIFECYCLE", node = %name, error = %e, "taints not written"),
+                Err(e) => {
+                    warn!(error_code = "EM-FAKEAPI-LIFECYCLE", node = %name, error = %e, "taints not written")
+                }
             }
         }
         let no_execute: Vec<Value> = node["spec"]["taints"]
             .as_array()
-            .map(|t| t.iter().filter(|t| t["effect"] == "NoExecute").cloned().collect())
+            .map(|t| {
+                t.iter()
+                    .filter(|t| t["effect"] == "NoExecute")
+                    .cloned()
+                    .collect()
+            })
             .unwrap_or_default();
         if !no_execute.is_empty() {
             tainted.insert(name, no_execute);
@@ -139,7 +150,10 @@ fn pass(store: &mut Store, config: &Lifecycle, probes: &mut HashMap<String, Prob
     }
     let wall = OffsetDateTime::now_utc();
     for (ns, name, pod) in store.list(pods_kind, None, None) {
-        let Some(taints) = pod["spec"]["nodeName"].as_str().and_then(|n| tainted.get(n)) else {
+        let Some(taints) = pod["spec"]["nodeName"]
+            .as_str()
+            .and_then(|n| tainted.get(n))
+        else {
             continue;
         };
         if pod["metadata"]["deletionTimestamp"].is_string() {

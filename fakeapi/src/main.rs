@@ -38,7 +38,8 @@ fn main() {
             "--node-lifecycle" => {
                 config.lifecycle.get_or_insert_with(Lifecycle::default);
             }
-            "--node-monitor-period-ms" | "--node-monitor-grace-period-ms"
+            "--node-monitor-period-ms"
+            | "--node-monitor-grace-period-ms"
             | "--default-toleration-seconds" => {
                 let n: u64 = value().parse().unwrap_or_else(|_| usage());
                 let lifecycle = config.lifecycle.get_or_insert_with(Lifecycle::default);

@@ -53,7 +53,10 @@ mod tests {
         live.put("b".to_owned(), b"2".to_vec());
         assert_eq!(
             live.take(),
-            [("a".to_owned(), b"1".to_vec()), ("b".to_owned(), b"2".to_vec())]
+            [
+                ("a".to_owned(), b"1".to_vec()),
+                ("b".to_owned(), b"2".to_vec())
+            ]
         );
         assert!(live.take().is_empty());
     }
