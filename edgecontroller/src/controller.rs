@@ -575,10 +575,7 @@ impl Owner {
             self.reply(&up.node, &envelope, "error", json!(text)).await;
             return;
         }
-        let work = StatusWork::Report {
-            content: envelope.content.clone(),
-            request: envelope,
-        };
+        let work = StatusWork::Report(Box::new(envelope));
         if let Some(work) = self.beats.status(&up.node, work) {
             self.write_node_status(up.node.clone(), work);
         }
@@ -650,7 +647,7 @@ impl Owner {
                 Ok(object) => object,
                 Err(text) => {
                     warn!(error_code = "EM-EC-NODESTATUS", node = %node, error = %text, "node status not written");
-                    if let StatusWork::Report { request, .. } = &work {
+                    if let StatusWork::Report(request) = &work {
                         let reply = Envelope::reply("error", request, json!(text));
                         send_reply(&mqtt, &root, &node, &reply).await;
                     }
@@ -966,8 +963,8 @@ async fn write_status(
         None => match api.get_opt(name).await.map_err(|e| e.to_string())? {
             Some(node) => serde_json::to_value(&node).unwrap_or(Value::Null),
             None => {
-                if let StatusWork::Report { content, .. } = work {
-                    register_node(api, name, content).await?;
+                if let StatusWork::Report(request) = work {
+                    register_node(api, name, &request.content).await?;
                 }
                 return Ok(None);
             }
@@ -975,8 +972,8 @@ async fn write_status(
     };
     let now = status::now();
     let wanted = match work {
-        StatusWork::Report { content, .. } => {
-            let reported = heartbeat::reported_status(content)
+        StatusWork::Report(request) => {
+            let reported = heartbeat::reported_status(&request.content)
                 .ok_or_else(|| "no node status in the message".to_owned())?;
             heartbeat::status_to_write(&current["status"], reported, &now, refresh)
         }

@@ -19,9 +19,9 @@ use crate::status;
 /// What a status write for one node is to do.
 #[derive(Debug, Clone)]
 pub enum StatusWork {
-    /// A status edged reported (`{"status": ...}` or `{"Status": ...}`, the Node's metadata
-    /// beside it), and the request, answered only if the write fails.
-    Report { content: Value, request: Envelope },
+    /// The request with a status edged reported (content `{"status": ...}` or
+    /// `{"Status": ...}`, the Node's metadata beside it), answered only if the write fails.
+    Report(Box<Envelope>),
     /// The node's Last Will: every condition `Unknown`.
     Offline,
 }
@@ -312,15 +312,19 @@ mod tests {
         let mut beats = Heartbeats::new(Duration::from_secs(20));
         assert!(beats.status("n", StatusWork::Offline).is_some());
         let request = Envelope::new("update", "default/nodestatus/n".to_owned(), json!(1), None);
-        let report = |n: i64| StatusWork::Report {
-            content: json!(n),
-            request: request.clone(),
+        let report = |n: i64| {
+            StatusWork::Report(Box::new(Envelope::new(
+                "update",
+                "default/nodestatus/n".to_owned(),
+                json!(n),
+                None,
+            )))
         };
         assert!(beats.status("n", report(1)).is_none());
         assert!(beats.status("n", report(2)).is_none());
         assert!(beats.status("other", report(9)).is_some());
         match beats.status_done("n", Some(json!({"v": 1})), false) {
-            Some(StatusWork::Report { content, .. }) => assert_eq!(content, json!(2)),
+            Some(StatusWork::Report(request)) => assert_eq!(request.content, json!(2)),
             other => panic!("{other:?}"),
         }
         assert!(beats.status_done("n", None, false).is_none());

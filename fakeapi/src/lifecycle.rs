@@ -232,7 +232,7 @@ fn retaint(current: &Value, state: &str) -> Option<Value> {
             }));
         }
     }
-    (wanted != current).then(|| Value::Array(wanted))
+    (wanted != current).then_some(Value::Array(wanted))
 }
 
 /// Whether `toleration` tolerates `taint` (Kubernetes' matching: empty key with `Exists`
