@@ -160,7 +160,8 @@ impl Settings {
     }
 
     /// `edged:` with `broker_url` filled in: when empty, the first plain MQTT 3.1.1 listener of
-    /// this configuration (an unspecified address is reached on loopback).
+    /// this configuration (an unspecified address is reached on loopback); and `node.name`,
+    /// when empty, from `cloud.node_id` if the cloud is enabled.
     pub fn edged(&self) -> anyhow::Result<EdgedConfig> {
         let mut edged = self.edged.clone();
         if edged.broker_url.is_empty() {
@@ -177,6 +178,10 @@ impl Settings {
                 address.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
             }
             edged.broker_url = format!("mqtt://{address}");
+        }
+        // The Node edged reports is the one the cloud knows this node as.
+        if edged.node.name.is_empty() && self.cloud.enabled {
+            edged.node.name = self.cloud.node_id.clone();
         }
         Ok(edged)
     }

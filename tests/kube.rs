@@ -29,12 +29,13 @@ struct Cluster {
 
 impl Cluster {
     async fn start() -> Cluster {
-        let api = FakeApi::start(
-            edgemeta_fakeapi::Config::default(),
-            CancellationToken::new(),
-        )
-        .await
-        .expect("fake API server");
+        Cluster::start_with(edgemeta_fakeapi::Config::default()).await
+    }
+
+    async fn start_with(config: edgemeta_fakeapi::Config) -> Cluster {
+        let api = FakeApi::start(config, CancellationToken::new())
+            .await
+            .expect("fake API server");
         let dir = tempfile::tempdir().expect("dir");
         std::fs::write(dir.path().join("kubeconfig"), api.kubeconfig()).expect("kubeconfig");
         let config = kube::Config::new(api.url().parse().expect("url"));
@@ -612,57 +613,111 @@ async fn a_node_registers_itself_reports_its_status_and_lease_but_only_its_own()
     );
     assert_eq!(labels.get("site").map(String::as_str), Some("shop-7"));
 
-    let ready = json!({"Status": {"conditions": [{"type": "Ready", "status": "True", "reason": "EdgeReady"}],
-                                  "addresses": [{"type": "InternalIP", "address": "10.0.0.7"}]}});
-    // Reports the node Ready through the MetaManager; the Ready condition the cluster then has.
-    let mut report_ready = async || {
+    let ready = |ip: &str| {
+        json!({"Status": {"conditions": [{"type": "Ready", "status": "True", "reason": "EdgeReady"}],
+                          "addresses": [{"type": "InternalIP", "address": ip}]}})
+    };
+    // A heartbeat is not answered unless it fails: report, then read what the cluster has.
+    let report = async |content: Value| {
         let resource = format!("default/nodestatus/{node}");
-        let (id, payload) = envelope("edged", "update", &resource, ready.clone());
+        let (_, payload) = envelope("edged", "update", &resource, content);
         link.publish(&up("update"), payload).await;
-        link.expect_reply(&down("response"), &id).await;
+    };
+    let ready_condition = async || {
+        let status = nodes.get(&node).await.expect("node").status;
+        status
+            .and_then(|s| s.conditions)
+            .and_then(|c| c.into_iter().find(|c| c.type_ == "Ready"))
+    };
+    report(ready("10.0.0.7")).await;
+    let condition = wait_until("the reported Ready condition", RUN_WAIT, async || {
+        ready_condition().await.ok_or_else(|| controller.log())
+    })
+    .await;
+    assert_eq!(condition.status, "True");
+    assert!(condition.last_heartbeat_time.is_some() && condition.last_transition_time.is_some());
+    // The same report again within the refresh interval (20 s): nothing is rewritten.
+    // pacing: these times have one-second resolution; the next reports fall in a later second.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let api = cluster.api.as_ref().expect("fake API server");
+    let writes = api.writes("nodes/status");
+    report(ready("10.0.0.7")).await;
+    // A changed one is written at once; the unchanged Ready keeps its transition time.
+    report(ready("10.0.0.8")).await;
+    wait_until("the changed address written", RUN_WAIT, async || {
         let status = nodes
             .get(&node)
             .await
             .expect("node")
             .status
-            .expect("status");
-        status.conditions.expect("conditions").remove(0)
-    };
-    let condition = report_ready().await;
-    assert_eq!(condition.status, "True");
-    assert!(condition.last_heartbeat_time.is_some() && condition.last_transition_time.is_some());
-    // The same report again: the heartbeat moves on, the transition time stays.
-    // pacing: these times have one-second resolution; the second report falls in a later second.
-    tokio::time::sleep(Duration::from_millis(1100)).await;
-    let again = report_ready().await;
+            .unwrap_or_default();
+        let addresses = status.addresses.unwrap_or_default();
+        if addresses.iter().any(|a| a.address == "10.0.0.8") {
+            Ok(())
+        } else {
+            Err(controller.log())
+        }
+    })
+    .await;
+    assert_eq!(
+        api.writes("nodes/status"),
+        writes + 1,
+        "the unchanged report was written"
+    );
+    let again = ready_condition().await.expect("Ready");
     assert_eq!(again.last_transition_time, condition.last_transition_time);
 
-    // Its heartbeat Lease, created then renewed.
-    let lease_up = format!("kubeedge/{node}/up/edged/update/kube-node-lease/lease");
+    // Its heartbeat Lease: created (an insert is answered with it), then renewed, with the
+    // controller's clock as renewTime whatever the node's says.
+    let lease_up = |op: &str| format!("kubeedge/{node}/up/edged/{op}/kube-node-lease/lease");
     let lease_down = format!("kubeedge/{node}/down/edgecontroller/response/kube-node-lease/lease");
-    for renew in ["2026-11-25T15:00:00.000000Z", "2026-11-25T15:00:10.000000Z"] {
-        let (id, payload) = envelope(
-            "edged",
-            "update",
-            &format!("kube-node-lease/lease/{node}"),
-            json!({"spec": {"holderIdentity": node, "leaseDurationSeconds": 40, "renewTime": renew}}),
-        );
-        link.publish(&lease_up, payload).await;
-        let stored = link.expect_reply(&lease_down, &id).await;
-        assert_eq!(
-            stored.content()["spec"]["renewTime"],
-            renew,
-            "{}",
-            controller.log()
-        );
-    }
+    let spec = json!({"spec": {"holderIdentity": node, "leaseDurationSeconds": 40,
+                               "renewTime": "2001-01-01T00:00:00.000000Z"}});
+    let (id, payload) = envelope(
+        "edged",
+        "insert",
+        &format!("kube-node-lease/lease/{node}"),
+        spec.clone(),
+    );
+    link.publish(&lease_up("insert"), payload).await;
+    let stored = link.expect_reply(&lease_down, &id).await;
+    let first = stored.content()["spec"]["renewTime"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        first.starts_with("20") && !first.starts_with("2001"),
+        "{first}\n{}",
+        controller.log()
+    );
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
         Api::namespaced(cluster.client.clone(), "kube-node-lease");
-    let lease = leases.get(&node).await.expect("lease");
-    assert_eq!(
-        lease.spec.and_then(|s| s.holder_identity).as_deref(),
-        Some(node.as_str())
+    // pacing: the renewal falls in a later microsecond for sure.
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let (_, payload) = envelope(
+        "edged",
+        "update",
+        &format!("kube-node-lease/lease/{node}"),
+        spec,
     );
+    link.publish(&lease_up("update"), payload).await;
+    let first_rv = stored.content()["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let renewed = wait_until("the Lease renewed", RUN_WAIT, async || {
+        let lease = leases.get(&node).await.expect("lease");
+        let spec = lease.spec.unwrap_or_default();
+        assert_eq!(spec.holder_identity.as_deref(), Some(node.as_str()));
+        match spec.renew_time {
+            Some(t) if lease.metadata.resource_version.as_deref() != Some(first_rv.as_str()) => {
+                Ok(serde_json::to_value(t).unwrap_or_default().to_string())
+            }
+            _ => Err(controller.log()),
+        }
+    })
+    .await;
+    assert!(!renewed.starts_with("2001"), "{renewed}");
 
     // Another node's name is refused.
     let (id, payload) = envelope(
@@ -679,4 +734,459 @@ async fn a_node_registers_itself_reports_its_status_and_lease_but_only_its_own()
         refused.content()
     );
     assert!(nodes.get_opt("someone-else").await.expect("get").is_none());
+}
+
+// Node lifecycle: every duration a tenth of the real one (heartbeats 1 s instead of 10 s, grace
+// 4 s instead of 40 s, monitor period 0.5 s instead of 5 s, default toleration 30 s instead of
+// 300 s, the controller's status refresh 2 s instead of 20 s).
+
+/// The simulated node lifecycle controller at a tenth of its defaults.
+fn lifecycle_cluster_config() -> edgemeta_fakeapi::Config {
+    edgemeta_fakeapi::Config {
+        lifecycle: Some(edgemeta_fakeapi::Lifecycle {
+            monitor_period: Duration::from_millis(500),
+            grace: Duration::from_secs(4),
+            default_toleration: Duration::from_secs(30),
+        }),
+        ..edgemeta_fakeapi::Config::default()
+    }
+}
+
+/// A TCP relay to a port that can be cut like a network outage: every connection through it
+/// dropped and new ones refused, until restored on the same port.
+struct Relay {
+    port: u16,
+    to: u16,
+    up: CancellationToken,
+}
+
+impl Relay {
+    async fn start(to: u16) -> Relay {
+        let mut relay = Relay {
+            port: common::free_port(),
+            to,
+            up: CancellationToken::new(),
+        };
+        relay.restore().await;
+        relay
+    }
+
+    fn cut(&self) {
+        self.up.cancel();
+    }
+
+    async fn restore(&mut self) {
+        self.up = CancellationToken::new();
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", self.port))
+            .await
+            .expect("relay port");
+        let (up, to) = (self.up.clone(), self.to);
+        tokio::spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    () = up.cancelled() => return,
+                    accepted = listener.accept() => accepted,
+                };
+                let Ok((mut inbound, _)) = accepted else {
+                    continue;
+                };
+                let up = up.clone();
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(("127.0.0.1", to)).await
+                    else {
+                        return;
+                    };
+                    tokio::select! {
+                        () = up.cancelled() => {}
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                    }
+                });
+            }
+        });
+    }
+}
+
+/// A controller writing an unchanged status again after 2 s (a tenth of its default).
+fn lifecycle_controller(cluster: &Cluster, cloud: &CloudBroker) -> Controller {
+    Controller::start_with(
+        cluster,
+        cloud,
+        &unique_id("controller"),
+        &["--node-status-refresh-ms", "2000"],
+    )
+}
+
+/// edged reporting Node `name` every second (a tenth of its default).
+fn reporting_edged(node: &Node, name: &str) -> Edged {
+    let section = format!("{{name: {name}, status_interval_ms: 1000, lease_interval_ms: 1000}}");
+    let mut overrides = EDGED.to_vec();
+    overrides.push(("node", section.as_str()));
+    Edged::start(node, &overrides)
+}
+
+/// The Node's `Ready` status ("" when it has none) and whether it carries a taint.
+async fn readiness(cluster: &Cluster, name: &str) -> (String, bool) {
+    let nodes: Api<KubeNode> = Api::all(cluster.client.clone());
+    let Ok(Some(node)) = nodes.get_opt(name).await else {
+        return (String::new(), false);
+    };
+    let ready = node
+        .status
+        .and_then(|s| s.conditions)
+        .unwrap_or_default()
+        .into_iter()
+        .find(|c| c.type_ == "Ready")
+        .map(|c| c.status)
+        .unwrap_or_default();
+    let tainted = node
+        .spec
+        .and_then(|s| s.taints)
+        .is_some_and(|t| !t.is_empty());
+    (ready, tainted)
+}
+
+/// Waits (at most `limit`) until the Node's `Ready` is `want`; returns how long it took.
+async fn await_ready(rig: &Rig, want: &str, limit: Duration) -> Duration {
+    let started = Instant::now();
+    wait_until(format_args!("Node Ready={want}"), limit, async || {
+        let (ready, _) = readiness(&rig.cluster, &rig.bridge.node_id).await;
+        if ready == want {
+            Ok(())
+        } else {
+            Err(format!("Ready={ready:?}\n{}", rig.logs()))
+        }
+    })
+    .await;
+    started.elapsed()
+}
+
+/// A cluster with the simulated node lifecycle, and a node bridged through `relay` (when
+/// given) whose edged registers and reports its own Node: nobody creates it by hand.
+async fn lifecycle_rig(relay: Option<&Relay>, cloud: CloudBroker) -> Rig {
+    let cluster = Cluster::start_with(lifecycle_cluster_config()).await;
+    let controller = lifecycle_controller(&cluster, &cloud);
+    let options = common::Options {
+        cloud_url: relay.map(|r| format!("mqtt://127.0.0.1:{}", r.port)),
+        ..common::Options::default()
+    };
+    let (node, bridge) = common::cloud::bridged_with(&cloud, options).await;
+    let edged = reporting_edged(&node, &bridge.node_id);
+    Rig {
+        cluster,
+        cloud,
+        controller,
+        node,
+        bridge,
+        edged,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_registers_itself_and_stays_ready_with_its_pod_through_ten_scaled_minutes() {
+    let cloud = CloudBroker::start().await;
+    let started = Instant::now();
+    let rig = lifecycle_rig(None, cloud).await;
+    let took = await_ready(&rig, "True", Duration::from_secs(10)).await;
+    eprintln!(
+        "registered and Ready {took:?} after edged started ({:?} in all)",
+        started.elapsed()
+    );
+    let nodes: Api<KubeNode> = Api::all(rig.cluster.client.clone());
+    let node = nodes
+        .get(&rig.bridge.node_id)
+        .await
+        .expect("the registered Node");
+    let labels = node.metadata.labels.clone().unwrap_or_default();
+    assert!(
+        labels.contains_key("node-role.kubernetes.io/edge"),
+        "{labels:?}"
+    );
+    let status = node.status.clone().expect("status");
+    let info = status.node_info.clone().expect("nodeInfo");
+    assert!(
+        info.kubelet_version.contains(env!("CARGO_PKG_VERSION")),
+        "{info:?}"
+    );
+    assert!(
+        info.container_runtime_version.starts_with("process://"),
+        "{info:?}"
+    );
+    assert!(
+        !info.kernel_version.is_empty() && !info.os_image.is_empty(),
+        "{info:?}"
+    );
+    assert_eq!(info.operating_system, "linux");
+    let addresses = status.addresses.clone().unwrap_or_default();
+    assert!(
+        addresses
+            .iter()
+            .any(|a| a.type_ == "InternalIP" && a.address == "127.0.0.1"),
+        "{addresses:?}"
+    );
+    let capacity = status.capacity.clone().unwrap_or_default();
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    assert_eq!(
+        capacity.get("cpu").map(|q| q.0.clone()),
+        Some(cpus.to_string())
+    );
+    for resource in ["memory", "pods", "ephemeral-storage"] {
+        assert!(
+            capacity.contains_key(resource),
+            "{resource} missing: {capacity:?}"
+        );
+    }
+    assert!(status.allocatable.is_some_and(|a| a.contains_key("memory")));
+    let conditions: Vec<String> = status
+        .conditions
+        .unwrap_or_default()
+        .into_iter()
+        .map(|c| format!("{}={}", c.type_, c.status))
+        .collect();
+    for kind in [
+        "Ready=True",
+        "MemoryPressure=",
+        "DiskPressure=",
+        "PIDPressure=",
+    ] {
+        assert!(
+            conditions.iter().any(|c| c.starts_with(kind)),
+            "{kind}: {conditions:?}"
+        );
+    }
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(rig.cluster.client.clone(), "kube-node-lease");
+    let lease = wait_until("the node's Lease", RUN_WAIT, async || {
+        leases
+            .get_opt(&rig.bridge.node_id)
+            .await
+            .ok()
+            .flatten()
+            .ok_or_else(|| rig.logs())
+    })
+    .await;
+    let spec = lease.spec.expect("spec");
+    assert_eq!(spec.lease_duration_seconds, Some(40));
+    assert!(spec.renew_time.is_some());
+
+    // A pod with the default tolerations only: evicted 30 s after any unreachable taint.
+    rig.cluster
+        .create::<Pod>(rig.pod("web", "while true; do sleep 1; done", json!({})))
+        .await;
+    rig.await_running("web").await;
+    let watched = Instant::now();
+    // pacing: ten minutes scaled by a tenth, with the node connected throughout.
+    while watched.elapsed() < Duration::from_secs(60) {
+        let (ready, tainted) = readiness(&rig.cluster, &rig.bridge.node_id).await;
+        assert!(
+            ready == "True" && !tainted,
+            "Ready={ready} tainted={tainted} after {:?}\n{}",
+            watched.elapsed(),
+            rig.logs()
+        );
+        let pod = rig.cluster.pods().get("web").await.expect("the pod");
+        assert!(
+            phase(&pod) == "Running" && pod.metadata.deletion_timestamp.is_none(),
+            "the pod after {:?}: {:?}\n{}",
+            watched.elapsed(),
+            pod.status,
+            rig.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let api = rig.cluster.api.as_ref().expect("fake API server");
+    eprintln!(
+        "60 s: {} node status writes, {} lease writes",
+        api.writes("nodes/status"),
+        api.writes("leases.coordination.k8s.io")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_cut_off_past_the_grace_is_unknown_at_once_and_keeps_only_its_tolerating_pods() {
+    let cloud = CloudBroker::start().await;
+    let mut relay = Relay::start(cloud.port).await;
+    let rig = lifecycle_rig(Some(&relay), cloud).await;
+    await_ready(&rig, "True", Duration::from_secs(10)).await;
+    let marks = tempfile::tempdir().expect("dir");
+    let forever = json!([{"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute"},
+                         {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute"}]);
+    let mut pids = Vec::new();
+    // "go" has only the default tolerations: 30 s here (300 s unscaled).
+    for (name, tolerations) in [("keep", forever), ("go", json!([]))] {
+        let pid_file = marks.path().join(name);
+        let script = format!(
+            "echo $$$$ > {}; while true; do sleep 0.1; done",
+            pid_file.display()
+        );
+        let pod = rig.pod(name, &script, json!({"tolerations": tolerations}));
+        rig.cluster.create::<Pod>(pod).await;
+        rig.await_running(name).await;
+        let pid: u32 = await_file_text(&pid_file)
+            .await
+            .trim()
+            .parse()
+            .expect("pid");
+        pids.push(pid);
+    }
+
+    // The outage: longer than the grace period and the default toleration.
+    relay.cut();
+    let took = await_ready(&rig, "Unknown", Duration::from_secs(10)).await;
+    eprintln!("Ready=Unknown {took:?} after the cut");
+    assert!(
+        took <= Duration::from_secs(2),
+        "Unknown only after {took:?}\n{}",
+        rig.logs()
+    );
+    wait_until(
+        "the simulated controller evicts the pod without the toleration",
+        Duration::from_secs(45),
+        async || {
+            let pod = rig.cluster.pods().get("go").await.expect("go");
+            if pod.metadata.deletion_timestamp.is_some() {
+                Ok(())
+            } else {
+                Err(rig.logs())
+            }
+        },
+    )
+    .await;
+    let (ready, tainted) = readiness(&rig.cluster, &rig.bridge.node_id).await;
+    assert!(
+        ready == "Unknown" && tainted,
+        "Ready={ready} tainted={tainted}"
+    );
+    let keep = rig.cluster.pods().get("keep").await.expect("keep");
+    assert!(
+        keep.metadata.deletion_timestamp.is_none(),
+        "keep was evicted"
+    );
+    // The node went on running both meanwhile.
+    assert!(pids
+        .iter()
+        .all(|pid| Path::new(&format!("/proc/{pid}")).exists()));
+
+    relay.restore().await;
+    let took = await_ready(&rig, "True", Duration::from_secs(15)).await;
+    eprintln!("Ready=True {took:?} after the reconnect");
+    wait_until(
+        "the evicted pod stopped on the node and gone from the API",
+        RUN_WAIT,
+        async || match rig.cluster.pods().get_opt("go").await.expect("get") {
+            None => Ok(()),
+            Some(_) => Err(rig.logs()),
+        },
+    )
+    .await;
+    let stopped = |pid: u32| {
+        !Path::new(&format!("/proc/{pid}")).exists()
+            || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .is_ok_and(|s| s.contains(") Z "))
+    };
+    assert!(stopped(pids[1]), "the evicted pod's process still runs");
+    assert!(
+        !stopped(pids[0]),
+        "the tolerating pod's process was stopped"
+    );
+    let keep = rig.await_running("keep").await;
+    assert!(keep.metadata.deletion_timestamp.is_none());
+    // The lifecycle controller lifts its taints at its next look.
+    wait_until("the taints lifted", Duration::from_secs(5), async || {
+        let (_, tainted) = readiness(&rig.cluster, &rig.bridge.node_id).await;
+        if tainted {
+            Err(rig.logs())
+        } else {
+            Ok(())
+        }
+    })
+    .await;
+}
+
+/// Waits until `path` holds text; returns it.
+async fn await_file_text(path: &Path) -> String {
+    wait_until(format_args!("{} written", path.display()), RUN_WAIT, || {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        std::future::ready((!text.trim().is_empty()).then_some(text))
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_sent_during_an_outage_are_replaced_not_replayed() {
+    let cloud = CloudBroker::start().await;
+    let mut relay = Relay::start(cloud.port).await;
+    let options = common::Options {
+        cloud_url: Some(format!("mqtt://127.0.0.1:{}", relay.port)),
+        ..common::Options::default()
+    };
+    let (node, bridge) = common::cloud::bridged_with(&cloud, options).await;
+    let mut controller = common::cloud::cloud_client(&cloud, &bridge.up_filter()).await;
+    let edged = Client::connect(node.port, &unique_id("edged")).await;
+    let status = format!("default/nodestatus/{}", bridge.node_id);
+    let lease = format!("kube-node-lease/lease/{}", bridge.node_id);
+
+    relay.cut();
+    common::cloud::await_log(&node, "EM-BRIDGE-DISCONNECTED").await;
+    for seq in 1..=5 {
+        for (resource, topic) in [
+            (&status, "ke/cloud/edged/update/default/nodestatus"),
+            (&lease, "ke/cloud/edged/update/kube-node-lease/lease"),
+        ] {
+            let (_, payload) = envelope("edged", "update", resource, json!({"seq": seq}));
+            edged.publish(topic, payload).await;
+        }
+    }
+    // A pod status meanwhile is history: it waits in the outbox.
+    let (pod_status, payload) = envelope(
+        "edged",
+        "update",
+        "default/podstatus/web",
+        json!({"seq": 1}),
+    );
+    edged
+        .publish("ke/meta/edged/update/default/podstatus", payload)
+        .await;
+    common::cloud::await_outbox(&node, 1, common::WAIT).await;
+
+    relay.restore().await;
+    let mut seen = Vec::new();
+    wait_until(
+        "the pod status and the newest heartbeats in the cloud",
+        RUN_WAIT,
+        async || {
+            for m in controller.drain(Duration::from_millis(250)).await {
+                seen.push((
+                    m.resource(),
+                    m.content()["seq"].as_i64().unwrap_or(0),
+                    m.msg_id(),
+                ));
+            }
+            let done = seen.iter().any(|(_, _, id)| *id == pod_status)
+                && seen
+                    .iter()
+                    .filter(|(r, _, _)| *r != "default/podstatus/web")
+                    .count()
+                    >= 2;
+            if done {
+                Ok(())
+            } else {
+                Err(format!("{seen:?}"))
+            }
+        },
+    )
+    .await;
+    // A little longer: nothing else of the outage's heartbeats follows.
+    for m in controller.drain(Duration::from_secs(1)).await {
+        seen.push((
+            m.resource(),
+            m.content()["seq"].as_i64().unwrap_or(0),
+            m.msg_id(),
+        ));
+    }
+    let heartbeats: Vec<(String, i64)> = seen
+        .iter()
+        .filter(|(r, _, _)| *r != "default/podstatus/web")
+        .map(|(r, seq, _)| (r.clone(), *seq))
+        .collect();
+    assert_eq!(heartbeats, [(status, 5), (lease, 5)], "{seen:?}");
 }

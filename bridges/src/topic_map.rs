@@ -52,6 +52,19 @@ impl TopicMap {
         Some(format!("{}{rest}", self.up))
     }
 
+    /// Whether a local cloud-bound topic is a node heartbeat, sent live rather than through
+    /// the outbox (`cloud/live.rs`).
+    pub fn heartbeat(&self, local: &str) -> bool {
+        let Some(rest) = local.strip_prefix(&self.local_cloud) else {
+            return false;
+        };
+        let levels: Vec<&str> = rest.split('/').collect();
+        matches!(
+            levels.as_slice(),
+            [_, "insert" | "update", _, "nodestatus" | "lease"]
+        )
+    }
+
     /// Cloud topic → local MetaManager topic; `None` if it is not this node's down traffic.
     pub fn down(&self, cloud: &str) -> Option<String> {
         let rest = cloud.strip_prefix(&self.down).filter(|r| !r.is_empty())?;
@@ -111,6 +124,17 @@ mod tests {
             map().down("kubeedge/node-1/up/meta/response/default/pod/x"),
             None
         );
+    }
+
+    #[test]
+    fn only_node_status_and_lease_writes_are_heartbeats() {
+        assert!(map().heartbeat("ke/cloud/edged/update/default/nodestatus"));
+        assert!(map().heartbeat("ke/cloud/edged/insert/default/nodestatus"));
+        assert!(map().heartbeat("ke/cloud/edged/update/kube-node-lease/lease"));
+        assert!(!map().heartbeat("ke/cloud/edged/update/default/podstatus"));
+        assert!(!map().heartbeat("ke/cloud/edged/delete/default/nodestatus"));
+        assert!(!map().heartbeat("ke/cloud/edged/update/default/nodestatus/n1"));
+        assert!(!map().heartbeat("ke/meta/edged/update/default/nodestatus"));
     }
 
     #[test]

@@ -2,7 +2,9 @@
 //! all referencing one configmap), a mosquitto cloud broker, the controller in its own process,
 //! and N simulated nodes (MQTT sessions from this process that ack like a MetaManager and
 //! report pod status like edged). Prints initial sync time, configmap fan-out latency,
-//! status writes per second and the controller's RSS.
+//! status writes per second and the controller's RSS; then every node heartbeats as edged
+//! does (node status and Lease every 10 s, spread over the interval) and it prints the
+//! controller's API writes per second for them and its CPU.
 //!
 //! Run with:
 //! `cargo run --profile kube-bench -p edgemeta-edgecontroller --example scale -- --nodes 1000 --pods 10000`
@@ -49,6 +51,22 @@ fn rss_kib(pid: u32, field: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// User plus system CPU time of process `pid`, in clock ticks (100 a second).
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // After the command name's closing parenthesis: fields 3.. of stat(5); utime and stime
+    // are the 14th and 15th.
+    stat.rsplit_once(')')
+        .map(|(_, rest)| {
+            rest.split_whitespace()
+                .skip(11)
+                .take(2)
+                .filter_map(|v| v.parse::<u64>().ok())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
 fn percentile(sorted: &[Duration], p: usize) -> Duration {
     if sorted.is_empty() {
         return Duration::ZERO;
@@ -56,15 +74,65 @@ fn percentile(sorted: &[Duration], p: usize) -> Duration {
     sorted[((sorted.len() * p).div_ceil(100)).max(1) - 1]
 }
 
+/// How often a node heartbeats (edged's default for both its status and its Lease).
+const HEARTBEAT: Duration = Duration::from_secs(10);
+
+/// A node status as edged reports it (the same fields and about the same size).
+fn node_status(i: usize) -> Value {
+    let condition = |kind: &str, status: &str, reason: &str, message: &str| json!({"type": kind, "status": status, "reason": reason, "message": message});
+    json!({"metadata": {"name": format!("n{i}"), "labels": {"node-role.kubernetes.io/edge": "",
+            "kubernetes.io/hostname": format!("n{i}"), "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64"}},
+        "status": {
+            "capacity": {"cpu": "4", "memory": "8048124Ki", "pods": "110", "ephemeral-storage": "61255492Ki"},
+            "allocatable": {"cpu": "4000m", "memory": "8048124Ki", "pods": "110", "ephemeral-storage": "61255492Ki"},
+            "conditions": [
+                condition("MemoryPressure", "False", "KubeletHasSufficientMemory", "kubelet has sufficient memory available"),
+                condition("DiskPressure", "False", "KubeletHasNoDiskPressure", "kubelet has no disk pressure"),
+                condition("PIDPressure", "False", "KubeletHasSufficientPID", "kubelet has sufficient PID available"),
+                condition("Ready", "True", "KubeletReady", "kubelet is posting ready status")],
+            "addresses": [{"type": "InternalIP", "address": format!("10.1.{}.{}", i / 250, i % 250 + 1)},
+                          {"type": "Hostname", "address": format!("n{i}")}],
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
+            "nodeInfo": {"machineID": format!("{i:032x}"), "systemUUID": "", "bootID": format!("boot-{i}"),
+                "kernelVersion": "6.1.0-27-amd64", "osImage": "Debian GNU/Linux 12 (bookworm)",
+                "containerRuntimeVersion": "process://edgemeta-edged-0.1.0", "kubeletVersion": "v1.33.0-edgemeta-0.1.0",
+                "kubeProxyVersion": "", "operatingSystem": "linux", "architecture": "amd64"}}})
+}
+
+/// The node's status and Lease heartbeats, as the node's bridge sends them (QoS 0).
+fn send_heartbeats(client: &AsyncClient, i: usize, beat: u64) {
+    let node = format!("n{i}");
+    for (kind, ns, content) in [
+        ("nodestatus", "default", node_status(i)),
+        (
+            "lease",
+            "kube-node-lease",
+            json!({"spec": {"holderIdentity": node, "leaseDurationSeconds": 40}}),
+        ),
+    ] {
+        let envelope = json!({"header": {"msg_id": format!("h-{i}-{beat}-{kind}"), "timestamp": 0},
+            "route": {"source": "edged", "group": "meta", "operation": "update", "resource": format!("{ns}/{kind}/{node}")},
+            "content": content});
+        let _ = client.try_publish(
+            format!("kubeedge/{node}/up/edged/update/{ns}/{kind}"),
+            QoS::AtMostOnce,
+            false,
+            envelope.to_string(),
+        );
+    }
+}
+
 /// One simulated node: acks every down message, answers each pod with a Running status once
-/// `report` is set, and records arrivals.
+/// `report` is set, heartbeats once `heartbeat` is set, and records arrivals.
 fn spawn_node(
     i: usize,
     port: u16,
     seen: Arc<Mutex<Seen>>,
-    report: Arc<std::sync::atomic::AtomicBool>,
+    flags: [Arc<std::sync::atomic::AtomicBool>; 2],
+    nodes: usize,
     subscribed: tokio::sync::mpsc::UnboundedSender<usize>,
 ) {
+    let [report, heartbeat] = flags;
     tokio::spawn(async move {
         let mut options = MqttOptions::new(format!("sim-{i}"), "127.0.0.1", port);
         options.set_keep_alive(Duration::from_secs(60));
@@ -74,8 +142,18 @@ fn spawn_node(
         let mut pods: Vec<(String, String)> = Vec::new();
         let mut reported = false;
         let mut tick = tokio::time::interval(Duration::from_millis(200));
+        // Each node's beats at its own offset in the interval, as nodes started at random do.
+        let offset = HEARTBEAT.mul_f64(i as f64 / nodes as f64);
+        let mut beats = tokio::time::interval_at(tokio::time::Instant::now() + offset, HEARTBEAT);
+        let mut beat = 0u64;
         loop {
             tokio::select! {
+                _ = beats.tick() => {
+                    if heartbeat.load(std::sync::atomic::Ordering::Relaxed) {
+                        beat += 1;
+                        send_heartbeats(&client, i, beat);
+                    }
+                }
                 _ = tick.tick() => {
                     if !reported && report.load(std::sync::atomic::Ordering::Relaxed) {
                         reported = true;
@@ -194,9 +272,11 @@ async fn main() {
     // The simulated nodes, all subscribed before the controller starts.
     let seen = Arc::new(Mutex::new(Seen::default()));
     let report = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let heartbeat = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     for i in 0..nodes {
-        spawn_node(i, port, seen.clone(), report.clone(), tx.clone());
+        let flags = [report.clone(), heartbeat.clone()];
+        spawn_node(i, port, seen.clone(), flags, nodes, tx.clone());
     }
     for _ in 0..nodes {
         rx.recv().await;
@@ -300,6 +380,35 @@ async fn main() {
         rss_sync as f64 / 1024.0,
         rss as f64 / 1024.0,
         hwm as f64 / 1024.0,
+    );
+
+    // Heartbeats: every node's status and Lease every 10 s. The first round writes every
+    // status (the Nodes were created without one); the steady state starts after the refresh
+    // interval (20 s) has gone round once.
+    heartbeat.store(true, std::sync::atomic::Ordering::Relaxed);
+    let warm_up = Duration::from_secs(arg("--heartbeat-warm-up-s", 30) as u64);
+    let window = Duration::from_secs(arg("--heartbeat-window-s", 60) as u64);
+    tokio::time::sleep(warm_up).await;
+    let writes = |api: &FakeApi| {
+        (
+            api.writes("nodes/status"),
+            api.writes("leases.coordination.k8s.io"),
+        )
+    };
+    let (status_before, leases_before) = writes(&api);
+    let cpu_before = cpu_ticks(pid);
+    let measured = Instant::now();
+    tokio::time::sleep(window).await;
+    let seconds = measured.elapsed().as_secs_f64();
+    let (status_after, leases_after) = writes(&api);
+    let cpu = (cpu_ticks(pid) - cpu_before) as f64 / 100.0 / seconds;
+    println!(
+        "| {nodes} nodes heartbeating every {} s | {:.1} node status writes/s | {:.1} Lease writes/s | controller CPU {:.1} % of one core | RSS {:.1} MB |",
+        HEARTBEAT.as_secs(),
+        (status_after - status_before) as f64 / seconds,
+        (leases_after - leases_before) as f64 / seconds,
+        cpu * 100.0,
+        rss_kib(pid, "VmRSS:") as f64 / 1024.0,
     );
     let _ = controller.kill();
     let _ = controller.wait();

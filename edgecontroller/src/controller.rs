@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use futures_util::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret};
-use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::Client;
@@ -22,6 +22,7 @@ use tracing::{debug, info, warn};
 
 use crate::delivery::{Delivery, Outgoing};
 use crate::envelope::{down_topic, resource_name, Envelope, UpTopic};
+use crate::heartbeat::{self, Heartbeats, LeaseWork, StatusWork};
 use crate::refs::Ref;
 use crate::routing::{Routing, EDGE_LABEL};
 use crate::{status, Config, Error};
@@ -68,6 +69,17 @@ enum Input {
     StatusWritten {
         key: (String, String),
         ok: bool,
+    },
+    /// A node status write finished: the Node it left, or `failed`.
+    NodeStatusWritten {
+        node: String,
+        object: Option<Value>,
+        failed: bool,
+    },
+    /// A Lease write finished: its new resourceVersion (`None`: unknown).
+    LeaseWritten {
+        node: String,
+        rv: Option<String>,
     },
 }
 
@@ -267,6 +279,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Error>
         writers: Arc::new(Semaphore::new(WRITERS)),
         results: tx.clone(),
         cancel: cancel.clone(),
+        beats: Heartbeats::new(config.node_status_refresh),
     };
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     loop {
@@ -303,6 +316,7 @@ struct Owner {
     writers: Arc<Semaphore>,
     results: mpsc::Sender<Input>,
     cancel: CancellationToken,
+    beats: Heartbeats,
 }
 
 /// The node of a `<root>/<node>/connection` topic.
@@ -376,6 +390,20 @@ impl Owner {
                     self.written.remove(&key);
                 }
             }
+            Input::NodeStatusWritten {
+                node,
+                object,
+                failed,
+            } => {
+                if let Some(next) = self.beats.status_done(&node, object, failed) {
+                    self.write_node_status(node, next);
+                }
+            }
+            Input::LeaseWritten { node, rv } => {
+                if let Some((next, rv)) = self.beats.lease_done(&node, rv) {
+                    self.write_lease(node, next, rv);
+                }
+            }
         }
     }
 
@@ -397,6 +425,7 @@ impl Owner {
             Watched::Node => {
                 let sends = self.routing.node_deleted(&name);
                 self.delivery.forget_node(&name);
+                self.beats.forget(&name);
                 sends
             }
             Watched::ConfigMap => self.routing.config_deleted("configmap", &ns, &name),
@@ -485,8 +514,9 @@ impl Owner {
                 }
             }
             ("update", "podstatus") => self.pod_status(&up, &envelope).await,
-            ("insert" | "update", "nodestatus") => self.node_status(&up, envelope),
-            ("insert" | "update", "lease") => self.node_lease(&up, envelope),
+            ("insert", "nodestatus") => self.node_status(&up, envelope),
+            ("update", "nodestatus") => self.heartbeat_status(&up, envelope).await,
+            ("insert" | "update", "lease") => self.node_lease(&up, envelope).await,
             ("delete", "pod") => self.pod_gone(&up, &envelope).await,
             ("query", _) => self.query(&up, &envelope).await,
             (op, kind) => debug!(node = %up.node, op, kind, "up message not handled"),
@@ -499,6 +529,10 @@ impl Owner {
         if envelope.content == json!("cloud_disconnected") {
             info!(node, "node offline");
             self.delivery.node_offline(node);
+            // Its Node turns Unknown now, not when the lifecycle controller's grace runs out.
+            if let Some(work) = self.beats.status(node, StatusWork::Offline) {
+                self.write_node_status(node.to_owned(), work);
+            }
             return;
         }
         info!(node, "node online: resyncing");
@@ -510,15 +544,12 @@ impl Owner {
     }
 
     /// `insert <ns>/nodestatus/<node>` registers the node: its Node is created (with the edge
-    /// label) unless it exists; `update` (KubeEdge's `NodeStatusRequest{Status}`) writes the
-    /// Node's status, unchanged conditions keeping their transition times and every condition's
-    /// heartbeat refreshed (KubeEdge v1.3 upstream.go `registerNode`, `updateNodeStatus`).
-    /// A node speaks only for itself; the answer is `response "OK"` or `error`.
+    /// label) unless it exists (KubeEdge v1.3 upstream.go `registerNode`). A node speaks only
+    /// for itself; the answer is `response "OK"` or `error`.
     fn node_status(&self, up: &UpTopic, envelope: Envelope) {
         let name = resource_name(up, &envelope).unwrap_or_else(|| up.node.clone());
         let api: Api<Node> = Api::all(self.client.clone());
         let node = up.node.clone();
-        let register = up.operation == "insert";
         let content = envelope.content.clone();
         self.answer_later(up, envelope, "EM-EC-NODESTATUS", async move {
             if name != node {
@@ -526,31 +557,141 @@ impl Owner {
                     "forbidden: node {node} may not write the status of node {name}"
                 ));
             }
-            if register {
-                register_node(&api, &name, &content).await?;
-            } else {
-                update_node_status(&api, &name, &content).await?;
-            }
+            register_node(&api, &name, &content).await?;
             Ok(json!("OK"))
         });
     }
 
-    /// `insert|update kube-node-lease/lease/<node>`: the node's heartbeat Lease is created or
-    /// replaced with the node's `spec`; the answer is the stored Lease. A node writes only the
-    /// Lease named after itself, in `kube-node-lease`.
-    fn node_lease(&self, up: &UpTopic, envelope: Envelope) {
+    /// `update <ns>/nodestatus/<node>`, the heartbeat (KubeEdge's `NodeStatusRequest{Status}`):
+    /// written by the rule of `heartbeat.rs`, answered only when refused or failed.
+    async fn heartbeat_status(&mut self, up: &UpTopic, envelope: Envelope) {
         let name = resource_name(up, &envelope).unwrap_or_else(|| up.node.clone());
-        let namespace = up.namespace.clone();
-        let api: Api<Lease> = Api::namespaced(self.client.clone(), &up.namespace);
-        let node = up.node.clone();
-        let content = envelope.content.clone();
-        self.answer_later(up, envelope, "EM-EC-LEASE-WRITE", async move {
-            if name != node || namespace != NODE_LEASE_NAMESPACE {
-                return Err(format!(
-                    "forbidden: node {node} may write only lease {NODE_LEASE_NAMESPACE}/{node}, not {namespace}/{name}"
-                ));
-            }
-            write_lease(&api, &name, &content).await
+        if name != up.node {
+            let text = format!(
+                "forbidden: node {} may not write the status of node {name}",
+                up.node
+            );
+            warn!(error_code = "EM-EC-NODESTATUS", node = %up.node, error = %text, "request refused");
+            self.reply(&up.node, &envelope, "error", json!(text)).await;
+            return;
+        }
+        let work = StatusWork::Report(Box::new(envelope));
+        if let Some(work) = self.beats.status(&up.node, work) {
+            self.write_node_status(up.node.clone(), work);
+        }
+    }
+
+    /// `insert|update kube-node-lease/lease/<node>`: the node's heartbeat Lease is renewed with
+    /// the node's `spec` and the controller's clock as `renewTime`; an `insert` is answered with
+    /// the stored Lease, an `update` only when it fails. A node writes only the Lease named
+    /// after itself, in `kube-node-lease`.
+    async fn node_lease(&mut self, up: &UpTopic, envelope: Envelope) {
+        let name = resource_name(up, &envelope).unwrap_or_else(|| up.node.clone());
+        if name != up.node || up.namespace != NODE_LEASE_NAMESPACE {
+            let text = format!(
+                "forbidden: node {node} may write only lease {NODE_LEASE_NAMESPACE}/{node}, not {}/{name}",
+                up.namespace,
+                node = up.node
+            );
+            warn!(error_code = "EM-EC-LEASE-WRITE", node = %up.node, error = %text, "request refused");
+            self.reply(&up.node, &envelope, "error", json!(text)).await;
+            return;
+        }
+        let work = LeaseWork {
+            spec: envelope
+                .content
+                .get("spec")
+                .cloned()
+                .unwrap_or_else(|| json!({})),
+            answer: up.operation == "insert",
+            request: envelope,
+        };
+        if let Some((work, rv)) = self.beats.lease(&up.node, work) {
+            self.write_lease(up.node.clone(), work, rv);
+        }
+    }
+
+    /// The newest Node object known for `node`: the watched one, or our last write's.
+    fn current_node(&self, node: &str) -> Option<Value> {
+        let rv = |o: &Value| {
+            o["metadata"]["resourceVersion"]
+                .as_str()
+                .and_then(|r| r.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        match (self.routing.node_object(node), self.beats.written(node)) {
+            (Some(watched), Some(ours)) if rv(ours) > rv(watched) => Some(ours.clone()),
+            (Some(watched), _) => Some(watched.clone()),
+            (None, ours) => ours.cloned(),
+        }
+    }
+
+    /// Runs one status write for `node` beside the owner task; its end comes back as
+    /// `Input::NodeStatusWritten`.
+    fn write_node_status(&self, node: String, work: StatusWork) {
+        let current = self.current_node(&node);
+        let api: Api<Node> = Api::all(self.client.clone());
+        let (writers, results, refresh) = (
+            self.writers.clone(),
+            self.results.clone(),
+            self.beats.refresh,
+        );
+        let (mqtt, root) = (self.mqtt.clone(), self.root.clone());
+        tokio::spawn(async move {
+            let Ok(_permit) = writers.acquire_owned().await else {
+                return;
+            };
+            let written = write_status(&api, &node, current, &work, refresh).await;
+            let failed = written.is_err();
+            let object = match written {
+                Ok(object) => object,
+                Err(text) => {
+                    warn!(error_code = "EM-EC-NODESTATUS", node = %node, error = %text, "node status not written");
+                    if let StatusWork::Report(request) = &work {
+                        let reply = Envelope::reply("error", request, json!(text));
+                        send_reply(&mqtt, &root, &node, &reply).await;
+                    }
+                    None
+                }
+            };
+            let _ = results
+                .send(Input::NodeStatusWritten {
+                    node,
+                    object,
+                    failed,
+                })
+                .await;
+        });
+    }
+
+    /// Runs one Lease renewal for `node` (replacing version `rv` when known) beside the owner
+    /// task; its end comes back as `Input::LeaseWritten`.
+    fn write_lease(&self, node: String, work: LeaseWork, rv: Option<String>) {
+        let api: Api<Lease> = Api::namespaced(self.client.clone(), NODE_LEASE_NAMESPACE);
+        let (writers, results) = (self.writers.clone(), self.results.clone());
+        let (mqtt, root) = (self.mqtt.clone(), self.root.clone());
+        tokio::spawn(async move {
+            let Ok(_permit) = writers.acquire_owned().await else {
+                return;
+            };
+            let rv = match renew_lease(&api, &node, &work.spec, rv).await {
+                Ok(lease) => {
+                    let rv = lease.metadata.resource_version.clone();
+                    if work.answer {
+                        let content = serde_json::to_value(&lease).unwrap_or(Value::Null);
+                        let reply = Envelope::reply("response", &work.request, content);
+                        send_reply(&mqtt, &root, &node, &reply).await;
+                    }
+                    rv
+                }
+                Err(text) => {
+                    warn!(error_code = "EM-EC-LEASE-WRITE", node = %node, error = %text, "lease not renewed");
+                    let reply = Envelope::reply("error", &work.request, json!(text));
+                    send_reply(&mqtt, &root, &node, &reply).await;
+                    None
+                }
+            };
+            let _ = results.send(Input::LeaseWritten { node, rv }).await;
         });
     }
 
@@ -573,12 +714,7 @@ impl Owner {
                     Envelope::reply("error", &request, json!(text))
                 }
             };
-            let topic = down_topic(&root, &node, &reply.route.operation, &reply.route.resource);
-            if let Ok(payload) = serde_json::to_vec(&reply) {
-                if let Err(e) = mqtt.publish(topic, QoS::AtLeastOnce, false, payload).await {
-                    warn!(error_code = "EM-EC-MQTT", error = %e, "reply not queued");
-                }
-            }
+            send_reply(&mqtt, &root, &node, &reply).await;
         });
     }
 
@@ -786,70 +922,113 @@ async fn register_node(api: &Api<Node>, name: &str, content: &Value) -> Result<(
         document["metadata"]["labels"] = json!({});
     }
     document["metadata"]["labels"][EDGE_LABEL] = json!("");
+    // Its first status counts as a heartbeat: the Node is Ready from the start.
+    let now = status::now();
+    if let Some(conditions) = document["status"]["conditions"].as_array_mut() {
+        for condition in conditions {
+            condition["lastHeartbeatTime"] = json!(now);
+            condition["lastTransitionTime"] = json!(now);
+        }
+    }
     let node: Node = serde_json::from_value(document).map_err(|e| format!("not a Node: {e}"))?;
-    match api.create(&kube::api::PostParams::default(), &node).await {
+    match api.create(&PostParams::default(), &node).await {
         Ok(_) => Ok(()),
         Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
         Err(e) => Err(e.to_string()),
     }
 }
 
-/// Writes the reported status of Node `name` (`{"Status": NodeStatus}`, or the status itself).
-async fn update_node_status(api: &Api<Node>, name: &str, content: &Value) -> Result<(), String> {
-    let reported = content
-        .get("Status")
-        .or_else(|| content.get("status"))
-        .unwrap_or(content);
-    if !reported.is_object() {
-        return Err("no node status in the message".to_owned());
-    }
-    let current = api.get(name).await.map_err(|e| e.to_string())?;
-    let current = serde_json::to_value(&current.status).unwrap_or(Value::Null);
-    let now = status::now();
-    let mut wanted = status::merge(&current, reported, &now);
-    if let Some(conditions) = wanted["conditions"].as_array_mut() {
-        for condition in conditions {
-            condition["lastHeartbeatTime"] = json!(now);
+/// Publishes `reply` to `node` from a task beside the owner.
+async fn send_reply(mqtt: &AsyncClient, root: &str, node: &str, reply: &Envelope) {
+    let topic = down_topic(root, node, &reply.route.operation, &reply.route.resource);
+    if let Ok(payload) = serde_json::to_vec(reply) {
+        if let Err(e) = mqtt.publish(topic, QoS::AtLeastOnce, false, payload).await {
+            warn!(error_code = "EM-EC-MQTT", error = %e, "reply not queued");
         }
     }
-    // What the node cannot know stays as the API has it.
-    for kept in ["daemonEndpoints", "volumesAttached"] {
-        if wanted.get(kept).is_none() && !current[kept].is_null() {
-            wanted[kept] = current[kept].clone();
-        }
-    }
-    let patch = status::patch(&current, &wanted);
-    api.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-        .map(|_| ())
-        .map_err(|e| e.to_string())
 }
 
-/// Creates or replaces Lease `name` with the node's `spec` (a concurrent change is retried).
-async fn write_lease(api: &Api<Lease>, name: &str, content: &Value) -> Result<Value, String> {
-    let spec = content.get("spec").cloned().unwrap_or_else(|| json!({}));
+/// One status write for Node `name` over `current` (fetched when unknown); the Node it left,
+/// `None` when nothing needed writing. A report for a Node that does not exist registers it
+/// (the heartbeat overtook the registration, or the Node was deleted while the node ran).
+async fn write_status(
+    api: &Api<Node>,
+    name: &str,
+    current: Option<Value>,
+    work: &StatusWork,
+    refresh: Duration,
+) -> Result<Option<Value>, String> {
+    let current = match current {
+        Some(current) => current,
+        None => match api.get_opt(name).await.map_err(|e| e.to_string())? {
+            Some(node) => serde_json::to_value(&node).unwrap_or(Value::Null),
+            None => {
+                if let StatusWork::Report(request) = work {
+                    register_node(api, name, &request.content).await?;
+                }
+                return Ok(None);
+            }
+        },
+    };
+    let now = status::now();
+    let wanted = match work {
+        StatusWork::Report(request) => {
+            let reported = heartbeat::reported_status(&request.content)
+                .ok_or_else(|| "no node status in the message".to_owned())?;
+            heartbeat::status_to_write(&current["status"], reported, &now, refresh)
+        }
+        StatusWork::Offline => heartbeat::offline_status(&current["status"], &now),
+    };
+    let Some(wanted) = wanted else {
+        return Ok(None);
+    };
+    let patch = status::patch(&current["status"], &wanted);
+    let node = api
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(Some(serde_json::to_value(&node).unwrap_or(Value::Null)))
+}
+
+/// Renews Lease `name` with `spec` and the controller's clock: one replace while `rv` is
+/// the stored version; a conflict or a missing Lease learns the version and tries again.
+async fn renew_lease(
+    api: &Api<Lease>,
+    name: &str,
+    spec: &Value,
+    mut rv: Option<String>,
+) -> Result<Lease, String> {
+    let mut spec = if spec.is_object() {
+        spec.clone()
+    } else {
+        json!({})
+    };
+    // The controller's clock: an edge device without a real-time clock cannot move it back.
+    spec["renewTime"] = json!(heartbeat::micro_now());
+    if spec.get("holderIdentity").is_none() {
+        spec["holderIdentity"] = json!(name);
+    }
     for _ in 0..3 {
-        let current = api.get_opt(name).await.map_err(|e| e.to_string())?;
         let mut document = json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                                    "metadata": {"name": name}, "spec": spec});
-        if let Some(rv) = current
-            .as_ref()
-            .and_then(|c| c.metadata.resource_version.clone())
-        {
+        if let Some(rv) = &rv {
             document["metadata"]["resourceVersion"] = json!(rv);
         }
         let lease: Lease =
             serde_json::from_value(document).map_err(|e| format!("not a Lease spec: {e}"))?;
-        let written = match current {
-            None => api.create(&kube::api::PostParams::default(), &lease).await,
-            Some(_) => {
-                api.replace(name, &kube::api::PostParams::default(), &lease)
-                    .await
-            }
+        let written = match rv {
+            Some(_) => api.replace(name, &PostParams::default(), &lease).await,
+            None => api.create(&PostParams::default(), &lease).await,
         };
         match written {
-            Ok(lease) => return Ok(serde_json::to_value(&lease).unwrap_or(Value::Null)),
-            Err(kube::Error::Api(s)) if s.code == 409 => continue,
+            Ok(lease) => return Ok(lease),
+            Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {
+                rv = api
+                    .get_opt(name)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .and_then(|l| l.metadata.resource_version);
+            }
             Err(e) => return Err(e.to_string()),
         }
     }

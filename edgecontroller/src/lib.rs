@@ -7,6 +7,7 @@
 //! - `routing`: which node needs which object, with reference counts.
 //! - `delivery`: per node and object: one in flight, newer versions coalesced, resends, acks.
 //! - `status`: pod status merging (transition times kept, no-op writes skipped).
+//! - `heartbeat`: node status and Lease writes per node, the write rule, Unknown on a Last Will.
 //! - `leader`: Lease-based leader election, for a hot standby.
 //! - `controller`: the owner task: watch events and node messages in, MQTT and API writes out.
 
@@ -14,6 +15,7 @@ mod controller;
 mod delivery;
 mod envelope;
 mod error;
+mod heartbeat;
 mod leader;
 mod refs;
 mod routing;
@@ -48,6 +50,9 @@ pub struct Config {
     pub resend_max: Duration,
     /// Run only while holding this Lease (replicas as hot standbys); `None`: always run.
     pub leader: Option<LeaseConfig>,
+    /// An unchanged node status is written again once its heartbeat is this old (kept under
+    /// the node lifecycle controller's 40 s grace with a 10 s heartbeat).
+    pub node_status_refresh: Duration,
 }
 
 impl Default for Config {
@@ -62,6 +67,7 @@ impl Default for Config {
             resend: Duration::from_secs(5),
             resend_max: Duration::from_secs(60),
             leader: None,
+            node_status_refresh: Duration::from_secs(20),
         }
     }
 }

@@ -268,6 +268,13 @@ impl Agent {
                 return;
             }
         }
+        // The controller answers a node heartbeat only when it could not write it.
+        if operation == Operation::Error
+            && matches!(m.resource_type.as_str(), "nodestatus" | "lease")
+        {
+            warn!(error_code = "EM-EDGED-NODE", resource = %m.resource, content = %m.content, "the cloud refused a node heartbeat");
+            return;
+        }
         // The CSI operations the MetaManager forwards to edged (protocol §3.5).
         if operation.is_volume() {
             self.refuse_volume(operation, &m);

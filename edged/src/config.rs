@@ -1,6 +1,7 @@
 //! `edged:` in the YAML configuration: how the agent reaches the node's broker, which
 //! namespaces it runs, where pods live on disk, and its timings.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -62,6 +63,70 @@ pub struct EdgedConfig {
     pub log_max_files: u32,
     #[serde(default = "default_keep_alive_s")]
     pub keep_alive_s: u64,
+    /// The Kubernetes Node this agent runs: registration and heartbeats (docs/edged.md).
+    #[serde(default)]
+    pub node: NodeConfig,
+}
+
+/// `edged.node`: the Node edged registers and keeps Ready, as kubelet does.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct NodeConfig {
+    /// The Node's name; empty: `cloud.node_id` when `cloud.enabled`, else no Node is reported.
+    #[serde(default)]
+    pub name: String,
+    /// The node status is sent this often (kubelet's `nodeStatusUpdateFrequency`).
+    #[serde(default = "default_heartbeat_ms")]
+    pub status_interval_ms: u64,
+    /// The `kube-node-lease` Lease is renewed this often ...
+    #[serde(default = "default_heartbeat_ms")]
+    pub lease_interval_ms: u64,
+    /// ... and names this duration.
+    #[serde(default = "default_lease_duration_s")]
+    pub lease_duration_s: u64,
+    /// Capacity `pods`.
+    #[serde(default = "default_max_pods")]
+    pub max_pods: u64,
+    /// Kept from the host's capacity for the system: allocatable = capacity − reserved.
+    #[serde(default)]
+    pub reserved_cpu_millis: u64,
+    #[serde(default)]
+    pub reserved_memory_mib: u64,
+    #[serde(default)]
+    pub reserved_ephemeral_storage_mib: u64,
+    /// Labels the Node is registered with (the edge label is always added).
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// `daemonEndpoints.kubeletEndpoint.Port`: 0, since nothing serves kubelet's API here.
+    #[serde(default)]
+    pub kubelet_port: u16,
+}
+
+const fn default_heartbeat_ms() -> u64 {
+    10_000
+}
+const fn default_lease_duration_s() -> u64 {
+    40
+}
+const fn default_max_pods() -> u64 {
+    110
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        NodeConfig {
+            name: String::new(),
+            status_interval_ms: default_heartbeat_ms(),
+            lease_interval_ms: default_heartbeat_ms(),
+            lease_duration_s: default_lease_duration_s(),
+            max_pods: default_max_pods(),
+            reserved_cpu_millis: 0,
+            reserved_memory_mib: 0,
+            reserved_ephemeral_storage_mib: 0,
+            labels: BTreeMap::new(),
+            kubelet_port: 0,
+        }
+    }
 }
 
 fn default_client_id() -> String {
@@ -127,6 +192,7 @@ impl Default for EdgedConfig {
             log_max_bytes: default_log_max_bytes(),
             log_max_files: default_log_max_files(),
             keep_alive_s: default_keep_alive_s(),
+            node: NodeConfig::default(),
         }
     }
 }
@@ -154,6 +220,18 @@ impl EdgedConfig {
         if let Some(bad) = self.namespaces.iter().find(|n| !crate::spec::is_name(n)) {
             return Err(Error::Config(format!(
                 "edged.namespaces: {bad:?} is not a namespace name"
+            )));
+        }
+        if self.node.status_interval_ms == 0 || self.node.lease_interval_ms == 0 {
+            return Err(Error::Config(
+                "edged.node.status_interval_ms and edged.node.lease_interval_ms must be > 0"
+                    .to_owned(),
+            ));
+        }
+        if !self.node.name.is_empty() && !crate::spec::is_name(&self.node.name) {
+            return Err(Error::Config(format!(
+                "edged.node.name {:?} is not a node name",
+                self.node.name
             )));
         }
         if self.restart_backoff_base_ms == 0 || self.status_interval_ms == 0 {

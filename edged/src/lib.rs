@@ -11,11 +11,13 @@
 //! - [`pod`]: one pod's worker (containers, probes, restart back-off, grace period).
 //! - [`runtime`]: the runtime trait and the process runtime; [`probe`]: exec/HTTP/TCP probes.
 //! - [`status`]: `PodStatus` and the coalescing, rate-limited reporter.
+//! - [`node`]: the Node: registration, node status from the host, the heartbeat Lease.
 
 mod agent;
 mod config;
 mod error;
 mod message;
+mod node;
 mod plan;
 mod pod;
 mod probe;
@@ -32,7 +34,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
-pub use config::EdgedConfig;
+pub use config::{EdgedConfig, NodeConfig};
 pub use error::Error;
 
 /// Requests rumqttc may hold before `try_publish` refuses (100 pods start in one burst).
@@ -97,6 +99,19 @@ pub async fn run(config: EdgedConfig, root: &str, cancel: CancellationToken) -> 
         backoff_reset: EdgedConfig::ms(config.restart_backoff_reset_ms),
         node_ip: config.node_ip.clone(),
     });
+    let heartbeat = (!config.node.name.is_empty()).then(|| {
+        tokio::spawn(node::run(
+            client.clone(),
+            root.to_owned(),
+            node::NodeSettings {
+                name: config.node.name.clone(),
+                config: config.node.clone(),
+                node_ip: config.node_ip.clone(),
+                pods_dir: pods_dir.clone(),
+            },
+            cancel.clone(),
+        ))
+    });
     let runtime: Arc<dyn runtime::Runtime> = Arc::new(runtime::ProcessRuntime::new(
         config.log_max_bytes,
         config.log_max_files,
@@ -119,6 +134,9 @@ pub async fn run(config: EdgedConfig, root: &str, cancel: CancellationToken) -> 
     // The agent returns once `cancel` fired and its pods have stopped; their last statuses
     // then go out before the session closes.
     agent.run(inbound_rx).await;
+    if let Some(heartbeat) = heartbeat {
+        let _ = heartbeat.await;
+    }
     reporter_cancel.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(1), reporter).await;
     tokio::time::sleep(Duration::from_millis(100)).await;

@@ -9,6 +9,7 @@
 //! - `server`: verbs, paging, watches (bookmarks, timeouts, 410 as an `ERROR` event), the
 //!   status subresource, graceful pod deletion, and the `/fake/faults` knobs.
 //! - `table`: `meta.k8s.io/v1` Tables for `kubectl get`.
+//! - `lifecycle`: the node lifecycle controller and taint-based eviction, when turned on.
 //!
 //! Not a real API server: no authentication, admission, defaulting beyond a pod's initial
 //! status, or server-side apply; strategic merge patches are applied as JSON merge patches; no
@@ -19,6 +20,7 @@
 
 mod error;
 mod kinds;
+mod lifecycle;
 mod server;
 mod store;
 
@@ -32,6 +34,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use edgemeta_kubewire::{FieldSelector, LabelSelector};
 pub use error::Error;
+pub use lifecycle::Lifecycle;
 
 /// How the fake behaves.
 #[derive(Debug, Clone)]
@@ -44,6 +47,9 @@ pub struct Config {
     pub bookmark_interval: Duration,
     /// Changes kept for watches to resume from; older versions get 410 Expired.
     pub history: usize,
+    /// Simulate kube-controller-manager's node lifecycle controller; `None`: Nodes are left
+    /// as written.
+    pub lifecycle: Option<Lifecycle>,
 }
 
 impl Default for Config {
@@ -53,6 +59,7 @@ impl Default for Config {
             watch_timeout: Duration::from_secs(1800),
             bookmark_interval: Duration::from_secs(5),
             history: 10_000,
+            lifecycle: None,
         }
     }
 }
@@ -111,6 +118,9 @@ impl FakeApi {
             cancel: cancel.clone(),
             address: address.to_string(),
         });
+        if let Some(lifecycle) = shared.config.lifecycle.clone() {
+            tokio::spawn(lifecycle::run(shared.clone(), lifecycle, cancel.clone()));
+        }
         let app = axum::Router::new()
             .fallback(server::handle)
             .with_state(shared.clone());

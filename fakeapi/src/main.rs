@@ -6,11 +6,13 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use edgemeta_fakeapi::{Config, FakeApi};
+use edgemeta_fakeapi::{Config, FakeApi, Lifecycle};
 use tokio_util::sync::CancellationToken;
 
 fn usage() -> ! {
-    eprintln!("usage: edgemeta-fakeapi [--port N] [--kubeconfig FILE] [--bookmark-interval-ms N] [--history N]");
+    eprintln!("usage: edgemeta-fakeapi [--port N] [--kubeconfig FILE] [--bookmark-interval-ms N] [--history N]\n\
+               [--node-lifecycle] [--node-monitor-period-ms N] [--node-monitor-grace-period-ms N]\n\
+               [--default-toleration-seconds N]");
     std::process::exit(2);
 }
 
@@ -31,6 +33,26 @@ fn main() {
                     Duration::from_millis(value().parse().unwrap_or_else(|_| usage()));
             }
             "--history" => config.history = value().parse().unwrap_or_else(|_| usage()),
+            // The simulated node lifecycle controller, at kube-controller-manager's defaults
+            // unless the flags below shorten them (any of them also turns it on).
+            "--node-lifecycle" => {
+                config.lifecycle.get_or_insert_with(Lifecycle::default);
+            }
+            "--node-monitor-period-ms"
+            | "--node-monitor-grace-period-ms"
+            | "--default-toleration-seconds" => {
+                let n: u64 = value().parse().unwrap_or_else(|_| usage());
+                let lifecycle = config.lifecycle.get_or_insert_with(Lifecycle::default);
+                match arg.as_str() {
+                    "--node-monitor-period-ms" => {
+                        lifecycle.monitor_period = Duration::from_millis(n.max(1));
+                    }
+                    "--node-monitor-grace-period-ms" => {
+                        lifecycle.grace = Duration::from_millis(n);
+                    }
+                    _ => lifecycle.default_toleration = Duration::from_secs(n),
+                }
+            }
             _ => usage(),
         }
     }

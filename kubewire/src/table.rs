@@ -52,6 +52,12 @@ fn columns(kind: &Kind) -> Vec<Value> {
             column("Status", 0),
             column("Roles", 0),
             column("Age", 0),
+            column("Version", 0),
+            column("Internal-IP", 1),
+            column("External-IP", 1),
+            column("OS-Image", 1),
+            column("Kernel-Version", 1),
+            column("Container-Runtime", 1),
         ],
         _ => vec![column("Name", 0), column("Age", 0)],
     }
@@ -131,7 +137,26 @@ fn cells(kind: &Kind, object: &Value) -> Vec<Value> {
             } else {
                 roles.join(",")
             };
-            vec![name, json!(status), json!(roles), json!(age(object))]
+            let info = &object["status"]["nodeInfo"];
+            let text = |v: &Value| json!(v.as_str().filter(|t| !t.is_empty()).unwrap_or("<none>"));
+            let address = |kind: &str| {
+                let found = object["status"]["addresses"]
+                    .as_array()
+                    .and_then(|a| a.iter().find(|a| a["type"] == kind));
+                text(found.map_or(&Value::Null, |a| &a["address"]))
+            };
+            vec![
+                name,
+                json!(status),
+                json!(roles),
+                json!(age(object)),
+                json!(info["kubeletVersion"].as_str().unwrap_or_default()),
+                address("InternalIP"),
+                address("ExternalIP"),
+                text(&info["osImage"]),
+                text(&info["kernelVersion"]),
+                text(&info["containerRuntimeVersion"]),
+            ]
         }
         _ => vec![name, json!(age(object))],
     }

@@ -48,6 +48,10 @@ struct Cli {
     /// This replica's name in the Lease (default: `$HOSTNAME`, else `edgecontroller-<pid>`).
     #[arg(long)]
     identity: Option<String>,
+    /// An unchanged node status is written again once its heartbeat is this old, in
+    /// milliseconds (keep it under the node monitor grace period less one heartbeat).
+    #[arg(long, default_value_t = 20_000)]
+    node_status_refresh_ms: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -63,6 +67,7 @@ fn main() -> anyhow::Result<()> {
         lease_name,
         lease_duration_s,
         identity,
+        node_status_refresh_ms,
     } = Cli::parse();
     // `RUST_LOG` wins, as for the node.
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
@@ -88,6 +93,7 @@ fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|| format!("edgecontroller-{}", std::process::id())),
             duration: std::time::Duration::from_secs(lease_duration_s),
         }),
+        node_status_refresh: std::time::Duration::from_millis(node_status_refresh_ms),
         ..edgemeta_edgecontroller::Config::default()
     };
     shutdown::until_signal("edgemeta-edgecontroller", |cancel| {

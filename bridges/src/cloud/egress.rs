@@ -13,6 +13,7 @@ use tokio::sync::{mpsc, Notify};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
+use super::live::Live;
 use crate::topic_map::TopicMap;
 use crate::Error;
 
@@ -188,10 +189,12 @@ impl<'a> Egress<'a> {
 }
 
 /// Local `<root>/cloud/...` traffic from other modules → the outbox, so it is as durable and
-/// ordered as the MetaManager's own.
+/// ordered as the MetaManager's own; heartbeats go to `live` instead (`live.rs`).
 pub(super) async fn carry_local(
     mut inbox: mpsc::Receiver<Message>,
     outbox: OutboxHandle,
+    live: Arc<Live>,
+    map: TopicMap,
     cancel: CancellationToken,
 ) {
     loop {
@@ -202,6 +205,10 @@ pub(super) async fn carry_local(
                 None => return,
             },
         };
+        if map.heartbeat(&message.topic) {
+            live.put(message.topic.clone(), message.payload.to_vec());
+            continue;
+        }
         if let Err(e) = outbox
             .append(message.topic.clone(), message.payload.to_vec())
             .await

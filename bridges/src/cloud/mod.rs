@@ -3,6 +3,7 @@
 
 mod egress;
 mod ingress;
+mod live;
 mod session;
 mod signal;
 
@@ -125,7 +126,14 @@ impl CloudBridge {
         let Link { inbox, publisher } = link;
         let stop = cancel.child_token();
         let mut helpers = Tasks::default();
-        helpers.spawn(egress::carry_local(inbox, outbox.clone(), stop.clone()));
+        let live = Arc::new(live::Live::default());
+        helpers.spawn(egress::carry_local(
+            inbox,
+            outbox.clone(),
+            live.clone(),
+            map.clone(),
+            stop.clone(),
+        ));
         helpers.spawn(egress::report_outbox(outbox.clone(), stop.clone()));
         let signal = Signal::new(publisher, &local_root);
         let mut backoff = Backoff::new(
@@ -155,6 +163,7 @@ impl CloudBridge {
                     outbox: &outbox,
                     signal: &signal,
                     status: &status,
+                    live: &live,
                 };
                 let end = session.run(&stop, &mut backoff).await;
                 status.set_connected(false);

@@ -16,6 +16,7 @@ use tracing::info;
 
 use super::egress::Egress;
 use super::ingress::{self, DownQueue};
+use super::live::Live;
 use super::signal::{LinkState, Signal};
 use super::Tasks;
 use crate::topic_map::TopicMap;
@@ -44,6 +45,7 @@ pub(super) struct Session<'a> {
     pub(super) outbox: &'a OutboxHandle,
     pub(super) signal: &'a Signal,
     pub(super) status: &'a Arc<super::CloudStatus>,
+    pub(super) live: &'a Live,
 }
 
 impl Session<'_> {
@@ -67,6 +69,10 @@ impl Session<'_> {
         if let Err(e) = client.try_publish(self.map.connection(), QoS::AtLeastOnce, true, birth) {
             return lost(e.into());
         }
+        // The newest heartbeats, right behind the birth: the Node is Ready again at once.
+        if let Err(e) = send_live(&client, self.map, self.live) {
+            return lost(e);
+        }
         // Not a child of `cancel`: on shutdown the acks of what is already committed may still
         // go out with the DISCONNECT; the session stops its tasks itself once that is done.
         let stop = CancellationToken::new();
@@ -89,6 +95,7 @@ impl Session<'_> {
             &mut egress,
             &mut down,
             &redeliver,
+            (self.live, self.map),
         )
         .await;
         // Whatever ended the session, what the cloud acknowledged need not be sent again.
@@ -148,6 +155,7 @@ async fn exchange(
     egress: &mut Egress<'_>,
     down: &mut DownQueue,
     redeliver: &Notify,
+    (live, map): (&Live, &TopicMap),
 ) -> Result<(), Error> {
     // The birth message is the session's first publish; its packet id is not the outbox's.
     let mut birth_pending = true;
@@ -158,8 +166,11 @@ async fn exchange(
             _ = cancel.cancelled() => return Ok(()),
             _ = egress.changed(), if egress.caught_up() => egress.outbox_changed(),
             _ = redeliver.notified() => return Err(Error::Redeliver),
+            _ = live.changed() => send_live(client, map, live)?,
             handed = down.hand_over(), if down.has_pending() => handed?,
             event = eventloop.poll(), if down.has_room() => match event? {
+                // A heartbeat (QoS 0): no packet id, nothing of the outbox's.
+                Event::Outgoing(Outgoing::Publish(0)) => {}
                 Event::Outgoing(Outgoing::Publish(pkid)) if birth_pending => {
                     birth_pending = false;
                     birth_pkid = Some(pkid);
@@ -175,4 +186,14 @@ async fn exchange(
             },
         }
     }
+}
+
+/// Publishes the heartbeats waiting in `live` at QoS 0: a lost one is replaced by the next.
+fn send_live(client: &AsyncClient, map: &TopicMap, live: &Live) -> Result<(), Error> {
+    for (local, payload) in live.take() {
+        if let Some(topic) = map.up(&local) {
+            client.try_publish(topic, QoS::AtMostOnce, false, payload)?;
+        }
+    }
+    Ok(())
 }
