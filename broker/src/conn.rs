@@ -28,6 +28,8 @@ use crate::wire::{Packet, Wire, WireError};
 const MAX_PACKET: u32 = 1 << 20;
 /// Topic aliases a client may use towards the node (§3.2.2.3.8).
 const ALIASES_IN: u16 = 16;
+/// QoS 2 publishes a client may have unreleased at once (the node's Receive Maximum, §3.2.2.3.3).
+const RECEIVE_MAX: u16 = 100;
 /// A read buffer larger than this is given back once drained.
 const KEEP_BUFFER: usize = 4096;
 /// How long a new connection has to send its CONNECT.
@@ -47,9 +49,15 @@ fn qos_of(n: u8) -> QoS {
 
 /// Why a connection ended, for the will (§3.1.2.5: no will after a normal DISCONNECT).
 enum End {
-    Normal { expiry: Option<u32> },
-    WithWill { expiry: Option<u32> },
+    Normal {
+        expiry: Option<u32>,
+    },
+    WithWill {
+        expiry: Option<u32>,
+    },
     Lost,
+    /// The client broke the protocol: a v5 client is told why (§4.13) before the close.
+    Refused(DisconnectReasonCode),
 }
 
 /// The state of one connection after its CONNECT.
@@ -161,7 +169,7 @@ pub async fn serve(mut stream: TcpStream, hub: Arc<Hub>, cancel: CancellationTok
         // Keep-alive 0 is honoured as asked (§3.1.2.10): no Server Keep Alive is imposed.
         properties: (wire == Wire::V5).then(|| ConnAckProperties {
             session_expiry_interval: None,
-            receive_max: None,
+            receive_max: Some(RECEIVE_MAX),
             max_qos: None,
             retain_available: None,
             max_packet_size: Some(MAX_PACKET),
@@ -202,10 +210,26 @@ pub async fn serve(mut stream: TcpStream, hub: Arc<Hub>, cancel: CancellationTok
     let (will, expiry_now) = match end {
         End::Normal { expiry } => (None, expiry),
         End::WithWill { expiry } => (will, expiry),
-        End::Lost => (will, None),
+        End::Lost | End::Refused(_) => (will, None),
     };
     let expiry = expiry_now.map_or(expiry, |s| Duration::from_secs(s.into()));
     hub.disconnect(&conn.client_id, conn.connection, will, expiry);
+}
+
+/// After a DISCONNECT that refuses the client, stops writing but reads (and drops) what the
+/// client still sends for a moment, so its last writes do not make the DISCONNECT a reset.
+async fn linger(stream: &mut TcpStream) {
+    let _ = stream.shutdown().await;
+    let mut sink = [0u8; 512];
+    let drain = async {
+        loop {
+            match tokio::io::AsyncReadExt::read(stream, &mut sink).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), drain).await;
 }
 
 /// Reads until the CONNECT has arrived: the version it names, and the packet.
@@ -276,6 +300,10 @@ impl Conn {
                     if ready.is_err() {
                         return End::Lost;
                     }
+                    // Tasks woken together run last-woken first (tokio's LIFO slot); going to
+                    // the back of the queue once lets a packet that arrived earlier on another
+                    // connection (a SUBSCRIBE before this PUBLISH) be handled first.
+                    tokio::task::yield_now().await;
                     buf.reserve(256);
                     match stream.try_read_buf(buf) {
                         Ok(0) => return End::Lost,
@@ -287,13 +315,27 @@ impl Conn {
                         match self.wire.read(buf, MAX_PACKET) {
                             Ok(Some(packet)) => {
                                 if let Some(end) = self.handle(packet, hub) {
+                                    if let End::Refused(reason) = end {
+                                        let bye = Disconnect::new(reason);
+                                        if self.wire == Wire::V5 {
+                                            self.send(Packet::Disconnect(bye));
+                                        }
+                                    }
                                     let _ = stream.write_all(&self.out).await;
+                                    if matches!(end, End::Refused(_)) {
+                                        linger(stream).await;
+                                    }
                                     return end;
                                 }
                             }
                             Ok(None) => break,
                             Err(e) => {
                                 debug!(client_id = %self.client_id, error = %e, "malformed packet");
+                                if self.wire == Wire::V5 {
+                                    let bye = Disconnect::new(DisconnectReasonCode::MalformedPacket);
+                                    self.send(Packet::Disconnect(bye));
+                                    let _ = stream.write_all(&self.out).await;
+                                }
                                 return End::Lost;
                             }
                         }
@@ -373,9 +415,9 @@ impl Conn {
                     return_codes: codes,
                     properties: None,
                 }));
-                for (message, options) in retained {
+                for ((message, qos), options) in retained {
                     let owed = crate::mailbox::Owed {
-                        qos: options.qos,
+                        qos: qos.min(options.qos),
                         retain: true,
                         subscription_ids: options.id.into_iter().collect(),
                         message,
@@ -411,7 +453,7 @@ impl Conn {
                 });
             }
             // A second CONNECT, or a server's packet from a client (§3.1.0-2): protocol error.
-            _ => return Some(End::Lost),
+            _ => return Some(End::Refused(DisconnectReasonCode::ProtocolError)),
         }
         None
     }
@@ -420,13 +462,14 @@ impl Conn {
     fn inbound(&mut self, mut publish: Publish, hub: &Hub) -> Option<End> {
         let mut properties = publish.properties.take();
         if let Some(alias) = properties.as_mut().and_then(|p| p.topic_alias.take()) {
+            // §3.3.2.3.4: 0 or above the maximum the node gave is a Topic Alias invalid.
             if alias == 0 || alias > ALIASES_IN {
-                return Some(End::Lost);
+                return Some(End::Refused(DisconnectReasonCode::TopicAliasInvalid));
             }
             if publish.topic.is_empty() {
                 match self.aliases_in.get(&alias) {
                     Some(topic) => publish.topic = topic.clone(),
-                    None => return Some(End::Lost),
+                    None => return Some(End::Refused(DisconnectReasonCode::ProtocolError)),
                 }
             } else {
                 self.aliases_in.insert(alias, publish.topic.clone());
@@ -434,7 +477,7 @@ impl Conn {
         }
         let topic = String::from_utf8_lossy(&publish.topic).into_owned();
         if !valid_topic(&topic) {
-            return Some(End::Lost);
+            return Some(End::Refused(DisconnectReasonCode::TopicNameInvalid));
         }
         let expiry = properties
             .as_mut()
@@ -445,6 +488,9 @@ impl Conn {
         }
         let qos = qos_num(publish.qos);
         let duplicate = qos == 2 && !self.qos2_in.insert(publish.pkid);
+        if self.qos2_in.len() > usize::from(RECEIVE_MAX) {
+            return Some(End::Refused(DisconnectReasonCode::ReceiveMaximumExceeded));
+        }
         if !duplicate {
             let message = Arc::new(Published {
                 topic: topic.into(),

@@ -146,8 +146,8 @@ impl Hub {
             .unsubscribe(session, filter)
     }
 
-    /// The retained messages a new subscription to `filter` gets.
-    pub fn retained_for(&self, filter: &str) -> Vec<Arc<Published>> {
+    /// The retained messages a new subscription to `filter` gets, with their QoS.
+    pub fn retained_for(&self, filter: &str) -> Vec<(Arc<Published>, u8)> {
         let filter = filter
             .strip_prefix("$share/")
             .and_then(|rest| rest.split_once('/').map(|(_, f)| f))
@@ -158,7 +158,7 @@ impl Hub {
     /// Routes a message to every matching session; `from` is the publishing session (for No
     /// Local), None for the node itself.
     pub fn publish(&self, from: Option<SessionId>, message: Arc<Published>, qos: u8, retain: bool) {
-        if retain && lock(&self.retained).set(message.clone()).is_err() {
+        if retain && lock(&self.retained).set(message.clone(), qos).is_err() {
             warn!(error_code = "EM-BROKER-RETAINED-FULL", topic = %message.topic,
                 "retained message not kept: the retained store is full");
         }

@@ -17,7 +17,9 @@ pub enum Refused {
 /// The retained messages, by topic. Written by retained publishes, read on subscribe.
 #[derive(Debug)]
 pub struct Retained {
-    by_topic: HashMap<Arc<str>, Arc<Published>>,
+    /// Each topic's message and the QoS it was published at (a retained message is sent at the
+    /// lower of that and the subscription's, §3.8.4).
+    by_topic: HashMap<Arc<str>, (Arc<Published>, u8)>,
     bytes: usize,
     limit: usize,
 }
@@ -32,9 +34,12 @@ impl Retained {
     }
 
     /// Keeps `message` as its topic's retained one; an empty payload removes it (§3.3.1.3).
-    pub fn set(&mut self, message: Arc<Published>) -> Result<(), Refused> {
+    pub fn set(&mut self, message: Arc<Published>, qos: u8) -> Result<(), Refused> {
         let weight = |m: &Published| m.topic.len() + m.payload.len();
-        let old = self.by_topic.get(&message.topic).map_or(0, |m| weight(m));
+        let old = self
+            .by_topic
+            .get(&message.topic)
+            .map_or(0, |(m, _)| weight(m));
         if message.payload.is_empty() {
             if self.by_topic.remove(&message.topic).is_some() {
                 self.bytes -= old;
@@ -46,17 +51,21 @@ impl Retained {
             return Err(Refused::Full);
         }
         self.bytes = self.bytes - old + new;
-        self.by_topic.insert(message.topic.clone(), message);
+        self.by_topic.insert(message.topic.clone(), (message, qos));
         Ok(())
     }
 
-    /// The retained messages a new subscription to `filter` gets, expired ones left out.
-    pub fn matching<'a>(&'a self, filter: &'a str) -> impl Iterator<Item = &'a Arc<Published>> {
+    /// The retained messages a new subscription to `filter` gets, with the QoS each was
+    /// published at; expired ones left out.
+    pub fn matching<'a>(
+        &'a self,
+        filter: &'a str,
+    ) -> impl Iterator<Item = &'a (Arc<Published>, u8)> {
         let now = std::time::Instant::now();
         self.by_topic
             .values()
-            .filter(move |m| matches(filter, &m.topic))
-            .filter(move |m| m.expiry.is_none_or(|e| now.duration_since(m.received) < e))
+            .filter(move |(m, _)| matches(filter, &m.topic))
+            .filter(move |(m, _)| m.expiry.is_none_or(|e| now.duration_since(m.received) < e))
     }
 
     pub fn len(&self) -> usize {
@@ -89,7 +98,7 @@ mod tests {
     fn topics(retained: &Retained, filter: &str) -> Vec<String> {
         let mut t: Vec<String> = retained
             .matching(filter)
-            .map(|m| m.topic.to_string())
+            .map(|(m, _)| m.topic.to_string())
             .collect();
         t.sort();
         t
@@ -98,10 +107,10 @@ mod tests {
     #[test]
     fn the_last_one_per_topic_is_kept_and_an_empty_payload_clears_it() {
         let mut retained = Retained::new(1 << 20);
-        retained.set(message("room/1", "20", None)).unwrap();
-        retained.set(message("room/1", "21", None)).unwrap();
-        retained.set(message("room/2", "19", None)).unwrap();
-        retained.set(message("$hw/x", "1", None)).unwrap();
+        retained.set(message("room/1", "20", None), 1).unwrap();
+        retained.set(message("room/1", "21", None), 1).unwrap();
+        retained.set(message("room/2", "19", None), 1).unwrap();
+        retained.set(message("$hw/x", "1", None), 1).unwrap();
         assert_eq!(topics(&retained, "room/+"), ["room/1", "room/2"]);
         assert_eq!(
             topics(&retained, "#"),
@@ -109,10 +118,10 @@ mod tests {
             "no $ topic through '#'"
         );
         assert_eq!(
-            &retained.matching("room/1").next().unwrap().payload[..],
+            &retained.matching("room/1").next().unwrap().0.payload[..],
             b"21"
         );
-        retained.set(message("room/1", "", None)).unwrap();
+        retained.set(message("room/1", "", None), 1).unwrap();
         assert_eq!(topics(&retained, "room/#"), ["room/2"]);
         assert_eq!(retained.bytes, "room/2".len() + 2 + "$hw/x".len() + 1);
     }
@@ -120,12 +129,12 @@ mod tests {
     #[test]
     fn past_the_limit_a_topic_keeps_what_it_had() {
         let mut retained = Retained::new(10);
-        retained.set(message("a", "12345", None)).unwrap();
+        retained.set(message("a", "12345", None), 1).unwrap();
         assert_eq!(
-            retained.set(message("b", "123456", None)),
+            retained.set(message("b", "123456", None), 1),
             Err(Refused::Full)
         );
-        retained.set(message("a", "123456789", None)).unwrap();
+        retained.set(message("a", "123456789", None), 1).unwrap();
         assert_eq!(retained.len(), 1);
     }
 
@@ -133,13 +142,16 @@ mod tests {
     fn an_expired_retained_message_is_not_sent() {
         let mut retained = Retained::new(1 << 20);
         retained
-            .set(Arc::new(Published {
-                topic: "t".into(),
-                payload: Bytes::from_static(b"old"),
-                received: Instant::now() - Duration::from_secs(5),
-                expiry: Some(Duration::from_secs(1)),
-                properties: None,
-            }))
+            .set(
+                Arc::new(Published {
+                    topic: "t".into(),
+                    payload: Bytes::from_static(b"old"),
+                    received: Instant::now() - Duration::from_secs(5),
+                    expiry: Some(Duration::from_secs(1)),
+                    properties: None,
+                }),
+                1,
+            )
             .unwrap();
         assert!(topics(&retained, "t").is_empty());
     }
