@@ -4,6 +4,8 @@
 //! # Layout
 //! - `kinds`: the served resources (pods, configmaps, secrets, nodes, services, endpoints,
 //!   namespaces, pvs, pvcs, events, coordination.k8s.io leases) and discovery.
+//! - `crd`: CustomResourceDefinitions make their kinds servable (KubeEdge's device CRDs apply
+//!   unmodified); no schema validation, defaulting or version conversion.
 //! - `store`: one resourceVersion counter, the objects, a bounded change history.
 //! - `selector`: label and field selectors.
 //! - `server`: verbs, paging, watches (bookmarks, timeouts, 410 as an `ERROR` event), the
@@ -17,6 +19,7 @@
 //! MODIFIED into DELETED. As with the real one, a gracefully deleted pod bound to a node stays,
 //! marked, until a grace-0 delete (its node's job): nothing removes it when the period ends.
 
+mod crd;
 mod error;
 mod kinds;
 mod server;
@@ -184,6 +187,26 @@ impl FakeApi {
         let kind = kinds::find("", "v1", plural)
             .ok_or_else(|| Error::BadRequest(format!("no resource {plural}")))?;
         self.shared.store().create(kind, namespace, object)
+    }
+
+    /// Creates `object` of any served type, custom ones included, named by its `apiVersion`
+    /// (`devices.kubeedge.io/v1beta1`) and `plural`, as a POST would, without HTTP.
+    ///
+    /// # Errors
+    /// As the POST would fail (unknown resource: [`Error::BadRequest`]).
+    pub fn create_at(
+        &self,
+        api_version: &str,
+        plural: &str,
+        namespace: &str,
+        object: serde_json::Value,
+    ) -> Result<serde_json::Value, Error> {
+        let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
+        let mut store = self.shared.store();
+        let kind = kinds::find(group, version, plural)
+            .or_else(|| store.crds.find(group, version, plural))
+            .ok_or_else(|| Error::BadRequest(format!("no resource {plural} in {api_version}")))?;
+        store.create(kind, namespace, object)
     }
 
     /// Replaces `object` (with its `metadata.resourceVersion`, if any, as precondition).
