@@ -8,10 +8,12 @@
 //! - `delivery`: per node and object: one in flight, newer versions coalesced, resends, acks.
 //! - `status`: pod status merging (transition times kept, no-op writes skipped).
 //! - `leader`: Lease-based leader election, for a hot standby.
+//! - `devices`: KubeEdge's Devices and DeviceModels down to nodes, DeviceStatus up.
 //! - `controller`: the owner task: watch events and node messages in, MQTT and API writes out.
 
 mod controller;
 mod delivery;
+mod devices;
 mod envelope;
 mod error;
 mod leader;
