@@ -680,3 +680,6 @@ async fn a_node_registers_itself_reports_its_status_and_lease_but_only_its_own()
     );
     assert!(nodes.get_opt("someone-else").await.expect("get").is_none());
 }
+
+#[path = "kube/devices.rs"]
+mod devices;

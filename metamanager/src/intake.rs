@@ -191,8 +191,11 @@ fn device_event(
         id,
         topic: message.topic.clone(),
         payload: bytes::Bytes::copy_from_slice(envelope.content.get().as_bytes()),
-        ack: Some((envelope.header.msg_id.clone(), envelope.route.resource.clone()))
-            .filter(|(id, _)| !id.is_empty()),
+        ack: Some((
+            envelope.header.msg_id.clone(),
+            envelope.route.resource.clone(),
+        ))
+        .filter(|(id, _)| !id.is_empty()),
     }))
 }
 

@@ -146,7 +146,7 @@ impl Devices {
                     self.state.model_deleted(key);
                 }
                 info!(kind = "devicemodel", listed = listed.len(), "watch synced");
-                Vec::new()
+                self.state.models_synced()
             }
         }
     }

@@ -60,6 +60,9 @@ struct Entry {
     /// Per property, the edge count of its expected value the node reported (almost always 0:
     /// only a device that writes its own expected value raises it).
     edge: BTreeMap<String, i64>,
+    /// Not sent yet: its model is not known, and the models are still being listed. A node
+    /// fixes a twin's type when the twin is created, so it must come with the model's types.
+    held: bool,
 }
 
 /// What a node reported about a device, for its DeviceStatus.
@@ -104,6 +107,8 @@ pub struct Devices {
     devices: HashMap<Key, Entry>,
     models: HashMap<Key, Vec<(String, String)>>,
     by_node: HashMap<String, BTreeSet<Key>>,
+    /// The DeviceModel watch has listed everything once: a model unknown now does not exist.
+    models_synced: bool,
 }
 
 /// The membership slot of a device: one per device, so devices never coalesce together.
@@ -277,18 +282,25 @@ impl Devices {
             Some(o) if o.spec.uid == spec.uid => o.edge.clone(),
             _ => BTreeMap::new(),
         };
-        let entry = Entry { spec, edge };
+        let held = spec.node.is_some()
+            && !spec.model.is_empty()
+            && !self.models_synced
+            && !self
+                .models
+                .contains_key(&(spec.namespace.clone(), spec.model.clone()));
+        let was_held = old.as_ref().is_some_and(|o| o.held);
+        let entry = Entry { spec, edge, held };
         let mut sends = Vec::new();
         let replaced = old.as_ref().is_some_and(|o| o.spec.uid != entry.spec.uid);
-        if let Some(old) = &old {
+        if let Some(old) = old.as_ref().filter(|o| !o.held) {
             if let Some(node) = &old.spec.node {
                 if moved || replaced {
                     sends.push(self.remove(node, old));
                 }
             }
         }
-        if let Some(node) = &entry.spec.node {
-            if moved || replaced {
+        if let Some(node) = entry.spec.node.as_ref().filter(|_| !held) {
+            if moved || replaced || was_held {
                 sends.push(self.add(node, &entry, false));
             } else if old.as_ref().is_some_and(|o| {
                 o.spec.properties != entry.spec.properties
@@ -313,6 +325,9 @@ impl Devices {
             return Vec::new();
         };
         self.bind(key, None, old.spec.node.as_ref());
+        if old.held {
+            return Vec::new();
+        }
         old.spec
             .node
             .as_ref()
@@ -327,12 +342,42 @@ impl Devices {
         self.models.insert(key.clone(), model.types);
         let mut sends = Vec::new();
         for (device, twins) in before {
+            let Some(entry) = self.devices.get_mut(&device) else {
+                continue;
+            };
+            let held = std::mem::replace(&mut entry.held, false);
             let Some(entry) = self.devices.get(&device) else {
                 continue;
             };
             if let Some(node) = &entry.spec.node {
-                if self.twins(entry) != twins {
+                if held {
+                    sends.push(self.add(node, entry, false));
+                } else if self.twins(entry) != twins {
                     sends.push(self.desired_changed(node, entry, delivery, true));
+                }
+            }
+        }
+        sends
+    }
+
+    /// Every DeviceModel has been listed: devices waiting for a model that does not exist go
+    /// with `string` twins.
+    pub fn models_synced(&mut self) -> Vec<Outgoing> {
+        self.models_synced = true;
+        let mut sends = Vec::new();
+        let held: Vec<Key> = self
+            .devices
+            .iter()
+            .filter(|(_, e)| e.held)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in held {
+            if let Some(entry) = self.devices.get_mut(&key) {
+                entry.held = false;
+            }
+            if let Some(entry) = self.devices.get(&key) {
+                if let Some(node) = &entry.spec.node {
+                    sends.push(self.add(node, entry, false));
                 }
             }
         }
@@ -366,6 +411,7 @@ impl Devices {
             .into_iter()
             .flatten()
             .filter_map(|k| self.devices.get(k))
+            .filter(|e| !e.held)
     }
 
     /// The node asked for its full membership (it connected with devices): the list goes
@@ -505,8 +551,11 @@ mod tests {
             name: "thermo".to_owned(),
             types: vec![("temp".to_owned(), "INT".to_owned())],
         };
-        assert!(d.model_applied(models, &delivery).is_empty());
-        let sends = d.applied(spec("t1", Some("n1"), "20", 5), &delivery);
+        // Held until its model is known (the models are still being listed).
+        assert!(d
+            .applied(spec("t1", Some("n1"), "20", 5), &delivery)
+            .is_empty());
+        let sends = d.model_applied(models, &delivery);
         assert_eq!(ops(&sends), ["n1 add node/membership/default.t1"]);
         let twin = &sends[0].content["added_devices"][0]["twin"]["temp"];
         assert_eq!(twin["expected"]["value"], "20");
@@ -548,6 +597,7 @@ mod tests {
     #[test]
     fn only_the_bound_node_is_heard_and_a_stray_one_drops_the_device() {
         let mut d = Devices::default();
+        assert!(d.models_synced().is_empty());
         let delivery = Delivery::new(Duration::from_secs(1), Duration::from_secs(8));
         d.applied(spec("t1", Some("n1"), "20", 5), &delivery);
         let key = ("default".to_owned(), "t1".to_owned());
