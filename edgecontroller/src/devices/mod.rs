@@ -7,6 +7,8 @@
 //! - `watch`: the Device and DeviceModel watches, objects cut down to what is kept.
 //! - `status`: DeviceStatus creation and writes, coalesced per device.
 
+#[cfg(test)]
+mod convergence;
 mod state;
 mod status;
 mod watch;
