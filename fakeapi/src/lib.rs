@@ -201,12 +201,26 @@ impl FakeApi {
         namespace: &str,
         object: serde_json::Value,
     ) -> Result<serde_json::Value, Error> {
-        let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
         let mut store = self.shared.store();
-        let kind = kinds::find(group, version, plural)
-            .or_else(|| store.crds.find(group, version, plural))
-            .ok_or_else(|| Error::BadRequest(format!("no resource {plural} in {api_version}")))?;
+        let kind = kind_at(&store, api_version, plural)?;
         store.create(kind, namespace, object)
+    }
+
+    /// Replaces `object` of any served type, as [`FakeApi::create_at`] names it.
+    ///
+    /// # Errors
+    /// As the PUT would fail.
+    pub fn update_at(
+        &self,
+        api_version: &str,
+        plural: &str,
+        namespace: &str,
+        name: &str,
+        object: serde_json::Value,
+    ) -> Result<serde_json::Value, Error> {
+        let mut store = self.shared.store();
+        let kind = kind_at(&store, api_version, plural)?;
+        store.update(kind, namespace, name, object, false)
     }
 
     /// Replaces `object` (with its `metadata.resourceVersion`, if any, as precondition).
@@ -232,6 +246,18 @@ impl FakeApi {
         self.cancel.cancel();
         let _ = self.task.await;
     }
+}
+
+/// The built-in or custom type served under `api_version` as `plural`.
+fn kind_at(
+    store: &store::Store,
+    api_version: &str,
+    plural: &str,
+) -> Result<&'static kinds::Kind, Error> {
+    let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
+    kinds::find(group, version, plural)
+        .or_else(|| store.crds.find(group, version, plural))
+        .ok_or_else(|| Error::BadRequest(format!("no resource {plural} in {api_version}")))
 }
 
 /// A kubeconfig naming `server` as cluster `fake`, context `fake`, namespace `default`.
