@@ -19,6 +19,10 @@ use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
+/// The shipped `edgemeta-edgecontroller`'s allocator, so its RSS is what is measured.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 /// What the simulated nodes saw: per node, when each (resource, rv) first arrived.
 #[derive(Default)]
 struct Seen {

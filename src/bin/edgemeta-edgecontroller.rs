@@ -7,6 +7,11 @@ mod shutdown;
 
 use std::path::PathBuf;
 
+/// jemalloc gives back what a burst (an initial sync, thousands of status writes at once) took;
+/// with glibc's malloc the controller kept about twice its working set (docs/benchmarks.md).
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 use clap::Parser;
 use tracing_subscriber::EnvFilter;
 

@@ -4,14 +4,13 @@
 //! restarted controller lose no other property's value (KubeEdge patches the whole twin list
 //! from its cache).
 
-use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use kube::api::{Api, ApiResource, DynamicObject, PostParams};
 use kube::Client;
 use serde_json::{json, Value};
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
@@ -38,15 +37,17 @@ impl Owner {
     }
 }
 
-/// The DeviceStatus writer: what is being written, and what waits for the next write.
+/// The DeviceStatus writer: what is being written, and what waits for the next write. At most
+/// [`WRITERS`] write tasks exist at once; the rest wait here as reports, not as tasks.
 pub struct Writer {
     client: Client,
     resource: ApiResource,
-    writers: Arc<Semaphore>,
     tx: mpsc::Sender<Event>,
     cancel: CancellationToken,
     writing: HashSet<Key>,
     waiting: HashMap<Key, (Owner, Report)>,
+    /// Devices whose report waits for a free writer, oldest first.
+    ready: VecDeque<Key>,
     /// DeviceStatuses this controller created or found.
     created: HashSet<Key>,
 }
@@ -147,11 +148,11 @@ impl Writer {
         Writer {
             client,
             resource: resource("DeviceStatus", "devicestatuses"),
-            writers: Arc::new(Semaphore::new(WRITERS)),
             tx,
             cancel,
             writing: HashSet::new(),
             waiting: HashMap::new(),
+            ready: VecDeque::new(),
             created: HashSet::new(),
         }
     }
@@ -170,28 +171,43 @@ impl Writer {
         self.waiting.remove(key);
     }
 
-    /// Writes `report`, now or after the write in flight for that device.
+    /// Writes `report` once a writer is free and no write for that device is in flight; a
+    /// report still waiting is merged with it.
     pub fn submit(&mut self, key: Key, owner: Owner, report: Report) {
-        if self.writing.contains(&key) {
-            match self.waiting.get_mut(&key) {
-                Some((o, waiting)) => {
-                    *o = owner;
-                    waiting.merge(report);
-                }
-                None => {
-                    self.waiting.insert(key, (owner, report));
-                }
+        match self.waiting.get_mut(&key) {
+            Some((o, waiting)) => {
+                *o = owner;
+                waiting.merge(report);
             }
-            return;
+            None => {
+                if !self.writing.contains(&key) {
+                    self.ready.push_back(key.clone());
+                }
+                self.waiting.insert(key, (owner, report));
+            }
         }
+        self.start();
+    }
+
+    /// Starts waiting writes while writers are free.
+    fn start(&mut self) {
+        while self.writing.len() < WRITERS {
+            let Some(key) = self.ready.pop_front() else {
+                return;
+            };
+            let Some((owner, report)) = self.waiting.remove(&key) else {
+                continue;
+            };
+            self.spawn(key, owner, report);
+        }
+    }
+
+    fn spawn(&mut self, key: Key, owner: Owner, report: Report) {
         self.writing.insert(key.clone());
         let api: Api<DynamicObject> =
             Api::namespaced_with(self.client.clone(), &key.0, &self.resource);
-        let (writers, tx, cancel) = (self.writers.clone(), self.tx.clone(), self.cancel.clone());
+        let (tx, cancel) = (self.tx.clone(), self.cancel.clone());
         tokio::spawn(async move {
-            let Ok(_permit) = writers.acquire_owned().await else {
-                return;
-            };
             let mut wait = Duration::from_millis(250);
             let ok = loop {
                 match write(&api, &key, &owner, &report).await {
@@ -217,9 +233,10 @@ impl Writer {
         if ok {
             self.created.insert(key.clone());
         }
-        if let Some((owner, report)) = self.waiting.remove(&key) {
-            self.submit(key, owner, report);
+        if self.waiting.contains_key(&key) {
+            self.ready.push_back(key);
         }
+        self.start();
     }
 }
 
