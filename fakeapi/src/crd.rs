@@ -6,7 +6,7 @@
 
 use serde_json::{json, Value};
 
-use crate::kinds::Kind;
+use edgemeta_kubewire::kinds::Kind;
 
 /// The CRD type itself.
 pub const CRD: Kind = Kind {
