@@ -342,10 +342,10 @@ impl Devices {
         self.models.insert(key.clone(), model.types);
         let mut sends = Vec::new();
         for (device, twins) in before {
-            let Some(entry) = self.devices.get_mut(&device) else {
-                continue;
+            let held = match self.devices.get_mut(&device) {
+                Some(entry) => std::mem::replace(&mut entry.held, false),
+                None => continue,
             };
-            let held = std::mem::replace(&mut entry.held, false);
             let Some(entry) = self.devices.get(&device) else {
                 continue;
             };
