@@ -1190,3 +1190,6 @@ async fn heartbeats_sent_during_an_outage_are_replaced_not_replayed() {
         .collect();
     assert_eq!(heartbeats, [(status, 5), (lease, 5)], "{seen:?}");
 }
+
+#[path = "kube/devices.rs"]
+mod devices;

@@ -1,13 +1,15 @@
 //! The edgecontroller at scale: the fake API server with N edge Nodes and P pods (P/N each,
-//! all referencing one configmap), a mosquitto cloud broker, the controller in its own process,
-//! and N simulated nodes (MQTT sessions from this process that ack like a MetaManager and
-//! report pod status like edged). Prints initial sync time, configmap fan-out latency,
-//! status writes per second and the controller's RSS; then every node heartbeats as edged
-//! does (node status and Lease every 10 s, spread over the interval) and it prints the
-//! controller's API writes per second for them and its CPU.
+//! all referencing one configmap), D KubeEdge Devices (D/N each; KubeEdge's CRDs applied with
+//! `kubectl`), a mosquitto cloud broker, the controller in its own process, and N simulated
+//! nodes (MQTT sessions from this process that ack like a MetaManager, report pod status like
+//! edged and twins like mappers). Prints initial sync time, configmap fan-out latency, status
+//! writes per second, desired-value fan-out latency, reported-value writes per second and the
+//! controller's RSS; then every node heartbeats as edged does (node status and Lease every
+//! 10 s, spread over the interval) and it prints the controller's API writes per second for
+//! them and its CPU.
 //!
 //! Run with:
-//! `cargo run --profile kube-bench -p edgemeta-edgecontroller --example scale -- --nodes 1000 --pods 10000`
+//! `cargo run --profile kube-bench -p edgemeta-edgecontroller --example scale -- --nodes 1000 --pods 10000 --devices 10000`
 
 use std::collections::HashMap;
 use std::process::{Command, Stdio};
@@ -18,6 +20,10 @@ use edgemeta_fakeapi::{Config, FakeApi};
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
+
+/// The shipped `edgemeta-edgecontroller`'s allocator, so its RSS is what is measured.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 /// What the simulated nodes saw: per node, when each (resource, rv) first arrived.
 #[derive(Default)]
@@ -123,16 +129,17 @@ fn send_heartbeats(client: &AsyncClient, i: usize, beat: u64) {
 }
 
 /// One simulated node: acks every down message, answers each pod with a Running status once
-/// `report` is set, heartbeats once `heartbeat` is set, and records arrivals.
+/// `report` is set, reports twins once `report_twins` is set, heartbeats once `heartbeat` is
+/// set, and records arrivals.
 fn spawn_node(
     i: usize,
     port: u16,
     seen: Arc<Mutex<Seen>>,
-    flags: [Arc<std::sync::atomic::AtomicBool>; 2],
+    flags: [Arc<std::sync::atomic::AtomicBool>; 3],
     nodes: usize,
     subscribed: tokio::sync::mpsc::UnboundedSender<usize>,
 ) {
-    let [report, heartbeat] = flags;
+    let [report, report_twins, heartbeat] = flags;
     tokio::spawn(async move {
         let mut options = MqttOptions::new(format!("sim-{i}"), "127.0.0.1", port);
         options.set_keep_alive(Duration::from_secs(60));
@@ -140,7 +147,9 @@ fn spawn_node(
         let (client, mut eventloop) = AsyncClient::new(options, 256);
         let node = format!("n{i}");
         let mut pods: Vec<(String, String)> = Vec::new();
+        let mut devices: Vec<String> = Vec::new();
         let mut reported = false;
+        let mut twins_reported = false;
         let mut tick = tokio::time::interval(Duration::from_millis(200));
         // Each node's beats at its own offset in the interval, as nodes started at random do.
         let offset = HEARTBEAT.mul_f64(i as f64 / nodes as f64);
@@ -164,6 +173,17 @@ fn spawn_node(
                             "content": items});
                         let _ = client.try_publish(format!("kubeedge/{node}/up/meta/update/default/podstatus"), QoS::AtLeastOnce, false, envelope.to_string());
                     }
+                    if !twins_reported && report_twins.load(std::sync::atomic::Ordering::Relaxed) {
+                        twins_reported = true;
+                        // A mapper's report per device, as the node carries it up (edge_updated).
+                        for name in &devices {
+                            let envelope = json!({"header": {"msg_id": format!("t-{name}"), "timestamp": 0},
+                                "route": {"source": "twin", "group": "resource", "operation": "update", "resource": format!("default/devicetwin/{name}")},
+                                "content": {"event_id": "", "timestamp": 0, "twin": {"temp": {"actual": {"value": "21", "metadata": {"timestamp": 1}},
+                                    "metadata": {"type": "int"}, "actual_version": {"cloud": 0, "edge": 1}}}}});
+                            let _ = client.publish(format!("kubeedge/{node}/up/twin/update/default/devicetwin"), QoS::AtLeastOnce, false, envelope.to_string()).await;
+                        }
+                    }
                 }
                 event = eventloop.poll() => match event {
                     Ok(Event::Incoming(Packet::ConnAck(_))) => {
@@ -180,6 +200,12 @@ fn spawn_node(
                             let name = envelope["content"]["metadata"]["name"].as_str().unwrap_or_default().to_owned();
                             let uid = envelope["content"]["metadata"]["uid"].as_str().unwrap_or_default().to_owned();
                             pods.push((name, uid));
+                        }
+                        for added in envelope["content"]["added_devices"].as_array().into_iter().flatten() {
+                            let name = added["name"].as_str().unwrap_or_default().to_owned();
+                            if !devices.contains(&name) {
+                                devices.push(name);
+                            }
                         }
                         if let Ok(mut seen) = seen.lock() {
                             let slot = seen.arrivals.entry((i, resource.clone())).or_insert((String::new(), Instant::now()));
@@ -228,6 +254,7 @@ async fn main() {
     }
     let nodes = arg("--nodes", 1000);
     let pods = arg("--pods", 10_000);
+    let devices = arg("--devices", 10_000);
     let dir = std::env::temp_dir().join(format!("edgemeta-scale-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("dir");
 
@@ -253,6 +280,31 @@ async fn main() {
             .expect("pod");
     }
 
+    // KubeEdge's CRDs as they are, a DeviceModel and the Devices.
+    let crds = concat!(env!("CARGO_MANIFEST_DIR"), "/../conf/kube/crds");
+    let applied = Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(dir.join("kubeconfig"))
+        .args(["apply", "--validate=false", "-f", crds])
+        .stdout(Stdio::null())
+        .status()
+        .expect("kubectl");
+    assert!(applied.success(), "kubectl apply of the CRDs");
+    const DEVICES_API: &str = "devices.kubeedge.io/v1beta1";
+    api.create_at(DEVICES_API, "devicemodels", "default", json!({"metadata": {"name": "thermo"},
+        "spec": {"properties": [{"name": "temp", "type": "INT", "accessMode": "ReadWrite"}], "protocol": "modbus"}}))
+        .expect("device model");
+    let device = |d: usize, desired: &str| {
+        json!({"metadata": {"name": format!("d{d}"), "namespace": "default"},
+               "spec": {"deviceModelRef": {"name": "thermo"}, "nodeName": format!("n{}", d % nodes),
+                        "properties": [{"name": "temp", "desired": {"value": desired}}],
+                        "protocol": {"protocolName": "modbus"}}})
+    };
+    for d in 0..devices {
+        api.create_at(DEVICES_API, "devices", "default", device(d, "0"))
+            .expect("device");
+    }
+
     // The cloud broker.
     let port = free_port();
     std::fs::write(
@@ -272,10 +324,11 @@ async fn main() {
     // The simulated nodes, all subscribed before the controller starts.
     let seen = Arc::new(Mutex::new(Seen::default()));
     let report = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let report_twins = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let heartbeat = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     for i in 0..nodes {
-        let flags = [report.clone(), heartbeat.clone()];
+        let flags = [report.clone(), report_twins.clone(), heartbeat.clone()];
         spawn_node(i, port, seen.clone(), flags, nodes, tx.clone());
     }
     for _ in 0..nodes {
@@ -297,12 +350,15 @@ async fn main() {
         .spawn()
         .expect("controller");
     let pid = controller.id();
-    // Initial sync: every node has its pods, the configmap and its Node.
-    let per_node = pods / nodes + 2;
-    let want = nodes * per_node;
+    // Initial sync: every node has its pods, the configmap, its Node and its devices.
+    // Without pods the configmap goes nowhere.
+    let per_node = if pods > 0 { pods / nodes + 2 } else { 1 };
+    let want = nodes * per_node + devices;
+    // ... and the controller has created every Device's DeviceStatus.
+    let statuses = "devicestatuses.devices.kubeedge.io";
     loop {
         let have = seen.lock().map(|s| s.arrivals.len()).unwrap_or(0);
-        if have >= want {
+        if have >= want && api.writes(statuses) >= devices as u64 {
             break;
         }
         assert!(
@@ -317,7 +373,9 @@ async fn main() {
 
     // Fan-out: one configmap edit reaches every node.
     let mut latencies = Vec::new();
-    for round in 1..=3 {
+    // Without pods no node holds the configmap: no fan-out to measure.
+    let rounds = if pods > 0 { 3 } else { 0 };
+    for round in 1..=rounds {
         tokio::time::sleep(Duration::from_secs(1)).await;
         let edited = Instant::now();
         let cm = api
@@ -369,14 +427,82 @@ async fn main() {
     }
     let status_time = reported.elapsed();
     let rate = pods as f64 / status_time.as_secs_f64();
+
+    // Desired values: every Device gets a new one at once; each reaches its node as a twin.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut edits = Vec::with_capacity(devices);
+    for d in 0..devices {
+        let edited = Instant::now();
+        let written = api
+            .update_at(
+                DEVICES_API,
+                "devices",
+                "default",
+                &format!("d{d}"),
+                device(d, "1"),
+            )
+            .expect("edit device");
+        let rv = written["metadata"]["resourceVersion"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        edits.push((d, rv, edited));
+    }
+    let desired_started = Instant::now();
+    let mut desired = loop {
+        let done: Vec<Duration> = seen
+            .lock()
+            .map(|s| {
+                edits
+                    .iter()
+                    .filter_map(|(d, rv, at)| {
+                        let (v, arrived) = s
+                            .arrivals
+                            .get(&(d % nodes, format!("default/devicetwin/d{d}")))?;
+                        (v == rv).then(|| arrived.saturating_duration_since(*at))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        if done.len() == devices {
+            break done;
+        }
+        assert!(
+            desired_started.elapsed() < Duration::from_secs(300),
+            "desired fan-out stuck at {}",
+            done.len()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    desired.sort();
+
+    // Reported values: every mapper reports its twin; each lands in its DeviceStatus.
+    let before = api.writes(statuses);
+    let twins_started = Instant::now();
+    report_twins.store(true, std::sync::atomic::Ordering::Relaxed);
+    loop {
+        let written = api.writes(statuses) - before;
+        if written >= devices as u64 {
+            break;
+        }
+        assert!(
+            twins_started.elapsed() < Duration::from_secs(600),
+            "reported writes stuck at {written}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let twin_rate = devices as f64 / twins_started.elapsed().as_secs_f64();
     let rss = rss_kib(pid, "VmRSS:");
     let hwm = rss_kib(pid, "VmHWM:");
     println!(
-        "| {nodes} nodes, {pods} pods | initial sync {:.1} s | fan-out p50 {} ms, p99 {} ms | {:.0} status writes/s | controller RSS {:.1} MB after sync, {:.1} MB at the end, peak {:.1} MB |",
+        "| {nodes} nodes, {pods} pods, {devices} devices | initial sync {:.1} s | fan-out p50 {} ms, p99 {} ms | {:.0} status writes/s | desired fan-out p50 {} ms, p99 {} ms | {:.0} reported writes/s | controller RSS {:.1} MB after sync, {:.1} MB at the end, peak {:.1} MB |",
         sync.as_secs_f64(),
         percentile(&latencies, 50).as_millis(),
         percentile(&latencies, 99).as_millis(),
         rate,
+        percentile(&desired, 50).as_millis(),
+        percentile(&desired, 99).as_millis(),
+        twin_rate,
         rss_sync as f64 / 1024.0,
         rss as f64 / 1024.0,
         hwm as f64 / 1024.0,

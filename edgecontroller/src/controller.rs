@@ -81,6 +81,7 @@ enum Input {
         node: String,
         rv: Option<String>,
     },
+    Devices(crate::devices::Event),
 }
 
 /// Where nodes' heartbeat Leases live (as kubelet's).
@@ -268,7 +269,9 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Error>
         }
     });
 
+    let (devices, mut device_events) = crate::devices::start(client.clone(), cancel.clone());
     let mut owner = Owner {
+        devices,
         root: config.root.clone(),
         routing: Routing::default(),
         delivery: Delivery::new(config.resend, config.resend_max),
@@ -287,6 +290,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Error>
             () = cancel.cancelled() => break,
             Some(input) = rx.recv() => input,
             Some(input) = up_rx.recv() => input,
+            Some(event) = device_events.recv() => Input::Devices(event),
             _ = tick.tick() => {
                 let due = owner.delivery.due(Instant::now());
                 owner.publish_all(due).await;
@@ -304,6 +308,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Error>
 
 /// The state the owner task keeps, and its handles.
 struct Owner {
+    devices: crate::devices::Devices,
     root: String,
     routing: Routing,
     delivery: Delivery,
@@ -403,6 +408,10 @@ impl Owner {
                 if let Some((next, rv)) = self.beats.lease_done(&node, rv) {
                     self.write_lease(node, next, rv);
                 }
+            }
+            Input::Devices(event) => {
+                let sends = self.devices.handle(event, &self.delivery);
+                self.submit(sends).await;
             }
         }
     }
@@ -518,6 +527,14 @@ impl Owner {
             ("update", "nodestatus") => self.heartbeat_status(&up, envelope).await,
             ("insert" | "update", "lease") => self.node_lease(&up, envelope).await,
             ("delete", "pod") => self.pod_gone(&up, &envelope).await,
+            ("update", "devicetwin" | "devicestate") => {
+                let sends = self.devices.up(&up, &envelope);
+                self.submit(sends).await;
+            }
+            ("query", "membershipdetail") => {
+                let sends = self.devices.detail(&up.node);
+                self.submit(sends).await;
+            }
             ("query", _) => self.query(&up, &envelope).await,
             (op, kind) => debug!(node = %up.node, op, kind, "up message not handled"),
         }
@@ -537,7 +554,12 @@ impl Owner {
         }
         info!(node, "node online: resyncing");
         let mut sends = self.delivery.node_online(node, now);
-        for out in self.routing.desired(node) {
+        for out in self
+            .routing
+            .desired(node)
+            .into_iter()
+            .chain(self.devices.desired(node))
+        {
             sends.extend(self.delivery.submit(out, now));
         }
         self.publish_all(sends).await;

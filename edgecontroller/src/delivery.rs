@@ -83,6 +83,13 @@ impl Delivery {
             .and_then(|s| s.acked)
     }
 
+    /// Whether a message about `resource` is in flight to `node` or queued behind one.
+    pub fn pending(&self, node: &str, resource: &str) -> bool {
+        self.slots
+            .get(&(node.to_owned(), resource.to_owned()))
+            .is_some_and(|s| s.in_flight.is_some() || s.queued.is_some())
+    }
+
     fn start(&mut self, key: (String, String), out: Outgoing, now: Instant) -> Send {
         let rv = out.rv.map(|v| v.to_string());
         let envelope = Envelope::new(out.operation, out.resource, out.content, rv);

@@ -40,6 +40,22 @@ pub struct Envelope {
 /// The source every message of this controller names (KubeEdge's `edgecontroller`).
 pub const SOURCE: &str = "edgecontroller";
 
+/// The source of device membership and twin messages (KubeEdge's `devicecontroller`).
+pub const DEVICE_SOURCE: &str = "devicecontroller";
+
+/// The module and group a message about `resource` comes from: device membership and twins
+/// are the devicecontroller's (group `twin`), everything else the edgecontroller's.
+pub fn source_of(resource: &str) -> (&'static str, &'static str) {
+    let mut levels = resource.splitn(3, '/');
+    let (ns, kind) = (levels.next(), levels.next());
+    match (ns, kind) {
+        (Some("node"), Some("membership" | "membershipdetail")) | (_, Some("devicetwin")) => {
+            (DEVICE_SOURCE, "twin")
+        }
+        _ => (SOURCE, "resource"),
+    }
+}
+
 fn now_ms() -> i64 {
     let now = time::OffsetDateTime::now_utc();
     i64::try_from(now.unix_timestamp_nanos() / 1_000_000).unwrap_or_default()
@@ -62,8 +78,8 @@ impl Envelope {
                 sync: None,
             },
             route: Route {
-                source: SOURCE.to_owned(),
-                group: "resource".to_owned(),
+                source: source_of(&resource).0.to_owned(),
+                group: source_of(&resource).1.to_owned(),
                 operation: operation.to_owned(),
                 resource,
             },
@@ -109,12 +125,13 @@ impl UpTopic {
     }
 }
 
-/// `<root>/<node>/down/edgecontroller/<op>/<ns>/<type>`: the type-level down topic (§5).
+/// `<root>/<node>/down/<source>/<op>/<ns>/<type>`: the type-level down topic (§5).
 pub fn down_topic(root: &str, node: &str, operation: &str, resource: &str) -> String {
     let mut parts = resource.splitn(3, '/');
     let ns = parts.next().unwrap_or_default();
     let kind = parts.next().unwrap_or_default();
-    format!("{root}/{node}/down/{SOURCE}/{operation}/{ns}/{kind}")
+    let source = source_of(resource).0;
+    format!("{root}/{node}/down/{source}/{operation}/{ns}/{kind}")
 }
 
 /// The name in an up message: the topic's, else the envelope resource's third level.
@@ -147,6 +164,14 @@ mod tests {
         assert_eq!(
             down_topic("kubeedge", "n1", "insert", "default/pod/web"),
             "kubeedge/n1/down/edgecontroller/insert/default/pod"
+        );
+        assert_eq!(
+            down_topic("kubeedge", "n1", "update", "default/devicetwin/t1"),
+            "kubeedge/n1/down/devicecontroller/update/default/devicetwin"
+        );
+        assert_eq!(
+            source_of("node/membership/default.t1"),
+            ("devicecontroller", "twin")
         );
     }
 }

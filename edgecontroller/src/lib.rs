@@ -9,10 +9,12 @@
 //! - `status`: pod status merging (transition times kept, no-op writes skipped).
 //! - `heartbeat`: node status and Lease writes per node, the write rule, Unknown on a Last Will.
 //! - `leader`: Lease-based leader election, for a hot standby.
+//! - `devices`: KubeEdge's Devices and DeviceModels down to nodes, DeviceStatus up.
 //! - `controller`: the owner task: watch events and node messages in, MQTT and API writes out.
 
 mod controller;
 mod delivery;
+mod devices;
 mod envelope;
 mod error;
 mod heartbeat;

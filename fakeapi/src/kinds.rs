@@ -41,9 +41,10 @@ pub const KINDS: &[Kind] = &[
         status: false,
         short_names: &[],
     },
+    crate::crd::CRD,
 ];
 
-/// The served type at `group`/`version` under `plural`.
+/// The built-in type at `group`/`version` under `plural` (custom kinds: [`crate::crd::Crds`]).
 pub fn find(group: &str, version: &str, plural: &str) -> Option<&'static Kind> {
     Kind::find(KINDS, group, version, plural)
 }

@@ -4,6 +4,8 @@
 //! # Layout
 //! - `kinds`: the served resources (pods, configmaps, secrets, nodes, services, endpoints,
 //!   namespaces, pvs, pvcs, events, coordination.k8s.io leases) and discovery.
+//! - `crd`: CustomResourceDefinitions make their kinds servable (KubeEdge's device CRDs apply
+//!   unmodified); no schema validation, defaulting or version conversion.
 //! - `store`: one resourceVersion counter, the objects, a bounded change history.
 //! - `selector`: label and field selectors.
 //! - `server`: verbs, paging, watches (bookmarks, timeouts, 410 as an `ERROR` event), the
@@ -18,6 +20,7 @@
 //! MODIFIED into DELETED. As with the real one, a gracefully deleted pod bound to a node stays,
 //! marked, until a grace-0 delete (its node's job): nothing removes it when the period ends.
 
+mod crd;
 mod error;
 mod kinds;
 mod lifecycle;
@@ -196,6 +199,40 @@ impl FakeApi {
         self.shared.store().create(kind, namespace, object)
     }
 
+    /// Creates `object` of any served type, custom ones included, named by its `apiVersion`
+    /// (`devices.kubeedge.io/v1beta1`) and `plural`, as a POST would, without HTTP.
+    ///
+    /// # Errors
+    /// As the POST would fail (unknown resource: [`Error::BadRequest`]).
+    pub fn create_at(
+        &self,
+        api_version: &str,
+        plural: &str,
+        namespace: &str,
+        object: serde_json::Value,
+    ) -> Result<serde_json::Value, Error> {
+        let mut store = self.shared.store();
+        let kind = kind_at(&store, api_version, plural)?;
+        store.create(kind, namespace, object)
+    }
+
+    /// Replaces `object` of any served type, as [`FakeApi::create_at`] names it.
+    ///
+    /// # Errors
+    /// As the PUT would fail.
+    pub fn update_at(
+        &self,
+        api_version: &str,
+        plural: &str,
+        namespace: &str,
+        name: &str,
+        object: serde_json::Value,
+    ) -> Result<serde_json::Value, Error> {
+        let mut store = self.shared.store();
+        let kind = kind_at(&store, api_version, plural)?;
+        store.update(kind, namespace, name, object, false)
+    }
+
     /// Replaces `object` (with its `metadata.resourceVersion`, if any, as precondition).
     ///
     /// # Errors
@@ -219,6 +256,18 @@ impl FakeApi {
         self.cancel.cancel();
         let _ = self.task.await;
     }
+}
+
+/// The built-in or custom type served under `api_version` as `plural`.
+fn kind_at(
+    store: &store::Store,
+    api_version: &str,
+    plural: &str,
+) -> Result<&'static kinds::Kind, Error> {
+    let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
+    kinds::find(group, version, plural)
+        .or_else(|| store.crds.find(group, version, plural))
+        .ok_or_else(|| Error::BadRequest(format!("no resource {plural} in {api_version}")))
 }
 
 /// A kubeconfig naming `server` as cluster `fake`, context `fake`, namespace `default`.

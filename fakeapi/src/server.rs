@@ -75,13 +75,16 @@ fn not_found(path: &str) -> Response {
 
 /// Splits `/api/v1/...` or `/apis/<g>/<v>/...` into the target, or `None` when it names no
 /// served resource.
-fn target(segments: &[&str]) -> Option<Target> {
+fn target(shared: &Shared, segments: &[&str]) -> Option<Target> {
     let (group, version, rest) = match segments {
         ["api", version, rest @ ..] => ("", *version, rest),
         ["apis", group, version, rest @ ..] => (*group, *version, rest),
         _ => return None,
     };
-    let find = |plural: &str| kinds::find(group, version, plural);
+    let find = |plural: &str| {
+        kinds::find(group, version, plural)
+            .or_else(|| shared.store().crds.find(group, version, plural))
+    };
     let (kind, namespace, name, sub) = match rest {
         ["namespaces", ns, plural, tail @ ..] => {
             (find(plural)?, Some(*ns), tail.first(), tail.get(1))
@@ -103,6 +106,11 @@ fn target(segments: &[&str]) -> Option<Target> {
         name: name.map(|n| (*n).to_owned()),
         status,
     })
+}
+
+/// The built-in kinds and the custom ones served now.
+fn served(shared: &Shared) -> Vec<Kind> {
+    shared.store().crds.with(kinds::KINDS)
 }
 
 /// Every request lands here.
@@ -130,9 +138,9 @@ pub(crate) async fn handle(
         }
         ("GET", ["healthz" | "readyz" | "livez"]) => return "ok".into_response(),
         ("GET", ["api"]) => return json_response(200, &kinds::core_versions(&shared.address)),
-        ("GET", ["apis"]) => return json_response(200, &kinds::groups(kinds::KINDS)),
+        ("GET", ["apis"]) => return json_response(200, &kinds::groups(&served(&shared))),
         ("GET", ["apis", group]) => {
-            return match kinds::group(kinds::KINDS, group) {
+            return match kinds::group(&served(&shared), group) {
                 Some(g) => json_response(200, &g),
                 None => not_found(&path),
             }
@@ -144,14 +152,14 @@ pub(crate) async fn handle(
             }
         }
         ("GET", ["apis", group, version]) => {
-            return match kinds::resources(kinds::KINDS, kinds::READ_WRITE, group, version) {
+            return match kinds::resources(&served(&shared), kinds::READ_WRITE, group, version) {
                 Some(r) => json_response(200, &r),
                 None => not_found(&path),
             }
         }
         _ => {}
     }
-    let Some(target) = target(&segments) else {
+    let Some(target) = target(&shared, &segments) else {
         return not_found(&path);
     };
     let watching = params.get("watch").is_some_and(|w| w == "true" || w == "1");

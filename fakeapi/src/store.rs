@@ -9,6 +9,7 @@ use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
 use tokio::sync::broadcast;
 
+use crate::crd::{self, Crds};
 use crate::kinds::Kind;
 use crate::Error;
 
@@ -38,6 +39,8 @@ pub struct Store {
     changes: broadcast::Sender<Arc<Change>>,
     /// Writes that changed something, per resource (`pods/status` for status writes).
     pub writes: BTreeMap<String, u64>,
+    /// The custom kinds the stored CRDs serve.
+    pub crds: Crds,
 }
 
 /// Now, as the API server writes times (`2026-11-25T14:00:00Z`).
@@ -94,6 +97,7 @@ impl Store {
             window: window.max(1),
             changes,
             writes: BTreeMap::new(),
+            crds: Crds::default(),
         }
     }
 
@@ -124,6 +128,9 @@ impl Store {
     }
 
     fn commit(&mut self, kind: &Kind, namespace: &str, event: &'static str, object: Value) {
+        if *kind == crd::CRD {
+            self.crds.changed(event, &object);
+        }
         let change = Arc::new(Change {
             rv: self.rv,
             resource: kind.resource(),
@@ -251,6 +258,9 @@ impl Store {
         }
         if kind.plural == "namespaces" && !object["status"].is_object() {
             object["status"] = json!({"phase": "Active"});
+        }
+        if *kind == crd::CRD {
+            crd::establish(&mut object, &now());
         }
         let object = typed(kind, object);
         self.objects.insert(key, object.clone());

@@ -78,19 +78,30 @@ pub fn core_versions(server: &str) -> Value {
            "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": server}]})
 }
 
-/// `GET /apis`: every non-core group of `kinds`.
+/// `GET /apis`: every non-core group of `kinds`, with its versions in the order `kinds` first
+/// names them (the first is the preferred one).
 pub fn groups(kinds: &[Kind]) -> Value {
-    let mut names: Vec<&str> = kinds
-        .iter()
-        .filter(|k| !k.group.is_empty())
-        .map(|k| k.group)
-        .collect();
-    names.dedup();
+    let mut names: Vec<&str> = Vec::new();
+    for k in kinds.iter().filter(|k| !k.group.is_empty()) {
+        if !names.contains(&k.group) {
+            names.push(k.group);
+        }
+    }
     let groups: Vec<Value> = names
         .iter()
         .map(|g| {
-            let gv = json!({"groupVersion": format!("{g}/v1"), "version": "v1"});
-            json!({"name": g, "versions": [gv.clone()], "preferredVersion": gv})
+            let mut versions: Vec<&str> = Vec::new();
+            for k in kinds.iter().filter(|k| k.group == *g) {
+                if !versions.contains(&k.version) {
+                    versions.push(k.version);
+                }
+            }
+            let versions: Vec<Value> = versions
+                .iter()
+                .map(|v| json!({"groupVersion": format!("{g}/{v}"), "version": v}))
+                .collect();
+            let preferred = versions.first().cloned().unwrap_or(Value::Null);
+            json!({"name": g, "preferredVersion": preferred, "versions": versions})
         })
         .collect();
     json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": groups})

@@ -147,6 +147,7 @@ fn device_event(
             id,
             topic: topic.into_owned(),
             payload: message.payload.clone(),
+            ack: None,
         };
         if message.payload.len() > config.max_payload_bytes {
             let error = Error::PayloadTooLarge {
@@ -190,6 +191,11 @@ fn device_event(
         id,
         topic: message.topic.clone(),
         payload: bytes::Bytes::copy_from_slice(envelope.content.get().as_bytes()),
+        ack: Some((
+            envelope.header.msg_id.clone(),
+            envelope.route.resource.clone(),
+        ))
+        .filter(|(id, _)| !id.is_empty()),
     }))
 }
 

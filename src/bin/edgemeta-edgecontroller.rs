@@ -7,6 +7,11 @@ mod shutdown;
 
 use std::path::PathBuf;
 
+/// jemalloc gives back more of what a burst (an initial sync, thousands of status writes) took:
+/// 193 → 144 MB after the scale example's initial sync (docs/benchmarks.md, devices at scale).
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 use clap::Parser;
 use tracing_subscriber::EnvFilter;
 

@@ -55,6 +55,9 @@ pub struct Event {
     /// The topic it came on, in the clients' form (`$hw/...`).
     pub topic: String,
     pub payload: Bytes,
+    /// A devicecontroller message's `msg_id` and resource: once applied, the node answers
+    /// `response "OK"` so the cloud's acked delivery stops resending it.
+    pub ack: Option<(String, String)>,
 }
 
 /// The filters the MetaManager's link takes device messages and uploads on, in the broker's

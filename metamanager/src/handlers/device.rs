@@ -292,6 +292,29 @@ pub(crate) async fn write_twins(
     Ok(())
 }
 
+/// Tells the devicecontroller its message `msg_id` is applied (`response "OK"`, as the
+/// MetaManager acks the edgecontroller's), in the transaction that applied it: the cloud stops
+/// resending it and sends what it queued behind it.
+pub(crate) async fn ack_cloud(
+    msg_id: &str,
+    resource: &str,
+    cx: &mut Context<'_>,
+) -> Result<(), Error> {
+    let mut envelope = Envelope {
+        header: header(),
+        route: Route {
+            source: TWIN.into(),
+            group: TWIN.into(),
+            operation: "response".into(),
+            resource: resource.into(),
+        },
+        content: to_raw(&"OK"),
+    };
+    envelope.header.parent_msg_id = Some(msg_id.to_owned());
+    let topic = outbound(cx.root(), CLOUD, TWIN, "response", resource);
+    cx.queue_for_cloud(&topic, &envelope.to_bytes()).await
+}
+
 /// Queues a report for the cloud on `<root>/cloud/<from>/<op>/<ns>/<type>`.
 pub(crate) async fn up(
     cx: &mut Context<'_>,

@@ -92,7 +92,13 @@ pub(crate) fn classify_cloud(
 pub(crate) async fn apply(work: &Work, cx: &mut Context<'_>) -> Result<(), Error> {
     match work {
         Work::Request(request) => apply_request(request, cx).await,
-        Work::Device(event) => (DEVICES[event.family].apply)(event, cx).await,
+        Work::Device(event) => {
+            (DEVICES[event.family].apply)(event, cx).await?;
+            match &event.ack {
+                Some((msg_id, resource)) => device::ack_cloud(msg_id, resource, cx).await,
+                None => Ok(()),
+            }
+        }
     }
 }
 
