@@ -9,17 +9,11 @@ use std::time::{Duration, Instant};
 use rumqttd::local::LinkBuilder;
 use rumqttd::{Router, RouterConfig};
 
+mod common;
+use common::rss_kb;
+
 #[global_allocator]
 static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
-
-fn rss_kb() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .expect("VmRSS")
-}
 
 fn report(what: &str, base: u64, n: usize) {
     std::thread::sleep(Duration::from_millis(500));
