@@ -3,7 +3,6 @@
 //! (both versions on every address; `scripts/paho CHECKOUT --server "target/release/examples/one_path"`).
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use edgemeta_broker::{serve_one_path, Hub, HubLimits};
 use tokio::net::TcpListener;
@@ -23,19 +22,7 @@ async fn main() {
         retained_bytes: 16 << 20,
     }));
     let cancel = CancellationToken::new();
-    let timers = hub.clone();
-    tokio::spawn(async move {
-        loop {
-            let next = timers.fire();
-            let wait = next.map_or(Duration::from_secs(3600), |at| {
-                at.saturating_duration_since(std::time::Instant::now())
-            });
-            tokio::select! {
-                _ = tokio::time::sleep(wait) => {}
-                _ = timers.timers.notified() => {}
-            }
-        }
-    });
+    tokio::spawn(hub.clone().run_timers(cancel.clone()));
     for address in addresses {
         let listener = TcpListener::bind(&address).await.expect("bind");
         let (hub, cancel) = (hub.clone(), cancel.clone());

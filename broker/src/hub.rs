@@ -186,6 +186,20 @@ impl Hub {
         }
     }
 
+    /// Publishes delayed wills and frees expired sessions as they come due, until `cancel`.
+    pub async fn run_timers(self: Arc<Self>, cancel: CancellationToken) {
+        loop {
+            let wait = self.fire().map_or(Duration::from_secs(3600), |at| {
+                at.saturating_duration_since(Instant::now())
+            });
+            tokio::select! {
+                () = cancel.cancelled() => return,
+                () = tokio::time::sleep(wait) => {}
+                () = self.timers.notified() => {}
+            }
+        }
+    }
+
     /// Sessions held, connected or not.
     pub fn sessions(&self) -> usize {
         lock(&self.registry).len()
