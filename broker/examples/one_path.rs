@@ -20,6 +20,7 @@ async fn main() {
     let hub = Arc::new(Hub::new(HubLimits {
         queue_bytes: 1 << 20,
         retained_bytes: 16 << 20,
+        max_away_sessions: 10_000,
     }));
     let cancel = CancellationToken::new();
     tokio::spawn(hub.clone().run_timers(cancel.clone()));

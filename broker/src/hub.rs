@@ -29,6 +29,8 @@ pub struct HubLimits {
     pub queue_bytes: usize,
     /// Bytes of retained messages kept in all.
     pub retained_bytes: usize,
+    /// Sessions kept while their clients are away.
+    pub max_away_sessions: usize,
 }
 
 /// Sessions, subscriptions and retained messages, each behind its own short lock; no lock is
@@ -55,7 +57,7 @@ impl Hub {
     pub fn new(limits: HubLimits) -> Hub {
         Hub {
             limits,
-            registry: Mutex::new(Registry::default()),
+            registry: Mutex::new(Registry::new(limits.max_away_sessions)),
             index: RwLock::new(Index::default()),
             retained: Mutex::new(Retained::new(limits.retained_bytes)),
             rooms: Mutex::new(HashMap::new()),

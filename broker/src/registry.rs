@@ -57,12 +57,22 @@ enum Due {
 }
 
 /// Sessions by client id, with the expiries and delayed wills that wait on a clock.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Registry {
     sessions: HashMap<Arc<str>, Session>,
     wills: HashMap<(Arc<str>, u64), Will>,
     due: BTreeMap<(Instant, u64), Due>,
     last_id: u64,
+    /// Sessions kept with no connection, and how many may be: past the bound the one that would
+    /// expire first ends early, so clients that come and go cannot grow the node without limit.
+    away: usize,
+    max_away: usize,
+}
+
+impl Default for Registry {
+    fn default() -> Registry {
+        Registry::new(usize::MAX)
+    }
 }
 
 /// What came due: wills to publish and sessions to free.
@@ -73,6 +83,18 @@ pub struct Fired {
 }
 
 impl Registry {
+    /// A registry that keeps at most `max_away` sessions whose client is away.
+    pub fn new(max_away: usize) -> Registry {
+        Registry {
+            sessions: HashMap::new(),
+            wills: HashMap::new(),
+            due: BTreeMap::new(),
+            last_id: 0,
+            away: 0,
+            max_away,
+        }
+    }
+
     /// A CONNECT for `client_id`. Clean Start discards any session it had; otherwise the session
     /// is resumed, and a connection holding it is taken over. Either way a will that was still
     /// waiting for its delay is cancelled (§3.1.3.2.2).
@@ -88,6 +110,9 @@ impl Registry {
         let mut discarded = None;
         if clean_start {
             discarded = self.sessions.remove(client_id);
+            if discarded.as_ref().is_some_and(|s| s.connection.is_none()) {
+                self.away -= 1;
+            }
         }
         let (key, present) = match self.sessions.get_key_value(client_id) {
             Some((key, _)) => (key.clone(), true),
@@ -114,6 +139,9 @@ impl Registry {
         session.expiry = expiry;
         session.expires_at = None;
         let took_over = session.connection.replace(connection);
+        if present && took_over.is_none() {
+            self.away -= 1;
+        }
         Connected {
             session: session.id,
             connection,
@@ -167,9 +195,13 @@ impl Registry {
             session.connection = None;
             session.expiry = expiry;
             session.expires_at = expires_at;
+            self.away += 1;
         }
         if let Some(at) = expires_at {
             self.schedule(at, Due::Expiry(key));
+        }
+        if self.away > self.max_away {
+            self.end_soonest(&mut fired);
         }
         fired
     }
@@ -207,8 +239,7 @@ impl Registry {
                         .get(&client)
                         .is_some_and(|s| s.expires_at.is_some_and(|at| at <= now));
                     if still_away {
-                        fired.ended.extend(self.sessions.remove(&client));
-                        fired.wills.extend(self.take_wills(&client));
+                        self.end(&client, &mut fired);
                     }
                 }
             }
@@ -228,6 +259,31 @@ impl Registry {
 
     pub fn is_empty(&self) -> bool {
         self.sessions.is_empty()
+    }
+
+    /// Ends an away session now, with its waiting will.
+    fn end(&mut self, client: &Arc<str>, fired: &mut Fired) {
+        if let Some(session) = self.sessions.remove(client) {
+            self.away -= 1;
+            fired.ended.push(session);
+        }
+        fired.wills.extend(self.take_wills(client));
+    }
+
+    /// Past the bound: the away session that would expire first ends now, logged by the caller
+    /// as any ended session is freed. Sessions that never expire go last, oldest first.
+    fn end_soonest(&mut self, fired: &mut Fired) {
+        let soonest = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| s.connection.is_none())
+            .min_by_key(|(_, s)| (s.expires_at.is_none(), s.expires_at, s.id))
+            .map(|(client, _)| client.clone());
+        if let Some(client) = soonest {
+            tracing::warn!(error_code = "EM-BROKER-SESSIONS-FULL", %client,
+                max = self.max_away, "a kept session ended early: too many clients away");
+            self.end(&client, fired);
+        }
     }
 
     fn take_wills(&mut self, client: &Arc<str>) -> Vec<Will> {
@@ -387,6 +443,26 @@ mod tests {
             .fire(now + Duration::from_secs(20))
             .wills
             .is_empty());
+    }
+
+    #[test]
+    fn past_the_bound_on_sessions_away_the_one_expiring_first_ends() {
+        let mut registry = Registry::new(2);
+        let now = Instant::now();
+        for (client, secs) in [("a", 300), ("b", 30), ("c", 600)] {
+            let c = registry.connect(client, false, Duration::from_secs(secs), LIMITS);
+            let fired =
+                registry.disconnect(client, c.connection, None, Duration::from_secs(secs), now);
+            if client == "c" {
+                assert_eq!(fired.ended.len(), 1, "the third one away ends one");
+            }
+        }
+        assert_eq!(registry.len(), 2);
+        assert!(
+            !registry.connect("b", false, MIN, LIMITS).session_present,
+            "b expired first"
+        );
+        assert!(registry.connect("a", false, MIN, LIMITS).session_present);
     }
 
     #[test]

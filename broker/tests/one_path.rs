@@ -19,6 +19,7 @@ async fn start() -> (u16, Arc<Hub>, CancellationToken) {
     let hub = Arc::new(Hub::new(HubLimits {
         queue_bytes: 1 << 20,
         retained_bytes: 1 << 20,
+        max_away_sessions: 10_000,
     }));
     let cancel = CancellationToken::new();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
