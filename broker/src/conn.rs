@@ -213,6 +213,7 @@ pub async fn serve(mut stream: TcpStream, hub: Arc<Hub>, cancel: CancellationTok
         End::Lost | End::Refused(_) => (will, None),
     };
     let expiry = expiry_now.map_or(expiry, |s| Duration::from_secs(s.into()));
+    conn.room.release(conn.connection);
     hub.disconnect(&conn.client_id, conn.connection, will, expiry);
 }
 
@@ -286,11 +287,21 @@ impl Conn {
             });
             tokio::select! {
                 _ = token.cancelled() => {
-                    // Taken over (§3.1.4-3) or the node is stopping.
+                    // Cut off for lagging a whole queue behind (0x97), else taken over
+                    // (§3.1.4-3) or the node is stopping.
+                    let lagged = self.room.lagged.load(std::sync::atomic::Ordering::Relaxed);
+                    let reason = if lagged {
+                        DisconnectReasonCode::QuotaExceeded
+                    } else {
+                        DisconnectReasonCode::SessionTakenOver
+                    };
                     let mut out = BytesMut::new();
-                    let bye = Disconnect::new(DisconnectReasonCode::SessionTakenOver);
+                    let bye = Disconnect::new(reason);
                     if self.wire.write(Packet::Disconnect(bye), &mut out, self.max_out).is_ok() {
                         let _ = stream.write_all(&out).await;
+                    }
+                    if lagged {
+                        linger(stream).await;
                     }
                     return End::Lost;
                 }

@@ -20,6 +20,20 @@ use crate::retained::Retained;
 pub struct Mailroom {
     pub mailbox: Arc<Mutex<Mailbox>>,
     pub ready: Notify,
+    /// The connection reading it now, cut off when it falls a whole queue behind.
+    holder: Mutex<Option<(u64, CancellationToken)>>,
+    /// Set when it was cut off for lagging, so the connection says why.
+    pub lagged: std::sync::atomic::AtomicBool,
+}
+
+impl Mailroom {
+    /// Connection `connection` stopped reading this mailbox (a newer one may hold it now).
+    pub fn release(&self, connection: u64) {
+        let mut holder = lock(&self.holder);
+        if holder.as_ref().is_some_and(|(c, _)| *c == connection) {
+            *holder = None;
+        }
+    }
 }
 
 /// The node-wide bounds of the one path.
@@ -84,7 +98,7 @@ impl Hub {
         if let Some(old) = connected.took_over.and_then(|c| connections.remove(&c)) {
             old.cancel();
         }
-        connections.insert(connected.connection, token);
+        connections.insert(connected.connection, token.clone());
         drop(connections);
         let room = lock(&self.rooms)
             .entry(connected.session)
@@ -92,9 +106,14 @@ impl Hub {
                 Arc::new(Mailroom {
                     mailbox: connected.mailbox.clone(),
                     ready: Notify::new(),
+                    holder: Mutex::new(None),
+                    lagged: std::sync::atomic::AtomicBool::new(false),
                 })
             })
             .clone();
+        room.lagged
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        *lock(&room.holder) = Some((connected.connection, token.clone()));
         (connected, room)
     }
 
@@ -182,8 +201,22 @@ impl Hub {
             };
             match lock(&room.mailbox).push(owed) {
                 Ok(()) => room.ready.notify_one(),
-                Err(why) => warn!(error_code = "EM-BROKER-QUEUE-FULL", session = delivery.session,
-                    topic = %message.topic, ?why, "message dropped for a session"),
+                Err(why) => {
+                    // A connected reader a whole queue behind is cut off (it resyncs when it
+                    // comes back); nobody else waits for it. A session away only drops.
+                    if let Some((_, holder)) = lock(&room.holder).take() {
+                        room.lagged
+                            .store(true, std::sync::atomic::Ordering::Relaxed);
+                        holder.cancel();
+                        warn!(
+                            error_code = "EM-BROKER-SUBSCRIBER-LAG",
+                            session = delivery.session,
+                            "a subscriber fell a whole queue behind; disconnected"
+                        );
+                    }
+                    warn!(error_code = "EM-BROKER-QUEUE-FULL", session = delivery.session,
+                        topic = %message.topic, ?why, "message dropped for a session");
+                }
             }
         }
     }

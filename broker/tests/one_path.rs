@@ -217,3 +217,52 @@ async fn receive_maximum_5_is_never_exceeded_and_a_10000_burst_arrives_whole() {
     assert_eq!(most, 5, "the window was used");
     cancel.cancel();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_a_whole_queue_behind_is_cut_off_and_the_others_get_everything() {
+    let hub = Arc::new(Hub::new(HubLimits {
+        queue_bytes: 4096,
+        retained_bytes: 1 << 20,
+        max_away_sessions: 10_000,
+    }));
+    let cancel = CancellationToken::new();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (accepting, stop) = (hub.clone(), cancel.clone());
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(serve_one_path(stream, accepting.clone(), stop.clone()));
+        }
+    });
+    // The stopped reader: takes one message and never acknowledges it.
+    let mut options = MqttOptions::new("stopped", "127.0.0.1", port);
+    options.set_receive_maximum(Some(1));
+    options.set_manual_acks(true);
+    let (stopped, mut stopped_events) = AsyncClient::new(options, 1024);
+    stopped.subscribe("burst", QoS::AtLeastOnce).await.unwrap();
+    until(&mut stopped_events, |p| matches!(p, Packet::SubAck(_))).await;
+    let (reader, mut reader_events) = client("reader", port, true, None);
+    reader.subscribe("burst", QoS::AtLeastOnce).await.unwrap();
+    until(&mut reader_events, |p| matches!(p, Packet::SubAck(_))).await;
+
+    tokio::spawn(publish(port, "burst", 1000));
+    let mut got = 0;
+    until(&mut reader_events, |p| {
+        got += usize::from(matches!(p, Packet::Publish(_)));
+        got == 1000
+    })
+    .await;
+    // The node sends DISCONNECT 0x97 and closes; rumqttc 0.25 ends its event loop with an error
+    // (it reports the packet as a decoding error), so the end itself is what is checked.
+    let _ended = timeout(WAIT, async {
+        loop {
+            if let Err(e) = stopped_events.poll().await {
+                return format!("{e:?}");
+            }
+        }
+    })
+    .await
+    .expect("the stopped reader is cut off");
+    assert_eq!(got, 1000, "the other reader got everything");
+    cancel.cancel();
+}
