@@ -105,7 +105,7 @@ impl Default for ObserveConfig {
 }
 
 fn default_level() -> String {
-    "info,rumqttd=off,rumqttd::segments=warn".to_owned()
+    "info".to_owned()
 }
 const fn default_shutdown_grace_ms() -> u64 {
     5_000

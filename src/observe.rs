@@ -222,8 +222,7 @@ struct Scraped {
     denied_publishes: Counter,
     denied_subscribes: Counter,
     lagging_cut: Counter,
-    front_delivered: Counter,
-    front_taken: Counter,
+    sessions: Gauge,
     paused_publishers: Gauge,
     publisher_pauses: Counter,
     handon_waiting: Gauge,
@@ -244,8 +243,7 @@ impl Scraped {
             denied_publishes: counter!("edgemeta_acl_denials_total", "kind" => "publish"),
             denied_subscribes: counter!("edgemeta_acl_denials_total", "kind" => "subscribe"),
             lagging_cut: counter!("edgemeta_broker_lagging_subscribers_disconnected_total"),
-            front_delivered: counter!("edgemeta_broker_front_delivered_total"),
-            front_taken: counter!("edgemeta_broker_front_intake_total"),
+            sessions: gauge!("edgemeta_broker_sessions"),
             paused_publishers: gauge!("edgemeta_broker_paused_publishers"),
             publisher_pauses: counter!("edgemeta_broker_publisher_pauses_total"),
             handon_waiting: gauge!("edgemeta_handon_waiting"),
@@ -378,8 +376,7 @@ async fn metrics(State(node): State<Arc<Node>>) -> Response {
     s.denied_publishes.absolute(publishes);
     s.denied_subscribes.absolute(subscribes);
     s.lagging_cut.absolute(src.broker.lagging_subscribers_cut());
-    s.front_delivered.absolute(src.broker.front_delivered());
-    s.front_taken.absolute(src.broker.front_taken());
+    s.sessions.set(src.broker.sessions() as f64);
     let (paused, pauses) = src.broker.paused_publishers();
     s.paused_publishers.set(paused as f64);
     s.publisher_pauses.absolute(pauses);

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use edgemeta_broker::{serve_one_path, Hub, HubLimits};
+use edgemeta_broker::{serve_connection, Hub, HubLimits, Shared};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -26,11 +26,16 @@ async fn main() {
     tokio::spawn(hub.clone().run_timers(cancel.clone()));
     for address in addresses {
         let listener = TcpListener::bind(&address).await.expect("bind");
-        let (hub, cancel) = (hub.clone(), cancel.clone());
+        let (shared, cancel) = (Arc::new(Shared::open_to_all(hub.clone())), cancel.clone());
         tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
                 let _ = stream.set_nodelay(true);
-                tokio::spawn(serve_one_path(stream, hub.clone(), cancel.clone()));
+                tokio::spawn(serve_connection(
+                    stream,
+                    None,
+                    shared.clone(),
+                    cancel.clone(),
+                ));
             }
         });
     }

@@ -1,39 +1,113 @@
 //! One client connection on the one path: its task owns the socket, reads and answers its
-//! packets, applies the session rules, and writes what its session is owed when its mailbox
-//! rings. Buffers are empty while the client is idle.
+//! packets, applies the session rules and the node's policy (login, ACL, limits), and writes
+//! what its session is owed when its mailbox rings, and the PUBACKs the node's modules release
+//! after their commit. Buffers are empty while the client is idle.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use rumqttc::v5::mqttbytes::v5::{
     ConnAck, ConnAckProperties, ConnectReturnCode, Disconnect, DisconnectReasonCode, PubAck,
-    PubComp, PubRec, PubRel, Publish, PublishProperties, RetainForwardRule, SubAck,
+    PubAckReason, PubComp, PubRec, PubRel, Publish, PublishProperties, RetainForwardRule, SubAck,
     SubscribeReasonCode, UnsubAck, UnsubAckReason,
 };
 use rumqttc::v5::mqttbytes::QoS;
-use tokio::io::AsyncWriteExt;
-use tokio::net::TcpStream;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use tracing::debug;
+use tracing::{debug, warn};
 
-use crate::hub::{Hub, Mailroom};
+use crate::ack::{Ack, AckKind, Acks};
+use crate::dollar::to_broker;
+use crate::events::ClientEvents;
+use crate::hub::{hand_to_links, Hub, Mailroom};
 use crate::index::{valid_topic, Options, RetainHandling, SessionId};
 use crate::mailbox::{Limits, Outgoing, Published, Resend};
 use crate::registry::Will;
+use crate::security::{publishable, reserved, Grants, Identity, Policy};
 use crate::wire::{Packet, Wire, WireError};
+use crate::RESERVED_CLIENT_PREFIX;
 
-/// The largest packet the node reads, and says so in its CONNACK.
-const MAX_PACKET: u32 = 1 << 20;
 /// Topic aliases a client may use towards the node (§3.2.2.3.8).
 const ALIASES_IN: u16 = 16;
-/// QoS 2 publishes a client may have unreleased at once (the node's Receive Maximum, §3.2.2.3.3).
+/// QoS 1 and 2 publishes a client may have unacknowledged at once (the node's Receive
+/// Maximum, §3.2.2.3.3); an MQTT 5 client past it is disconnected with 0x93.
 const RECEIVE_MAX: u16 = 100;
 /// A read buffer larger than this is given back once drained.
 const KEEP_BUFFER: usize = 4096;
-/// How long a new connection has to send its CONNECT.
-const CONNECT_WITHIN: Duration = Duration::from_secs(10);
+
+/// What every connection of the node shares: the hub, the policy, and the counts the node's
+/// metrics read.
+pub struct Shared {
+    pub hub: Arc<Hub>,
+    pub policy: Arc<Policy>,
+    pub events: Option<Arc<ClientEvents>>,
+    /// The largest packet the node reads, and says so in its CONNACK.
+    pub max_packet: u32,
+    /// Clients admitted at most at once (the node's own links do not count).
+    pub max_clients: usize,
+    /// How long a new connection has to send its CONNECT (and finish its TLS handshake).
+    pub connect_within: Duration,
+    admitted: AtomicUsize,
+    /// Connections open now.
+    pub open: AtomicU64,
+    /// Clients waiting now for a module's inbox to have room, and how many times one did.
+    pub paused: AtomicU64,
+    pub pauses: AtomicU64,
+}
+
+impl Shared {
+    pub fn new(hub: Arc<Hub>, policy: Arc<Policy>, max_packet: u32) -> Shared {
+        Shared {
+            hub,
+            policy,
+            events: None,
+            max_packet,
+            max_clients: usize::MAX,
+            connect_within: Duration::from_secs(10),
+            admitted: AtomicUsize::new(0),
+            open: AtomicU64::new(0),
+            paused: AtomicU64::new(0),
+            pauses: AtomicU64::new(0),
+        }
+    }
+
+    /// The hub served with no login, no ACL and no limits but the protocol's: for running
+    /// the one path alone (conformance suites, tests).
+    pub fn open_to_all(hub: Arc<Hub>) -> Shared {
+        let policy = Policy::new(
+            "ke",
+            &crate::security::AuthConfig::default(),
+            &crate::security::AclConfig::default(),
+            usize::MAX,
+        )
+        .unwrap_or_else(|e| unreachable!("the default policy is valid: {e}"));
+        Shared::new(hub, Arc::new(policy), 1 << 20)
+    }
+
+    /// Counts a client in, unless that would pass the limit.
+    fn admit(&self) -> bool {
+        self.admitted
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max_clients).then_some(n + 1)
+            })
+            .is_ok()
+    }
+}
+
+/// Why a client id is refused, or `None` when it is acceptable.
+pub fn refuse_client_id(client_id: &str) -> Option<&'static str> {
+    if client_id.contains(['/', '+', '#', '$']) {
+        Some("contains one of / + # $")
+    } else if client_id.starts_with(RESERVED_CLIENT_PREFIX) {
+        Some("uses the prefix reserved for the node's own links")
+    } else {
+        None
+    }
+}
 
 fn qos_num(qos: QoS) -> u8 {
     qos as u8
@@ -60,6 +134,16 @@ enum End {
     Refused(DisconnectReasonCode),
 }
 
+/// What woke a connection's task.
+enum Woke {
+    Cut,
+    Mail,
+    Acked((AckKind, u16)),
+    Silent,
+    /// Bytes were read (false: the stream ended or failed).
+    Read(bool),
+}
+
 /// The state of one connection after its CONNECT.
 struct Conn {
     wire: Wire,
@@ -67,45 +151,132 @@ struct Conn {
     session: SessionId,
     connection: u64,
     room: Arc<Mailroom>,
+    grants: Grants,
     /// The client's Maximum Packet Size.
     max_out: Option<u32>,
     aliases_in: HashMap<u16, Bytes>,
     /// QoS 2 packet ids received and not yet released (§4.3.3, method A).
     qos2_in: HashSet<u16>,
+    /// QoS 2 packet ids whose PUBREC waits for a module's commit.
+    qos2_held: HashSet<u16>,
+    /// Subscriptions held, against `broker.max_subscriptions_per_client`.
+    subscriptions: HashSet<String>,
+    /// Acknowledgements modules release; made at the first publish one consumes.
+    acks: Option<(Arc<Acks>, mpsc::UnboundedReceiver<(AckKind, u16)>)>,
     out: BytesMut,
 }
 
-/// Serves one client until it leaves, breaks the protocol, or `cancel` fires.
-pub async fn serve(mut stream: TcpStream, hub: Arc<Hub>, cancel: CancellationToken) {
+/// Serves one client until it leaves, breaks the protocol, or `cancel` fires. `certified` is
+/// the name its TLS client certificate proved, if any: its identity, whatever login it sends.
+pub async fn serve<S>(
+    mut stream: S,
+    certified: Option<String>,
+    shared: Arc<Shared>,
+    cancel: CancellationToken,
+) where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    shared.open.fetch_add(1, Ordering::Relaxed);
+    let _open = Defer(|| {
+        shared.open.fetch_sub(1, Ordering::Relaxed);
+    });
     let mut buf = BytesMut::new();
-    let (wire, connect) =
-        match tokio::time::timeout(CONNECT_WITHIN, first_packet(&mut stream, &mut buf)).await {
-            Ok(Ok(Some(first))) => first,
-            Ok(Err(e)) => {
-                debug!(error = %e, "connection closed before a valid CONNECT");
-                return;
-            }
-            _ => return,
-        };
-    let Packet::Connect(connect, will, _login) = connect else {
+    let first = tokio::time::timeout(
+        shared.connect_within,
+        first_packet(&mut stream, &mut buf, shared.max_packet),
+    )
+    .await;
+    let (wire, connect) = match first {
+        Ok(Ok(Some(first))) => first,
+        Ok(Err(e)) => {
+            debug!(error = %e, "connection closed before a valid CONNECT");
+            return;
+        }
+        _ => return,
+    };
+    let Packet::Connect(connect, will, login) = connect else {
         return;
     };
+    let refuse = |code: ConnectReturnCode| {
+        let mut out = BytesMut::new();
+        let refusal = ConnAck {
+            session_present: false,
+            code,
+            properties: None,
+        };
+        let _ = wire.write(Packet::ConnAck(refusal), &mut out, None);
+        out
+    };
+    if let Some(reason) = refuse_client_id(&connect.client_id) {
+        warn!(error_code = "EM-BROKER-CLIENT-ID", client_id = %connect.client_id, reason, "refused MQTT client id");
+        let _ = stream
+            .write_all(&refuse(ConnectReturnCode::ClientIdentifierNotValid))
+            .await;
+        return;
+    }
+    if !shared.admit() {
+        warn!(error_code = "EM-BROKER-CONNECTION-LIMIT", client_id = %connect.client_id, "refused a client: broker.max_connections reached");
+        let code = if wire == Wire::V5 {
+            ConnectReturnCode::QuotaExceeded
+        } else {
+            ConnectReturnCode::ServerUnavailable
+        };
+        let _ = stream.write_all(&refuse(code)).await;
+        linger(&mut stream).await;
+        return;
+    }
+    let _admitted = Defer(|| {
+        shared.admitted.fetch_sub(1, Ordering::AcqRel);
+    });
+    let username = certified.clone().or_else(|| {
+        login
+            .as_ref()
+            .map(|l| l.username.clone())
+            .filter(|u| !u.is_empty())
+    });
+    if certified.is_none() && shared.policy.needs_login_check() {
+        let policy = shared.policy.clone();
+        let (user, password) = login.map(|l| (l.username, l.password)).unwrap_or_default();
+        // argon2 is slow on purpose: keep it off the async workers.
+        let checked = user.clone();
+        let ok = tokio::task::spawn_blocking(move || policy.check_login(&checked, &password))
+            .await
+            .unwrap_or(false);
+        if !ok {
+            warn!(error_code = "EM-AUTH-REFUSED", client_id = %connect.client_id, username = %user, "login refused");
+            let code = if user.is_empty() {
+                ConnectReturnCode::NotAuthorized
+            } else {
+                ConnectReturnCode::BadUserNamePassword
+            };
+            let _ = stream.write_all(&refuse(code)).await;
+            return;
+        }
+    }
+    // A username nobody checked (no users configured) is only a claim: such a client is
+    // anonymous to the ACL, or naming a module would grant its rights.
+    let verified = shared.policy.needs_login_check() || certified.is_some();
+    let identity = Identity {
+        username: username.filter(|_| verified),
+        client_id: connect.client_id.clone(),
+    };
+    let grants = shared.policy.grants(&identity);
+
+    let hub = &shared.hub;
     let props = connect.properties.clone().unwrap_or_default();
     let mut assigned = None;
     let client_id = if connect.client_id.is_empty() {
         if !connect.clean_start && wire == Wire::V4 {
             // 3.1.1 §3.1.3.1: an empty id needs a clean session.
-            let mut out = BytesMut::new();
-            let refuse = ConnAck {
-                session_present: false,
-                code: ConnectReturnCode::ClientIdentifierNotValid,
-                properties: None,
-            };
-            let _ = wire.write(Packet::ConnAck(refuse), &mut out, None);
-            let _ = stream.write_all(&out).await;
+            let _ = stream
+                .write_all(&refuse(ConnectReturnCode::ClientIdentifierNotValid))
+                .await;
             return;
         }
-        let id = format!("edgemeta-assigned-{}", uuid::Uuid::new_v4().simple());
+        let id = format!(
+            "{RESERVED_CLIENT_PREFIX}assigned-{}",
+            uuid::Uuid::new_v4().simple()
+        );
         assigned = Some(id.clone());
         id
     } else {
@@ -118,15 +289,15 @@ pub async fn serve(mut stream: TcpStream, hub: Arc<Hub>, cancel: CancellationTok
         topic_alias_maximum: props.topic_alias_max.unwrap_or(0),
         queue_bytes: hub.limits.queue_bytes,
     };
-    let token = cancel.child_token();
-    let (connected, room) = hub.connect(
-        &client_id,
-        connect.clean_start,
-        expiry,
-        limits,
-        token.clone(),
-    );
-    let will = will.map(|w| {
+    let will = will.and_then(|w| {
+        let topic = String::from_utf8_lossy(&w.topic).into_owned();
+        // A will is published without asking anyone: its topic is vetted as a publish now,
+        // or a device could send as the cloud by dropping its connection.
+        if publishable(&grants, &topic).is_none() {
+            shared.policy.count_denied_publish();
+            warn!(error_code = "EM-ACL-WILL-DENIED", %client_id, %topic, "will topic not permitted; the will goes nowhere");
+            return None;
+        }
         let wp = w.properties;
         let delay = wp.as_ref().and_then(|p| p.delay_interval).unwrap_or(0);
         let expiry = wp.as_ref().and_then(|p| p.message_expiry_interval);
@@ -138,9 +309,9 @@ pub async fn serve(mut stream: TcpStream, hub: Arc<Hub>, cancel: CancellationTok
             user_properties: p.user_properties,
             ..PublishProperties::default()
         });
-        Will {
+        Some(Will {
             message: Arc::new(Published {
-                topic: String::from_utf8_lossy(&w.topic).into(),
+                topic: topic.into(),
                 payload: w.message,
                 received: Instant::now(),
                 expiry: expiry.map(|s| Duration::from_secs(s.into())),
@@ -149,8 +320,16 @@ pub async fn serve(mut stream: TcpStream, hub: Arc<Hub>, cancel: CancellationTok
             qos: qos_num(w.qos),
             retain: w.retain,
             delay: Duration::from_secs(delay.into()),
-        }
+        })
     });
+    let token = cancel.child_token();
+    let (connected, room) = hub.connect(
+        &client_id,
+        connect.clean_start,
+        expiry,
+        limits,
+        token.clone(),
+    );
 
     let mut conn = Conn {
         wire,
@@ -158,9 +337,13 @@ pub async fn serve(mut stream: TcpStream, hub: Arc<Hub>, cancel: CancellationTok
         session: connected.session,
         connection: connected.connection,
         room,
+        grants,
         max_out: limits.maximum_packet_size,
         aliases_in: HashMap::new(),
         qos2_in: HashSet::new(),
+        qos2_held: HashSet::new(),
+        subscriptions: HashSet::new(),
+        acks: None,
         out: BytesMut::new(),
     };
     let connack = ConnAck {
@@ -172,7 +355,7 @@ pub async fn serve(mut stream: TcpStream, hub: Arc<Hub>, cancel: CancellationTok
             receive_max: Some(RECEIVE_MAX),
             max_qos: None,
             retain_available: None,
-            max_packet_size: Some(MAX_PACKET),
+            max_packet_size: Some(shared.max_packet),
             assigned_client_identifier: assigned,
             topic_alias_max: Some(ALIASES_IN),
             reason_string: None,
@@ -202,10 +385,11 @@ pub async fn serve(mut stream: TcpStream, hub: Arc<Hub>, cancel: CancellationTok
             Resend::Release(pkid) => conn.send(Packet::PubRel(PubRel::new(pkid, None))),
         }
     }
+    let announced = shared.events.as_ref().map(|e| e.connected(&conn.client_id));
 
     let keep_alive = Duration::from_secs(u64::from(connect.keep_alive));
     let end = conn
-        .run(&mut stream, &mut buf, &hub, &token, keep_alive)
+        .run(&mut stream, &mut buf, &shared, &token, &cancel, keep_alive)
         .await;
     let (will, expiry_now) = match end {
         End::Normal { expiry } => (None, expiry),
@@ -215,16 +399,28 @@ pub async fn serve(mut stream: TcpStream, hub: Arc<Hub>, cancel: CancellationTok
     let expiry = expiry_now.map_or(expiry, |s| Duration::from_secs(s.into()));
     conn.room.release(conn.connection);
     hub.disconnect(&conn.client_id, conn.connection, will, expiry);
+    if let (Some(events), Some(number)) = (&shared.events, announced) {
+        events.ended(&conn.client_id, number);
+    }
+}
+
+/// Runs a closure when dropped: a count given back however the connection ends.
+struct Defer<F: FnMut()>(F);
+
+impl<F: FnMut()> Drop for Defer<F> {
+    fn drop(&mut self) {
+        (self.0)();
+    }
 }
 
 /// After a DISCONNECT that refuses the client, stops writing but reads (and drops) what the
 /// client still sends for a moment, so its last writes do not make the DISCONNECT a reset.
-async fn linger(stream: &mut TcpStream) {
+async fn linger<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S) {
     let _ = stream.shutdown().await;
     let mut sink = [0u8; 512];
     let drain = async {
         loop {
-            match tokio::io::AsyncReadExt::read(stream, &mut sink).await {
+            match stream.read(&mut sink).await {
                 Ok(0) | Err(_) => return,
                 Ok(_) => {}
             }
@@ -234,36 +430,33 @@ async fn linger(stream: &mut TcpStream) {
 }
 
 /// Reads until the CONNECT has arrived: the version it names, and the packet.
-async fn first_packet(
-    stream: &mut TcpStream,
+async fn first_packet<S: AsyncRead + Unpin>(
+    stream: &mut S,
     buf: &mut BytesMut,
+    max_packet: u32,
 ) -> Result<Option<(Wire, Packet)>, WireError> {
     loop {
         if let Some(wire) = Wire::detect(buf)? {
-            if let Some(packet) = wire.read(buf, MAX_PACKET)? {
+            if let Some(packet) = wire.read(buf, max_packet)? {
                 return Ok(Some((wire, packet)));
             }
         }
-        if stream.readable().await.is_err() {
-            return Ok(None);
-        }
         buf.reserve(256);
-        match stream.try_read_buf(buf) {
-            Ok(0) => return Ok(None),
+        match stream.read_buf(buf).await {
+            Ok(0) | Err(_) => return Ok(None),
             Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(_) => return Ok(None),
         }
     }
 }
 
 impl Conn {
-    async fn run(
+    async fn run<S: AsyncRead + AsyncWrite + Unpin>(
         &mut self,
-        stream: &mut TcpStream,
+        stream: &mut S,
         buf: &mut BytesMut,
-        hub: &Hub,
+        shared: &Shared,
         token: &CancellationToken,
+        node: &CancellationToken,
         keep_alive: Duration,
     ) -> End {
         // §3.1.2.10: one and a half keep-alives without a packet ends the connection.
@@ -271,9 +464,15 @@ impl Conn {
         let mut last_heard = Instant::now();
         loop {
             self.drain_mailbox();
+            self.drain_acks();
             if !self.out.is_empty() {
-                if stream.write_all(&self.out).await.is_err() {
-                    return End::Lost;
+                // A reader that stopped takes nothing: its queue fills and the hub cuts it
+                // off through `token` while this write waits.
+                tokio::select! {
+                    written = stream.write_all(&self.out) => if written.is_err() {
+                        return End::Lost;
+                    },
+                    _ = token.cancelled() => return self.cut(stream, node).await,
                 }
                 self.out.clear();
                 if self.out.capacity() > KEEP_BUFFER {
@@ -285,47 +484,40 @@ impl Conn {
             } else {
                 grace.saturating_sub(last_heard.elapsed())
             });
-            tokio::select! {
-                _ = token.cancelled() => {
-                    // Cut off for lagging a whole queue behind (0x97), else taken over
-                    // (§3.1.4-3) or the node is stopping.
-                    let lagged = self.room.lagged.load(std::sync::atomic::Ordering::Relaxed);
-                    let reason = if lagged {
-                        DisconnectReasonCode::QuotaExceeded
-                    } else {
-                        DisconnectReasonCode::SessionTakenOver
-                    };
-                    let mut out = BytesMut::new();
-                    let bye = Disconnect::new(reason);
-                    if self.wire.write(Packet::Disconnect(bye), &mut out, self.max_out).is_ok() {
-                        let _ = stream.write_all(&out).await;
+            if buf.capacity() - buf.len() < 64 {
+                buf.reserve(256);
+            }
+            let woke = {
+                let acks = self.acks.as_mut().map(|(_, rx)| rx);
+                let acked = async {
+                    match acks {
+                        Some(rx) => rx.recv().await,
+                        None => std::future::pending().await,
                     }
-                    if lagged {
-                        linger(stream).await;
-                    }
-                    return End::Lost;
+                };
+                tokio::select! {
+                    _ = token.cancelled() => Woke::Cut,
+                    _ = self.room.ready.notified() => Woke::Mail,
+                    Some(released) = acked => Woke::Acked(released),
+                    _ = silent => Woke::Silent,
+                    read = stream.read_buf(buf) => Woke::Read(read.ok().filter(|&n| n > 0).is_some()),
                 }
-                _ = self.room.ready.notified() => {}
-                _ = silent => return End::Lost,
-                ready = stream.readable() => {
-                    if ready.is_err() {
-                        return End::Lost;
-                    }
+            };
+            match woke {
+                Woke::Cut => return self.cut(stream, node).await,
+                Woke::Mail => {}
+                Woke::Acked(released) => self.acked(released),
+                Woke::Silent | Woke::Read(false) => return End::Lost,
+                Woke::Read(true) => {
+                    last_heard = Instant::now();
                     // Tasks woken together run last-woken first (tokio's LIFO slot); going to
                     // the back of the queue once lets a packet that arrived earlier on another
                     // connection (a SUBSCRIBE before this PUBLISH) be handled first.
                     tokio::task::yield_now().await;
-                    buf.reserve(256);
-                    match stream.try_read_buf(buf) {
-                        Ok(0) => return End::Lost,
-                        Ok(_) => last_heard = Instant::now(),
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-                        Err(_) => return End::Lost,
-                    }
                     loop {
-                        match self.wire.read(buf, MAX_PACKET) {
+                        match self.wire.read(buf, shared.max_packet) {
                             Ok(Some(packet)) => {
-                                if let Some(end) = self.handle(packet, hub) {
+                                if let Some(end) = self.handle(packet, shared).await {
                                     if let End::Refused(reason) = end {
                                         let bye = Disconnect::new(reason);
                                         if self.wire == Wire::V5 {
@@ -343,7 +535,8 @@ impl Conn {
                             Err(e) => {
                                 debug!(client_id = %self.client_id, error = %e, "malformed packet");
                                 if self.wire == Wire::V5 {
-                                    let bye = Disconnect::new(DisconnectReasonCode::MalformedPacket);
+                                    let bye =
+                                        Disconnect::new(DisconnectReasonCode::MalformedPacket);
                                     self.send(Packet::Disconnect(bye));
                                     let _ = stream.write_all(&self.out).await;
                                 }
@@ -359,10 +552,67 @@ impl Conn {
         }
     }
 
+    /// The connection was cut: for lagging a whole queue behind (0x97), because the node is
+    /// stopping (0x8B), else taken over (§3.1.4-3). A v5 client is told which.
+    async fn cut<S: AsyncRead + AsyncWrite + Unpin>(
+        &mut self,
+        stream: &mut S,
+        node: &CancellationToken,
+    ) -> End {
+        let lagged = self.room.lagged.load(Ordering::Relaxed);
+        let reason = if lagged {
+            DisconnectReasonCode::QuotaExceeded
+        } else if node.is_cancelled() {
+            DisconnectReasonCode::ServerShuttingDown
+        } else {
+            DisconnectReasonCode::SessionTakenOver
+        };
+        if self.wire == Wire::V5 {
+            let mut out = BytesMut::new();
+            let bye = Disconnect::new(reason);
+            if self
+                .wire
+                .write(Packet::Disconnect(bye), &mut out, self.max_out)
+                .is_ok()
+            {
+                let write = stream.write_all(&out);
+                let _ = tokio::time::timeout(Duration::from_secs(1), write).await;
+            }
+        }
+        if lagged {
+            linger(stream).await;
+        }
+        End::Lost
+    }
+
+    /// Writes the acknowledgements modules released since the last look.
+    fn drain_acks(&mut self) {
+        loop {
+            let Some((_, rx)) = self.acks.as_mut() else {
+                return;
+            };
+            match rx.try_recv() {
+                Ok(released) => self.acked(released),
+                Err(_) => return,
+            }
+        }
+    }
+
+    fn acked(&mut self, (kind, pkid): (AckKind, u16)) {
+        match kind {
+            AckKind::PubAck => self.send(Packet::PubAck(PubAck::new(pkid, None))),
+            AckKind::PubRec => {
+                self.qos2_held.remove(&pkid);
+                self.send(Packet::PubRec(PubRec::new(pkid, None)));
+            }
+        }
+    }
+
     /// One packet from the client; Some when the connection ends.
-    fn handle(&mut self, packet: Packet, hub: &Hub) -> Option<End> {
+    async fn handle(&mut self, packet: Packet, shared: &Shared) -> Option<End> {
+        let hub = &*shared.hub;
         match packet {
-            Packet::Publish(publish) => return self.inbound(publish, hub),
+            Packet::Publish(publish) => return self.inbound(publish, shared).await,
             Packet::PubRel(rel) => {
                 self.qos2_in.remove(&rel.pkid);
                 self.send(Packet::PubComp(PubComp::new(rel.pkid, None)));
@@ -387,6 +637,17 @@ impl Conn {
                 let mut codes = Vec::with_capacity(subscribe.filters.len());
                 let mut retained = Vec::new();
                 for filter in subscribe.filters {
+                    if let Some(refusal) = self.may_subscribe(&filter.path, &shared.policy) {
+                        let denied = shared.policy.count_denied_subscribe();
+                        warn!(error_code = "EM-ACL-SUBSCRIBE-DENIED", client_id = %self.client_id,
+                            filter = %filter.path, reason = refusal, denied, "subscribe refused");
+                        codes.push(if self.wire == Wire::V5 {
+                            SubscribeReasonCode::NotAuthorized
+                        } else {
+                            SubscribeReasonCode::Unspecified
+                        });
+                        continue;
+                    }
                     let options = Options {
                         qos: qos_num(filter.qos),
                         no_local: filter.nolocal,
@@ -405,6 +666,7 @@ impl Conn {
                         options.clone(),
                     ) {
                         Ok(new) => {
+                            self.subscriptions.insert(filter.path.clone());
                             codes.push(SubscribeReasonCode::Success(filter.qos));
                             let send = match options.retain_handling {
                                 RetainHandling::OnSubscribe => true,
@@ -441,6 +703,7 @@ impl Conn {
                     .filters
                     .iter()
                     .map(|f| {
+                        self.subscriptions.remove(f.as_str());
                         if hub.unsubscribe(&self.client_id, self.session, f) {
                             UnsubAckReason::Success
                         } else {
@@ -469,8 +732,24 @@ impl Conn {
         None
     }
 
-    /// A client's PUBLISH: alias resolved, routed, acknowledged (§4.3).
-    fn inbound(&mut self, mut publish: Publish, hub: &Hub) -> Option<End> {
+    /// Why a SUBSCRIBE to `path` is refused: the ACL, a `$` filter that is the broker's own,
+    /// or the subscription limit.
+    fn may_subscribe(&self, path: &str, policy: &Policy) -> Option<&'static str> {
+        let filter = path
+            .strip_prefix("$share/")
+            .and_then(|rest| rest.split_once('/').map(|(_, f)| f))
+            .unwrap_or(path);
+        if reserved(filter) || !self.grants.may_subscribe(&to_broker(filter)) {
+            return Some("not allowed by the ACL");
+        }
+        let held = self.subscriptions.contains(path);
+        (!held && self.subscriptions.len() >= policy.max_subscriptions())
+            .then_some("subscription limit reached")
+    }
+
+    /// A client's PUBLISH: alias resolved, vetted, routed, acknowledged (§4.3); what a module
+    /// consumes is acknowledged once the module is done with it (protocol §6.5).
+    async fn inbound(&mut self, mut publish: Publish, shared: &Shared) -> Option<End> {
         let mut properties = publish.properties.take();
         if let Some(alias) = properties.as_mut().and_then(|p| p.topic_alias.take()) {
             // §3.3.2.3.4: 0 or above the maximum the node gave is a Topic Alias invalid.
@@ -490,6 +769,37 @@ impl Conn {
         if !valid_topic(&topic) {
             return Some(End::Refused(DisconnectReasonCode::TopicNameInvalid));
         }
+        let qos = qos_num(publish.qos);
+        if qos == 2 && self.qos2_in.contains(&publish.pkid) {
+            // A resent QoS 2 publish (§4.3.3): answered once its first copy is.
+            if !self.qos2_held.contains(&publish.pkid) {
+                self.send(Packet::PubRec(PubRec::new(publish.pkid, None)));
+            }
+            return None;
+        }
+        if publishable(&self.grants, &topic).is_none() {
+            let denied = shared.policy.count_denied_publish();
+            warn!(error_code = "EM-ACL-PUBLISH-DENIED", client_id = %self.client_id, %topic, denied,
+                "publish refused by the ACL");
+            let mut ack = PubAck::new(publish.pkid, None);
+            ack.reason = PubAckReason::NotAuthorized;
+            match qos {
+                1 => self.send(Packet::PubAck(ack)),
+                2 => {
+                    let mut rec = PubRec::new(publish.pkid, None);
+                    rec.reason = rumqttc::v5::mqttbytes::v5::PubRecReason::NotAuthorized;
+                    self.send(Packet::PubRec(rec));
+                }
+                _ => {}
+            }
+            return None;
+        }
+        if qos == 2 {
+            self.qos2_in.insert(publish.pkid);
+            if self.qos2_in.len() > usize::from(RECEIVE_MAX) && self.wire == Wire::V5 {
+                return Some(End::Refused(DisconnectReasonCode::ReceiveMaximumExceeded));
+            }
+        }
         let expiry = properties
             .as_mut()
             .and_then(|p| p.message_expiry_interval.take())
@@ -497,27 +807,50 @@ impl Conn {
         if let Some(p) = properties.as_mut() {
             p.subscription_identifiers.clear();
         }
-        let qos = qos_num(publish.qos);
-        let duplicate = qos == 2 && !self.qos2_in.insert(publish.pkid);
-        if self.qos2_in.len() > usize::from(RECEIVE_MAX) {
-            return Some(End::Refused(DisconnectReasonCode::ReceiveMaximumExceeded));
+        let message = Arc::new(Published {
+            topic: topic.into(),
+            payload: publish.payload,
+            received: Instant::now(),
+            expiry,
+            properties,
+        });
+        let kind = match qos {
+            1 => Some(AckKind::PubAck),
+            2 => Some(AckKind::PubRec),
+            _ => None,
+        };
+        let ack = kind.map(|kind| self.promise(kind, publish.pkid));
+        let waiting = shared.hub.publish(
+            Some(self.session),
+            message,
+            qos,
+            publish.retain,
+            ack.as_ref(),
+        );
+        if !waiting.is_empty() {
+            // A module's inbox is full: this client waits (its bytes stay in its socket) while
+            // the others go on (protocol §6.10).
+            shared.paused.fetch_add(1, Ordering::Relaxed);
+            shared.pauses.fetch_add(1, Ordering::Relaxed);
+            hand_to_links(waiting).await;
+            shared.paused.fetch_sub(1, Ordering::Relaxed);
         }
-        if !duplicate {
-            let message = Arc::new(Published {
-                topic: topic.into(),
-                payload: publish.payload,
-                received: Instant::now(),
-                expiry,
-                properties,
-            });
-            hub.publish(Some(self.session), message, qos, publish.retain);
-        }
-        match qos {
-            1 => self.send(Packet::PubAck(PubAck::new(publish.pkid, None))),
-            2 => self.send(Packet::PubRec(PubRec::new(publish.pkid, None))),
-            _ => {}
+        if let (Some(kind), Some(ack)) = (kind, ack) {
+            if ack.sole() {
+                // No module took it: acknowledged now, as a broker does.
+                ack.abandon();
+                self.acked((kind, publish.pkid));
+            } else if kind == AckKind::PubRec {
+                self.qos2_held.insert(publish.pkid);
+            }
         }
         None
+    }
+
+    /// A promise to acknowledge `pkid`, released to this connection's queue.
+    fn promise(&mut self, kind: AckKind, pkid: u16) -> Ack {
+        let (acks, _) = self.acks.get_or_insert_with(Acks::new);
+        acks.promise(kind, pkid)
     }
 
     fn drain_mailbox(&mut self) {

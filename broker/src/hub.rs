@@ -3,17 +3,28 @@
 //! is pushed into each matching session's mailbox; nothing waits for a reader.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
-use tokio::sync::Notify;
+use tokio::sync::{mpsc, Notify};
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
+use crate::ack::Ack;
+use crate::dollar::to_broker;
 use crate::index::{Index, SessionId};
 use crate::mailbox::{Limits, Mailbox, Owed, Published};
 use crate::registry::{Connected, Fired, Registry, Will};
 use crate::retained::Retained;
+use crate::Message;
+
+/// Link session ids start here, above any the registry hands out.
+const FIRST_LINK: SessionId = 1 << 62;
+
+/// Messages for the node's own modules that did not fit their inboxes at once: the caller
+/// waits for room ([`hand_to_links`]), which is how a publisher waits for the MetaManager.
+pub type ForLinks = Vec<(mpsc::Sender<Message>, Message)>;
 
 /// A session's mailbox and the bell its connection task waits on.
 #[derive(Debug)]
@@ -60,6 +71,11 @@ pub struct Hub {
     connections: Mutex<HashMap<u64, CancellationToken>>,
     /// Rung when an expiry or a delayed will may have come nearer.
     pub timers: Notify,
+    /// The node's own modules: their session ids and inboxes.
+    links: RwLock<HashMap<SessionId, mpsc::Sender<Message>>>,
+    next_link: AtomicU64,
+    /// Connected readers cut off so far for falling a whole queue behind.
+    pub lag_cuts: AtomicU64,
 }
 
 /// Poisoning only follows a panic elsewhere; the state itself stays consistent per call.
@@ -77,7 +93,39 @@ impl Hub {
             rooms: Mutex::new(HashMap::new()),
             connections: Mutex::new(HashMap::new()),
             timers: Notify::new(),
+            links: RwLock::new(HashMap::new()),
+            next_link: AtomicU64::new(FIRST_LINK),
+            lag_cuts: AtomicU64::new(0),
         }
+    }
+
+    /// Attaches a node module: what `filters` (client form) match goes to `inbox`.
+    pub fn attach_link(
+        &self,
+        filters: &[String],
+        inbox: mpsc::Sender<Message>,
+    ) -> Result<SessionId, crate::index::FilterError> {
+        let id = self.next_link.fetch_add(1, Ordering::Relaxed);
+        let mut index = self.index.write().unwrap_or_else(PoisonError::into_inner);
+        for filter in filters {
+            index.subscribe(id, filter, crate::index::Options::v4(2))?;
+        }
+        drop(index);
+        self.links
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(id, inbox);
+        Ok(id)
+    }
+
+    /// Whether a client (not one of the node's modules) subscribes to `topic` now.
+    pub fn reaches_clients(&self, topic: &str) -> bool {
+        self.index
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .route(topic, None, 0, false)
+            .iter()
+            .any(|d| d.session < FIRST_LINK)
     }
 
     /// A CONNECT: the session it starts or resumes, with its mailroom; a connection it takes
@@ -177,8 +225,17 @@ impl Hub {
     }
 
     /// Routes a message to every matching session; `from` is the publishing session (for No
-    /// Local), None for the node itself.
-    pub fn publish(&self, from: Option<SessionId>, message: Arc<Published>, qos: u8, retain: bool) {
+    /// Local), None for the node itself. A message a module consumes carries `ack`, dropped
+    /// once the module is done with it; what a module's inbox has no room for is returned.
+    #[must_use = "messages for the node's modules must be handed on"]
+    pub fn publish(
+        &self,
+        from: Option<SessionId>,
+        message: Arc<Published>,
+        qos: u8,
+        retain: bool,
+        ack: Option<&Ack>,
+    ) -> ForLinks {
         if retain && lock(&self.retained).set(message.clone(), qos).is_err() {
             warn!(error_code = "EM-BROKER-RETAINED-FULL", topic = %message.topic,
                 "retained message not kept: the retained store is full");
@@ -188,6 +245,25 @@ impl Hub {
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .route(&message.topic, from, qos, retain);
+        let mut waiting = ForLinks::new();
+        if deliveries.iter().any(|d| d.session >= FIRST_LINK) {
+            let links = self.links.read().unwrap_or_else(PoisonError::into_inner);
+            for delivery in deliveries.iter().filter(|d| d.session >= FIRST_LINK) {
+                let Some(inbox) = links.get(&delivery.session) else {
+                    continue;
+                };
+                let for_link = for_link(&message, ack);
+                match inbox.try_send(for_link) {
+                    Ok(()) => {}
+                    Err(mpsc::error::TrySendError::Full(m)) => waiting.push((inbox.clone(), m)),
+                    Err(mpsc::error::TrySendError::Closed(m)) => {
+                        if let Some(ack) = &m.ack {
+                            ack.abandon();
+                        }
+                    }
+                }
+            }
+        }
         let rooms = lock(&self.rooms);
         for delivery in deliveries {
             let Some(room) = rooms.get(&delivery.session) else {
@@ -208,6 +284,7 @@ impl Hub {
                         room.lagged
                             .store(true, std::sync::atomic::Ordering::Relaxed);
                         holder.cancel();
+                        self.lag_cuts.fetch_add(1, Ordering::Relaxed);
                         warn!(
                             error_code = "EM-BROKER-SUBSCRIBER-LAG",
                             session = delivery.session,
@@ -219,6 +296,7 @@ impl Hub {
                 }
             }
         }
+        waiting
     }
 
     /// Publishes delayed wills and frees expired sessions as they come due, until `cancel`.
@@ -245,7 +323,13 @@ impl Hub {
             self.forget(session.id, &session.filters);
         }
         for will in fired.wills {
-            self.publish(None, will.message, will.qos, will.retain);
+            let waiting = self.publish(None, will.message, will.qos, will.retain, None);
+            if !waiting.is_empty() {
+                // A will for a module whose inbox is full waits off the caller's thread.
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    runtime.spawn(hand_to_links(waiting));
+                }
+            }
         }
     }
 
@@ -257,5 +341,31 @@ impl Hub {
         }
         drop(index);
         lock(&self.rooms).remove(&session);
+    }
+}
+
+/// The module's copy of a message: its topic in the broker form, v5 request properties kept.
+fn for_link(message: &Published, ack: Option<&Ack>) -> Message {
+    let (response_topic, correlation) = message.properties.as_ref().map_or((None, None), |p| {
+        (p.response_topic.clone(), p.correlation_data.clone())
+    });
+    Message {
+        topic: to_broker(&message.topic).into_owned(),
+        payload: message.payload.clone(),
+        response_topic,
+        correlation,
+        ack: ack.cloned(),
+    }
+}
+
+/// Waits until each module has room for its message (a module that has gone gets nothing and
+/// its acknowledgement is abandoned, so the client publishes again).
+pub async fn hand_to_links(waiting: ForLinks) {
+    for (inbox, message) in waiting {
+        if let Err(refused) = inbox.send(message).await {
+            if let Some(ack) = &refused.0.ack {
+                ack.abandon();
+            }
+        }
     }
 }

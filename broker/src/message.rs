@@ -1,9 +1,6 @@
-use std::sync::Arc;
-
 use bytes::Bytes;
 
-use crate::lag::Owed;
-use crate::session::Ack;
+use crate::ack::Ack;
 
 /// One MQTT publication as our modules see it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -17,25 +14,7 @@ pub struct Message {
     /// A client's publish the node consumes: dropping this (after the commit, or the error
     /// reply) sends the client its PUBACK / PUBCOMP.
     pub ack: Option<Ack>,
-    /// Already counted against its subscribers' room (`Lag::reserve`): published as it is.
-    pub paced: bool,
-    /// Counted, and to be written by the front to these subscribers instead of going through
-    /// rumqttd (`lag::Route::Front`).
-    pub front: Front,
 }
-
-/// The subscriptions the front writes a message to, if it goes past rumqttd.
-#[derive(Debug, Clone, Default)]
-pub struct Front(pub(crate) Option<Vec<Arc<Owed>>>);
-
-impl PartialEq for Front {
-    fn eq(&self, _: &Front) -> bool {
-        // Messages compare by content; how they travel does not change what they are.
-        true
-    }
-}
-
-impl Eq for Front {}
 
 impl Message {
     /// A publication with no v5 properties.
@@ -46,8 +25,6 @@ impl Message {
             response_topic: None,
             correlation: None,
             ack: None,
-            paced: false,
-            front: Front::default(),
         }
     }
 }

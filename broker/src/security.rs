@@ -340,7 +340,7 @@ impl Grants {
     pub fn may_publish(&self, topic: &str) -> bool {
         match &self.publish {
             None => true,
-            Some(filters) => filters.iter().any(|f| rumqttd::protocol::matches(topic, f)),
+            Some(filters) => filters.iter().any(|f| crate::index::matches(f, topic)),
         }
     }
 

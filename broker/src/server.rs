@@ -1,79 +1,38 @@
-//! The router and the listeners: rumqttd's router thread, and per configured listener our
-//! [`front`](crate::front) on its address with a guarded rumqttd listener behind it on loopback.
+//! The listeners and the node's modules on the one path: every listener's accept loop hands
+//! each connection (after its TLS handshake, if any) to its own task (`conn.rs`); the node's
+//! modules attach to the same hub as socket-less sessions (`link.rs`).
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use rumqttd::local::{LinkBuilder, LinkRx, LinkTx};
-use rumqttd::{LinkType, Router, Server};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
-use tracing::{info, warn};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
 
-use crate::backlog::Backlog;
-use crate::codec::Codec;
-use crate::config::{BrokerConfig, ListenerConfig, MqttVersion};
+use crate::config::{BrokerConfig, ListenerConfig};
+use crate::conn::{serve, Shared};
+use crate::dollar::to_client;
 use crate::events::ClientEvents;
-use crate::guard::ConnectGuard;
-use crate::intake::Intake;
-use crate::lag::Lag;
+use crate::hub::{Hub, HubLimits};
 use crate::link::{Link, Links, Publisher};
 use crate::security::Policy;
-use crate::session::Sessions;
+use crate::tls::Tls;
 use crate::{Error, RESERVED_CLIENT_PREFIX};
-
-/// The codec every rumqttd listener of ours runs.
-type Guarded = ConnectGuard<Codec>;
-
-/// Has rumqttd check logins through the policy when any credential check is on.
-fn with_auth(
-    mut settings: rumqttd::ServerSettings,
-    policy: &Arc<Policy>,
-) -> rumqttd::ServerSettings {
-    if policy.needs_login_check() {
-        let policy = policy.clone();
-        settings.connections.set_auth_handler(move |client_id, username, password| {
-            let policy = policy.clone();
-            async move {
-                // argon2 is slow on purpose: keep it off the async workers.
-                let user = username.clone();
-                let ok = tokio::task::spawn_blocking(move || policy.check_login(&user, &password))
-                    .await
-                    .unwrap_or(false);
-                if !ok {
-                    warn!(error_code = "EM-AUTH-REFUSED", %client_id, %username, "login refused");
-                }
-                ok
-            }
-        });
-    }
-    settings
-}
-
-/// How often subscribers are checked for having stopped reading.
-const SWEEP_EVERY: Duration = Duration::from_secs(1);
-
-/// How long a listener may take to bind once its task is spawned.
-const READY_TIMEOUT: Duration = Duration::from_secs(5);
-
-// Closures, because they capture rumqttd's router sender, whose type rumqttd does not export.
-type LinkFactory = dyn Fn(&str) -> Result<(LinkTx, LinkRx), Error> + Send + Sync;
-type ServerFactory = dyn Fn(rumqttd::ServerSettings, Guarded) -> Server<Guarded> + Send + Sync;
 
 /// The broker's counters, read when the node's metrics are scraped (nothing is counted twice).
 #[derive(Clone)]
 pub struct BrokerStats {
     policy: Arc<Policy>,
-    sessions: Arc<Sessions>,
-    lag: Arc<Lag>,
-    backlog: Arc<Backlog>,
-    intake: Arc<Intake>,
+    shared: Arc<Shared>,
 }
 
 impl BrokerStats {
     /// Client connections open right now, on every listener.
     pub fn connections(&self) -> u64 {
-        self.sessions.open_count()
+        self.shared.open.load(Ordering::Relaxed)
     }
 
     /// Publishes and subscribes refused by the ACL or the subscription cap so far.
@@ -81,95 +40,69 @@ impl BrokerStats {
         self.policy.denials()
     }
 
-    /// Subscribers disconnected so far for falling behind (`EM-BROKER-SUBSCRIBER-LAG`).
+    /// Subscribers disconnected so far for falling a whole queue behind
+    /// (`EM-BROKER-SUBSCRIBER-LAG`).
     pub fn lagging_subscribers_cut(&self) -> u64 {
-        self.lag.cut_count()
+        self.shared.hub.lag_cuts.load(Ordering::Relaxed)
     }
 
-    /// Hand-ons the front wrote to subscribers past rumqttd so far, one per subscriber.
-    pub fn front_delivered(&self) -> u64 {
-        self.lag.front_delivered()
+    /// Sessions held, connected or not (MQTT 5 Session Expiry, 3.1.1 clean session 0).
+    pub fn sessions(&self) -> u64 {
+        self.shared.hub.sessions() as u64
     }
 
-    /// Client publishes the front handed to a link past rumqttd so far.
-    pub fn front_taken(&self) -> u64 {
-        self.intake.taken()
-    }
-
-    /// Clients held right now before a publish to our links, and how many times one was.
+    /// Clients waiting right now for a module's inbox, and how many times one did.
     pub fn paused_publishers(&self) -> (u64, u64) {
-        self.backlog.paused()
+        (
+            self.shared.paused.load(Ordering::Relaxed),
+            self.shared.pauses.load(Ordering::Relaxed),
+        )
     }
 }
 
-/// The running broker: rumqttd's router thread plus, per listener, the front and a guarded
-/// rumqttd listener, each a task on our runtime.
-///
-/// Dropping it stops the listeners (existing connections and the router live until process exit,
-/// rumqttd has no shutdown).
+/// The running broker: one accept loop per listener and the hub they and the node's modules
+/// share, each a task on our runtime.
 pub struct Broker {
     config: BrokerConfig,
-    listeners: JoinSet<Error>,
-    new_link: Arc<LinkFactory>,
-    new_server: Box<ServerFactory>,
-    listening: bool,
-    links: Links,
-    policy: Arc<Policy>,
-    sessions: Arc<Sessions>,
-    backlog: Arc<Backlog>,
-    lag: Arc<Lag>,
+    shared: Arc<Shared>,
     events: Arc<ClientEvents>,
-    intake: Arc<Intake>,
+    listeners: JoinSet<Error>,
+    links: Links,
+    cancel: CancellationToken,
+    listening: bool,
 }
 
 impl Broker {
-    /// Validates the config and starts rumqttd's router; listeners open with [`Broker::listen`],
-    /// so in-process links can subscribe before the first client arrives. `link_filters` are the
-    /// filters our links will read, whose logs are sized by `link_segment_bytes`.
-    pub fn new(config: &BrokerConfig, link_filters: &[String]) -> Result<Broker, Error> {
+    /// Validates the config and starts the hub; listeners open with [`Broker::listen`], so the
+    /// node's modules can subscribe before the first client arrives.
+    pub fn new(config: &BrokerConfig, _link_filters: &[String]) -> Result<Broker, Error> {
         config.validate()?;
         let policy = Arc::new(config.policy()?);
-        let router_tx = Router::new(0, config.router_config(link_filters)).spawn();
-        let listener_tx = router_tx.clone();
-        let new_link: Arc<LinkFactory> = Arc::new(move |client_id: &str| {
-            LinkBuilder::new(client_id, router_tx.clone())
-                .clean_session(true)
-                .build()
-                .map(|(tx, rx, _ack)| (tx, rx))
-                .map_err(|e| link_error(client_id, e))
-        });
-        let new_server: Box<ServerFactory> =
-            Box::new(move |settings, guard| Server::new(settings, listener_tx.clone(), guard));
-        let sessions = Arc::new(Sessions::default());
-        sessions.limit_clients(config.max_connections);
-        let lag = Arc::new(
-            Lag::new(config.subscriber_lag_limit() as u64)
-                .with_smaller_logs(
-                    &crate::config::DEVICE_FILTERS,
-                    config.device_lag_limit() as u64,
-                )
-                .with_stall(Duration::from_secs(config.subscriber_stall_s))
-                .with_front_delivery(config.front_delivery),
+        let hub = Arc::new(Hub::new(HubLimits {
+            queue_bytes: config.queue_bytes,
+            retained_bytes: config.retained_bytes,
+            max_away_sessions: config.max_away_sessions,
+        }));
+        let events = Arc::new(ClientEvents::default());
+        let mut shared = Shared::new(
+            hub.clone(),
+            policy,
+            u32::try_from(config.max_packet_bytes).unwrap_or(u32::MAX),
         );
-        let intake = Arc::new(Intake::new(
-            config.front_intake,
-            config.max_packet_bytes,
-            lag.clone(),
-            sessions.clone(),
-        ));
+        shared.events = Some(events.clone());
+        shared.max_clients = config.max_connections;
+        shared.connect_within = Duration::from_millis(u64::from(config.connect_timeout_ms));
+        let cancel = CancellationToken::new();
+        let mut links = Links::default();
+        links.spawn(hub.clone().run_timers(cancel.clone()));
         Ok(Broker {
             config: config.clone(),
+            shared: Arc::new(shared),
+            events,
             listeners: JoinSet::new(),
-            new_link,
-            new_server,
+            links,
+            cancel,
             listening: false,
-            links: Links::default(),
-            policy,
-            sessions,
-            backlog: Arc::new(Backlog::new(config.link_pause_bytes() as u64)),
-            lag,
-            events: Arc::new(ClientEvents::default()),
-            intake,
         })
     }
 
@@ -181,113 +114,47 @@ impl Broker {
         if std::mem::replace(&mut self.listening, true) {
             return Ok(());
         }
-        let mut opened = Vec::new();
         for (name, listener) in self.config.listeners.clone() {
-            opened.extend(self.open(&name, &listener)?);
+            self.open(&name, &listener)?;
+            info!(listener = %name, address = %listener.address, "mqtt listener ready (MQTT 3.1.1 and 5)");
         }
-        for (name, address, protocol) in opened {
-            wait_until_bound(&mut self.listeners, &name, address).await?;
-            info!(listener = %name, %address, ?protocol, "mqtt listener ready");
-        }
-        // Cuts off subscribers that stopped reading; lives as long as the listeners.
-        let lag = self.lag.clone();
-        self.listeners.spawn(async move {
-            let mut tick = tokio::time::interval(SWEEP_EVERY);
-            loop {
-                tick.tick().await;
-                lag.sweep();
-            }
-        });
         Ok(())
     }
 
-    /// Spawns the front on the listener's address and a guarded rumqttd listener behind it on a
-    /// loopback port; returns both, back end first, to wait for.
-    fn open(
-        &mut self,
-        name: &str,
-        listener: &ListenerConfig,
-    ) -> Result<[(String, SocketAddr, MqttVersion); 2], Error> {
-        // rumqttd only logs a failed bind; bind first so the failure is ours to report.
-        let bound =
-            std::net::TcpListener::bind(listener.address).map_err(|source| Error::Bind {
-                name: name.to_owned(),
-                address: listener.address,
-                source,
-            })?;
-        let tls = (listener.tls.as_ref())
-            .map(|tls| crate::front::Tls::new(name, tls))
-            .transpose()?;
-        let backend_name = format!("{name}-backend");
-        let backend = std::net::TcpListener::bind(("127.0.0.1", 0))
-            .and_then(|probe| probe.local_addr())
-            .map_err(|source| Error::Bind {
-                name: backend_name.clone(),
-                address: listener.address,
-                source,
-            })?;
-        let plain = ListenerConfig {
-            address: backend,
-            tls: None,
-            ..listener.clone()
+    fn open(&mut self, name: &str, listener: &ListenerConfig) -> Result<(), Error> {
+        let bind_error = |source| Error::Bind {
+            name: name.to_owned(),
+            address: listener.address,
+            source,
         };
-        let settings = with_auth(
-            self.config.server_settings(&backend_name, &plain),
-            &self.policy,
-        );
-        let codec = Codec::of(listener.protocol);
-        let v5 = codec.is_v5();
-        let guard = ConnectGuard::new(codec, self.policy.clone(), v5)
-            .counting(self.backlog.clone())
-            .watching(self.lag.clone())
-            .announcing(self.events.clone())
-            .behind_front(self.policy.cert_secret(), self.sessions.clone());
-        let mut server = (self.new_server)(settings, guard);
-        let stopped = backend_name.clone();
-        self.listeners.spawn(async move {
-            let reason = match server.start(LinkType::Remote).await {
-                Ok(()) => "accept loop ended".to_owned(),
-                Err(e) => e.to_string(),
-            };
-            Error::ListenerStopped {
-                name: stopped,
-                address: backend,
-                reason,
-            }
-        });
-        self.listeners.spawn(crate::front::serve(
-            name.to_owned(),
-            bound,
+        let bound = std::net::TcpListener::bind(listener.address).map_err(bind_error)?;
+        bound.set_nonblocking(true).map_err(bind_error)?;
+        let bound = TcpListener::from_std(bound).map_err(bind_error)?;
+        let tls = (listener.tls.as_ref())
+            .map(|tls| Tls::new(name, tls))
+            .transpose()?;
+        let accept = Accept {
+            name: name.to_owned(),
+            address: listener.address,
             tls,
-            crate::front::Backend {
-                address: backend,
-                secret: self.policy.cert_secret(),
-                connect_timeout: Duration::from_millis(u64::from(self.config.connect_timeout_ms)),
-                backlog: self.backlog.clone(),
-                sessions: self.sessions.clone(),
-                low_latency: self.config.low_latency,
-                intake: self.intake.clone(),
-            },
-        ));
-        Ok([
-            (backend_name, backend, listener.protocol),
-            (name.to_owned(), listener.address, listener.protocol),
-        ])
+            shared: self.shared.clone(),
+            low_latency: self.config.low_latency,
+            cancel: self.cancel.clone(),
+        };
+        self.listeners.spawn(accept.run(bound));
+        Ok(())
     }
 
-    /// Subscribers cut off so far for falling behind their filter's log.
+    /// Subscribers cut off so far for falling a whole queue behind.
     pub fn lagging_subscribers_cut(&self) -> u64 {
-        self.lag.cut_count()
+        self.shared.hub.lag_cuts.load(Ordering::Relaxed)
     }
 
     /// A handle on the broker's counters that outlives [`Broker::close`], for the node's metrics.
     pub fn stats(&self) -> BrokerStats {
         BrokerStats {
-            policy: self.policy.clone(),
-            sessions: self.sessions.clone(),
-            lag: self.lag.clone(),
-            backlog: self.backlog.clone(),
-            intake: self.intake.clone(),
+            policy: self.shared.policy.clone(),
+            shared: self.shared.clone(),
         }
     }
 
@@ -298,52 +165,35 @@ impl Broker {
         self.links.spawn(async move { events.run(publisher).await });
     }
 
-    /// Opens an in-process client named `edgemeta-<name>` subscribed to `filters`.
+    /// Attaches a node module named `edgemeta-<name>`: what `filters` (broker form) match
+    /// reaches its inbox, which holds `capacity` messages before publishers wait.
     pub async fn link(
         &mut self,
         name: &str,
         filters: &[String],
         capacity: usize,
     ) -> Result<Link, Error> {
-        let client_id = format!("{RESERVED_CLIENT_PREFIX}{name}");
-        self.backlog.watch(filters);
-        let factory = self.new_link.clone();
-        let filters = filters.to_vec();
-        let filters_read = filters.clone();
-        let id = client_id.clone();
-        // Registering with the router is a blocking round trip; keep it off the tokio workers.
-        let (tx, rx) = tokio::task::spawn_blocking(move || {
-            let (mut tx, rx) = factory(&id)?;
-            for filter in filters {
-                tx.subscribe(filter).map_err(|e| link_error(&id, e))?;
-            }
-            Ok::<_, Error>((tx, rx))
+        let (inbox_tx, inbox) = tokio::sync::mpsc::channel(capacity);
+        let filters: Vec<String> = filters.iter().map(|f| to_client(f).into_owned()).collect();
+        self.shared
+            .hub
+            .attach_link(&filters, inbox_tx)
+            .map_err(|e| Error::Link {
+                client_id: format!("{RESERVED_CLIENT_PREFIX}{name}"),
+                reason: format!("{e:?}"),
+            })?;
+        Ok(Link {
+            inbox,
+            publisher: Publisher::of(self.shared.hub.clone()),
         })
-        .await
-        .map_err(|e| Error::Link {
-            client_id: client_id.clone(),
-            reason: e.to_string(),
-        })??;
-        Link::spawn(
-            client_id,
-            tx,
-            rx,
-            capacity,
-            crate::link::Accounts {
-                backlog: self.backlog.clone(),
-                lag: self.lag.clone(),
-                sessions: self.sessions.clone(),
-                intake: self.intake.clone(),
-            },
-            &mut self.links,
-            &filters_read,
-        )
     }
 
-    /// Stops the listeners, so no new connection is accepted, and hands over the links to be
-    /// joined once their users have stopped. rumqttd cannot close the connections it has, nor
-    /// its router (rumqttd #771); those live until the process exits.
-    pub fn close(self) -> Links {
+    /// Stops the listeners and ends every client connection (MQTT 5 clients are told the
+    /// server is shutting down); hands over the modules' tasks to be joined once their users
+    /// have stopped.
+    pub fn close(mut self) -> Links {
+        self.cancel.cancel();
+        self.listeners.abort_all();
         self.links
     }
 
@@ -361,10 +211,55 @@ impl Broker {
     }
 }
 
-fn link_error(client_id: &str, error: rumqttd::local::LinkError) -> Error {
-    Error::Link {
-        client_id: client_id.to_owned(),
-        reason: error.to_string(),
+/// One listener's accept loop.
+struct Accept {
+    name: String,
+    address: SocketAddr,
+    tls: Option<Tls>,
+    shared: Arc<Shared>,
+    low_latency: bool,
+    cancel: CancellationToken,
+}
+
+impl Accept {
+    async fn run(self, listener: TcpListener) -> Error {
+        loop {
+            let stream = tokio::select! {
+                _ = self.cancel.cancelled() => {
+                    return Error::ListenerStopped {
+                        name: self.name,
+                        address: self.address,
+                        reason: "the node is stopping".into(),
+                    };
+                }
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, _)) => stream,
+                    Err(e) => {
+                        // Out of file descriptors and the like: back off instead of spinning.
+                        warn!(error_code = "EM-FRONT-ACCEPT", listener = %self.name, error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            if self.low_latency {
+                let _ = stream.set_nodelay(true);
+            }
+            tokio::spawn(self.serve(stream));
+        }
+    }
+
+    fn serve(&self, stream: TcpStream) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let (tls, shared, cancel) = (self.tls.clone(), self.shared.clone(), self.cancel.clone());
+        async move {
+            match tls {
+                None => serve(stream, None, shared, cancel).await,
+                Some(tls) => match tls.accept(stream, shared.connect_within).await {
+                    Ok((stream, name)) => serve(stream, name, shared, cancel).await,
+                    Err(e) => debug!(error = %e, "TLS connection refused"),
+                },
+            }
+        }
     }
 }
 
@@ -376,39 +271,4 @@ pub fn reachable(address: SocketAddr) -> SocketAddr {
         ip => ip,
     };
     SocketAddr::new(ip, address.port())
-}
-
-/// Waits until rumqttd accepts connections on the port, or its task has died.
-async fn wait_until_bound(
-    set: &mut JoinSet<Error>,
-    name: &str,
-    address: SocketAddr,
-) -> Result<(), Error> {
-    let started = Instant::now();
-    loop {
-        if let Some(done) = set.try_join_next() {
-            return Err(match done {
-                Ok(e) => e,
-                Err(join) => Error::ListenerStopped {
-                    name: name.to_owned(),
-                    address,
-                    reason: join.to_string(),
-                },
-            });
-        }
-        // Connect rather than bind to test it: a test bind would hold the port for an instant
-        // and could make rumqttd's own bind fail.
-        let probe = tokio::net::TcpStream::connect(reachable(address));
-        if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(100), probe).await {
-            return Ok(());
-        }
-        if started.elapsed() > READY_TIMEOUT {
-            return Err(Error::NotReady {
-                name: name.to_owned(),
-                address,
-                waited_ms: READY_TIMEOUT.as_millis() as u64,
-            });
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
 }

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use edgemeta_broker::{serve_one_path, Hub, HubLimits};
+use edgemeta_broker::{serve_connection, Hub, HubLimits, Shared};
 use rumqttc::v5::mqttbytes::v5::Packet;
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::{AsyncClient, Event, EventLoop, MqttOptions};
@@ -25,10 +25,15 @@ async fn start() -> (u16, Arc<Hub>, CancellationToken) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     tokio::spawn(hub.clone().run_timers(cancel.clone()));
-    let (accepting, stop) = (hub.clone(), cancel.clone());
+    let (accepting, stop) = (Arc::new(Shared::open_to_all(hub.clone())), cancel.clone());
     tokio::spawn(async move {
         while let Ok((stream, _)) = listener.accept().await {
-            tokio::spawn(serve_one_path(stream, accepting.clone(), stop.clone()));
+            tokio::spawn(serve_connection(
+                stream,
+                None,
+                accepting.clone(),
+                stop.clone(),
+            ));
         }
     });
     (port, hub, cancel)
@@ -230,10 +235,15 @@ async fn a_reader_a_whole_queue_behind_is_cut_off_and_the_others_get_everything(
     let cancel = CancellationToken::new();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
-    let (accepting, stop) = (hub.clone(), cancel.clone());
+    let (accepting, stop) = (Arc::new(Shared::open_to_all(hub.clone())), cancel.clone());
     tokio::spawn(async move {
         while let Ok((stream, _)) = listener.accept().await {
-            tokio::spawn(serve_one_path(stream, accepting.clone(), stop.clone()));
+            tokio::spawn(serve_connection(
+                stream,
+                None,
+                accepting.clone(),
+                stop.clone(),
+            ));
         }
     });
     // The stopped reader: takes one message and never acknowledges it.

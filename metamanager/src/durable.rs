@@ -290,8 +290,6 @@ fn serve(rx: &mpsc::Receiver<Flush>, wal: &mut Wal, sync: bool, outbox_synced: &
             outbox_synced.fetch_max(last, Ordering::Release);
         }
         {
-            // One write per client for all the PUBACKs this sync releases.
-            let _cork = edgemeta_broker::Cork::new();
             for flush in &mut flushes {
                 // A flush whose commits wrote nothing needs no sync to be durable.
                 let durable = ok || !flush.needs_sync;

@@ -416,8 +416,6 @@ impl Worker {
                 changes,
             }));
         }
-        // One write per subscriber for the commit's hand-ons.
-        let cork = edgemeta_broker::Cork::new();
         for message in direct {
             if self.publisher.publish(message).await.is_err() {
                 warn!(
@@ -426,7 +424,6 @@ impl Worker {
                 );
             }
         }
-        drop(cork);
         self.feed.committed(handons);
         let dones: Vec<(Done, Outcome)> = applied
             .into_iter()
