@@ -21,6 +21,7 @@ async fn main() {
         queue_bytes: 1 << 20,
         retained_bytes: 16 << 20,
         max_away_sessions: 10_000,
+        reader_store_backlog: 1_000,
     }));
     let cancel = CancellationToken::new();
     tokio::spawn(hub.clone().run_timers(cancel.clone()));

@@ -29,6 +29,11 @@ pub struct BrokerConfig {
     /// what does not fit (`EM-BROKER-QUEUE-FULL`). QoS 0 messages fill half of it at most.
     #[serde(default = "default_queue_bytes")]
     pub queue_bytes: usize,
+    /// Hand-ons the node keeps in its store for connected readers whose queue is full before
+    /// it cuts those readers off (`EM-BROKER-SUBSCRIBER-LAG`): a reader that keeps reading
+    /// is waited for, one that stopped holds the others up only this long.
+    #[serde(default = "default_reader_store_backlog")]
+    pub reader_store_backlog: usize,
     /// Sessions kept for clients that are away (MQTT 5 Session Expiry Interval, or 3.1.1 clean
     /// session 0); past it the one that would expire first ends (`EM-BROKER-SESSIONS-FULL`).
     #[serde(default = "default_max_away_sessions")]
@@ -115,6 +120,9 @@ const fn default_connect_timeout_ms() -> u16 {
 const fn default_queue_bytes() -> usize {
     256 * 1024
 }
+const fn default_reader_store_backlog() -> usize {
+    1_000
+}
 const fn default_max_away_sessions() -> usize {
     1_000
 }
@@ -134,6 +142,7 @@ impl Default for BrokerConfig {
             max_connections: default_max_connections(),
             connect_timeout_ms: default_connect_timeout_ms(),
             queue_bytes: default_queue_bytes(),
+            reader_store_backlog: default_reader_store_backlog(),
             max_away_sessions: default_max_away_sessions(),
             retained_bytes: default_retained_bytes(),
             max_subscriptions_per_client: default_max_subscriptions_per_client(),

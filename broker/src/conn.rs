@@ -130,6 +130,8 @@ enum End {
         expiry: Option<u32>,
     },
     Lost,
+    /// Cut off for falling a whole queue behind: the session ends with the connection.
+    Cut,
     /// The client broke the protocol: a v5 client is told why (§4.13) before the close.
     Refused(DisconnectReasonCode),
 }
@@ -395,6 +397,7 @@ pub async fn serve<S>(
         End::Normal { expiry } => (None, expiry),
         End::WithWill { expiry } => (will, expiry),
         End::Lost | End::Refused(_) => (will, None),
+        End::Cut => (will, Some(0)),
     };
     let expiry = expiry_now.map_or(expiry, |s| Duration::from_secs(s.into()));
     conn.room.release(conn.connection);
@@ -463,7 +466,9 @@ impl Conn {
         let grace = keep_alive + keep_alive / 2;
         let mut last_heard = Instant::now();
         loop {
-            self.drain_mailbox();
+            if self.drain_mailbox() {
+                shared.hub.room.notify_waiters();
+            }
             self.drain_acks();
             if !self.out.is_empty() {
                 // A reader that stopped takes nothing: its queue fills and the hub cuts it
@@ -581,6 +586,9 @@ impl Conn {
         }
         if lagged {
             linger(stream).await;
+            // What did not fit is gone: the session ends, so the client resyncs (its next
+            // CONNECT finds no session present) and is never handed a gap.
+            return End::Cut;
         }
         End::Lost
     }
@@ -853,8 +861,10 @@ impl Conn {
         acks.promise(kind, pkid)
     }
 
-    fn drain_mailbox(&mut self) {
+    /// Writes what the session may be sent now; whether it took anything.
+    fn drain_mailbox(&mut self) -> bool {
         let wire = self.wire;
+        let mut took = false;
         loop {
             let next = self.mailbox(|m| {
                 m.next(Instant::now(), |o| {
@@ -865,8 +875,9 @@ impl Conn {
                 })
             });
             let Some(out) = next else {
-                return;
+                return took;
             };
+            took = true;
             let publish = self.publish_packet(out);
             self.send(Packet::Publish(publish));
         }

@@ -30,6 +30,8 @@ pub type ForLinks = Vec<(mpsc::Sender<Message>, Message)>;
 #[derive(Debug)]
 pub struct Mailroom {
     pub mailbox: Arc<Mutex<Mailbox>>,
+    /// Its client's id, for the logs.
+    client_id: Arc<str>,
     pub ready: Notify,
     /// The connection reading it now, cut off when it falls a whole queue behind.
     holder: Mutex<Option<(u64, CancellationToken)>>,
@@ -56,6 +58,9 @@ pub struct HubLimits {
     pub retained_bytes: usize,
     /// Sessions kept while their clients are away.
     pub max_away_sessions: usize,
+    /// Hand-ons the node keeps in its store for connected readers that have no room, before
+    /// it cuts those readers off.
+    pub reader_store_backlog: usize,
 }
 
 /// Sessions, subscriptions and retained messages, each behind its own short lock; no lock is
@@ -76,6 +81,8 @@ pub struct Hub {
     next_link: AtomicU64,
     /// Connected readers cut off so far for falling a whole queue behind.
     pub lag_cuts: AtomicU64,
+    /// Rung when a connected reader took something from its queue, for paced publishers.
+    pub room: Notify,
 }
 
 /// Poisoning only follows a panic elsewhere; the state itself stays consistent per call.
@@ -96,7 +103,79 @@ impl Hub {
             links: RwLock::new(HashMap::new()),
             next_link: AtomicU64::new(FIRST_LINK),
             lag_cuts: AtomicU64::new(0),
+            room: Notify::new(),
         }
+    }
+
+    /// The connected readers that have no room now for a message of `weight` bytes on
+    /// `topic` (the node's modules and sessions away are never waited for).
+    pub fn blocking(&self, topic: &str, weight: usize) -> Vec<Arc<Mailroom>> {
+        let deliveries = self
+            .index
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .route(topic, None, 2, false);
+        let rooms = lock(&self.rooms);
+        deliveries
+            .iter()
+            .filter_map(|d| rooms.get(&d.session).map(|room| (room, d.qos)))
+            .filter(|(room, qos)| {
+                !room.lagged.load(Ordering::Relaxed)
+                    && lock(&room.holder).is_some()
+                    && !lock(&room.mailbox).has_room(weight, *qos)
+            })
+            .map(|(room, _)| room.clone())
+            .collect()
+    }
+
+    /// Promises room for a message of `weight` bytes on `topic` in every connected reader's
+    /// queue if each has it now; false promises nothing.
+    pub fn reserve(&self, topic: &str, weight: usize) -> bool {
+        let deliveries = self
+            .index
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .route(topic, None, 2, false);
+        let rooms = lock(&self.rooms);
+        let readers: Vec<(&Arc<Mailroom>, u8)> = deliveries
+            .iter()
+            .filter_map(|d| rooms.get(&d.session).map(|room| (room, d.qos)))
+            .filter(|(room, _)| {
+                !room.lagged.load(Ordering::Relaxed) && lock(&room.holder).is_some()
+            })
+            .collect();
+        let mut boxes: Vec<_> = readers
+            .iter()
+            .map(|(room, qos)| (lock(&room.mailbox), *qos))
+            .collect();
+        if !boxes
+            .iter()
+            .all(|(mailbox, qos)| mailbox.has_room(weight, *qos))
+        {
+            return false;
+        }
+        for (mailbox, _) in &mut boxes {
+            mailbox.reserve(weight);
+        }
+        true
+    }
+
+    /// Cuts off the reader of `room` (it resyncs when it comes back); nobody else waits for it.
+    pub fn cut_off(&self, room: &Mailroom) {
+        let Some((_, holder)) = lock(&room.holder).take() else {
+            return;
+        };
+        room.lagged.store(true, Ordering::Relaxed);
+        holder.cancel();
+        let cut = self.lag_cuts.fetch_add(1, Ordering::Relaxed) + 1;
+        warn!(
+            error_code = "EM-BROKER-SUBSCRIBER-LAG",
+            client_id = %room.client_id,
+            reason = "fell a whole queue behind",
+            queue_bytes = self.limits.queue_bytes,
+            cut,
+            "subscriber disconnected; it resyncs when it reconnects"
+        );
     }
 
     /// Attaches a node module: what `filters` (client form) match goes to `inbox`.
@@ -153,6 +232,7 @@ impl Hub {
             .or_insert_with(|| {
                 Arc::new(Mailroom {
                     mailbox: connected.mailbox.clone(),
+                    client_id: Arc::from(client_id),
                     ready: Notify::new(),
                     holder: Mutex::new(None),
                     lagged: std::sync::atomic::AtomicBool::new(false),
@@ -236,6 +316,24 @@ impl Hub {
         retain: bool,
         ack: Option<&Ack>,
     ) -> ForLinks {
+        self.route(from, message, qos, retain, ack, false)
+    }
+
+    /// [`Hub::publish`] of a message [`Hub::reserve`] promised room to.
+    #[must_use = "messages for the node's modules must be handed on"]
+    pub fn publish_reserved(&self, message: Arc<Published>, qos: u8) -> ForLinks {
+        self.route(None, message, qos, false, None, true)
+    }
+
+    fn route(
+        &self,
+        from: Option<SessionId>,
+        message: Arc<Published>,
+        qos: u8,
+        retain: bool,
+        ack: Option<&Ack>,
+        reserved: bool,
+    ) -> ForLinks {
         if retain && lock(&self.retained).set(message.clone(), qos).is_err() {
             warn!(error_code = "EM-BROKER-RETAINED-FULL", topic = %message.topic,
                 "retained message not kept: the retained store is full");
@@ -269,29 +367,31 @@ impl Hub {
             let Some(room) = rooms.get(&delivery.session) else {
                 continue;
             };
+            if room.lagged.load(Ordering::Relaxed) {
+                // Cut off, its session ends with the connection: nothing more is kept for it.
+                continue;
+            }
             let owed = Owed {
                 message: message.clone(),
                 qos: delivery.qos,
                 retain: delivery.retain,
                 subscription_ids: delivery.subscription_ids,
             };
+            if reserved {
+                lock(&room.mailbox).push_reserved(owed);
+                room.ready.notify_one();
+                continue;
+            }
             match lock(&room.mailbox).push(owed) {
                 Ok(()) => room.ready.notify_one(),
                 Err(why) => {
                     // A connected reader a whole queue behind is cut off (it resyncs when it
                     // comes back); nobody else waits for it. A session away only drops.
-                    if let Some((_, holder)) = lock(&room.holder).take() {
-                        room.lagged
-                            .store(true, std::sync::atomic::Ordering::Relaxed);
-                        holder.cancel();
-                        self.lag_cuts.fetch_add(1, Ordering::Relaxed);
-                        warn!(
-                            error_code = "EM-BROKER-SUBSCRIBER-LAG",
-                            session = delivery.session,
-                            "a subscriber fell a whole queue behind; disconnected"
-                        );
+                    if lock(&room.holder).is_some() {
+                        self.cut_off(room);
+                        continue;
                     }
-                    warn!(error_code = "EM-BROKER-QUEUE-FULL", session = delivery.session,
+                    warn!(error_code = "EM-BROKER-QUEUE-FULL", client_id = %room.client_id,
                         topic = %message.topic, ?why, "message dropped for a session");
                 }
             }
@@ -355,6 +455,7 @@ fn for_link(message: &Published, ack: Option<&Ack>) -> Message {
         response_topic,
         correlation,
         ack: ack.cloned(),
+        reserved: false,
     }
 }
 

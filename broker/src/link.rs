@@ -13,6 +13,9 @@ use crate::hub::{hand_to_links, Hub};
 use crate::mailbox::Published;
 use crate::{Error, Message};
 
+/// How long a paced publish waits before it looks again, in case a wake-up was missed.
+const RECHECK: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// The QoS the node publishes at: each subscriber gets the QoS it subscribed with (the lower
 /// of the two, MQTT 5.0 §3.8.4).
 const NODE_QOS: u8 = 2;
@@ -58,21 +61,56 @@ impl Publisher {
                 });
                 let published = Arc::new(Published {
                     topic: Arc::from(to_client(&message.topic).as_ref()),
-                    payload: message.payload,
+                    payload: message.payload.clone(),
                     received: Instant::now(),
                     expiry: None,
                     properties,
                 });
-                let waiting = hub.publish(None, published, NODE_QOS, false, None);
+                let waiting = if message.reserved {
+                    hub.publish_reserved(published, NODE_QOS)
+                } else {
+                    hub.publish(None, published, NODE_QOS, false, None)
+                };
                 hand_to_links(waiting).await;
                 Ok(())
             }
         }
     }
 
-    /// [`Publisher::publish`]: each subscriber has a bounded queue of its own, so nobody is
-    /// waited for (one a whole queue behind is cut off, protocol §6.10).
-    pub async fn publish_paced(&self, message: Message) -> Result<(), Error> {
+    /// [`Publisher::publish`] once every connected reader it reaches has room for it in its
+    /// queue, so a reader that keeps reading misses nothing however large the burst. While it
+    /// waits, what follows waits in the store: `behind` says how many messages. Once
+    /// [`HubLimits::reader_store_backlog`](crate::HubLimits) more wait than when it began, the
+    /// readers without room are cut off (they resync when they come back) and it is published:
+    /// one reader that stopped holds the others up only that long, cut by a bound, not a timer.
+    pub async fn publish_paced(
+        &self,
+        message: Message,
+        behind: impl Fn() -> usize,
+    ) -> Result<(), Error> {
+        let mut message = message;
+        if let Target::Hub(hub) = &self.to {
+            let topic = to_client(&message.topic).into_owned();
+            let weight = topic.len() + message.payload.len();
+            // What waits counts from here: a reader that keeps reading makes room long before
+            // that many more wait, even while the store catches up after an earlier cut.
+            let start = behind();
+            loop {
+                // Registered before the check, so room made in between is not missed.
+                let room = hub.room.notified();
+                if hub.reserve(&topic, weight) {
+                    message.reserved = true;
+                    break;
+                }
+                if behind().saturating_sub(start) > hub.limits.reader_store_backlog {
+                    for reader in hub.blocking(&topic, weight) {
+                        hub.cut_off(&reader);
+                    }
+                    break;
+                }
+                let _ = tokio::time::timeout(RECHECK, room).await;
+            }
+        }
         self.publish(message).await
     }
 
@@ -85,10 +123,18 @@ impl Publisher {
         }
     }
 
-    /// Whether `message` may be published now without waiting for its subscribers: always,
-    /// since each has its own bounded queue.
-    pub fn reserve_now(&self, _message: &mut Message) -> bool {
-        true
+    /// Promises `message` room in every connected reader's queue if each has it now (then it
+    /// is marked and must be published); false promises nothing.
+    pub fn reserve_now(&self, message: &mut Message) -> bool {
+        match &self.to {
+            Target::Channel(_) => true,
+            Target::Hub(hub) => {
+                let topic = to_client(&message.topic);
+                let fits = hub.reserve(&topic, topic.len() + message.payload.len());
+                message.reserved = fits;
+                fits
+            }
+        }
     }
 
     /// A publisher whose messages land in the returned receiver: for tests of broker-free code.

@@ -95,6 +95,8 @@ pub struct Mailbox {
     limits: Limits,
     queued: VecDeque<Owed>,
     queued_bytes: usize,
+    /// Bytes promised to paced publishers' messages on their way ([`Mailbox::reserve`]).
+    reserved: usize,
     inflight: VecDeque<Flight>,
     last_pkid: u16,
     aliases: HashMap<Arc<str>, u16>,
@@ -108,6 +110,7 @@ impl Mailbox {
             limits,
             queued: VecDeque::new(),
             queued_bytes: 0,
+            reserved: 0,
             inflight: VecDeque::new(),
             last_pkid: 0,
             aliases: HashMap::new(),
@@ -115,15 +118,38 @@ impl Mailbox {
         }
     }
 
+    /// Whether a message of `weight` bytes at `qos` fits now, beside what is promised.
+    pub fn has_room(&self, weight: usize, qos: u8) -> bool {
+        let owed = self.queued_bytes + self.reserved;
+        owed == 0 || owed + weight <= self.bound(qos)
+    }
+
+    /// Promises room to a message on its way; [`Mailbox::push`] with `reserved` takes it.
+    pub fn reserve(&mut self, weight: usize) {
+        self.reserved += weight;
+    }
+
+    /// Queues a message that was promised room: it is taken whatever the bound.
+    pub fn push_reserved(&mut self, owed: Owed) {
+        let weight = owed.weight();
+        self.reserved = self.reserved.saturating_sub(weight);
+        self.queued_bytes += weight;
+        self.queued.push_back(owed);
+    }
+
+    fn bound(&self, qos: u8) -> usize {
+        if qos == 0 {
+            self.limits.queue_bytes / 2
+        } else {
+            self.limits.queue_bytes
+        }
+    }
+
     /// Queues a message; refused when the queue is at its byte limit. QoS 0 messages are
     /// refused first: while the queue is over half full only QoS 1 and 2 are taken.
     pub fn push(&mut self, owed: Owed) -> Result<(), Dropped> {
         let weight = owed.weight();
-        let bound = if owed.qos == 0 {
-            self.limits.queue_bytes / 2
-        } else {
-            self.limits.queue_bytes
-        };
+        let bound = self.bound(owed.qos);
         // One message always fits an empty queue, so a message larger than the bound is not
         // refused for ever to a reader that keeps up.
         if !self.queued.is_empty() && self.queued_bytes + weight > bound {

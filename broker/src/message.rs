@@ -14,6 +14,9 @@ pub struct Message {
     /// A client's publish the node consumes: dropping this (after the commit, or the error
     /// reply) sends the client its PUBACK / PUBCOMP.
     pub ack: Option<Ack>,
+    /// Room was promised to it in its readers' queues (`Publisher::reserve_now`): it is
+    /// queued for them whatever else arrived meanwhile.
+    pub reserved: bool,
 }
 
 impl Message {
@@ -25,6 +28,7 @@ impl Message {
             response_topic: None,
             correlation: None,
             ack: None,
+            reserved: false,
         }
     }
 }

@@ -82,6 +82,7 @@ impl Broker {
             queue_bytes: config.queue_bytes,
             retained_bytes: config.retained_bytes,
             max_away_sessions: config.max_away_sessions,
+            reader_store_backlog: config.reader_store_backlog,
         }));
         let events = Arc::new(ClientEvents::default());
         let mut shared = Shared::new(

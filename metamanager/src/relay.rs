@@ -52,7 +52,9 @@ pub async fn run(
                     continue;
                 }
                 if publisher
-                    .publish_paced(Message::new(entry.topic, entry.payload))
+                    // The rows stay in the outbox until handed over, however many wait, so a
+                    // reader without room is not waited for: it is cut off and resyncs.
+                    .publish_paced(Message::new(entry.topic, entry.payload), || usize::MAX)
                     .await
                     .is_err()
                 {
