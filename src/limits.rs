@@ -1,6 +1,5 @@
-//! File descriptors for the clients the broker admits. A plain TCP client holds four in the
-//! process (its socket, the second handle the node writes through, both ends of the loopback
-//! splice; a TLS client three), so at start the node raises its soft `RLIMIT_NOFILE` to the hard
+//! File descriptors for the clients the broker admits. A client holds one in the process (its
+//! socket, plain or TLS), so at start the node raises its soft `RLIMIT_NOFILE` to the hard
 //! limit, as servers do, and admits no more clients than what is left carries: past it, a
 //! client is refused at CONNECT with a clear reason instead of the listener failing to accept.
 
@@ -9,7 +8,7 @@ use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
 use tracing::{info, warn};
 
 /// Descriptors one client holds at most.
-pub const PER_CLIENT: u64 = 4;
+pub const PER_CLIENT: u64 = 1;
 
 /// Descriptors kept for everything but clients: the store's files on its three connections,
 /// the listeners, the links, the cloud bridge, and the observe and MetaServer connections
@@ -96,7 +95,7 @@ mod tests {
         assert_eq!(clients_carried(RESERVED + PER_CLIENT), 1);
         // A shell's usual soft limit carries a few hundred; the default 10,000 clients need
         // systemd's usual hard limit.
-        assert_eq!(clients_carried(1024), 192);
+        assert_eq!(clients_carried(1024), 768);
         assert!(clients_carried(524_288) >= 10_000);
     }
 }

@@ -1110,8 +1110,7 @@ async fn all_admitted(port: u16, count: usize) -> Vec<Raw> {
 
 #[tokio::test]
 async fn a_low_soft_open_files_limit_is_raised_and_every_client_is_served() {
-    // A soft limit of 64 would not carry the node itself, let alone 30 clients (four
-    // descriptors each).
+    // A soft limit of 64 would not carry the node itself (256 kept), let alone 30 clients.
     let node = with_open_files(64, 4096).await;
     assert_eq!(open_files(node.pid()), ("4096".into(), "4096".into()));
     let _clients = all_admitted(node.port, 30).await;
@@ -1120,24 +1119,24 @@ async fn a_low_soft_open_files_limit_is_raised_and_every_client_is_served() {
     assert!(sent, "{error}");
     assert_eq!(common::sub_output(sub).await, ["fd/served yes"]);
     assert!(!node.log().contains("EM-FRONT-ACCEPT"), "{}", node.log());
-    // What the hard limit carries is what the node admits: (4096 - 256) / 4.
+    // What the hard limit carries is what the node admits: 4096 - 256, one per client.
     let warning = node.await_log("EM-BROKER-FD-LIMIT").await;
     assert!(
-        warning.contains("admitting at most 960 clients"),
+        warning.contains("admitting at most 3840 clients"),
         "{warning}"
     );
 }
 
 #[tokio::test]
 async fn a_hard_open_files_limit_caps_the_clients_admitted_and_says_what_to_raise() {
-    // (300 - 256 kept for the node itself) / 4 per client = 11 of the default 10,000.
-    let node = with_open_files(300, 300).await;
+    // 270 - 256 kept for the node itself, one per client: 14 of the default 10,000.
+    let node = with_open_files(270, 270).await;
     let warning = node.await_log("EM-BROKER-FD-LIMIT").await;
     assert!(
-        warning.contains("admitting at most 11 clients") && warning.contains("LimitNOFILE"),
+        warning.contains("admitting at most 14 clients") && warning.contains("LimitNOFILE"),
         "{warning}"
     );
-    let mut clients = all_admitted(node.port, 11).await;
+    let mut clients = all_admitted(node.port, 14).await;
     // Refused at CONNECT, as at broker.max_connections, not left to a failing accept.
     let refusal = refused(Raw::connect(node.port, "one-too-many", None).await);
     assert_eq!(refusal, "refused: ServiceUnavailable");

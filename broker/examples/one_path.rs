@@ -22,6 +22,7 @@ async fn main() {
         retained_bytes: 16 << 20,
         max_away_sessions: 10_000,
         reader_store_backlog: 1_000,
+        reader_stall: std::time::Duration::from_secs(30),
     }));
     let cancel = CancellationToken::new();
     tokio::spawn(hub.clone().run_timers(cancel.clone()));

@@ -34,6 +34,10 @@ pub struct BrokerConfig {
     /// is waited for, one that stopped holds the others up only this long.
     #[serde(default = "default_reader_store_backlog")]
     pub reader_store_backlog: usize,
+    /// A reader whose queue is full and that took nothing for this many seconds is cut off
+    /// even before `reader_store_backlog` hand-ons wait for it (the traffic stopped first).
+    #[serde(default = "default_subscriber_stall_s")]
+    pub subscriber_stall_s: u64,
     /// Sessions kept for clients that are away (MQTT 5 Session Expiry Interval, or 3.1.1 clean
     /// session 0); past it the one that would expire first ends (`EM-BROKER-SESSIONS-FULL`).
     #[serde(default = "default_max_away_sessions")]
@@ -123,6 +127,9 @@ const fn default_queue_bytes() -> usize {
 const fn default_reader_store_backlog() -> usize {
     1_000
 }
+const fn default_subscriber_stall_s() -> u64 {
+    30
+}
 const fn default_max_away_sessions() -> usize {
     1_000
 }
@@ -143,6 +150,7 @@ impl Default for BrokerConfig {
             connect_timeout_ms: default_connect_timeout_ms(),
             queue_bytes: default_queue_bytes(),
             reader_store_backlog: default_reader_store_backlog(),
+            subscriber_stall_s: default_subscriber_stall_s(),
             max_away_sessions: default_max_away_sessions(),
             retained_bytes: default_retained_bytes(),
             max_subscriptions_per_client: default_max_subscriptions_per_client(),
@@ -165,6 +173,9 @@ impl BrokerConfig {
         }
         if self.listeners.is_empty() {
             return bad("broker.listeners must name at least one listener".into());
+        }
+        if self.subscriber_stall_s == 0 {
+            return bad("broker.subscriber_stall_s must be at least 1".into());
         }
         if self.queue_bytes < 1024 {
             return bad("broker.queue_bytes must be >= 1024".into());

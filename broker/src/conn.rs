@@ -36,6 +36,10 @@ const ALIASES_IN: u16 = 16;
 /// QoS 1 and 2 publishes a client may have unacknowledged at once (the node's Receive
 /// Maximum, §3.2.2.3.3); an MQTT 5 client past it is disconnected with 0x93.
 const RECEIVE_MAX: u16 = 100;
+/// QoS 1 and 2 publishes the node has in flight to one client at most, whatever the client's
+/// Receive Maximum (an MQTT 3.1.1 client has none): what waits beyond them stays in its queue,
+/// which is bounded, rather than in the socket.
+const INFLIGHT_MAX: u16 = 100;
 /// A read buffer larger than this is given back once drained.
 const KEEP_BUFFER: usize = 4096;
 
@@ -286,7 +290,10 @@ pub async fn serve<S>(
     };
     let expiry = Duration::from_secs(u64::from(props.session_expiry_interval.unwrap_or(0)));
     let limits = Limits {
-        receive_maximum: props.receive_maximum.unwrap_or(u16::MAX).max(1),
+        receive_maximum: props
+            .receive_maximum
+            .unwrap_or(u16::MAX)
+            .clamp(1, INFLIGHT_MAX),
         maximum_packet_size: props.max_packet_size,
         topic_alias_maximum: props.topic_alias_max.unwrap_or(0),
         queue_bytes: hub.limits.queue_bytes,
@@ -467,6 +474,7 @@ impl Conn {
         let mut last_heard = Instant::now();
         loop {
             if self.drain_mailbox() {
+                self.room.taken(&shared.hub);
                 shared.hub.room.notify_waiters();
             }
             self.drain_acks();

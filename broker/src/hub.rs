@@ -37,6 +37,15 @@ pub struct Mailroom {
     holder: Mutex<Option<(u64, CancellationToken)>>,
     /// Set when it was cut off for lagging, so the connection says why.
     pub lagged: std::sync::atomic::AtomicBool,
+    /// When its reader last took something (ms on the hub's clock).
+    taken_at: AtomicU64,
+}
+
+impl Mailroom {
+    /// Its reader took something from the queue now.
+    pub fn taken(&self, hub: &Hub) {
+        self.taken_at.store(hub.now_ms(), Ordering::Relaxed);
+    }
 }
 
 impl Mailroom {
@@ -61,6 +70,8 @@ pub struct HubLimits {
     /// Hand-ons the node keeps in its store for connected readers that have no room, before
     /// it cuts those readers off.
     pub reader_store_backlog: usize,
+    /// A reader with no room that took nothing this long is cut off even when fewer wait.
+    pub reader_stall: Duration,
 }
 
 /// Sessions, subscriptions and retained messages, each behind its own short lock; no lock is
@@ -83,6 +94,7 @@ pub struct Hub {
     pub lag_cuts: AtomicU64,
     /// Rung when a connected reader took something from its queue, for paced publishers.
     pub room: Notify,
+    started: Instant,
 }
 
 /// Poisoning only follows a panic elsewhere; the state itself stays consistent per call.
@@ -104,7 +116,19 @@ impl Hub {
             next_link: AtomicU64::new(FIRST_LINK),
             lag_cuts: AtomicU64::new(0),
             room: Notify::new(),
+            started: Instant::now(),
         }
+    }
+
+    /// Milliseconds since the hub started.
+    pub fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    /// Whether `room`'s reader has taken nothing for [`HubLimits::reader_stall`].
+    pub fn stalled(&self, room: &Mailroom) -> bool {
+        let taken = room.taken_at.load(Ordering::Relaxed);
+        self.now_ms().saturating_sub(taken) >= self.limits.reader_stall.as_millis() as u64
     }
 
     /// The connected readers that have no room now for a message of `weight` bytes on
@@ -161,7 +185,7 @@ impl Hub {
     }
 
     /// Cuts off the reader of `room` (it resyncs when it comes back); nobody else waits for it.
-    pub fn cut_off(&self, room: &Mailroom) {
+    pub fn cut_off(&self, room: &Mailroom, reason: &'static str) {
         let Some((_, holder)) = lock(&room.holder).take() else {
             return;
         };
@@ -171,7 +195,7 @@ impl Hub {
         warn!(
             error_code = "EM-BROKER-SUBSCRIBER-LAG",
             client_id = %room.client_id,
-            reason = "fell a whole queue behind",
+            reason,
             queue_bytes = self.limits.queue_bytes,
             cut,
             "subscriber disconnected; it resyncs when it reconnects"
@@ -236,11 +260,13 @@ impl Hub {
                     ready: Notify::new(),
                     holder: Mutex::new(None),
                     lagged: std::sync::atomic::AtomicBool::new(false),
+                    taken_at: AtomicU64::new(self.now_ms()),
                 })
             })
             .clone();
         room.lagged
             .store(false, std::sync::atomic::Ordering::Relaxed);
+        room.taken(self);
         *lock(&room.holder) = Some((connected.connection, token.clone()));
         (connected, room)
     }
@@ -388,7 +414,7 @@ impl Hub {
                     // A connected reader a whole queue behind is cut off (it resyncs when it
                     // comes back); nobody else waits for it. A session away only drops.
                     if lock(&room.holder).is_some() {
-                        self.cut_off(room);
+                        self.cut_off(room, "fell a whole queue behind");
                         continue;
                     }
                     warn!(error_code = "EM-BROKER-QUEUE-FULL", client_id = %room.client_id,

@@ -82,7 +82,8 @@ impl Publisher {
     /// waits, what follows waits in the store: `behind` says how many messages. Once
     /// [`HubLimits::reader_store_backlog`](crate::HubLimits) more wait than when it began, the
     /// readers without room are cut off (they resync when they come back) and it is published:
-    /// one reader that stopped holds the others up only that long, cut by a bound, not a timer.
+    /// one reader that stopped holds the others up only that long. If the traffic stops before
+    /// that, a reader that took nothing for [`HubLimits::reader_stall`](crate::HubLimits) is.
     pub async fn publish_paced(
         &self,
         message: Message,
@@ -102,11 +103,21 @@ impl Publisher {
                     message.reserved = true;
                     break;
                 }
+                let blocking = hub.blocking(&topic, weight);
                 if behind().saturating_sub(start) > hub.limits.reader_store_backlog {
-                    for reader in hub.blocking(&topic, weight) {
-                        hub.cut_off(&reader);
+                    for reader in &blocking {
+                        hub.cut_off(reader, "fell a whole queue and the store's backlog behind");
                     }
                     break;
+                }
+                // When the traffic stops before that many wait, a reader that took nothing
+                // for the stall time is cut instead, so the others get the burst's tail.
+                let stalled: Vec<_> = blocking.iter().filter(|r| hub.stalled(r)).collect();
+                if !stalled.is_empty() {
+                    for reader in stalled {
+                        hub.cut_off(reader, "stopped reading");
+                    }
+                    continue;
                 }
                 let _ = tokio::time::timeout(RECHECK, room).await;
             }

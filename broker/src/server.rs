@@ -83,6 +83,7 @@ impl Broker {
             retained_bytes: config.retained_bytes,
             max_away_sessions: config.max_away_sessions,
             reader_store_backlog: config.reader_store_backlog,
+            reader_stall: Duration::from_secs(config.subscriber_stall_s),
         }));
         let events = Arc::new(ClientEvents::default());
         let mut shared = Shared::new(

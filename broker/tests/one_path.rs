@@ -21,6 +21,7 @@ async fn start() -> (u16, Arc<Hub>, CancellationToken) {
         retained_bytes: 1 << 20,
         max_away_sessions: 10_000,
         reader_store_backlog: 1_000,
+        reader_stall: std::time::Duration::from_secs(30),
     }));
     let cancel = CancellationToken::new();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -233,6 +234,7 @@ async fn a_reader_a_whole_queue_behind_is_cut_off_and_the_others_get_everything(
         retained_bytes: 1 << 20,
         max_away_sessions: 10_000,
         reader_store_backlog: 1_000,
+        reader_stall: std::time::Duration::from_secs(30),
     }));
     let cancel = CancellationToken::new();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
