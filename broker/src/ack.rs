@@ -17,6 +17,9 @@ pub enum AckKind {
     PubRec,
 }
 
+/// Where a connection's task reads the acknowledgements released to it.
+pub(crate) type Released = mpsc::UnboundedReceiver<(AckKind, u16)>;
+
 /// One connection's released acknowledgements, and when it was last acknowledged.
 #[derive(Debug)]
 pub(crate) struct Acks {
@@ -29,7 +32,7 @@ pub(crate) struct Acks {
 
 impl Acks {
     /// A connection's queue; its task reads the receiver.
-    pub(crate) fn new() -> (Arc<Acks>, mpsc::UnboundedReceiver<(AckKind, u16)>) {
+    pub(crate) fn new() -> (Arc<Acks>, Released) {
         let (released, rx) = mpsc::unbounded_channel();
         let acks = Acks {
             released,

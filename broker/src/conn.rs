@@ -16,11 +16,10 @@ use rumqttc::v5::mqttbytes::v5::{
 };
 use rumqttc::v5::mqttbytes::QoS;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::ack::{Ack, AckKind, Acks};
+use crate::ack::{Ack, AckKind, Acks, Released};
 use crate::dollar::to_broker;
 use crate::events::ClientEvents;
 use crate::hub::{hand_to_links, Hub, Mailroom};
@@ -168,7 +167,7 @@ struct Conn {
     /// Subscriptions held, against `broker.max_subscriptions_per_client`.
     subscriptions: HashSet<String>,
     /// Acknowledgements modules release; made at the first publish one consumes.
-    acks: Option<(Arc<Acks>, mpsc::UnboundedReceiver<(AckKind, u16)>)>,
+    acks: Option<(Arc<Acks>, Released)>,
     out: BytesMut,
 }
 
