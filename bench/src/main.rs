@@ -102,6 +102,7 @@ struct Args {
     connection_count: Option<usize>,
     /// With `--connections`: load the broker already serving at this address (host:port) in
     /// edgemeta's column instead of a node the bench starts; mosquitto still runs beside it.
+    /// Start it afresh for each run: memory it kept from earlier clients hides new ones' cost.
     #[arg(long, requires = "connection_pid")]
     connection_target: Option<String>,
     /// With `--connection-target`: the process whose RSS is read.
