@@ -12,6 +12,7 @@ use serde_json::json;
 use tokio::sync::mpsc;
 
 mod burst;
+mod connections;
 mod devices;
 mod metaserver;
 
@@ -92,6 +93,21 @@ struct Args {
     /// 1,000 changes/s with 10 watches open, and the node's RSS with them.
     #[arg(long)]
     metaserver: bool,
+    /// Only the connections row: 10,000 MQTT 3.1.1 clients (200 with --quick) connect with
+    /// keep-alive 60, subscribe to a QoS 1 topic each and get one message each.
+    #[arg(long)]
+    connections: bool,
+    /// With the connections row: this many clients instead.
+    #[arg(long)]
+    connection_count: Option<usize>,
+    /// With `--connections`: load the broker already serving at this address (host:port) in
+    /// edgemeta's column instead of a node the bench starts; mosquitto still runs beside it.
+    /// Start it afresh for each run: memory it kept from earlier clients hides new ones' cost.
+    #[arg(long, requires = "connection_pid")]
+    connection_target: Option<String>,
+    /// With `--connection-target`: the process whose RSS is read.
+    #[arg(long, requires = "connection_target")]
+    connection_pid: Option<u32>,
     /// Internal: run as the devices row's pass-through responder against a mosquitto on this
     /// port.
     #[arg(long, hide = true)]
@@ -210,6 +226,13 @@ async fn main() -> anyhow::Result<()> {
     if args.metaserver {
         metaserver::metaserver(&args, &mut rows).await?;
         return print_rows(rows);
+    }
+    if args.connections {
+        connections::connections(&args, &mut rows).await?;
+        return print_rows(rows);
+    }
+    if args.connection_target.is_some() {
+        bail!("--connection-target is for --connections only");
     }
 
     let mosquitto = Server::mosquitto(&args.mosquitto, dir.path()).await?;
@@ -378,6 +401,7 @@ async fn main() -> anyhow::Result<()> {
     backlog(&args, &sizes, &mut rows).await?;
     edged_start(&args, &mut rows).await?;
     devices::devices(&args, &mut rows).await?;
+    connections::connections(&args, &mut rows).await?;
     drop(mosquitto);
     print_rows(rows)
 }
@@ -1020,13 +1044,25 @@ impl Server {
         port: u16,
         extra: &str,
     ) -> anyhow::Result<Server> {
+        Server::mosquitto_limited(binary, dir, name, port, extra, None).await
+    }
+
+    /// [`Server::mosquitto_with`] under an open-files limit of `open_files` (see [`limited`]).
+    async fn mosquitto_limited(
+        binary: &Path,
+        dir: &Path,
+        name: &str,
+        port: u16,
+        extra: &str,
+        open_files: Option<u64>,
+    ) -> anyhow::Result<Server> {
         let conf = dir.join(format!("{name}.conf"));
         std::fs::write(&conf, format!("listener {port} 127.0.0.1\nallow_anonymous true\nmax_queued_messages 0\nmax_inflight_messages 100\n{extra}"))?;
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(dir.join(format!("{name}.log")))?;
-        let child = Command::new(binary)
+        let child = limited(binary, open_files)
             .arg("-c")
             .arg(&conf)
             .stdout(log.try_clone()?)
@@ -1043,12 +1079,23 @@ impl Server {
 
     /// edgemeta with `extra` YAML sections appended to its configuration.
     async fn edgemeta_with(binary: &Path, dir: &Path, extra: &str) -> anyhow::Result<Server> {
+        Server::edgemeta_broker(binary, dir, "", extra).await
+    }
+
+    /// edgemeta with `broker` lines (indented keys) added to its `broker` section and `extra`
+    /// sections appended.
+    async fn edgemeta_broker(
+        binary: &Path,
+        dir: &Path,
+        broker: &str,
+        extra: &str,
+    ) -> anyhow::Result<Server> {
         let port = free_port()?;
         let conf = dir.join("edge.yaml");
         // The observe endpoints stay on, as by default, on a port of their own.
         let observe = free_port()?;
         let metaserver = free_port()?;
-        std::fs::write(&conf, format!("broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\nstore:\n  path: {}\nobserve:\n  address: 127.0.0.1:{observe}\nmetaserver:\n  address: 127.0.0.1:{metaserver}\n{extra}", dir.join("bench.db").display()))?;
+        std::fs::write(&conf, format!("broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\n{broker}store:\n  path: {}\nobserve:\n  address: 127.0.0.1:{observe}\nmetaserver:\n  address: 127.0.0.1:{metaserver}\n{extra}", dir.join("bench.db").display()))?;
         let log_path = dir.join("edgemeta.log");
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -1163,6 +1210,23 @@ impl Drop for Server {
             }
         }
     }
+}
+
+/// A command for `binary`, run with `open_files` as its soft and hard open-files limit when
+/// given: set by bash's `ulimit` before it execs the binary (same pid), as the bench has no
+/// `setrlimit` of its own. Beyond the hard limit this needs CAP_SYS_RESOURCE.
+fn limited(binary: &Path, open_files: Option<u64>) -> Command {
+    let Some(files) = open_files else {
+        return Command::new(binary);
+    };
+    let mut command = Command::new("bash");
+    command
+        .arg("-c")
+        .arg(r#"ulimit -n "$1" && shift && exec "$@""#)
+        .arg("bash")
+        .arg(files.to_string())
+        .arg(binary);
+    command
 }
 
 fn free_port() -> anyhow::Result<u16> {
