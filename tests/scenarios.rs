@@ -104,8 +104,8 @@ impl Scene {
         let before = count(self.node.log());
         self.send("edgehub", "connect", "node/connection", json!(state))
             .await;
-        // Not waiting for the bus's own copy of the signal: the node's answers to it are
-        // written by the front (protocol §6.11) and may arrive first, and would be skipped.
+        // Not waiting for the bus's own copy of the signal: the node's answers to it come from
+        // another publisher (the node) and may arrive first, and would be skipped.
         // The signal and the next request travel on different topics; let it land first.
         wait_until(format_args!("{taken:?} logged"), WAIT, || {
             std::future::ready(count(self.node.log()) > before)
