@@ -38,8 +38,9 @@ pub struct BrokerConfig {
     /// even before `reader_store_backlog` hand-ons wait for it (the traffic stopped first).
     #[serde(default = "default_subscriber_stall_s")]
     pub subscriber_stall_s: u64,
-    /// Sessions kept for clients that are away (MQTT 5 Session Expiry Interval, or 3.1.1 clean
-    /// session 0); past it the one that would expire first ends (`EM-BROKER-SESSIONS-FULL`).
+    /// Sessions kept for clients that are away (MQTT 5 Session Expiry Interval, or 3.1.1's
+    /// clean session flag 0); past it the one that would expire first ends
+    /// (`EM-BROKER-SESSIONS-FULL`).
     #[serde(default = "default_max_away_sessions")]
     pub max_away_sessions: usize,
     /// Bytes of retained messages kept in all; a retained message past it is not kept

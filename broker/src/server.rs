@@ -46,7 +46,7 @@ impl BrokerStats {
         self.shared.hub.lag_cuts.load(Ordering::Relaxed)
     }
 
-    /// Sessions held, connected or not (MQTT 5 Session Expiry, 3.1.1 clean session 0).
+    /// Sessions held, connected or not (MQTT 5 Session Expiry, 3.1.1 clean session flag 0).
     pub fn sessions(&self) -> u64 {
         self.shared.hub.sessions() as u64
     }
