@@ -413,3 +413,87 @@ async fn a_stalled_qos1_subscriber_is_cut_off_with_an_error_code_never_handed_a_
     listed_sorted.sort();
     assert_eq!(listed_sorted, names, "the re-list misses pods");
 }
+
+/// The node's `edgemeta_broker_sessions` now.
+async fn sessions_held(node: &Node) -> u64 {
+    let (status, body) = common::http_get(node.observe_port, "/metrics").await;
+    assert_eq!(status, 200, "{body}");
+    body.lines()
+        .find_map(|line| line.strip_prefix("edgemeta_broker_sessions "))
+        .and_then(|value| value.trim().parse::<f64>().ok())
+        .map_or_else(
+            || panic!("no edgemeta_broker_sessions in:\n{body}"),
+            |v| v as u64,
+        )
+}
+
+/// A device that starts each boot with a fresh session but keeps it while it sleeps (MQTT 5.0
+/// §3.1.2.4 Clean Start 1, §3.1.2.11.2 Session Expiry Interval), with the command-line client:
+/// `mosquitto_sub -V 5 -x 60` subscribes and leaves, 500 QoS 1 messages are published while it
+/// is away, and `mosquitto_sub -V 5 -c -x 60` gets all 500, in order.
+#[tokio::test]
+async fn a_v5_session_with_an_expiry_keeps_what_was_published_while_its_client_was_away() {
+    const AWAY: usize = 500;
+    let node = Node::start().await;
+    let port = node.port.to_string();
+    let id = unique_id("sleepy");
+    let topic = format!("sleepy/{id}");
+    let base = [
+        "-h",
+        "127.0.0.1",
+        "-p",
+        &port,
+        "-V",
+        "5",
+        "-q",
+        "1",
+        "-i",
+        &id,
+        "-t",
+        &topic,
+        "-x",
+        "60",
+    ];
+    let held = sessions_held(&node).await;
+    // -E: leaves once its subscription is acknowledged.
+    let (status, _) = common::MosquittoSub::start(&[&base[..], &["-E"]].concat())
+        .await
+        .output()
+        .await;
+    assert!(status.success(), "the first connection ended cleanly");
+    assert_eq!(
+        sessions_held(&node).await,
+        held + 1,
+        "the session is kept while away"
+    );
+
+    let publisher = node.client().await;
+    for n in 0..AWAY {
+        publisher.publish(&topic, n.to_string()).await;
+    }
+    let wait = WAIT.as_secs().to_string();
+    let count = AWAY.to_string();
+    let back: Vec<String> = [&base[..], &["-c", "-C", &count, "-W", &wait]]
+        .concat()
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+    // Run whole: what the kept session is owed arrives before its new SUBACK.
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("mosquitto_sub")
+            .args(&back)
+            .output()
+            .expect("mosquitto_sub is installed (scripts/test installs it)")
+    })
+    .await
+    .expect("mosquitto_sub ran");
+    let got: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    let wanted: Vec<String> = (0..AWAY).map(|n| n.to_string()).collect();
+    assert_eq!(
+        got, wanted,
+        "everything published while it was away, in order"
+    );
+}
