@@ -131,9 +131,9 @@ impl Hub {
         self.now_ms().saturating_sub(taken) >= self.limits.reader_stall.as_millis() as u64
     }
 
-    /// The connected readers that have no room now for a message of `weight` bytes on
-    /// `topic` (the node's modules and sessions away are never waited for).
-    pub fn blocking(&self, topic: &str, weight: usize) -> Vec<Arc<Mailroom>> {
+    /// The connected readers `topic` reaches, with the QoS each gets (the node's modules,
+    /// sessions away and readers already cut off are not among them).
+    fn readers(&self, topic: &str) -> Vec<(Arc<Mailroom>, u8)> {
         let deliveries = self
             .index
             .read()
@@ -142,32 +142,27 @@ impl Hub {
         let rooms = lock(&self.rooms);
         deliveries
             .iter()
-            .filter_map(|d| rooms.get(&d.session).map(|room| (room, d.qos)))
-            .filter(|(room, qos)| {
-                !room.lagged.load(Ordering::Relaxed)
-                    && lock(&room.holder).is_some()
-                    && !lock(&room.mailbox).has_room(weight, *qos)
+            .filter_map(|d| rooms.get(&d.session).map(|room| (room.clone(), d.qos)))
+            .filter(|(room, _)| {
+                !room.lagged.load(Ordering::Relaxed) && lock(&room.holder).is_some()
             })
-            .map(|(room, _)| room.clone())
+            .collect()
+    }
+
+    /// The connected readers that have no room now for a message of `weight` bytes on
+    /// `topic`: those a paced publisher waits for.
+    pub fn blocking(&self, topic: &str, weight: usize) -> Vec<Arc<Mailroom>> {
+        self.readers(topic)
+            .into_iter()
+            .filter(|(room, qos)| !lock(&room.mailbox).has_room(weight, *qos))
+            .map(|(room, _)| room)
             .collect()
     }
 
     /// Promises room for a message of `weight` bytes on `topic` in every connected reader's
     /// queue if each has it now; false promises nothing.
     pub fn reserve(&self, topic: &str, weight: usize) -> bool {
-        let deliveries = self
-            .index
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .route(topic, None, 2, false);
-        let rooms = lock(&self.rooms);
-        let readers: Vec<(&Arc<Mailroom>, u8)> = deliveries
-            .iter()
-            .filter_map(|d| rooms.get(&d.session).map(|room| (room, d.qos)))
-            .filter(|(room, _)| {
-                !room.lagged.load(Ordering::Relaxed) && lock(&room.holder).is_some()
-            })
-            .collect();
+        let readers = self.readers(topic);
         let mut boxes: Vec<_> = readers
             .iter()
             .map(|(room, qos)| (lock(&room.mailbox), *qos))
