@@ -22,7 +22,7 @@ use tracing::{debug, warn};
 use crate::ack::{Ack, AckKind, Acks, Released};
 use crate::dollar::to_broker;
 use crate::events::ClientEvents;
-use crate::hub::{hand_to_links, Hub, Mailroom};
+use crate::hub::{hand_to_links, ForLinks, Hub, Mailroom};
 use crate::index::{valid_topic, Options, RetainHandling, SessionId};
 use crate::mailbox::{Limits, Outgoing, Published, Resend};
 use crate::registry::Will;
@@ -139,6 +139,14 @@ enum End {
     Refused(DisconnectReasonCode),
 }
 
+/// What a packet from the client leaves to do.
+enum Step {
+    /// The connection ends.
+    End(End),
+    /// A publish waits for room in a module's inbox; then its acknowledgement is settled.
+    Wait(ForLinks, Option<(AckKind, u16, Ack)>),
+}
+
 /// What woke a connection's task.
 enum Woke {
     Cut,
@@ -171,7 +179,10 @@ struct Conn {
     out: BytesMut,
 }
 
-/// Serves one client until it leaves, breaks the protocol, or `cancel` fires. `certified` is
+/// Serves one client until it leaves, breaks the protocol, or `cancel` fires. Futures it awaits
+/// only now and then (the CONNECT, a login, a cut, a wait for a module) are boxed: a task is as
+/// large as its future, and an idle connection is mostly its task.
+/// `certified` is
 /// the name its TLS client certificate proved, if any: its identity, whatever login it sends.
 pub async fn serve<S>(
     mut stream: S,
@@ -186,21 +197,89 @@ pub async fn serve<S>(
         shared.open.fetch_sub(1, Ordering::Relaxed);
     });
     let mut buf = BytesMut::new();
+    // The CONNECT and what it decides, boxed: its locals are gone before the long wait below.
+    let Some(opened) = Box::pin(open(&mut stream, &mut buf, certified, &shared, &cancel)).await
+    else {
+        return;
+    };
+    let Opened {
+        mut conn,
+        will,
+        expiry,
+        keep_alive,
+        token,
+        announced,
+        admitted,
+    } = opened;
+    let end = conn
+        .run(&mut stream, &mut buf, &shared, &token, &cancel, keep_alive)
+        .await;
+    drop(admitted);
+    let (will, expiry_now) = match end {
+        End::Normal { expiry } => (None, expiry),
+        End::WithWill { expiry } => (will, expiry),
+        End::Lost | End::Refused(_) => (will, None),
+        End::Cut => (will, Some(0)),
+    };
+    let expiry = expiry_now.map_or(expiry, |s| Duration::from_secs(s.into()));
+    conn.room.release(conn.connection);
+    shared
+        .hub
+        .disconnect(&conn.client_id, conn.connection, will, expiry);
+    if let (Some(events), Some(number)) = (&shared.events, announced) {
+        events.ended(&conn.client_id, number);
+    }
+}
+
+/// What a CONNECT opened: the connection's state and what its end needs.
+struct Opened<'a> {
+    conn: Conn,
+    will: Option<Will>,
+    /// The Session Expiry Interval the CONNECT asked for.
+    expiry: Duration,
+    keep_alive: Duration,
+    token: CancellationToken,
+    /// Its connection event's number, to announce its end.
+    announced: Option<u64>,
+    admitted: Admitted<'a>,
+}
+
+/// A client counted against `max_connections`, until dropped.
+struct Admitted<'a>(&'a Shared);
+
+impl Drop for Admitted<'_> {
+    fn drop(&mut self) {
+        self.0.admitted.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Reads the CONNECT and answers it: refused (client id, limit, login), or the session it
+/// starts or resumes with its CONNACK and what it is owed written to `conn.out`.
+async fn open<'a, S>(
+    stream: &mut S,
+    buf: &mut BytesMut,
+    certified: Option<String>,
+    shared: &'a Shared,
+    cancel: &CancellationToken,
+) -> Option<Opened<'a>>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
     let first = tokio::time::timeout(
         shared.connect_within,
-        first_packet(&mut stream, &mut buf, shared.max_packet),
+        Box::pin(first_packet(&mut *stream, buf, shared.max_packet)),
     )
     .await;
     let (wire, connect) = match first {
         Ok(Ok(Some(first))) => first,
         Ok(Err(e)) => {
             debug!(error = %e, "connection closed before a valid CONNECT");
-            return;
+            return None;
         }
-        _ => return,
+        _ => return None,
     };
     let Packet::Connect(connect, will, login) = connect else {
-        return;
+        return None;
     };
     let refuse = |code: ConnectReturnCode| {
         let mut out = BytesMut::new();
@@ -217,7 +296,7 @@ pub async fn serve<S>(
         let _ = stream
             .write_all(&refuse(ConnectReturnCode::ClientIdentifierNotValid))
             .await;
-        return;
+        return None;
     }
     if !shared.admit() {
         warn!(error_code = "EM-BROKER-CONNECTION-LIMIT", client_id = %connect.client_id, "refused a client: broker.max_connections reached");
@@ -227,12 +306,10 @@ pub async fn serve<S>(
             ConnectReturnCode::ServerUnavailable
         };
         let _ = stream.write_all(&refuse(code)).await;
-        linger(&mut stream).await;
-        return;
+        Box::pin(linger(&mut *stream)).await;
+        return None;
     }
-    let _admitted = Defer(|| {
-        shared.admitted.fetch_sub(1, Ordering::AcqRel);
-    });
+    let admitted = Admitted(shared);
     let username = certified.clone().or_else(|| {
         login
             .as_ref()
@@ -244,9 +321,11 @@ pub async fn serve<S>(
         let (user, password) = login.map(|l| (l.username, l.password)).unwrap_or_default();
         // argon2 is slow on purpose: keep it off the async workers.
         let checked = user.clone();
-        let ok = tokio::task::spawn_blocking(move || policy.check_login(&checked, &password))
-            .await
-            .unwrap_or(false);
+        let ok = Box::pin(tokio::task::spawn_blocking(move || {
+            policy.check_login(&checked, &password)
+        }))
+        .await
+        .unwrap_or(false);
         if !ok {
             warn!(error_code = "EM-AUTH-REFUSED", client_id = %connect.client_id, username = %user, "login refused");
             let code = if user.is_empty() {
@@ -255,7 +334,7 @@ pub async fn serve<S>(
                 ConnectReturnCode::BadUserNamePassword
             };
             let _ = stream.write_all(&refuse(code)).await;
-            return;
+            return None;
         }
     }
     // A username nobody checked (no users configured) is only a claim: such a client is
@@ -276,7 +355,7 @@ pub async fn serve<S>(
             let _ = stream
                 .write_all(&refuse(ConnectReturnCode::ClientIdentifierNotValid))
                 .await;
-            return;
+            return None;
         }
         let id = format!(
             "{RESERVED_CLIENT_PREFIX}assigned-{}",
@@ -396,21 +475,15 @@ pub async fn serve<S>(
     let announced = shared.events.as_ref().map(|e| e.connected(&conn.client_id));
 
     let keep_alive = Duration::from_secs(u64::from(connect.keep_alive));
-    let end = conn
-        .run(&mut stream, &mut buf, &shared, &token, &cancel, keep_alive)
-        .await;
-    let (will, expiry_now) = match end {
-        End::Normal { expiry } => (None, expiry),
-        End::WithWill { expiry } => (will, expiry),
-        End::Lost | End::Refused(_) => (will, None),
-        End::Cut => (will, Some(0)),
-    };
-    let expiry = expiry_now.map_or(expiry, |s| Duration::from_secs(s.into()));
-    conn.room.release(conn.connection);
-    hub.disconnect(&conn.client_id, conn.connection, will, expiry);
-    if let (Some(events), Some(number)) = (&shared.events, announced) {
-        events.ended(&conn.client_id, number);
-    }
+    Some(Opened {
+        conn,
+        will,
+        expiry,
+        keep_alive,
+        token,
+        announced,
+        admitted,
+    })
 }
 
 /// Runs a closure when dropped: a count given back however the connection ends.
@@ -484,7 +557,7 @@ impl Conn {
                     written = stream.write_all(&self.out) => if written.is_err() {
                         return End::Lost;
                     },
-                    _ = token.cancelled() => return self.cut(stream, node).await,
+                    _ = token.cancelled() => return Box::pin(self.cut(stream, node)).await,
                 }
                 self.out.clear();
                 if self.out.capacity() > KEEP_BUFFER {
@@ -516,7 +589,7 @@ impl Conn {
                 }
             };
             match woke {
-                Woke::Cut => return self.cut(stream, node).await,
+                Woke::Cut => return Box::pin(self.cut(stream, node)).await,
                 Woke::Mail => {}
                 Woke::Acked(released) => self.acked(released),
                 Woke::Silent | Woke::Read(false) => return End::Lost,
@@ -529,7 +602,22 @@ impl Conn {
                     loop {
                         match self.wire.read(buf, shared.max_packet) {
                             Ok(Some(packet)) => {
-                                if let Some(end) = self.handle(packet, shared).await {
+                                let end = match self.handle(packet, shared) {
+                                    None => None,
+                                    Some(Step::End(end)) => Some(end),
+                                    Some(Step::Wait(waiting, owed)) => {
+                                        // A module's inbox is full: this client waits (its
+                                        // bytes stay in its socket) while the others go on
+                                        // (protocol §6.10).
+                                        shared.paused.fetch_add(1, Ordering::Relaxed);
+                                        shared.pauses.fetch_add(1, Ordering::Relaxed);
+                                        Box::pin(hand_to_links(waiting)).await;
+                                        shared.paused.fetch_sub(1, Ordering::Relaxed);
+                                        self.settle(owed);
+                                        None
+                                    }
+                                };
+                                if let Some(end) = end {
                                     if let End::Refused(reason) = end {
                                         let bye = Disconnect::new(reason);
                                         if self.wire == Wire::V5 {
@@ -538,7 +626,7 @@ impl Conn {
                                     }
                                     let _ = stream.write_all(&self.out).await;
                                     if matches!(end, End::Refused(_)) {
-                                        linger(stream).await;
+                                        Box::pin(linger(stream)).await;
                                     }
                                     return end;
                                 }
@@ -592,7 +680,7 @@ impl Conn {
             }
         }
         if lagged {
-            linger(stream).await;
+            Box::pin(linger(stream)).await;
             // What did not fit is gone: the session ends, so the client resyncs (its next
             // CONNECT finds no session present) and is never handed a gap.
             return End::Cut;
@@ -624,10 +712,10 @@ impl Conn {
     }
 
     /// One packet from the client; Some when the connection ends.
-    async fn handle(&mut self, packet: Packet, shared: &Shared) -> Option<End> {
+    fn handle(&mut self, packet: Packet, shared: &Shared) -> Option<Step> {
         let hub = &*shared.hub;
         match packet {
-            Packet::Publish(publish) => return self.inbound(publish, shared).await,
+            Packet::Publish(publish) => return self.inbound(publish, shared),
             Packet::PubRel(rel) => {
                 self.qos2_in.remove(&rel.pkid);
                 self.send(Packet::PubComp(PubComp::new(rel.pkid, None)));
@@ -735,14 +823,14 @@ impl Conn {
             Packet::PingReq(_) => self.send(Packet::PingResp(rumqttc::v5::mqttbytes::v5::PingResp)),
             Packet::Disconnect(d) => {
                 let expiry = d.properties.and_then(|p| p.session_expiry_interval);
-                return Some(match d.reason_code {
+                return Some(Step::End(match d.reason_code {
                     DisconnectReasonCode::DisconnectWithWillMessage => End::WithWill { expiry },
                     DisconnectReasonCode::NormalDisconnection => End::Normal { expiry },
                     _ => End::WithWill { expiry },
-                });
+                }));
             }
             // A second CONNECT, or a server's packet from a client (§3.1.0-2): protocol error.
-            _ => return Some(End::Refused(DisconnectReasonCode::ProtocolError)),
+            _ => return Some(Step::End(End::Refused(DisconnectReasonCode::ProtocolError))),
         }
         None
     }
@@ -764,17 +852,21 @@ impl Conn {
 
     /// A client's PUBLISH: alias resolved, vetted, routed, acknowledged (§4.3); what a module
     /// consumes is acknowledged once the module is done with it (protocol §6.5).
-    async fn inbound(&mut self, mut publish: Publish, shared: &Shared) -> Option<End> {
+    fn inbound(&mut self, mut publish: Publish, shared: &Shared) -> Option<Step> {
         let mut properties = publish.properties.take();
         if let Some(alias) = properties.as_mut().and_then(|p| p.topic_alias.take()) {
             // §3.3.2.3.4: 0 or above the maximum the node gave is a Topic Alias invalid.
             if alias == 0 || alias > ALIASES_IN {
-                return Some(End::Refused(DisconnectReasonCode::TopicAliasInvalid));
+                return Some(Step::End(End::Refused(
+                    DisconnectReasonCode::TopicAliasInvalid,
+                )));
             }
             if publish.topic.is_empty() {
                 match self.aliases_in.get(&alias) {
                     Some(topic) => publish.topic = topic.clone(),
-                    None => return Some(End::Refused(DisconnectReasonCode::ProtocolError)),
+                    None => {
+                        return Some(Step::End(End::Refused(DisconnectReasonCode::ProtocolError)))
+                    }
                 }
             } else {
                 self.aliases_in.insert(alias, publish.topic.clone());
@@ -782,7 +874,9 @@ impl Conn {
         }
         let topic = String::from_utf8_lossy(&publish.topic).into_owned();
         if !valid_topic(&topic) {
-            return Some(End::Refused(DisconnectReasonCode::TopicNameInvalid));
+            return Some(Step::End(End::Refused(
+                DisconnectReasonCode::TopicNameInvalid,
+            )));
         }
         let qos = qos_num(publish.qos);
         if qos == 2 && self.qos2_in.contains(&publish.pkid) {
@@ -812,7 +906,9 @@ impl Conn {
         if qos == 2 {
             self.qos2_in.insert(publish.pkid);
             if self.qos2_in.len() > usize::from(RECEIVE_MAX) && self.wire == Wire::V5 {
-                return Some(End::Refused(DisconnectReasonCode::ReceiveMaximumExceeded));
+                return Some(Step::End(End::Refused(
+                    DisconnectReasonCode::ReceiveMaximumExceeded,
+                )));
             }
         }
         let expiry = properties
@@ -842,24 +938,26 @@ impl Conn {
             publish.retain,
             ack.as_ref(),
         );
+        let owed = kind.zip(ack).map(|(kind, ack)| (kind, publish.pkid, ack));
         if !waiting.is_empty() {
-            // A module's inbox is full: this client waits (its bytes stay in its socket) while
-            // the others go on (protocol §6.10).
-            shared.paused.fetch_add(1, Ordering::Relaxed);
-            shared.pauses.fetch_add(1, Ordering::Relaxed);
-            hand_to_links(waiting).await;
-            shared.paused.fetch_sub(1, Ordering::Relaxed);
+            return Some(Step::Wait(waiting, owed));
         }
-        if let (Some(kind), Some(ack)) = (kind, ack) {
-            if ack.sole() {
-                // No module took it: acknowledged now, as a broker does.
-                ack.abandon();
-                self.acked((kind, publish.pkid));
-            } else if kind == AckKind::PubRec {
-                self.qos2_held.insert(publish.pkid);
-            }
-        }
+        self.settle(owed);
         None
+    }
+
+    /// After a publish was handed on: its acknowledgement now if no module took it, as a
+    /// broker does; else the module's commit releases it.
+    fn settle(&mut self, owed: Option<(AckKind, u16, Ack)>) {
+        let Some((kind, pkid, ack)) = owed else {
+            return;
+        };
+        if ack.sole() {
+            ack.abandon();
+            self.acked((kind, pkid));
+        } else if kind == AckKind::PubRec {
+            self.qos2_held.insert(pkid);
+        }
     }
 
     /// A promise to acknowledge `pkid`, released to this connection's queue.

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -247,19 +247,21 @@ impl Accept {
             if self.low_latency {
                 let _ = stream.set_nodelay(true);
             }
-            tokio::spawn(self.serve(stream));
-        }
-    }
-
-    fn serve(&self, stream: TcpStream) -> impl std::future::Future<Output = ()> + Send + 'static {
-        let (tls, shared, cancel) = (self.tls.clone(), self.shared.clone(), self.cancel.clone());
-        async move {
-            match tls {
-                None => serve(stream, None, shared, cancel).await,
-                Some(tls) => match tls.accept(stream, shared.connect_within).await {
-                    Ok((stream, name)) => serve(stream, name, shared, cancel).await,
-                    Err(e) => debug!(error = %e, "TLS connection refused"),
-                },
+            let (shared, cancel) = (self.shared.clone(), self.cancel.clone());
+            // Two spawns, not one future with both arms: a task is as large as its future, and
+            // the TLS arm (rustls' connection state inline) would make every plain one pay it.
+            match self.tls.clone() {
+                None => {
+                    tokio::spawn(serve(stream, None, shared, cancel));
+                }
+                Some(tls) => {
+                    tokio::spawn(async move {
+                        match tls.accept(stream, shared.connect_within).await {
+                            Ok((stream, name)) => serve(stream, name, shared, cancel).await,
+                            Err(e) => debug!(error = %e, "TLS connection refused"),
+                        }
+                    });
+                }
             }
         }
     }
