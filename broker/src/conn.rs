@@ -145,6 +145,8 @@ enum Step {
     End(End),
     /// A publish waits for room in a module's inbox; then its acknowledgement is settled.
     Wait(ForLinks, Option<(AckKind, u16, Ack)>),
+    /// A publish nobody subscribes to: routed once more after the other connections ran.
+    Unheard(Arc<Published>, u8, Option<(AckKind, u16, Ack)>),
 }
 
 /// What woke a connection's task.
@@ -595,10 +597,6 @@ impl Conn {
                 Woke::Silent | Woke::Read(false) => return End::Lost,
                 Woke::Read(true) => {
                     last_heard = Instant::now();
-                    // Tasks woken together run last-woken first (tokio's LIFO slot); going to
-                    // the back of the queue once lets a packet that arrived earlier on another
-                    // connection (a SUBSCRIBE before this PUBLISH) be handled first.
-                    tokio::task::yield_now().await;
                     loop {
                         match self.wire.read(buf, shared.max_packet) {
                             Ok(Some(packet)) => {
@@ -613,6 +611,30 @@ impl Conn {
                                         shared.pauses.fetch_add(1, Ordering::Relaxed);
                                         Box::pin(hand_to_links(waiting)).await;
                                         shared.paused.fetch_sub(1, Ordering::Relaxed);
+                                        self.settle(owed);
+                                        None
+                                    }
+                                    Some(Step::Unheard(message, qos, owed)) => {
+                                        // MQTT orders packets per connection only, but a client
+                                        // that subscribes on one connection and at once
+                                        // publishes on another expects the message. Tasks woken
+                                        // together run last-woken first (tokio's LIFO slot), so
+                                        // a publish that reached nobody goes to the back of the
+                                        // queue once, letting a SUBSCRIBE that arrived first be
+                                        // handled, and is routed again. Only publishes nobody
+                                        // hears pay for it.
+                                        tokio::task::yield_now().await;
+                                        let ack = owed.as_ref().map(|(_, _, ack)| ack);
+                                        let (waiting, _) = shared.hub.publish_heard(
+                                            Some(self.session),
+                                            message,
+                                            qos,
+                                            false,
+                                            ack,
+                                        );
+                                        if !waiting.is_empty() {
+                                            Box::pin(hand_to_links(waiting)).await;
+                                        }
                                         self.settle(owed);
                                         None
                                     }
@@ -931,14 +953,17 @@ impl Conn {
             _ => None,
         };
         let ack = kind.map(|kind| self.promise(kind, publish.pkid));
-        let waiting = shared.hub.publish(
+        let (waiting, heard) = shared.hub.publish_heard(
             Some(self.session),
-            message,
+            message.clone(),
             qos,
             publish.retain,
             ack.as_ref(),
         );
         let owed = kind.zip(ack).map(|(kind, ack)| (kind, publish.pkid, ack));
+        if !heard && !publish.retain {
+            return Some(Step::Unheard(message, qos, owed));
+        }
         if !waiting.is_empty() {
             return Some(Step::Wait(waiting, owed));
         }

@@ -337,13 +337,26 @@ impl Hub {
         retain: bool,
         ack: Option<&Ack>,
     ) -> ForLinks {
+        self.route(from, message, qos, retain, ack, false).0
+    }
+
+    /// [`Hub::publish`], also saying whether the message reached any session or module.
+    #[must_use = "messages for the node's modules must be handed on"]
+    pub fn publish_heard(
+        &self,
+        from: Option<SessionId>,
+        message: Arc<Published>,
+        qos: u8,
+        retain: bool,
+        ack: Option<&Ack>,
+    ) -> (ForLinks, bool) {
         self.route(from, message, qos, retain, ack, false)
     }
 
     /// [`Hub::publish`] of a message [`Hub::reserve`] promised room to.
     #[must_use = "messages for the node's modules must be handed on"]
     pub fn publish_reserved(&self, message: Arc<Published>, qos: u8) -> ForLinks {
-        self.route(None, message, qos, false, None, true)
+        self.route(None, message, qos, false, None, true).0
     }
 
     fn route(
@@ -354,7 +367,7 @@ impl Hub {
         retain: bool,
         ack: Option<&Ack>,
         reserved: bool,
-    ) -> ForLinks {
+    ) -> (ForLinks, bool) {
         if retain && lock(&self.retained).set(message.clone(), qos).is_err() {
             warn!(error_code = "EM-BROKER-RETAINED-FULL", topic = %message.topic,
                 "retained message not kept: the retained store is full");
@@ -364,6 +377,7 @@ impl Hub {
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .route(&message.topic, from, qos, retain);
+        let heard = !deliveries.is_empty();
         let mut waiting = ForLinks::new();
         if deliveries.iter().any(|d| d.session >= FIRST_LINK) {
             let links = self.links.read().unwrap_or_else(PoisonError::into_inner);
@@ -417,7 +431,7 @@ impl Hub {
                 }
             }
         }
-        waiting
+        (waiting, heard)
     }
 
     /// Publishes delayed wills and frees expired sessions as they come due, until `cancel`.
