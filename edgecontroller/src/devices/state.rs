@@ -562,12 +562,16 @@ mod tests {
         assert_eq!(twin["metadata"]["type"], "int");
         assert_eq!(twin["expected_version"]["cloud"], 5);
         // Not acked yet: a new desired value rides on a new addition.
-        let (_, sent) = delivery.submit(sends[0].clone(), now).expect("sent");
+        let sent = delivery
+            .submit(sends[0].clone(), now)
+            .and_then(|s| s.envelope().ok())
+            .expect("sent");
         let again = d.applied(spec("t1", Some("n1"), "21", 6), &delivery);
         assert_eq!(ops(&again), ["n1 add node/membership/default.t1"]);
         assert!(delivery.submit(again[0].clone(), now).is_none());
-        let (_, queued) = delivery
+        let queued = delivery
             .ack("n1", &sent.header.msg_id, now)
+            .and_then(|s| s.envelope().ok())
             .expect("the newer addition follows");
         delivery.ack("n1", &queued.header.msg_id, now);
         // Acked: the next desired value is a twin update.
