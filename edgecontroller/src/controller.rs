@@ -420,8 +420,10 @@ impl Owner {
             Watched::Pod => {
                 let key = (ns, name);
                 self.written.remove(&key);
-                // Gone already: nothing left to finish.
+                // Gone already: nothing left to finish, and a status waiting for it would land on
+                // a pod made again under its name.
                 self.delete_after.remove(&key);
+                self.statuses.forget(&key);
                 self.routing.pod_deleted(&key.0, &key.1)
             }
             Watched::Node => {

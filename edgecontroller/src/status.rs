@@ -124,6 +124,10 @@ impl Queue {
             let Some(key) = self.ready.pop_front() else {
                 break;
             };
+            // A key forgotten and queued again can be listed twice; `done` lists it again.
+            if self.writing.contains(&key) {
+                continue;
+            }
             if let Some(patch) = self.waiting.remove(&key) {
                 self.writing.insert(key.clone());
                 started.push((key, patch));
@@ -138,6 +142,12 @@ impl Queue {
         if self.waiting.contains_key(key) {
             self.ready.push_back(key.clone());
         }
+    }
+
+    /// Drops the write waiting for `key` (the pod is gone: a pod made again under its name
+    /// must not get its status); one running finishes.
+    pub fn forget(&mut self, key: &Key) {
+        self.waiting.remove(key);
     }
 
     /// Whether a write for `key` runs or waits.
@@ -234,5 +244,31 @@ mod tests {
         q.done(&key("c"));
         assert!(!q.pending(&key("a")) && !q.pending(&key("c")));
         assert!(q.start().is_empty());
+    }
+
+    #[test]
+    fn a_forgotten_pod_loses_its_waiting_write_and_one_pod_never_has_two_running() {
+        let started = |q: &mut Queue| -> Vec<String> {
+            q.start()
+                .into_iter()
+                .map(|(k, p)| format!("{}={}", k.1, p.get()))
+                .collect()
+        };
+        let mut q = Queue::new(2);
+        q.push(key("x"), raw("1"));
+        q.push(key("a"), raw("1"));
+        q.forget(&key("a"));
+        assert!(!q.pending(&key("a")));
+        // Queued again before its old place in line is taken: listed twice.
+        q.push(key("a"), raw("2"));
+        assert_eq!(started(&mut q), ["x=1", "a=2"]);
+        q.push(key("a"), raw("3"));
+        q.done(&key("x"));
+        assert!(
+            started(&mut q).is_empty(),
+            "a second write for a while one runs"
+        );
+        q.done(&key("a"));
+        assert_eq!(started(&mut q), ["a=3"]);
     }
 }
