@@ -4,7 +4,7 @@
 //! delivery; what the node's mappers report becomes the Device's DeviceStatus.
 //!
 //! - `state`: which node holds which device; the messages each change causes.
-//! - `watch`: the Device and DeviceModel watches, objects cut down to what is kept.
+//! - `watch`: Devices and DeviceModels cut down to what is kept (the watch loop is `crate::watch`).
 //! - `status`: DeviceStatus creation and writes, coalesced per device.
 
 #[cfg(test)]
