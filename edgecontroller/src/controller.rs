@@ -5,12 +5,11 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures_util::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use kube::runtime::{watcher, WatchStreamExt};
+use kube::runtime::watcher;
 use kube::Client;
 use rumqttc::{AsyncClient, Event as MqttEvent, LastWill, MqttOptions, Packet, QoS};
 use serde::de::DeserializeOwned;
@@ -20,11 +19,12 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::delivery::{Delivery, Outgoing};
+use crate::delivery::{Delivery, Dispatch, Outgoing};
 use crate::envelope::{down_topic, resource_name, Envelope, UpTopic};
 use crate::heartbeat::{self, Heartbeats, LeaseWork, StatusWork};
 use crate::refs::Ref;
 use crate::routing::{Routing, EDGE_LABEL};
+use crate::watch::Change;
 use crate::{status, Config, Error};
 
 /// Which watch an event came from.
@@ -47,20 +47,10 @@ impl Watched {
     }
 }
 
-/// A watch event, objects as JSON.
-#[derive(Debug)]
-enum Change {
-    Apply(Value),
-    Delete(Value),
-    Init,
-    InitApply(Value),
-    InitDone,
-}
-
 /// What the owner task reacts to.
 #[derive(Debug)]
 enum Input {
-    Watch(Watched, Change),
+    Watch(Watched, Change<Value>),
     Up {
         topic: String,
         payload: Vec<u8>,
@@ -106,8 +96,12 @@ async fn kube_client(config: &Config) -> Result<Client, Error> {
     Ok(Client::try_from(kube_config)?)
 }
 
-/// Runs a watch, forwarding its events as JSON until cancelled. Errors are retried with
-/// kube-rs' default back-off (relisting after a 410).
+/// A watched object as the owner keeps it: JSON (routing cuts pods down further).
+fn json<K: Serialize>(o: &K) -> Value {
+    serde_json::to_value(o).unwrap_or(Value::Null)
+}
+
+/// Runs the watch of one of the owner's kinds.
 fn spawn_watch<K>(
     api: Api<K>,
     config: watcher::Config,
@@ -117,36 +111,8 @@ fn spawn_watch<K>(
 ) where
     K: kube::Resource + Clone + DeserializeOwned + Serialize + std::fmt::Debug + Send + 'static,
 {
-    tokio::spawn(async move {
-        let stream = watcher::watcher(api, config).default_backoff();
-        futures_util::pin_mut!(stream);
-        loop {
-            let event = tokio::select! {
-                () = cancel.cancelled() => return,
-                event = stream.next() => event,
-            };
-            let change = match event {
-                None => return,
-                Some(Err(e)) => {
-                    warn!(error_code = "EM-EC-WATCH", kind = watched.kind(), error = %e, "watch failed; retrying");
-                    continue;
-                }
-                Some(Ok(event)) => {
-                    let json = |o: &K| serde_json::to_value(o).unwrap_or(Value::Null);
-                    match event {
-                        watcher::Event::Apply(o) => Change::Apply(json(&o)),
-                        watcher::Event::Delete(o) => Change::Delete(json(&o)),
-                        watcher::Event::Init => Change::Init,
-                        watcher::Event::InitApply(o) => Change::InitApply(json(&o)),
-                        watcher::Event::InitDone => Change::InitDone,
-                    }
-                }
-            };
-            if tx.send(Input::Watch(watched, change)).await.is_err() {
-                return;
-            }
-        }
-    });
+    let wrap = move |change| Input::Watch(watched, change);
+    crate::watch::spawn(api, config, watched.kind(), json::<K>, wrap, tx, cancel);
 }
 
 fn mqtt_options(config: &Config) -> Result<MqttOptions, Error> {
@@ -277,6 +243,8 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Error>
         delivery: Delivery::new(config.resend, config.resend_max),
         relisting: HashMap::new(),
         written: HashMap::new(),
+        statuses: status::Queue::new(WRITERS),
+        delete_after: HashMap::new(),
         mqtt: mqtt.clone(),
         client,
         writers: Arc::new(Semaphore::new(WRITERS)),
@@ -314,8 +282,13 @@ struct Owner {
     delivery: Delivery,
     /// Per kind, the names listed again since a watch restarted (`Init` .. `InitDone`).
     relisting: HashMap<&'static str, HashSet<(String, String)>>,
-    /// The last status written (or being written) per pod, so a repeated report is no write.
-    written: HashMap<(String, String), Value>,
+    /// The last status written (or being written) per pod, as JSON text, so a repeated report
+    /// is no write.
+    written: HashMap<(String, String), String>,
+    /// Pod status writes: at most [`WRITERS`] running, the rest waiting as patches.
+    statuses: status::Queue,
+    /// Pods to delete once their last status is written (their node has stopped them).
+    delete_after: HashMap<(String, String), String>,
     mqtt: AsyncClient,
     client: Client,
     writers: Arc<Semaphore>,
@@ -368,9 +341,18 @@ impl Owner {
         }
     }
 
-    async fn publish_all(&self, sends: Vec<(String, Envelope)>) {
-        for (node, envelope) in sends {
-            self.publish(&node, &envelope).await;
+    /// Publishes what delivery released: its encoded envelopes, as they are.
+    async fn publish_all(&self, sends: Vec<Dispatch>) {
+        for send in sends {
+            let topic = down_topic(&self.root, &send.node, send.operation, &send.resource);
+            debug!(%topic, resource = %send.resource, "down");
+            if let Err(e) = self
+                .mqtt
+                .publish_bytes(topic, QoS::AtLeastOnce, false, send.payload)
+                .await
+            {
+                warn!(error_code = "EM-EC-MQTT", error = %e, "publish not queued; resent later");
+            }
         }
     }
 
@@ -391,9 +373,17 @@ impl Owner {
             }
             Input::Up { topic, payload } => self.up(&topic, &payload).await,
             Input::StatusWritten { key, ok } => {
-                if !ok {
+                self.statuses.done(&key);
+                // A failed write is tried again by the next report, unless a newer one waits.
+                if !ok && !self.statuses.waiting(&key) {
                     self.written.remove(&key);
                 }
+                if !self.statuses.pending(&key) {
+                    if let Some(uid) = self.delete_after.remove(&key) {
+                        self.finish_delete(&key.0, &key.1, &uid);
+                    }
+                }
+                self.start_status_writes();
             }
             Input::NodeStatusWritten {
                 node,
@@ -428,8 +418,13 @@ impl Owner {
     fn delete(&mut self, watched: Watched, (ns, name): (String, String)) -> Vec<Outgoing> {
         match watched {
             Watched::Pod => {
-                self.written.remove(&(ns.clone(), name.clone()));
-                self.routing.pod_deleted(&ns, &name)
+                let key = (ns, name);
+                self.written.remove(&key);
+                // Gone already: nothing left to finish, and a status waiting for it would land on
+                // a pod made again under its name.
+                self.delete_after.remove(&key);
+                self.statuses.forget(&key);
+                self.routing.pod_deleted(&key.0, &key.1)
             }
             Watched::Node => {
                 let sends = self.routing.node_deleted(&name);
@@ -442,10 +437,10 @@ impl Owner {
         }
     }
 
-    fn watched(&mut self, watched: Watched, change: Change) -> Vec<Outgoing> {
+    fn watched(&mut self, watched: Watched, change: Change<Value>) -> Vec<Outgoing> {
         match change {
             Change::Apply(object) => self.apply(watched, &object),
-            Change::Delete(object) => self.delete(watched, names(&object)),
+            Change::Delete(key) => self.delete(watched, key),
             Change::Init => {
                 self.relisting.insert(watched.kind(), HashSet::new());
                 Vec::new()
@@ -781,17 +776,40 @@ impl Owner {
                   "status for a pod bound elsewhere; ignored");
             return;
         }
-        let current = &pod.object["status"];
-        let wanted = status::merge(current, reported, &status::now());
+        let current = pod.status();
+        let wanted = status::merge(&current, reported, &status::now());
         let deleting = pod.deleting;
         let finished = deleting && status::terminal(&wanted);
-        let unchanged = *current == wanted || self.written.get(&key) == Some(&wanted);
+        // The last status queued is kept as its text: exact, and a fraction of a `Value`.
+        let text = serde_json::to_string(&wanted).unwrap_or_default();
+        let unchanged = current == wanted || self.written.get(&key) == Some(&text);
         if !unchanged {
-            let patch = status::patch(current, &wanted);
-            self.written.insert(key.clone(), wanted);
-            let api: Api<Pod> = Api::namespaced(self.client.clone(), ns);
-            let (writers, results, name) =
-                (self.writers.clone(), self.results.clone(), name.to_owned());
+            match serde_json::value::to_raw_value(&status::patch(&current, &wanted)) {
+                Ok(patch) => {
+                    self.written.insert(key.clone(), text);
+                    self.statuses.push(key.clone(), patch);
+                    self.start_status_writes();
+                }
+                Err(e) => {
+                    warn!(error_code = "EM-EC-ENCODE", pod = %name, error = %e, "pod status not encoded")
+                }
+            }
+        }
+        if finished {
+            if self.statuses.pending(&key) {
+                // Deleted once its last status is written, as a write queued before it.
+                self.delete_after.insert(key, uid.to_owned());
+            } else {
+                self.finish_delete(ns, name, uid);
+            }
+        }
+    }
+
+    /// Starts the pod status writes a writer is free for; each ends as `Input::StatusWritten`.
+    fn start_status_writes(&mut self) {
+        for ((ns, name), patch) in self.statuses.start() {
+            let api: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
+            let (writers, results) = (self.writers.clone(), self.results.clone());
             tokio::spawn(async move {
                 let Ok(_permit) = writers.acquire_owned().await else {
                     return;
@@ -804,14 +822,11 @@ impl Owner {
                 }
                 let _ = results
                     .send(Input::StatusWritten {
-                        key,
+                        key: (ns, name),
                         ok: written.is_ok(),
                     })
                     .await;
             });
-        }
-        if finished {
-            self.finish_delete(ns, name, uid);
         }
     }
 
@@ -871,10 +886,8 @@ impl Owner {
             node: up.node.clone(),
             operation: "insert",
             resource: format!("{}/pod/{name}", up.namespace),
-            content: pod.object.clone(),
-            rv: pod.object["metadata"]["resourceVersion"]
-                .as_str()
-                .and_then(|r| r.parse().ok()),
+            content: pod.object(),
+            rv: pod.rv,
             force: true,
         };
         self.submit(vec![out]).await;

@@ -10,7 +10,9 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use serde_json::Value;
+use tracing::warn;
 
 use crate::envelope::Envelope;
 
@@ -29,25 +31,60 @@ pub struct Outgoing {
     pub force: bool,
 }
 
+/// A message waiting for its ack, kept as the bytes published: a resend sends them again, and
+/// 20,000 objects in flight during a sync cost their wire size, not a JSON tree each.
 #[derive(Debug)]
 struct InFlight {
-    envelope: Envelope,
+    operation: &'static str,
+    payload: Bytes,
     rv: Option<u64>,
     delete: bool,
     next_at: Instant,
     wait: Duration,
 }
 
+impl InFlight {
+    /// The same message again (same id: the node's MetaManager acks it once more).
+    fn send(&self, node: &str, resource: &str) -> Dispatch {
+        Dispatch {
+            node: node.to_owned(),
+            operation: self.operation,
+            resource: resource.to_owned(),
+            payload: self.payload.clone(),
+        }
+    }
+}
+
+/// Per (node, object). In-flight and queued messages are boxed: most slots hold only the acked
+/// version, and a slot's size is paid for every table bucket.
 #[derive(Debug, Default)]
 struct Slot {
     /// The version the node acknowledged last, and whether it was a delete.
     acked: Option<(Option<u64>, bool)>,
-    in_flight: Option<InFlight>,
-    queued: Option<Outgoing>,
+    in_flight: Option<Box<InFlight>>,
+    queued: Option<Box<Outgoing>>,
 }
 
-/// What to publish: the node, then the envelope.
-pub type Send = (String, Envelope);
+/// What to publish: an encoded envelope for one node, and what its topic is made of.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Dispatch {
+    pub node: String,
+    pub operation: &'static str,
+    /// `<ns>/<type>/<name>`.
+    pub resource: String,
+    /// The envelope as JSON.
+    pub payload: Bytes,
+}
+
+impl Dispatch {
+    /// The envelope the payload encodes (tests and diagnostics read it back).
+    ///
+    /// # Errors
+    /// When the payload is not an envelope (never for one [`Delivery`] made).
+    pub fn envelope(&self) -> Result<Envelope, serde_json::Error> {
+        serde_json::from_slice(&self.payload)
+    }
+}
 
 /// Per node and object delivery state.
 #[derive(Debug)]
@@ -90,25 +127,39 @@ impl Delivery {
             .is_some_and(|s| s.in_flight.is_some() || s.queued.is_some())
     }
 
-    fn start(&mut self, key: (String, String), out: Outgoing, now: Instant) -> Send {
+    fn start(&mut self, key: (String, String), out: Outgoing, now: Instant) -> Option<Dispatch> {
         let rv = out.rv.map(|v| v.to_string());
         let envelope = Envelope::new(out.operation, out.resource, out.content, rv);
-        self.by_msg
-            .insert(envelope.header.msg_id.clone(), key.clone());
+        let payload = match serde_json::to_vec(&envelope) {
+            Ok(p) => Bytes::from(p),
+            Err(e) => {
+                // Only a map with non-string keys fails; such a message could never be sent.
+                warn!(error_code = "EM-EC-ENCODE", resource = %key.1, error = %e, "message not encoded");
+                return None;
+            }
+        };
+        self.by_msg.insert(envelope.header.msg_id, key.clone());
         let slot = self.slots.entry(key.clone()).or_default();
-        slot.in_flight = Some(InFlight {
-            envelope: envelope.clone(),
+        slot.in_flight = Some(Box::new(InFlight {
+            operation: out.operation,
+            payload: payload.clone(),
             rv: out.rv,
             delete: out.operation == "delete",
             next_at: now + self.first_wait,
             wait: self.first_wait,
-        });
-        (key.0, envelope)
+        }));
+        let (node, resource) = key;
+        Some(Dispatch {
+            node,
+            operation: out.operation,
+            resource,
+            payload,
+        })
     }
 
     /// Queues `out`; returns it to publish now when nothing for that object is in flight.
     /// A version the node already acked is not sent again (unless forced).
-    pub fn submit(&mut self, out: Outgoing, now: Instant) -> Option<Send> {
+    pub fn submit(&mut self, out: Outgoing, now: Instant) -> Option<Dispatch> {
         let key = (out.node.clone(), out.resource.clone());
         let slot = self.slots.entry(key.clone()).or_default();
         let delete = out.operation == "delete";
@@ -125,14 +176,14 @@ impl Delivery {
             }
         }
         if slot.in_flight.is_some() {
-            slot.queued = Some(out);
+            slot.queued = Some(Box::new(out));
             return None;
         }
-        Some(self.start(key, out, now))
+        self.start(key, out, now)
     }
 
     /// The node acknowledged `msg_id`: record the version, start what was queued behind it.
-    pub fn ack(&mut self, node: &str, msg_id: &str, now: Instant) -> Option<Send> {
+    pub fn ack(&mut self, node: &str, msg_id: &str, now: Instant) -> Option<Dispatch> {
         let key = self.by_msg.get(msg_id)?.clone();
         if key.0 != node {
             return None;
@@ -148,21 +199,21 @@ impl Delivery {
             }
             return None;
         };
-        self.submit(queued, now)
+        self.submit(*queued, now)
     }
 
     /// Messages whose ack is overdue, for nodes not known to be offline; each waits twice as
     /// long before its next resend.
-    pub fn due(&mut self, now: Instant) -> Vec<Send> {
+    pub fn due(&mut self, now: Instant) -> Vec<Dispatch> {
         let mut out = Vec::new();
-        for ((node, _), slot) in &mut self.slots {
+        for ((node, resource), slot) in &mut self.slots {
             if self.offline.contains(node) {
                 continue;
             }
             if let Some(flight) = slot.in_flight.as_mut().filter(|f| f.next_at <= now) {
                 flight.wait = (flight.wait * 2).min(self.max_wait);
                 flight.next_at = now + flight.wait;
-                out.push((node.clone(), flight.envelope.clone()));
+                out.push(flight.send(node, resource));
             }
         }
         out
@@ -174,17 +225,17 @@ impl Delivery {
     }
 
     /// The node is back (its birth message): everything in flight is sent again now.
-    pub fn node_online(&mut self, node: &str, now: Instant) -> Vec<Send> {
+    pub fn node_online(&mut self, node: &str, now: Instant) -> Vec<Dispatch> {
         self.offline.remove(node);
         let mut out = Vec::new();
-        for ((n, _), slot) in &mut self.slots {
+        for ((n, resource), slot) in &mut self.slots {
             if n != node {
                 continue;
             }
             if let Some(flight) = slot.in_flight.as_mut() {
                 flight.wait = self.first_wait;
                 flight.next_at = now + flight.wait;
-                out.push((n.clone(), flight.envelope.clone()));
+                out.push(flight.send(n, resource));
             }
         }
         out
@@ -205,6 +256,10 @@ mod tests {
     use serde_json::json;
     use std::collections::VecDeque;
 
+    fn env(send: Dispatch) -> Envelope {
+        send.envelope().expect("an envelope")
+    }
+
     fn change(rv: u64, delete: bool) -> Outgoing {
         Outgoing {
             node: "n".to_owned(),
@@ -220,10 +275,10 @@ mod tests {
     fn newer_versions_coalesce_behind_the_one_in_flight() {
         let now = Instant::now();
         let mut d = Delivery::new(Duration::from_secs(1), Duration::from_secs(8));
-        let (_, first) = d.submit(change(1, false), now).expect("sent");
+        let first = env(d.submit(change(1, false), now).expect("sent"));
         assert!(d.submit(change(2, false), now).is_none());
         assert!(d.submit(change(3, false), now).is_none());
-        let (_, next) = d.ack("n", &first.header.msg_id, now).expect("queued one");
+        let next = env(d.ack("n", &first.header.msg_id, now).expect("queued one"));
         assert_eq!(next.header.resourceversion.as_deref(), Some("3"));
         assert!(d.ack("n", &next.header.msg_id, now).is_none());
         assert_eq!(d.acked("n", "default/configmap/c"), Some((Some(3), false)));
@@ -238,11 +293,12 @@ mod tests {
     fn unacked_messages_are_resent_with_back_off_but_not_to_offline_nodes() {
         let now = Instant::now();
         let mut d = Delivery::new(Duration::from_secs(1), Duration::from_secs(4));
-        let (_, sent) = d.submit(change(1, false), now).expect("sent");
+        let sent = env(d.submit(change(1, false), now).expect("sent"));
         assert!(d.due(now).is_empty());
         let again = d.due(now + Duration::from_secs(1));
         assert_eq!(again.len(), 1);
-        assert_eq!(again[0].1.header.msg_id, sent.header.msg_id);
+        assert_eq!(env(again[0].clone()).header.msg_id, sent.header.msg_id);
+        assert_eq!(again[0].resource, "default/configmap/c");
         assert!(d.due(now + Duration::from_secs(2)).is_empty());
         assert_eq!(d.due(now + Duration::from_secs(3)).len(), 1);
         d.node_offline("n");
@@ -271,8 +327,9 @@ mod tests {
     }
 
     /// The cloud broker's queue for the node: small, dropping the oldest on overflow.
-    fn publish(sends: Vec<Send>, broker: &mut VecDeque<Envelope>) {
-        for (_, e) in sends {
+    fn publish(sends: Vec<Dispatch>, broker: &mut VecDeque<Envelope>) {
+        for send in sends {
+            let e = env(send);
             if broker.len() >= 5 {
                 broker.pop_front();
             }

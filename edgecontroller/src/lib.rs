@@ -10,6 +10,7 @@
 //! - `heartbeat`: node status and Lease writes per node, the write rule, Unknown on a Last Will.
 //! - `leader`: Lease-based leader election, for a hot standby.
 //! - `devices`: KubeEdge's Devices and DeviceModels down to nodes, DeviceStatus up.
+//! - `watch`: the watch loop every kind shares, objects cut down before the owner sees them.
 //! - `controller`: the owner task: watch events and node messages in, MQTT and API writes out.
 
 mod controller;
@@ -22,12 +23,13 @@ mod leader;
 mod refs;
 mod routing;
 mod status;
+mod watch;
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 pub use controller::run;
-pub use delivery::{Delivery, Outgoing};
+pub use delivery::{Delivery, Dispatch, Outgoing};
 pub use envelope::{Envelope, UpTopic};
 pub use error::Error;
 pub use leader::LeaseConfig;

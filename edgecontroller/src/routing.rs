@@ -7,6 +7,7 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
+use serde::Deserialize;
 use serde_json::Value;
 
 use crate::delivery::Outgoing;
@@ -18,16 +19,43 @@ pub const EDGE_LABEL: &str = "node-role.kubernetes.io/edge";
 /// KubeEdge's namespace for cluster-scoped objects sent to a node (`models.NullNamespace`).
 pub const NULL_NAMESPACE: &str = "null";
 
-/// What we know of a pod.
+/// What we know of a pod: what routing decides on, and the pod as JSON text for what is sent
+/// again (a resync, a node that lost it); a tree of `Value`s costs several times its text.
 #[derive(Debug, Clone)]
 pub struct PodEntry {
     /// The edge node it is bound to (`None`: unbound or on a non-edge node).
     pub node: Option<String>,
     pub uid: String,
-    pub object: Value,
-    refs: BTreeSet<Ref>,
+    /// `metadata.resourceVersion`.
+    pub rv: Option<u64>,
+    /// `spec.nodeName` of a pod bound to a Node not known as an edge node (yet).
+    waiting_for: Option<Box<str>>,
+    json: Box<str>,
+    /// Sorted, as [`pod_refs`] lists them.
+    refs: Box<[Ref]>,
     /// A `delete` went to the node because of its `deletionTimestamp`.
     pub deleting: bool,
+}
+
+/// The one field of a pod the status merge reads, parsed without building the rest.
+#[derive(Deserialize)]
+struct StatusOnly {
+    #[serde(default)]
+    status: Value,
+}
+
+impl PodEntry {
+    /// The pod as last watched.
+    pub fn object(&self) -> Value {
+        serde_json::from_str(&self.json).unwrap_or(Value::Null)
+    }
+
+    /// Its `status` as last watched (`Null` when it has none).
+    pub fn status(&self) -> Value {
+        serde_json::from_str::<StatusOnly>(&self.json)
+            .map(|s| s.status)
+            .unwrap_or(Value::Null)
+    }
 }
 
 /// The routing state.
@@ -135,7 +163,7 @@ impl Routing {
         }
         for ((ns, name), pod) in &self.pods {
             if pod.node.as_deref() == Some(node) && !pod.deleting {
-                sends.push(out(node, "insert", pod_resource(ns, name), &pod.object));
+                sends.push(out(node, "insert", pod_resource(ns, name), &pod.object()));
             }
         }
         sends
@@ -179,8 +207,8 @@ impl Routing {
         let ns = meta_str(pod, "namespace");
         let name = meta_str(pod, "name");
         let key = (ns.clone(), name.clone());
-        let node = pod["spec"]["nodeName"]
-            .as_str()
+        let bound = pod["spec"]["nodeName"].as_str();
+        let node = bound
             .filter(|n| self.edge_nodes.contains_key(*n))
             .map(str::to_owned);
         let refs = if node.is_some() {
@@ -203,7 +231,7 @@ impl Routing {
                         old_node,
                         "delete",
                         pod_resource(&ns, &name),
-                        &old.object,
+                        &old.object(),
                     ));
                 }
                 for r in &old.refs {
@@ -215,7 +243,9 @@ impl Routing {
             let before: BTreeSet<Ref> = if fresh {
                 BTreeSet::new()
             } else {
-                old.as_ref().map(|o| o.refs.clone()).unwrap_or_default()
+                old.as_ref()
+                    .map(|o| o.refs.iter().cloned().collect())
+                    .unwrap_or_default()
             };
             for r in refs.difference(&before) {
                 self.add_ref(node, r, &mut sends);
@@ -230,7 +260,7 @@ impl Routing {
                 sends.push(out(node, "insert", pod_resource(&ns, &name), pod));
             } else if old
                 .as_ref()
-                .is_some_and(|o| pod_shape(&o.object) != pod_shape(pod))
+                .is_some_and(|o| pod_shape(&o.object()) != pod_shape(pod))
             {
                 sends.push(out(node, "update", pod_resource(&ns, &name), pod));
             }
@@ -239,13 +269,20 @@ impl Routing {
             }
             deleting = deleting || was_deleting;
         }
+        let waiting_for = match (&node, bound) {
+            (None, Some(bound)) => Some(bound.into()),
+            _ => None,
+        };
         self.pods.insert(
             key,
             PodEntry {
                 node,
                 uid,
-                object: pod.clone(),
-                refs,
+                rv: rv_of(pod),
+                waiting_for,
+                // A `Value` always encodes; empty text would read back as `Null`.
+                json: serde_json::to_string(pod).unwrap_or_default().into(),
+                refs: refs.into_iter().collect(),
                 deleting,
             },
         );
@@ -260,7 +297,7 @@ impl Routing {
         };
         if let Some(node) = &old.node {
             if !old.deleting {
-                sends.push(out(node, "delete", pod_resource(ns, name), &old.object));
+                sends.push(out(node, "delete", pod_resource(ns, name), &old.object()));
             }
             for r in &old.refs {
                 self.drop_ref(node, r, &mut sends);
@@ -289,8 +326,8 @@ impl Routing {
             let waiting: Vec<Value> = self
                 .pods
                 .values()
-                .filter(|p| p.node.is_none() && p.object["spec"]["nodeName"] == name.as_str())
-                .map(|p| p.object.clone())
+                .filter(|p| p.node.is_none() && p.waiting_for.as_deref() == Some(name.as_str()))
+                .map(PodEntry::object)
                 .collect();
             for pod in waiting {
                 sends.extend(self.pod_applied(&pod));
@@ -312,8 +349,9 @@ impl Routing {
             .collect();
         for key in keys {
             if let Some(pod) = self.pods.get_mut(&key) {
-                pod.node = None;
-                pod.refs.clear();
+                // It waits for its Node to be an edge node again.
+                pod.waiting_for = pod.node.take().map(Into::into);
+                pod.refs = Box::default();
             }
         }
         self.users.retain(|_, nodes| {

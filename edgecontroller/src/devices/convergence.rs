@@ -10,7 +10,7 @@ use proptest::prelude::*;
 use serde_json::Value;
 
 use super::state::{device_id, DeviceSpec, Devices, Key, ModelSpec, Property};
-use crate::delivery::{Delivery, Outgoing};
+use crate::delivery::{Delivery, Dispatch, Outgoing};
 use crate::envelope::Envelope;
 
 const NODES: usize = 2;
@@ -111,9 +111,10 @@ struct World {
 }
 
 impl World {
-    fn publish(&mut self, sends: Vec<(String, Envelope)>) {
-        for (node, e) in sends {
-            let i: usize = node[1..].parse().unwrap_or(0);
+    fn publish(&mut self, sends: Vec<Dispatch>) {
+        for send in sends {
+            let i: usize = send.node[1..].parse().unwrap_or(0);
+            let e = send.envelope().expect("an envelope");
             let queue = &mut self.nodes[i].queue;
             // The cloud broker's queue for an offline node is small: the oldest goes.
             if queue.len() >= 5 {

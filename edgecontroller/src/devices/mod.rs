@@ -4,7 +4,7 @@
 //! delivery; what the node's mappers report becomes the Device's DeviceStatus.
 //!
 //! - `state`: which node holds which device; the messages each change causes.
-//! - `watch`: the Device and DeviceModel watches, objects cut down to what is kept.
+//! - `watch`: Devices and DeviceModels cut down to what is kept (the watch loop is `crate::watch`).
 //! - `status`: DeviceStatus creation and writes, coalesced per device.
 
 #[cfg(test)]
@@ -15,6 +15,8 @@ mod watch;
 
 use std::collections::BTreeSet;
 
+use kube::api::{Api, DynamicObject};
+use kube::runtime::watcher;
 use kube::Client;
 use serde_json::Value;
 use tokio::sync::mpsc;
@@ -24,8 +26,8 @@ use tracing::{debug, info, warn};
 use crate::delivery::{Delivery, Outgoing};
 use crate::envelope::{resource_name, Envelope, UpTopic};
 
+use crate::watch::Change;
 use state::{device_id, DeviceSpec, Devices as DeviceState, Key, ModelSpec, Refused};
-use watch::Change;
 
 /// What the device side reacts to, besides node messages.
 #[derive(Debug)]
@@ -52,17 +54,25 @@ pub struct Devices {
 /// arrive on the returned receiver.
 pub fn start(client: Client, cancel: CancellationToken) -> (Devices, mpsc::Receiver<Event>) {
     let (tx, rx) = mpsc::channel(4096);
-    watch::spawn(
+    let models: Api<DynamicObject> = Api::all_with(
         client.clone(),
-        watch::resource("DeviceModel", "devicemodels"),
+        &watch::resource("DeviceModel", "devicemodels"),
+    );
+    let devices: Api<DynamicObject> =
+        Api::all_with(client.clone(), &watch::resource("Device", "devices"));
+    crate::watch::spawn(
+        models,
+        watcher::Config::default(),
+        "DeviceModel",
         watch::model,
         Event::Model,
         tx.clone(),
         cancel.clone(),
     );
-    watch::spawn(
-        client.clone(),
-        watch::resource("Device", "devices"),
+    crate::watch::spawn(
+        devices,
+        watcher::Config::default(),
+        "Device",
         watch::device,
         Event::Device,
         tx.clone(),

@@ -65,20 +65,68 @@ struct Entry {
     held: bool,
 }
 
+/// One side of a reported twin (`reported` or `observedDesired`) as the DeviceStatus stores it,
+/// `{"value", "metadata": {"timestamp", "type"}}`: fields, not a JSON tree, since a burst of
+/// reports waits as these for a writer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TwinValue {
+    pub value: String,
+    pub timestamp: Option<i64>,
+    pub kind: Option<String>,
+}
+
+impl TwinValue {
+    /// The DeviceStatus form (the timestamp as a string, as KubeEdge writes it).
+    pub fn to_json(&self) -> Value {
+        let mut metadata = Map::new();
+        if let Some(ts) = self.timestamp {
+            metadata.insert("timestamp".to_owned(), json!(ts.to_string()));
+        }
+        if let Some(kind) = &self.kind {
+            metadata.insert("type".to_owned(), json!(kind));
+        }
+        json!({"value": self.value, "metadata": metadata})
+    }
+}
+
+/// Per property: `reported` and `observedDesired`, when sent.
+pub type TwinReport = (Option<TwinValue>, Option<TwinValue>);
+
 /// What a node reported about a device, for its DeviceStatus.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Report {
-    /// Per property: `reported` and `observedDesired` (`{"value","metadata"}`), when sent.
-    pub twins: BTreeMap<String, (Option<Value>, Option<Value>)>,
+    /// Per property, sorted by name (a report names one or a few: a list, not a tree).
+    pub twins: Vec<(String, TwinReport)>,
     /// `state` and `lastOnlineTime`.
     pub state: Option<(String, String)>,
 }
 
 impl Report {
+    /// The entry of property `name`, made empty when missing.
+    fn entry(&mut self, name: String) -> &mut TwinReport {
+        let i = match self.twins.binary_search_by(|(n, _)| n.cmp(&name)) {
+            Ok(i) => i,
+            Err(i) => {
+                self.twins.insert(i, (name, (None, None)));
+                i
+            }
+        };
+        &mut self.twins[i].1
+    }
+
+    /// The values reported for property `name`.
+    #[cfg(test)]
+    pub fn twin(&self, name: &str) -> Option<&TwinReport> {
+        self.twins
+            .binary_search_by(|(n, _)| n.as_str().cmp(name))
+            .ok()
+            .map(|i| &self.twins[i].1)
+    }
+
     /// Folds a newer report into this one (newer values win, per property and field).
     pub fn merge(&mut self, newer: Report) {
         for (name, (reported, observed)) in newer.twins {
-            let entry = self.twins.entry(name).or_default();
+            let entry = self.entry(name);
             if reported.is_some() {
                 entry.0 = reported;
             }
@@ -472,24 +520,22 @@ impl Devices {
                 for (name, twin) in twins {
                     let kind = twin["metadata"]["type"].as_str();
                     let side = |which: &str| {
-                        let value = twin[which]["value"].as_str()?;
-                        let mut metadata = Map::new();
-                        if let Some(ts) = twin[which]["metadata"]["timestamp"].as_i64() {
-                            metadata.insert("timestamp".to_owned(), json!(ts.to_string()));
-                        }
-                        if let Some(kind) = kind {
-                            metadata.insert("type".to_owned(), json!(kind));
-                        }
-                        Some(json!({"value": value, "metadata": metadata}))
+                        Some(TwinValue {
+                            value: twin[which]["value"].as_str()?.to_owned(),
+                            timestamp: twin[which]["metadata"]["timestamp"].as_i64(),
+                            kind: kind.map(str::to_owned),
+                        })
                     };
                     let (reported, observed) = (side("actual"), side("expected"));
                     if let Some(edge) = twin["expected_version"]["edge"].as_i64() {
                         edges.push((name.clone(), edge));
                     }
                     if reported.is_some() || observed.is_some() {
-                        report.twins.insert(name.clone(), (reported, observed));
+                        *report.entry(name.clone()) = (reported, observed);
                     }
                 }
+                // Kept until a writer is free: no spare capacity.
+                report.twins.shrink_to_fit();
                 if let Some(entry) = entry {
                     for (name, edge) in edges {
                         if edge > 0 {
@@ -562,12 +608,16 @@ mod tests {
         assert_eq!(twin["metadata"]["type"], "int");
         assert_eq!(twin["expected_version"]["cloud"], 5);
         // Not acked yet: a new desired value rides on a new addition.
-        let (_, sent) = delivery.submit(sends[0].clone(), now).expect("sent");
+        let sent = delivery
+            .submit(sends[0].clone(), now)
+            .and_then(|s| s.envelope().ok())
+            .expect("sent");
         let again = d.applied(spec("t1", Some("n1"), "21", 6), &delivery);
         assert_eq!(ops(&again), ["n1 add node/membership/default.t1"]);
         assert!(delivery.submit(again[0].clone(), now).is_none());
-        let (_, queued) = delivery
+        let queued = delivery
             .ack("n1", &sent.header.msg_id, now)
+            .and_then(|s| s.envelope().ok())
             .expect("the newer addition follows");
         delivery.ack("n1", &queued.header.msg_id, now);
         // Acked: the next desired value is a twin update.
@@ -607,12 +657,15 @@ mod tests {
         let written = d
             .reported("n1", &key, "devicetwin", &report)
             .expect("bound");
-        let (reported, observed) = &written.twins["temp"];
+        let (reported, observed) = written.twin("temp").expect("temp reported");
         assert_eq!(
-            reported.as_ref().expect("reported"),
-            &json!({"value": "19", "metadata": {"timestamp": "1700", "type": "int"}})
+            reported.as_ref().expect("reported").to_json(),
+            json!({"value": "19", "metadata": {"timestamp": "1700", "type": "int"}})
         );
-        assert_eq!(observed.as_ref().expect("observed")["value"], "20");
+        assert_eq!(
+            observed.as_ref().expect("observed").to_json()["value"],
+            "20"
+        );
         let Err(Refused::NotBound(sends)) = d.reported("n2", &key, "devicetwin", &report) else {
             panic!("n2 is not the device's node");
         };

@@ -93,10 +93,10 @@ fn apply(status: &mut Value, report: &Report, properties: &[String]) {
             }
         };
         if let Some(reported) = reported {
-            twins[index]["reported"] = reported.clone();
+            twins[index]["reported"] = reported.to_json();
         }
         if let Some(observed) = observed {
-            twins[index]["observedDesired"] = observed.clone();
+            twins[index]["observedDesired"] = observed.to_json();
         }
     }
     status["twins"] = Value::Array(twins);
@@ -242,6 +242,7 @@ impl Writer {
 
 #[cfg(test)]
 mod tests {
+    use super::super::state::TwinValue;
     use super::*;
 
     #[test]
@@ -249,11 +250,21 @@ mod tests {
         let mut status = json!({"twins": [
             {"propertyName": "humidity", "reported": {"value": "40"}},
             {"propertyName": "gone", "reported": {"value": "1"}}]});
+        let value = |v: &str| TwinValue {
+            value: v.to_owned(),
+            timestamp: None,
+            kind: None,
+        };
         let mut report = Report::default();
-        report.twins.insert(
-            "temp".to_owned(),
-            (Some(json!({"value": "19"})), Some(json!({"value": "20"}))),
-        );
+        report.merge(Report {
+            twins: vec![("temp".to_owned(), (Some(value("19")), Some(value("20"))))],
+            state: None,
+        });
+        // A later report without an observed value keeps the earlier one.
+        report.merge(Report {
+            twins: vec![("temp".to_owned(), (Some(value("19")), None))],
+            state: None,
+        });
         report.state = Some(("online".to_owned(), "2026-11-27T00:00:00Z".to_owned()));
         apply(
             &mut status,
@@ -264,7 +275,8 @@ mod tests {
             status,
             json!({"twins": [
                 {"propertyName": "humidity", "reported": {"value": "40"}},
-                {"propertyName": "temp", "reported": {"value": "19"}, "observedDesired": {"value": "20"}}],
+                {"propertyName": "temp", "reported": {"value": "19", "metadata": {}},
+                 "observedDesired": {"value": "20", "metadata": {}}}],
                 "state": "online", "lastOnlineTime": "2026-11-27T00:00:00Z"})
         );
     }
