@@ -228,9 +228,9 @@ async fn receive_maximum_5_is_never_exceeded_and_a_10000_burst_arrives_whole() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reader_a_whole_queue_behind_is_cut_off_and_the_others_get_everything() {
     let hub = Arc::new(Hub::new(HubLimits {
-        // Room for about 7,000 of the burst's messages: far more than a reader that keeps up
-        // falls behind, far less than the 20,000 the stopped one is sent.
-        queue_bytes: 64 << 10,
+        // Room for about 26,000 of the burst's messages (about 10 bytes each): far more than a
+        // reader that keeps up falls behind, far less than the 60,000 the stopped one is sent.
+        queue_bytes: 256 << 10,
         retained_bytes: 1 << 20,
         max_away_sessions: 10_000,
         reader_store_backlog: 1_000,
@@ -261,11 +261,11 @@ async fn a_reader_a_whole_queue_behind_is_cut_off_and_the_others_get_everything(
     reader.subscribe("burst", QoS::AtLeastOnce).await.unwrap();
     until(&mut reader_events, |p| matches!(p, Packet::SubAck(_))).await;
 
-    tokio::spawn(publish(port, "burst", 20_000));
+    tokio::spawn(publish(port, "burst", 60_000));
     let mut got = 0;
     until(&mut reader_events, |p| {
         got += usize::from(matches!(p, Packet::Publish(_)));
-        got == 20_000
+        got == 60_000
     })
     .await;
     // The node sends DISCONNECT 0x97 and closes; rumqttc 0.25 ends its event loop with an error
@@ -279,6 +279,6 @@ async fn a_reader_a_whole_queue_behind_is_cut_off_and_the_others_get_everything(
     })
     .await
     .expect("the stopped reader is cut off");
-    assert_eq!(got, 20_000, "the other reader got everything");
+    assert_eq!(got, 60_000, "the other reader got everything");
     cancel.cancel();
 }
