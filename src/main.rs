@@ -21,7 +21,7 @@ mod telemetry;
 
 use std::path::PathBuf;
 
-/// jemalloc: the store thread and rumqttd's router allocate and free per message, and glibc's
+/// jemalloc: the store thread and the broker allocate and free per message, and glibc's
 /// malloc cost about a quarter more CPU per P1 message (docs/benchmarks.md, "jemalloc").
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;

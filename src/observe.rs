@@ -1,6 +1,6 @@
 //! The node seen from outside: `/metrics` (Prometheus text), `/healthz` and `/readyz` over HTTP
-//! on `observe.address`. Metrics live in a local recorder (no global one, so rumqttd's cannot
-//! collide with ours); the message path only adds to handles registered here once.
+//! on `observe.address`. Metrics live in a local recorder (no global one, so a dependency's
+//! cannot collide with ours); the message path only adds to handles registered here once.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};

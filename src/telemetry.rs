@@ -23,8 +23,8 @@ pub fn init(config: &LogConfig, errors: Option<ErrorLayer>) {
         LogFormat::Json => fmt.json().flatten_event(true).boxed(),
     };
     // The counting layer sees every event with an `error_code`, even one the log filter hides,
-    // and nothing else: decided once per callsite, so no other event or span (rumqttd's
-    // per-connection spans included) costs anything more than before.
+    // and nothing else: decided once per callsite, so no other event or span costs anything
+    // more than before.
     let coded = filter_fn(|m| m.is_event() && m.fields().field("error_code").is_some());
     tracing_subscriber::registry()
         .with(fmt.with_filter(filter))

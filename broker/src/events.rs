@@ -69,8 +69,7 @@ impl ClientEvents {
         let taken = self.rx.lock().unwrap_or_else(|p| p.into_inner()).take();
         let Some(mut rx) = taken else { return };
         while let Some(message) = rx.recv().await {
-            // rumqttd keeps state for every topic published and never frees it: with nobody
-            // listening, an event costs memory for every client id ever seen and tells no one.
+            // With nobody listening an event tells no one: it is not published at all.
             if !publisher.reaches_anyone(&message.topic) {
                 continue;
             }

@@ -205,8 +205,14 @@ impl Hub {
     ) -> Result<SessionId, crate::index::FilterError> {
         let id = self.next_link.fetch_add(1, Ordering::Relaxed);
         let mut index = self.index.write().unwrap_or_else(PoisonError::into_inner);
+        // No Local: a module never gets back what it published itself (the MetaManager's
+        // broad `$hw/events/#` would otherwise take every result it hands on).
+        let options = crate::index::Options {
+            no_local: true,
+            ..crate::index::Options::v4(2)
+        };
         for filter in filters {
-            index.subscribe(id, filter, crate::index::Options::v4(2))?;
+            index.subscribe(id, filter, options.clone())?;
         }
         drop(index);
         self.links
@@ -355,8 +361,13 @@ impl Hub {
 
     /// [`Hub::publish`] of a message [`Hub::reserve`] promised room to.
     #[must_use = "messages for the node's modules must be handed on"]
-    pub fn publish_reserved(&self, message: Arc<Published>, qos: u8) -> ForLinks {
-        self.route(None, message, qos, false, None, true).0
+    pub fn publish_reserved(
+        &self,
+        from: Option<SessionId>,
+        message: Arc<Published>,
+        qos: u8,
+    ) -> ForLinks {
+        self.route(from, message, qos, false, None, true).0
     }
 
     fn route(

@@ -10,6 +10,7 @@ use tokio::sync::mpsc;
 
 use crate::dollar::to_client;
 use crate::hub::{hand_to_links, Hub};
+use crate::index::SessionId;
 use crate::mailbox::Published;
 use crate::{Error, Message};
 
@@ -34,15 +35,16 @@ pub struct Publisher {
 
 #[derive(Clone, Debug)]
 enum Target {
-    Hub(Arc<Hub>),
+    /// The hub, and the link's own session (its publishes never come back to it).
+    Hub(Arc<Hub>, SessionId),
     /// A test's channel, whose receiver stands for a subscriber of every topic.
     Channel(mpsc::Sender<Message>),
 }
 
 impl Publisher {
-    pub(crate) fn of(hub: Arc<Hub>) -> Publisher {
+    pub(crate) fn of(hub: Arc<Hub>, session: SessionId) -> Publisher {
         Publisher {
-            to: Target::Hub(hub),
+            to: Target::Hub(hub, session),
         }
     }
 
@@ -51,7 +53,7 @@ impl Publisher {
     pub async fn publish(&self, message: Message) -> Result<(), Error> {
         match &self.to {
             Target::Channel(tx) => tx.send(message).await.map_err(|_| Error::LinkClosed),
-            Target::Hub(hub) => {
+            Target::Hub(hub, session) => {
                 let properties = (message.correlation.is_some()
                     || message.response_topic.is_some())
                 .then(|| PublishProperties {
@@ -67,9 +69,9 @@ impl Publisher {
                     properties,
                 });
                 let waiting = if message.reserved {
-                    hub.publish_reserved(published, NODE_QOS)
+                    hub.publish_reserved(Some(*session), published, NODE_QOS)
                 } else {
-                    hub.publish(None, published, NODE_QOS, false, None)
+                    hub.publish(Some(*session), published, NODE_QOS, false, None)
                 };
                 hand_to_links(waiting).await;
                 Ok(())
@@ -90,7 +92,7 @@ impl Publisher {
         behind: impl Fn() -> usize,
     ) -> Result<(), Error> {
         let mut message = message;
-        if let Target::Hub(hub) = &self.to {
+        if let Target::Hub(hub, _) = &self.to {
             let topic = to_client(&message.topic).into_owned();
             let weight = topic.len() + message.payload.len();
             // What waits counts from here: a reader that keeps reading makes room long before
@@ -130,7 +132,7 @@ impl Publisher {
     pub fn reaches_anyone(&self, topic: &str) -> bool {
         match &self.to {
             Target::Channel(_) => true,
-            Target::Hub(hub) => hub.reaches_clients(&to_client(topic)),
+            Target::Hub(hub, _) => hub.reaches_clients(&to_client(topic)),
         }
     }
 
@@ -139,7 +141,7 @@ impl Publisher {
     pub fn reserve_now(&self, message: &mut Message) -> bool {
         match &self.to {
             Target::Channel(_) => true,
-            Target::Hub(hub) => {
+            Target::Hub(hub, _) => {
                 let topic = to_client(&message.topic);
                 let fits = hub.reserve(&topic, topic.len() + message.payload.len());
                 message.reserved = fits;

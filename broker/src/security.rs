@@ -1,20 +1,15 @@
 //! Who may connect (username/password, anonymous) and what each identity may publish and
-//! subscribe to (topic ACL). rumqttd has no ACL (rumqttd #495, #1005): [`crate::guard`] applies
-//! these rules to every CONNECT, PUBLISH and SUBSCRIBE it decodes.
+//! subscribe to (topic ACL). Each connection's task (`conn.rs`) applies these rules to every
+//! CONNECT, PUBLISH and SUBSCRIBE it decodes.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 
 use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
 use argon2::Argon2;
 use serde::Deserialize;
 
 use crate::dollar;
-
-/// Where refused subscriptions point: a plain topic (rumqttd drops a client that subscribes to
-/// a `$` filter) that the guard lets no client publish to, so nothing ever arrives there.
-pub(crate) const DENIED_FILTER: &str = "edgemeta-refused";
 
 /// Whether no client may use `topic` (or the filter a subscription shares), whatever its
 /// rights: `$` topics other than the carried ones are the broker's own, and so is the carried
@@ -24,13 +19,12 @@ pub(crate) fn reserved(topic: &str) -> bool {
         || (topic.starts_with('$') && !dollar::is_carried(topic.as_bytes()))
 }
 
-/// The broker form of a client's `topic` if a client with `grants` may publish to it. The refused
-/// filter is the broker's own too: a client publishing there could reach refused subscriptions.
+/// The modules' form of a client's `topic` if a client with `grants` may publish to it.
 pub(crate) fn publishable<'a>(
     grants: &Grants,
     topic: &'a str,
 ) -> Option<std::borrow::Cow<'a, str>> {
-    if reserved(topic) || topic == DENIED_FILTER {
+    if reserved(topic) {
         return None;
     }
     let topic = dollar::to_broker(topic);
@@ -139,9 +133,6 @@ pub struct Policy {
     users: BTreeMap<String, String>,
     acl: Option<AclConfig>,
     max_subscriptions: usize,
-    /// Shared only with our front (random per process): a login carrying it came through the
-    /// front, with the certificate name the front verified, if any.
-    cert_secret: Arc<str>,
     denials: Denials,
 }
 
@@ -192,17 +183,11 @@ impl Policy {
                 .collect(),
             acl: acl.enabled.then(|| acl.clone()),
             max_subscriptions,
-            cert_secret: format!(
-                "{}{}",
-                uuid::Uuid::new_v4().simple(),
-                uuid::Uuid::new_v4().simple()
-            )
-            .into(),
             denials: Denials::default(),
         })
     }
 
-    /// Whether rumqttd must be asked to check credentials at all.
+    /// Whether credentials are checked at all.
     pub fn needs_login_check(&self) -> bool {
         !self.users.is_empty() || !self.allow_anonymous
     }
@@ -212,9 +197,6 @@ impl Policy {
     pub fn check_login(&self, username: &str, password: &str) -> bool {
         if username.is_empty() {
             return self.allow_anonymous;
-        }
-        if password == &*self.cert_secret {
-            return true;
         }
         let Some(hash) = self.users.get(username) else {
             return false;
@@ -226,11 +208,6 @@ impl Policy {
                     .is_ok()
             })
             .unwrap_or(false)
-    }
-
-    /// The secret the client-certificate front and its back-end guard share.
-    pub fn cert_secret(&self) -> Arc<str> {
-        self.cert_secret.clone()
     }
 
     pub fn max_subscriptions(&self) -> usize {

@@ -177,7 +177,8 @@ impl Broker {
     ) -> Result<Link, Error> {
         let (inbox_tx, inbox) = tokio::sync::mpsc::channel(capacity);
         let filters: Vec<String> = filters.iter().map(|f| to_client(f).into_owned()).collect();
-        self.shared
+        let session = self
+            .shared
             .hub
             .attach_link(&filters, inbox_tx)
             .map_err(|e| Error::Link {
@@ -186,7 +187,7 @@ impl Broker {
             })?;
         Ok(Link {
             inbox,
-            publisher: Publisher::of(self.shared.hub.clone()),
+            publisher: Publisher::of(self.shared.hub.clone(), session),
         })
     }
 

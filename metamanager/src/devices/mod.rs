@@ -61,10 +61,9 @@ pub struct Event {
 }
 
 /// The filters the MetaManager's link takes device messages and uploads on, in the broker's
-/// form. Broad on purpose: rumqttd keeps a message log per filter (up to `segment_count` ×
-/// `segment_bytes` each), so four filters bound the memory where one per topic shape would
-/// hold a dozen logs. The price is that our own `$hw` results come back to the link; intake
-/// drops them unread. No topic may match two of them (each copy would be acknowledged to its
+/// form: four broad filters rather than one per topic shape. The link never gets back what the
+/// MetaManager publishes itself (No Local); intake drops the node's results if one comes from
+/// another module. No topic may match two of them (each copy would be acknowledged to its
 /// publisher): `+/user/#` also matches `edgemeta$hw/user/...`, hence `$hw/events/#`.
 pub fn filters() -> Vec<String> {
     [
@@ -146,7 +145,7 @@ pub fn error_result(event_id: &str, code: u16, reason: &str) -> ErrorResult {
 }
 
 /// A message for a device topic (clients' form), published after the commit. Topic and payload
-/// are trimmed to size: rumqttd keeps them in every matching filter's log until it is full.
+/// are trimmed to size: a reader's queue may keep them a while.
 pub fn local(topic: &str, body: &impl Serialize) -> Message {
     let mut topic = to_broker(topic).into_owned();
     topic.shrink_to_fit();
