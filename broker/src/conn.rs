@@ -41,6 +41,8 @@ const RECEIVE_MAX: u16 = 100;
 const INFLIGHT_MAX: u16 = 100;
 /// A read buffer larger than this is given back once drained.
 const KEEP_BUFFER: usize = 4096;
+/// What a busy connection reads at a time once a read filled its small buffer.
+const READ_MORE: usize = 16 * 1024;
 
 /// What every connection of the node shares: the hub, the policy, and the counts the node's
 /// metrics read.
@@ -155,8 +157,8 @@ enum Woke {
     Mail,
     Acked((AckKind, u16)),
     Silent,
-    /// Bytes were read (false: the stream ended or failed).
-    Read(bool),
+    /// Bytes were read: how many (None: the stream ended or failed).
+    Read(Option<usize>),
 }
 
 /// The state of one connection after its CONNECT.
@@ -513,6 +515,16 @@ async fn linger<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S) {
     let _ = tokio::time::timeout(Duration::from_secs(1), drain).await;
 }
 
+/// Polls `future` once: its output if it is ready now, without waiting for it.
+fn poll_once<F: std::future::Future>(future: F) -> Option<F::Output> {
+    let mut future = std::pin::pin!(future);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match future.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(output) => Some(output),
+        std::task::Poll::Pending => None,
+    }
+}
+
 /// Reads until the CONNECT has arrived: the version it names, and the packet.
 async fn first_packet<S: AsyncRead + Unpin>(
     stream: &mut S,
@@ -574,6 +586,7 @@ impl Conn {
             if buf.capacity() - buf.len() < 64 {
                 buf.reserve(256);
             }
+            let spare = buf.capacity() - buf.len();
             let woke = {
                 let acks = self.acks.as_mut().map(|(_, rx)| rx);
                 let acked = async {
@@ -587,18 +600,37 @@ impl Conn {
                     _ = self.room.ready.notified() => Woke::Mail,
                     Some(released) = acked => Woke::Acked(released),
                     _ = silent => Woke::Silent,
-                    read = stream.read_buf(buf) => Woke::Read(read.ok().filter(|&n| n > 0).is_some()),
+                    read = stream.read_buf(buf) => Woke::Read(read.ok().filter(|&n| n > 0)),
                 }
             };
             match woke {
                 Woke::Cut => return Box::pin(self.cut(stream, node)).await,
                 Woke::Mail => {}
                 Woke::Acked(released) => self.acked(released),
-                Woke::Silent | Woke::Read(false) => return End::Lost,
-                Woke::Read(true) => {
+                Woke::Silent | Woke::Read(None) => return End::Lost,
+                Woke::Read(Some(read)) => {
                     last_heard = Instant::now();
+                    let mut filled = read == spare;
                     loop {
-                        match self.wire.read(buf, shared.max_packet) {
+                        let packet = match self.wire.read(buf, shared.max_packet) {
+                            Ok(None) if filled => {
+                                // The read filled what was free: more is likely waiting. It is
+                                // taken in larger reads, many packets a call, without waiting
+                                // for it; an idle connection keeps only the small buffer.
+                                buf.reserve(READ_MORE);
+                                let spare = buf.capacity() - buf.len();
+                                match poll_once(stream.read_buf(buf)) {
+                                    None => break,
+                                    Some(Ok(n)) if n > 0 => {
+                                        filled = n == spare;
+                                        continue;
+                                    }
+                                    Some(_) => return End::Lost,
+                                }
+                            }
+                            other => other,
+                        };
+                        match packet {
                             Ok(Some(packet)) => {
                                 let end = match self.handle(packet, shared) {
                                     None => None,

@@ -2,7 +2,8 @@
 //! `publish` every client and in-process module calls. A publish routes through the index and
 //! is pushed into each matching session's mailbox; nothing waits for a reader.
 
-use std::collections::HashMap;
+// Session ids are looked up on every publish: foldhash, not SipHash.
+use foldhash::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
@@ -109,10 +110,10 @@ impl Hub {
             registry: Mutex::new(Registry::new(limits.max_away_sessions)),
             index: RwLock::new(Index::default()),
             retained: Mutex::new(Retained::new(limits.retained_bytes)),
-            rooms: Mutex::new(HashMap::new()),
-            connections: Mutex::new(HashMap::new()),
+            rooms: Mutex::new(HashMap::default()),
+            connections: Mutex::new(HashMap::default()),
             timers: Notify::new(),
-            links: RwLock::new(HashMap::new()),
+            links: RwLock::new(HashMap::default()),
             next_link: AtomicU64::new(FIRST_LINK),
             lag_cuts: AtomicU64::new(0),
             room: Notify::new(),
