@@ -16,10 +16,12 @@ use rumqttc::v5::mqttbytes::v5::{
 };
 use rumqttc::v5::mqttbytes::QoS;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::tcp::OwnedWriteHalf;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::ack::{Ack, AckKind, Acks, Released};
+use crate::direct::{drain, publish_of, Direct};
 use crate::dollar::to_broker;
 use crate::events::ClientEvents;
 use crate::hub::{hand_to_links, ForLinks, Hub, Mailroom};
@@ -118,14 +120,6 @@ fn qos_num(qos: QoS) -> u8 {
     qos as u8
 }
 
-fn qos_of(n: u8) -> QoS {
-    match n {
-        0 => QoS::AtMostOnce,
-        1 => QoS::AtLeastOnce,
-        _ => QoS::ExactlyOnce,
-    }
-}
-
 /// Why a connection ended, for the will (§3.1.2.5: no will after a normal DISCONNECT).
 enum End {
     Normal {
@@ -181,16 +175,20 @@ struct Conn {
     /// Acknowledgements modules release; made at the first publish one consumes.
     acks: Option<(Arc<Acks>, Released)>,
     out: BytesMut,
+    /// Plain TCP: publishers write this session's queue into the socket while the task idles.
+    direct: Option<Arc<Direct>>,
 }
 
 /// Serves one client until it leaves, breaks the protocol, or `cancel` fires. Futures it awaits
 /// only now and then (the CONNECT, a login, a cut, a wait for a module) are boxed: a task is as
 /// large as its future, and an idle connection is mostly its task.
 /// `certified` is
-/// the name its TLS client certificate proved, if any: its identity, whatever login it sends.
+/// the name its TLS client certificate proved, if any: its identity, whatever login it sends;
+/// `socket` the write half of a plain TCP connection, which publishers may write to directly.
 pub async fn serve<S>(
     mut stream: S,
     certified: Option<String>,
+    socket: Option<Arc<OwnedWriteHalf>>,
     shared: Arc<Shared>,
     cancel: CancellationToken,
 ) where
@@ -202,7 +200,8 @@ pub async fn serve<S>(
     });
     let mut buf = BytesMut::new();
     // The CONNECT and what it decides, boxed: its locals are gone before the long wait below.
-    let Some(opened) = Box::pin(open(&mut stream, &mut buf, certified, &shared, &cancel)).await
+    let Some(opened) =
+        Box::pin(open(&mut stream, &mut buf, certified, socket, &shared, &cancel)).await
     else {
         return;
     };
@@ -219,6 +218,10 @@ pub async fn serve<S>(
         .run(&mut stream, &mut buf, &shared, &token, &cancel, keep_alive)
         .await;
     drop(admitted);
+    if let Some(direct) = conn.direct.take() {
+        direct.close(&mut BytesMut::new());
+        conn.room.unplug(&direct);
+    }
     let (will, expiry_now) = match end {
         End::Normal { expiry } => (None, expiry),
         End::WithWill { expiry } => (will, expiry),
@@ -263,6 +266,7 @@ async fn open<'a, S>(
     stream: &mut S,
     buf: &mut BytesMut,
     certified: Option<String>,
+    socket: Option<Arc<OwnedWriteHalf>>,
     shared: &'a Shared,
     cancel: &CancellationToken,
 ) -> Option<Opened<'a>>
@@ -436,7 +440,11 @@ where
         subscriptions: HashSet::new(),
         acks: None,
         out: BytesMut::new(),
+        direct: socket.map(|socket| Direct::new(socket, wire, limits.maximum_packet_size)),
     };
+    if let Some(direct) = &conn.direct {
+        conn.room.plug(direct.clone());
+    }
     let connack = ConnAck {
         session_present: connected.session_present,
         code: ConnectReturnCode::Success,
@@ -559,11 +567,10 @@ impl Conn {
         let grace = keep_alive + keep_alive / 2;
         let mut last_heard = Instant::now();
         loop {
-            if self.drain_mailbox() {
+            if self.fill() {
                 self.room.taken(&shared.hub);
                 shared.hub.room.notify_waiters();
             }
-            self.drain_acks();
             if !self.out.is_empty() {
                 // A reader that stopped takes nothing: its queue fills and the hub cuts it
                 // off through `token` while this write waits.
@@ -576,6 +583,9 @@ impl Conn {
                 self.out.clear();
                 if self.out.capacity() > KEEP_BUFFER {
                     self.out = BytesMut::new();
+                }
+                if let Some(direct) = &self.direct {
+                    direct.done();
                 }
             }
             let silent = tokio::time::sleep(if keep_alive.is_zero() {
@@ -672,6 +682,7 @@ impl Conn {
                                     }
                                 };
                                 if let Some(end) = end {
+                                    self.closing();
                                     if let End::Refused(reason) = end {
                                         let bye = Disconnect::new(reason);
                                         if self.wire == Wire::V5 {
@@ -688,6 +699,7 @@ impl Conn {
                             Ok(None) => break,
                             Err(e) => {
                                 debug!(client_id = %self.client_id, error = %e, "malformed packet");
+                                self.closing();
                                 if self.wire == Wire::V5 {
                                     let bye =
                                         Disconnect::new(DisconnectReasonCode::MalformedPacket);
@@ -721,8 +733,12 @@ impl Conn {
         } else {
             DisconnectReasonCode::SessionTakenOver
         };
+        let mut out = BytesMut::new();
+        if let Some(direct) = &self.direct {
+            // A partial packet a direct write left must be finished before anything else.
+            direct.close(&mut out);
+        }
         if self.wire == Wire::V5 {
-            let mut out = BytesMut::new();
             let bye = Disconnect::new(reason);
             if self
                 .wire
@@ -1025,23 +1041,38 @@ impl Conn {
 
     /// Writes what the session may be sent now; whether it took anything.
     fn drain_mailbox(&mut self) -> bool {
-        let wire = self.wire;
+        let mut mailbox = self
+            .room
+            .mailbox
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        drain(&mut mailbox, self.wire, self.max_out, &mut self.out)
+    }
+
+    /// The task's own bytes for the socket: what its session may be sent and the released
+    /// acknowledgements, after what a publisher's direct write left; whether it took any mail.
+    fn fill(&mut self) -> bool {
+        let Some(direct) = self.direct.clone() else {
+            let took = self.drain_mailbox();
+            self.drain_acks();
+            return took;
+        };
         let mut took = false;
-        loop {
-            let next = self.mailbox(|m| {
-                m.next(Instant::now(), |o| {
-                    let mut probe = BytesMut::new();
-                    let packet = Packet::Publish(publish_of(o));
-                    wire.write(packet, &mut probe, None)
-                        .map_or(usize::MAX, |n| n)
-                })
-            });
-            let Some(out) = next else {
-                return took;
-            };
-            took = true;
-            let publish = self.publish_packet(out);
-            self.send(Packet::Publish(publish));
+        let mut out = std::mem::take(&mut self.out);
+        direct.turn(&mut out, |out| {
+            self.out = std::mem::take(out);
+            took = self.drain_mailbox();
+            self.drain_acks();
+            *out = std::mem::take(&mut self.out);
+        });
+        self.out = out;
+        took
+    }
+
+    /// The connection ends: only this task writes from now on, what a direct write left first.
+    fn closing(&mut self) {
+        if let Some(direct) = &self.direct {
+            direct.close(&mut self.out);
         }
     }
 
@@ -1062,27 +1093,5 @@ impl Conn {
         if let Err(e) = self.wire.write(packet, &mut self.out, self.max_out) {
             debug!(client_id = %self.client_id, error = %e, "packet not written");
         }
-    }
-}
-
-/// The PUBLISH for one delivery: its own QoS, alias, expiry left and identifiers.
-fn publish_of(out: &Outgoing) -> Publish {
-    let mut properties = out.properties.clone();
-    let per_delivery =
-        out.topic_alias.is_some() || out.expiry_left.is_some() || !out.subscription_ids.is_empty();
-    if per_delivery {
-        let p = properties.get_or_insert_with(PublishProperties::default);
-        p.topic_alias = out.topic_alias;
-        p.message_expiry_interval = out.expiry_left;
-        p.subscription_identifiers = out.subscription_ids.iter().map(|&i| i as usize).collect();
-    }
-    Publish {
-        dup: out.dup,
-        qos: qos_of(out.qos),
-        retain: out.retain,
-        topic: Bytes::copy_from_slice(out.topic.as_bytes()),
-        pkid: out.pkid,
-        payload: out.payload.clone(),
-        properties,
     }
 }

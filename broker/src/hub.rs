@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::ack::Ack;
+use crate::direct::{Direct, Flushed};
 use crate::dollar::to_broker;
 use crate::index::{Index, SessionId};
 use crate::mailbox::{Limits, Mailbox, Owed, Published};
@@ -40,6 +41,8 @@ pub struct Mailroom {
     pub lagged: std::sync::atomic::AtomicBool,
     /// When its reader last took something (ms on the hub's clock).
     taken_at: AtomicU64,
+    /// Its plain-TCP connection's socket, which a publisher writes to while the task idles.
+    direct: Mutex<Option<Arc<Direct>>>,
 }
 
 impl Mailroom {
@@ -50,6 +53,33 @@ impl Mailroom {
 }
 
 impl Mailroom {
+    /// A connection's socket publishers may write this mailbox into.
+    pub fn plug(&self, direct: Arc<Direct>) {
+        *lock(&self.direct) = Some(direct);
+    }
+
+    /// That socket is closing; a newer connection's stays.
+    pub fn unplug(&self, direct: &Arc<Direct>) {
+        let mut plugged = lock(&self.direct);
+        if plugged.as_ref().is_some_and(|d| Arc::ptr_eq(d, direct)) {
+            *plugged = None;
+        }
+    }
+
+    /// Writes what its reader may take now from the publishing thread if the socket is free;
+    /// else rings the connection's task.
+    fn deliver(&self, hub: &Hub) {
+        let direct = lock(&self.direct).clone();
+        let flushed = direct.map(|d| d.flush(&self.mailbox));
+        if let Some(Flushed { took: true, .. }) = flushed {
+            self.taken(hub);
+            hub.room.notify_waiters();
+        }
+        if flushed.is_none_or(|f| f.ring) {
+            self.ready.notify_one();
+        }
+    }
+
     /// Connection `connection` stopped reading this mailbox (a newer one may hold it now).
     pub fn release(&self, connection: u64) {
         let mut holder = lock(&self.holder);
@@ -263,6 +293,7 @@ impl Hub {
                     holder: Mutex::new(None),
                     lagged: std::sync::atomic::AtomicBool::new(false),
                     taken_at: AtomicU64::new(self.now_ms()),
+                    direct: Mutex::new(None),
                 })
             })
             .clone();
@@ -410,6 +441,8 @@ impl Hub {
             }
         }
         let rooms = lock(&self.rooms);
+        // Written or rung once the rooms' lock is given back: a direct write is a syscall.
+        let mut queued: Vec<Arc<Mailroom>> = Vec::new();
         for delivery in deliveries {
             let Some(room) = rooms.get(&delivery.session) else {
                 continue;
@@ -426,11 +459,12 @@ impl Hub {
             };
             if reserved {
                 lock(&room.mailbox).push_reserved(owed);
-                room.ready.notify_one();
+                queued.push(room.clone());
                 continue;
             }
-            match lock(&room.mailbox).push(owed) {
-                Ok(()) => room.ready.notify_one(),
+            let pushed = lock(&room.mailbox).push(owed);
+            match pushed {
+                Ok(()) => queued.push(room.clone()),
                 Err(why) => {
                     // A connected reader a whole queue behind is cut off (it resyncs when it
                     // comes back); nobody else waits for it. A session away only drops.
@@ -442,6 +476,10 @@ impl Hub {
                         topic = %message.topic, ?why, "message dropped for a session");
                 }
             }
+        }
+        drop(rooms);
+        for room in queued {
+            room.deliver(self);
         }
         (waiting, heard)
     }

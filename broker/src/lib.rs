@@ -24,6 +24,7 @@
 mod ack;
 mod config;
 mod conn;
+mod direct;
 mod dollar;
 mod error;
 mod events;

@@ -14,6 +14,7 @@ use tracing::{debug, info, warn};
 
 use crate::config::{BrokerConfig, ListenerConfig};
 use crate::conn::{serve, Shared};
+use crate::direct::SharedTcp;
 use crate::dollar::to_client;
 use crate::events::ClientEvents;
 use crate::hub::{Hub, HubLimits};
@@ -253,12 +254,14 @@ impl Accept {
             // the TLS arm (rustls' connection state inline) would make every plain one pay it.
             match self.tls.clone() {
                 None => {
-                    tokio::spawn(serve(stream, None, shared, cancel));
+                    let stream = SharedTcp::new(stream);
+                    let socket = Some(stream.writer());
+                    tokio::spawn(serve(stream, None, socket, shared, cancel));
                 }
                 Some(tls) => {
                     tokio::spawn(async move {
                         match tls.accept(stream, shared.connect_within).await {
-                            Ok((stream, name)) => serve(stream, name, shared, cancel).await,
+                            Ok((stream, name)) => serve(stream, name, None, shared, cancel).await,
                             Err(e) => debug!(error = %e, "TLS connection refused"),
                         }
                     });

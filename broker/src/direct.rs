@@ -1,0 +1,235 @@
+//! A plain-TCP subscriber's queue written into its socket by the thread that queued for it,
+//! while its connection task is not writing: a commit's hand-on reaches the client with no task
+//! switch (ARCHITECTURE.md, "hand-offs"). Whoever writes holds [`Direct`]'s lock, so bytes never
+//! interleave and deliveries keep their queue's order; a socket that is full leaves the rest to
+//! the task, which waits for it without holding anyone up.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{ready, Context, Poll};
+use std::time::Instant;
+
+use bytes::{Bytes, BytesMut};
+use rumqttc::v5::mqttbytes::v5::{Publish, PublishProperties};
+use rumqttc::v5::mqttbytes::QoS;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+
+use crate::mailbox::{Mailbox, Outgoing};
+use crate::wire::{Packet, Wire};
+
+/// A plain TCP connection whose write half the connection's task shares with [`Direct`].
+pub struct SharedTcp {
+    read: OwnedReadHalf,
+    write: Arc<OwnedWriteHalf>,
+}
+
+impl SharedTcp {
+    pub fn new(stream: TcpStream) -> SharedTcp {
+        let (read, write) = stream.into_split();
+        SharedTcp {
+            read,
+            write: Arc::new(write),
+        }
+    }
+
+    /// The write half, for [`Direct::new`].
+    pub fn writer(&self) -> Arc<OwnedWriteHalf> {
+        self.write.clone()
+    }
+}
+
+impl AsyncRead for SharedTcp {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.read).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for SharedTcp {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let socket: &TcpStream = (*self.write).as_ref();
+        loop {
+            ready!(socket.poll_write_ready(cx))?;
+            match self.write.try_write(buf) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                written => return Poll::Ready(written),
+            }
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let socket: &TcpStream = (*self.write).as_ref();
+        Poll::Ready(socket2::SockRef::from(socket).shutdown(std::net::Shutdown::Write))
+    }
+}
+
+/// One connection's socket as the threads that queue for it see it.
+#[derive(Debug)]
+pub struct Direct {
+    socket: Arc<OwnedWriteHalf>,
+    wire: Wire,
+    /// The client's Maximum Packet Size.
+    max_out: Option<u32>,
+    state: Mutex<State>,
+}
+
+#[derive(Debug)]
+struct State {
+    /// The task has bytes of its own on their way: nobody else writes until it is done.
+    task_writing: bool,
+    /// The connection is ending: only its task writes now.
+    closed: bool,
+    /// What a full socket did not take from an outside write; the task writes it next.
+    leftover: BytesMut,
+}
+
+/// What [`Direct::flush`] did.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Flushed {
+    /// Something was taken from the queue.
+    pub took: bool,
+    /// The task must run: it is writing, the socket was full, or the connection is ending.
+    pub ring: bool,
+}
+
+impl Direct {
+    /// The task writes first (its CONNACK and what a resumed session is owed).
+    pub fn new(socket: Arc<OwnedWriteHalf>, wire: Wire, max_out: Option<u32>) -> Arc<Direct> {
+        Arc::new(Direct {
+            socket,
+            wire,
+            max_out,
+            state: Mutex::new(State {
+                task_writing: true,
+                closed: false,
+                leftover: BytesMut::new(),
+            }),
+        })
+    }
+
+    /// From a thread that just queued into `mailbox`: writes what the client may take now,
+    /// unless the task is writing (or another thread is, then it rings instead of waiting).
+    pub fn flush(&self, mailbox: &Mutex<Mailbox>) -> Flushed {
+        let Ok(mut state) = self.state.try_lock() else {
+            return Flushed {
+                took: false,
+                ring: true,
+            };
+        };
+        if state.task_writing || state.closed || !state.leftover.is_empty() {
+            return Flushed {
+                took: false,
+                ring: true,
+            };
+        }
+        let mut out = BytesMut::new();
+        let took = drain(
+            &mut mailbox.lock().unwrap_or_else(PoisonError::into_inner),
+            self.wire,
+            self.max_out,
+            &mut out,
+        );
+        let mut written = 0;
+        while written < out.len() {
+            match self.socket.try_write(&out[written..]) {
+                Ok(n) if n > 0 => written += n,
+                // Full (or failing: the task's next read or write finds out).
+                _ => break,
+            }
+        }
+        let ring = written < out.len();
+        if ring {
+            state.leftover = out.split_off(written);
+        }
+        Flushed { took, ring }
+    }
+
+    /// The task's turn to write: what an outside write left comes first, then what `fill`
+    /// adds. While `out` is not empty afterwards the task owns the socket, until [`Direct::done`].
+    pub fn turn(&self, out: &mut BytesMut, fill: impl FnOnce(&mut BytesMut)) {
+        let mut state = self.lock();
+        if !state.leftover.is_empty() {
+            let leftover = std::mem::take(&mut state.leftover);
+            let mine = std::mem::replace(out, leftover);
+            out.extend_from_slice(&mine);
+        }
+        fill(out);
+        state.task_writing = !out.is_empty();
+    }
+
+    /// The task's bytes are written: the socket is free again.
+    pub fn done(&self) {
+        self.lock().task_writing = false;
+    }
+
+    /// The connection ends: from now on only its task writes, and what was left is its to send.
+    pub fn close(&self, out: &mut BytesMut) {
+        let mut state = self.lock();
+        state.closed = true;
+        if !state.leftover.is_empty() {
+            let leftover = std::mem::take(&mut state.leftover);
+            let mine = std::mem::replace(out, leftover);
+            out.extend_from_slice(&mine);
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Encodes into `out` every PUBLISH the session may be sent now; whether it took any.
+pub fn drain(mailbox: &mut Mailbox, wire: Wire, max_out: Option<u32>, out: &mut BytesMut) -> bool {
+    let mut took = false;
+    while let Some(next) = mailbox.next(Instant::now(), |o| {
+        let mut probe = BytesMut::new();
+        wire.write(Packet::Publish(publish_of(o)), &mut probe, None)
+            .map_or(usize::MAX, |n| n)
+    }) {
+        took = true;
+        if let Err(e) = wire.write(Packet::Publish(publish_of(&next)), out, max_out) {
+            tracing::debug!(error = %e, "publish not written");
+        }
+    }
+    took
+}
+
+/// The PUBLISH for one delivery: its own QoS, alias, expiry left and identifiers.
+pub fn publish_of(out: &Outgoing) -> Publish {
+    let mut properties = out.properties.clone();
+    let per_delivery =
+        out.topic_alias.is_some() || out.expiry_left.is_some() || !out.subscription_ids.is_empty();
+    if per_delivery {
+        let p = properties.get_or_insert_with(PublishProperties::default);
+        p.topic_alias = out.topic_alias;
+        p.message_expiry_interval = out.expiry_left;
+        p.subscription_identifiers = out.subscription_ids.iter().map(|&i| i as usize).collect();
+    }
+    Publish {
+        dup: out.dup,
+        qos: match out.qos {
+            0 => QoS::AtMostOnce,
+            1 => QoS::AtLeastOnce,
+            _ => QoS::ExactlyOnce,
+        },
+        retain: out.retain,
+        topic: Bytes::copy_from_slice(out.topic.as_bytes()),
+        pkid: out.pkid,
+        payload: out.payload.clone(),
+        properties,
+    }
+}
