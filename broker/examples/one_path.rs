@@ -34,7 +34,6 @@ async fn main() {
                 let _ = stream.set_nodelay(true);
                 tokio::spawn(serve_connection(
                     stream,
-                    None,
                     shared.clone(),
                     cancel.clone(),
                 ));

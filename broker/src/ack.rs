@@ -1,12 +1,16 @@
 //! The node's promise to acknowledge a client's publish once a module is done with it: PUBACK
 //! after the commit (protocol §6.5). Each connection that publishes something a module consumes
-//! gets a queue its task reads the released acknowledgements from.
+//! gets a queue of released acknowledgements; its task writes them, or, for a plain TCP client
+//! whose task is not writing, the thread that released a commit's acknowledgements
+//! ([`release_together`]) writes them itself, one write per connection and commit.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use tokio::sync::mpsc;
+use tokio::sync::Notify;
+
+use crate::direct::Direct;
 
 /// Which acknowledgement waits for the module.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -17,29 +21,38 @@ pub enum AckKind {
     PubRec,
 }
 
-/// Where a connection's task reads the acknowledgements released to it.
-pub(crate) type Released = mpsc::UnboundedReceiver<(AckKind, u16)>;
-
 /// One connection's released acknowledgements, and when it was last acknowledged.
 #[derive(Debug)]
 pub(crate) struct Acks {
-    released: mpsc::UnboundedSender<(AckKind, u16)>,
+    /// Released, not yet written, in the order they were released.
+    pub(crate) released: Mutex<Vec<(AckKind, u16)>>,
+    /// Rung when the connection's task has some to write.
+    pub(crate) bell: Notify,
+    /// Its socket, when released ones may be written from the releasing thread.
+    direct: Option<Arc<Direct>>,
     /// Promises not yet released.
     promised: AtomicUsize,
     /// When the last one was released (ns since [`epoch`]), 0 before the first.
     acked_at: AtomicU64,
 }
 
+/// Runs `release`, which drops [`Ack`]s, and sends each connection the acknowledgements it
+/// released at the end, together: one write per connection rather than one per publish.
+pub fn release_together<R>(release: impl FnOnce() -> R) -> R {
+    let _together = crate::direct::Together::begin();
+    release()
+}
+
 impl Acks {
-    /// A connection's queue; its task reads the receiver.
-    pub(crate) fn new() -> (Arc<Acks>, Released) {
-        let (released, rx) = mpsc::unbounded_channel();
-        let acks = Acks {
-            released,
+    /// A connection's queue; `direct` its socket when others may write to it.
+    pub(crate) fn new(direct: Option<Arc<Direct>>) -> Arc<Acks> {
+        Arc::new(Acks {
+            released: Mutex::new(Vec::new()),
+            bell: Notify::new(),
+            direct,
             promised: AtomicUsize::new(0),
             acked_at: AtomicU64::new(0),
-        };
-        (Arc::new(acks), rx)
+        })
     }
 
     /// Promises to acknowledge `pkid` once every copy of the returned [`Ack`] is dropped.
@@ -55,6 +68,23 @@ impl Acks {
                     .then(|| Duration::from_nanos(now_ns().saturating_sub(acked))),
                 abandoned: AtomicBool::new(false),
             }),
+        }
+    }
+
+    /// Takes what was released, in order.
+    pub(crate) fn take(&self) -> Vec<(AckKind, u16)> {
+        std::mem::take(&mut *self.lock())
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(AckKind, u16)>> {
+        self.released.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Writes what was released into the socket if it is free, else rings the task.
+    pub(crate) fn send(&self) {
+        let written = self.direct.as_ref().is_some_and(|d| d.flush_acks(self));
+        if !written {
+            self.bell.notify_one();
         }
     }
 }
@@ -104,10 +134,15 @@ impl Ack {
 impl Drop for Pending {
     fn drop(&mut self) {
         self.acks.promised.fetch_sub(1, Ordering::Relaxed);
-        if !self.abandoned.load(Ordering::Relaxed) {
-            self.acks.acked_at.store(now_ns(), Ordering::Relaxed);
-            // The connection may have gone; then nobody waits for it.
-            let _ = self.acks.released.send((self.kind, self.pkid));
+        if self.abandoned.load(Ordering::Relaxed) {
+            return;
+        }
+        self.acks.acked_at.store(now_ns(), Ordering::Relaxed);
+        // The connection may have gone; then nobody reads it.
+        self.acks.lock().push((self.kind, self.pkid));
+        let batched = crate::direct::acks_later(&self.acks);
+        if !batched {
+            self.acks.bell.notify_one();
         }
     }
 }
@@ -134,24 +169,47 @@ fn epoch() -> std::time::Instant {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::future::Future;
 
     #[test]
     fn an_ack_is_released_once_every_copy_is_dropped_and_never_when_abandoned() {
-        let (acks, mut rx) = Acks::new();
+        let acks = Acks::new(None);
         let ack = acks.promise(AckKind::PubAck, 7);
         let copy = ack.clone();
         drop(ack);
-        assert!(rx.try_recv().is_err(), "a copy still holds it");
+        assert!(acks.take().is_empty(), "a copy still holds it");
         drop(copy);
-        assert_eq!(rx.try_recv().ok(), Some((AckKind::PubAck, 7)));
+        assert_eq!(acks.take(), [(AckKind::PubAck, 7)]);
         let abandoned = acks.promise(AckKind::PubRec, 8);
         abandoned.abandon();
         drop(abandoned);
-        assert!(rx.try_recv().is_err());
+        assert!(acks.take().is_empty());
         let next = acks.promise(AckKind::PubAck, 9);
         assert!(
             next.after_ack().is_some(),
             "sent after an acknowledgement, none in flight"
         );
+    }
+
+    /// Whether the connection's task was rung (takes the ring).
+    fn rung(acks: &Acks) -> bool {
+        let notified = std::pin::pin!(acks.bell.notified());
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        notified.poll(&mut cx).is_ready()
+    }
+
+    #[test]
+    fn released_together_they_ring_once_at_the_end_in_order() {
+        let acks = Acks::new(None);
+        let promised: Vec<Ack> = (1..=3).map(|i| acks.promise(AckKind::PubAck, i)).collect();
+        release_together(|| {
+            drop(promised);
+            assert!(!rung(&acks), "held back until the end");
+        });
+        assert!(rung(&acks));
+        let pkids: Vec<u16> = acks.take().into_iter().map(|(_, p)| p).collect();
+        assert_eq!(pkids, [1, 2, 3]);
+        drop(acks.promise(AckKind::PubAck, 4));
+        assert!(rung(&acks), "alone, at once");
     }
 }

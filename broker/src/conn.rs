@@ -20,8 +20,8 @@ use tokio::net::tcp::OwnedWriteHalf;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::ack::{Ack, AckKind, Acks, Released};
-use crate::direct::{drain, publish_of, Direct};
+use crate::ack::{Ack, AckKind, Acks};
+use crate::direct::{drain, publish_of, Direct, SharedTcp};
 use crate::dollar::to_broker;
 use crate::events::ClientEvents;
 use crate::hub::{hand_to_links, ForLinks, Hub, Mailroom};
@@ -149,7 +149,7 @@ enum Step {
 enum Woke {
     Cut,
     Mail,
-    Acked((AckKind, u16)),
+    Acked,
     Silent,
     /// Bytes were read: how many (None: the stream ended or failed).
     Read(Option<usize>),
@@ -173,7 +173,7 @@ struct Conn {
     /// Subscriptions held, against `broker.max_subscriptions_per_client`.
     subscriptions: HashSet<String>,
     /// Acknowledgements modules release; made at the first publish one consumes.
-    acks: Option<(Arc<Acks>, Released)>,
+    acks: Option<Arc<Acks>>,
     out: BytesMut,
     /// Plain TCP: publishers write this session's queue into the socket while the task idles.
     direct: Option<Arc<Direct>>,
@@ -236,6 +236,13 @@ pub async fn serve<S>(
     if let (Some(events), Some(number)) = (&shared.events, announced) {
         events.ended(&conn.client_id, number);
     }
+}
+
+/// Serves a plain TCP client, whose socket publishers may write to directly.
+pub async fn serve_tcp(stream: tokio::net::TcpStream, shared: Arc<Shared>, cancel: CancellationToken) {
+    let stream = SharedTcp::new(stream);
+    let socket = Some(stream.writer());
+    serve(stream, None, socket, shared, cancel).await;
 }
 
 /// What a CONNECT opened: the connection's state and what its end needs.
@@ -598,25 +605,24 @@ impl Conn {
             }
             let spare = buf.capacity() - buf.len();
             let woke = {
-                let acks = self.acks.as_mut().map(|(_, rx)| rx);
+                let acks = self.acks.as_deref();
                 let acked = async {
                     match acks {
-                        Some(rx) => rx.recv().await,
+                        Some(acks) => acks.bell.notified().await,
                         None => std::future::pending().await,
                     }
                 };
                 tokio::select! {
                     _ = token.cancelled() => Woke::Cut,
                     _ = self.room.ready.notified() => Woke::Mail,
-                    Some(released) = acked => Woke::Acked(released),
+                    () = acked => Woke::Acked,
                     _ = silent => Woke::Silent,
                     read = stream.read_buf(buf) => Woke::Read(read.ok().filter(|&n| n > 0)),
                 }
             };
             match woke {
                 Woke::Cut => return Box::pin(self.cut(stream, node)).await,
-                Woke::Mail => {}
-                Woke::Acked(released) => self.acked(released),
+                Woke::Mail | Woke::Acked => {}
                 Woke::Silent | Woke::Read(None) => return End::Lost,
                 Woke::Read(Some(read)) => {
                     last_heard = Instant::now();
@@ -760,14 +766,11 @@ impl Conn {
 
     /// Writes the acknowledgements modules released since the last look.
     fn drain_acks(&mut self) {
-        loop {
-            let Some((_, rx)) = self.acks.as_mut() else {
-                return;
-            };
-            match rx.try_recv() {
-                Ok(released) => self.acked(released),
-                Err(_) => return,
-            }
+        let Some(acks) = self.acks.clone() else {
+            return;
+        };
+        for released in acks.take() {
+            self.acked(released);
         }
     }
 
@@ -1035,7 +1038,8 @@ impl Conn {
 
     /// A promise to acknowledge `pkid`, released to this connection's queue.
     fn promise(&mut self, kind: AckKind, pkid: u16) -> Ack {
-        let (acks, _) = self.acks.get_or_insert_with(Acks::new);
+        let direct = self.direct.clone();
+        let acks = self.acks.get_or_insert_with(|| Acks::new(direct));
         acks.promise(kind, pkid)
     }
 

@@ -4,6 +4,7 @@
 //! interleave and deliveries keep their queue's order; a socket that is full leaves the rest to
 //! the task, which waits for it without holding anyone up.
 
+use std::cell::RefCell;
 use std::io;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -11,14 +12,82 @@ use std::task::{ready, Context, Poll};
 use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
-use rumqttc::v5::mqttbytes::v5::{Publish, PublishProperties};
+use rumqttc::v5::mqttbytes::v5::{PubAck, Publish, PublishProperties};
 use rumqttc::v5::mqttbytes::QoS;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
+use crate::ack::{AckKind, Acks};
+use crate::hub::Mailroom;
 use crate::mailbox::{Mailbox, Outgoing};
 use crate::wire::{Packet, Wire};
+
+thread_local! {
+    /// What a [`Together`] on this thread holds back until its end.
+    static TOGETHER: RefCell<Option<Held>> = const { RefCell::new(None) };
+}
+
+/// Acknowledgements released and mailboxes queued into while a [`Together`] lasts.
+#[derive(Default)]
+struct Held {
+    acks: Vec<Arc<Acks>>,
+    rooms: Vec<Arc<Mailroom>>,
+}
+
+/// While it lives, what this thread releases or publishes is written to each client at its
+/// end, together: one write per client rather than one per message. A commit's
+/// acknowledgements and hand-ons go out under one.
+pub struct Together {
+    outer: Option<Held>,
+}
+
+impl Together {
+    pub fn begin() -> Together {
+        Together {
+            outer: TOGETHER.with(|t| t.borrow_mut().replace(Held::default())),
+        }
+    }
+}
+
+impl Drop for Together {
+    fn drop(&mut self) {
+        let held = TOGETHER.with(|t| std::mem::replace(&mut *t.borrow_mut(), self.outer.take()));
+        let Some(held) = held else { return };
+        for room in held.rooms {
+            room.deliver();
+        }
+        for acks in held.acks {
+            acks.send();
+        }
+    }
+}
+
+/// Holds `acks` back if a [`Together`] lasts on this thread.
+pub(crate) fn acks_later(acks: &Arc<Acks>) -> bool {
+    TOGETHER.with(|t| match t.borrow_mut().as_mut() {
+        Some(held) => {
+            if !held.acks.iter().any(|a| Arc::ptr_eq(a, acks)) {
+                held.acks.push(acks.clone());
+            }
+            true
+        }
+        None => false,
+    })
+}
+
+/// Holds `room` back if a [`Together`] lasts on this thread.
+pub(crate) fn later(room: &Arc<Mailroom>) -> bool {
+    TOGETHER.with(|t| match t.borrow_mut().as_mut() {
+        Some(held) => {
+            if !held.rooms.iter().any(|r| Arc::ptr_eq(r, room)) {
+                held.rooms.push(room.clone());
+            }
+            true
+        }
+        None => false,
+    })
+}
 
 /// A plain TCP connection whose write half the connection's task shares with [`Direct`].
 pub struct SharedTcp {
@@ -143,6 +212,37 @@ impl Direct {
             self.max_out,
             &mut out,
         );
+        let ring = !self.write(&mut state, out);
+        Flushed { took, ring }
+    }
+
+    /// From the thread that released `acks`: writes them if the socket is free and they are all
+    /// PUBACKs (a PUBREC changes the task's QoS 2 state); false when the task must run.
+    pub(crate) fn flush_acks(&self, acks: &Acks) -> bool {
+        let Ok(mut state) = self.state.try_lock() else {
+            return false;
+        };
+        if state.task_writing || state.closed || !state.leftover.is_empty() {
+            return false;
+        }
+        let mut released = acks.released.lock().unwrap_or_else(PoisonError::into_inner);
+        if released.iter().any(|(kind, _)| *kind != AckKind::PubAck) {
+            return false;
+        }
+        let mut out = BytesMut::new();
+        for (_, pkid) in released.drain(..) {
+            let ack = Packet::PubAck(PubAck::new(pkid, None));
+            if let Err(e) = self.wire.write(ack, &mut out, self.max_out) {
+                tracing::debug!(error = %e, "acknowledgement not written");
+            }
+        }
+        drop(released);
+        self.write(&mut state, out)
+    }
+
+    /// Writes `out` without waiting; what a full socket does not take is left for the task.
+    /// Whether all of it went.
+    fn write(&self, state: &mut State, mut out: BytesMut) -> bool {
         let mut written = 0;
         while written < out.len() {
             match self.socket.try_write(&out[written..]) {
@@ -151,11 +251,11 @@ impl Direct {
                 _ => break,
             }
         }
-        let ring = written < out.len();
-        if ring {
+        if written < out.len() {
             state.leftover = out.split_off(written);
+            return false;
         }
-        Flushed { took, ring }
+        true
     }
 
     /// The task's turn to write: what an outside write left comes first, then what `fill`

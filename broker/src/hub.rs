@@ -43,6 +43,9 @@ pub struct Mailroom {
     taken_at: AtomicU64,
     /// Its plain-TCP connection's socket, which a publisher writes to while the task idles.
     direct: Mutex<Option<Arc<Direct>>>,
+    /// The hub's clock and its bell for paced publishers, for a write from outside the hub.
+    clock: Instant,
+    room_made: Arc<Notify>,
 }
 
 impl Mailroom {
@@ -67,13 +70,17 @@ impl Mailroom {
     }
 
     /// Writes what its reader may take now from the publishing thread if the socket is free;
-    /// else rings the connection's task.
-    fn deliver(&self, hub: &Hub) {
+    /// else rings the connection's task. Inside [`Together`](crate::Together), once at its end.
+    pub(crate) fn deliver(self: &Arc<Self>) {
+        if crate::direct::later(self) {
+            return;
+        }
         let direct = lock(&self.direct).clone();
         let flushed = direct.map(|d| d.flush(&self.mailbox));
         if let Some(Flushed { took: true, .. }) = flushed {
-            self.taken(hub);
-            hub.room.notify_waiters();
+            self.taken_at
+                .store(self.clock.elapsed().as_millis() as u64, Ordering::Relaxed);
+            self.room_made.notify_waiters();
         }
         if flushed.is_none_or(|f| f.ring) {
             self.ready.notify_one();
@@ -124,7 +131,7 @@ pub struct Hub {
     /// Connected readers cut off so far for falling a whole queue behind.
     pub lag_cuts: AtomicU64,
     /// Rung when a connected reader took something from its queue, for paced publishers.
-    pub room: Notify,
+    pub room: Arc<Notify>,
     started: Instant,
 }
 
@@ -146,7 +153,7 @@ impl Hub {
             links: RwLock::new(HashMap::default()),
             next_link: AtomicU64::new(FIRST_LINK),
             lag_cuts: AtomicU64::new(0),
-            room: Notify::new(),
+            room: Arc::new(Notify::new()),
             started: Instant::now(),
         }
     }
@@ -294,6 +301,8 @@ impl Hub {
                     lagged: std::sync::atomic::AtomicBool::new(false),
                     taken_at: AtomicU64::new(self.now_ms()),
                     direct: Mutex::new(None),
+                    clock: self.started,
+                    room_made: self.room.clone(),
                 })
             })
             .clone();
@@ -479,7 +488,7 @@ impl Hub {
         }
         drop(rooms);
         for room in queued {
-            room.deliver(self);
+            room.deliver();
         }
         (waiting, heard)
     }

@@ -40,9 +40,10 @@ mod server;
 mod tls;
 mod wire;
 
-pub use ack::{Ack, AckKind};
+pub use ack::{release_together, Ack, AckKind};
 pub use config::{BrokerConfig, ListenerConfig, MqttVersion};
-pub use conn::{serve as serve_connection, Shared};
+pub use conn::{serve_tcp as serve_connection, Shared};
+pub use direct::Together;
 pub use dollar::{to_broker, to_client, INTERNAL_PREFIX};
 pub use error::Error;
 pub use hub::{Hub, HubLimits, Mailroom};

@@ -13,8 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::config::{BrokerConfig, ListenerConfig};
-use crate::conn::{serve, Shared};
-use crate::direct::SharedTcp;
+use crate::conn::{serve, serve_tcp, Shared};
 use crate::dollar::to_client;
 use crate::events::ClientEvents;
 use crate::hub::{Hub, HubLimits};
@@ -254,9 +253,7 @@ impl Accept {
             // the TLS arm (rustls' connection state inline) would make every plain one pay it.
             match self.tls.clone() {
                 None => {
-                    let stream = SharedTcp::new(stream);
-                    let socket = Some(stream.writer());
-                    tokio::spawn(serve(stream, None, socket, shared, cancel));
+                    tokio::spawn(serve_tcp(stream, shared, cancel));
                 }
                 Some(tls) => {
                     tokio::spawn(async move {

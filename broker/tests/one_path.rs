@@ -32,7 +32,6 @@ async fn start() -> (u16, Arc<Hub>, CancellationToken) {
         while let Ok((stream, _)) = listener.accept().await {
             tokio::spawn(serve_connection(
                 stream,
-                None,
                 accepting.clone(),
                 stop.clone(),
             ));
@@ -261,7 +260,6 @@ async fn a_reader_a_whole_queue_behind_is_cut_off_and_the_others_get_everything(
         while let Ok((stream, _)) = listener.accept().await {
             tokio::spawn(serve_connection(
                 stream,
-                None,
                 accepting.clone(),
                 stop.clone(),
             ));

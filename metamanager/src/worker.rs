@@ -416,6 +416,9 @@ impl Worker {
                 changes,
             }));
         }
+        // Each subscriber gets this commit's messages in one write (this thread runs only
+        // this future, so the guard stays on its thread across the awaits).
+        let together = edgemeta_broker::Together::begin();
         for message in direct {
             if self.publisher.publish(message).await.is_err() {
                 warn!(
@@ -424,6 +427,7 @@ impl Worker {
                 );
             }
         }
+        drop(together);
         self.feed.committed(handons);
         let dones: Vec<(Done, Outcome)> = applied
             .into_iter()
@@ -436,13 +440,16 @@ impl Worker {
         let after_ack = dones.iter().filter_map(|(done, _)| done.after_ack()).min();
         let outbox_changed = outbox_written.then(|| self.outbox_changed.clone());
         let release: Release = Box::new(move |durable| {
-            for (done, outcome) in dones {
-                if durable {
-                    done.send(outcome);
-                } else {
-                    done.refuse();
+            // One write of acknowledgements per client and commit, not one per publish.
+            edgemeta_broker::release_together(|| {
+                for (done, outcome) in dones {
+                    if durable {
+                        done.send(outcome);
+                    } else {
+                        done.refuse();
+                    }
                 }
-            }
+            });
             for (reply, result) in replies {
                 let _ = reply.send(if durable {
                     result
