@@ -32,11 +32,7 @@ async fn main() {
         tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
                 let _ = stream.set_nodelay(true);
-                tokio::spawn(serve_connection(
-                    stream,
-                    shared.clone(),
-                    cancel.clone(),
-                ));
+                tokio::spawn(serve_connection(stream, shared.clone(), cancel.clone()));
             }
         });
     }

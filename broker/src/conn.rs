@@ -200,8 +200,15 @@ pub async fn serve<S>(
     });
     let mut buf = BytesMut::new();
     // The CONNECT and what it decides, boxed: its locals are gone before the long wait below.
-    let Some(opened) =
-        Box::pin(open(&mut stream, &mut buf, certified, socket, &shared, &cancel)).await
+    let Some(opened) = Box::pin(open(
+        &mut stream,
+        &mut buf,
+        certified,
+        socket,
+        &shared,
+        &cancel,
+    ))
+    .await
     else {
         return;
     };
@@ -239,7 +246,11 @@ pub async fn serve<S>(
 }
 
 /// Serves a plain TCP client, whose socket publishers may write to directly.
-pub async fn serve_tcp(stream: tokio::net::TcpStream, shared: Arc<Shared>, cancel: CancellationToken) {
+pub async fn serve_tcp(
+    stream: tokio::net::TcpStream,
+    shared: Arc<Shared>,
+    cancel: CancellationToken,
+) {
     let stream = SharedTcp::new(stream);
     let socket = Some(stream.writer());
     serve(stream, None, socket, shared, cancel).await;

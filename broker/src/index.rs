@@ -288,7 +288,13 @@ impl Index {
         if !self.wild.is_empty() {
             // §4.7.2: a topic starting with '$' is not matched by a filter starting with a
             // wildcard.
-            collect(&self.wild, Some(topic), true, topic.starts_with('$'), &mut matched);
+            collect(
+                &self.wild,
+                Some(topic),
+                true,
+                topic.starts_with('$'),
+                &mut matched,
+            );
         }
 
         let mut out: Vec<Delivery> = Vec::new();

@@ -30,11 +30,7 @@ async fn start() -> (u16, Arc<Hub>, CancellationToken) {
     let (accepting, stop) = (Arc::new(Shared::open_to_all(hub.clone())), cancel.clone());
     tokio::spawn(async move {
         while let Ok((stream, _)) = listener.accept().await {
-            tokio::spawn(serve_connection(
-                stream,
-                accepting.clone(),
-                stop.clone(),
-            ));
+            tokio::spawn(serve_connection(stream, accepting.clone(), stop.clone()));
         }
     });
     (port, hub, cancel)
@@ -258,11 +254,7 @@ async fn a_reader_a_whole_queue_behind_is_cut_off_and_the_others_get_everything(
     let (accepting, stop) = (Arc::new(Shared::open_to_all(hub.clone())), cancel.clone());
     tokio::spawn(async move {
         while let Ok((stream, _)) = listener.accept().await {
-            tokio::spawn(serve_connection(
-                stream,
-                accepting.clone(),
-                stop.clone(),
-            ));
+            tokio::spawn(serve_connection(stream, accepting.clone(), stop.clone()));
         }
     });
     // The stopped reader: takes one message and never acknowledges it.
