@@ -280,7 +280,16 @@ impl Hub {
         limits: Limits,
         token: CancellationToken,
     ) -> (Connected, Arc<Mailroom>) {
-        let connected = lock(&self.registry).connect(client_id, clean_start, expiry, limits);
+        let mut registry = lock(&self.registry);
+        // A session whose reader was cut off ends with the cut, even if the client is back
+        // before its old connection finished closing: it must resync, never resume past a gap.
+        let cut = registry.session_of(client_id).is_some_and(|id| {
+            lock(&self.rooms)
+                .get(&id)
+                .is_some_and(|room| room.lagged.load(Ordering::Relaxed))
+        });
+        let connected = registry.connect(client_id, clean_start || cut, expiry, limits);
+        drop(registry);
         if let Some(old) = connected.discarded.as_ref() {
             self.forget(old.id, &old.filters);
         }

@@ -207,6 +207,11 @@ impl Registry {
     }
 
     /// Records a subscription's filter with its session, to be freed with it.
+    /// The session `client_id` holds, if any.
+    pub fn session_of(&self, client_id: &str) -> Option<SessionId> {
+        self.sessions.get(client_id).map(|s| s.id)
+    }
+
     pub fn subscribed(&mut self, client_id: &str, filter: &str) {
         if let Some(session) = self.sessions.get_mut(client_id) {
             if !session.filters.iter().any(|f| f == filter) {
