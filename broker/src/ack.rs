@@ -10,7 +10,10 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use crate::direct::Direct;
+use rumqttc::v5::mqttbytes::v5::PubAck;
+
+use crate::direct::{later, Direct, Waiting};
+use crate::wire::Packet;
 
 /// Which acknowledgement waits for the module.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -80,12 +83,33 @@ impl Acks {
         self.released.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Writes what was released into the socket if it is free, else rings the task.
-    pub(crate) fn send(&self) {
-        let written = self.direct.as_ref().is_some_and(|d| d.flush_acks(self));
+    /// Writes what was released into the socket if it is free and all are PUBACKs (a PUBREC
+    /// changes the task's QoS 2 state), else rings the task.
+    fn write_or_ring(&self) {
+        let written = self.direct.as_ref().is_some_and(|direct| {
+            direct.flush_with(|wire, max_out, out| {
+                let mut released = self.lock();
+                if released.iter().any(|(kind, _)| *kind != AckKind::PubAck) {
+                    return false;
+                }
+                for (_, pkid) in released.drain(..) {
+                    let ack = Packet::PubAck(PubAck::new(pkid, None));
+                    if let Err(e) = wire.write(ack, out, max_out) {
+                        tracing::debug!(error = %e, "acknowledgement not written");
+                    }
+                }
+                true
+            })
+        });
         if !written {
             self.bell.notify_one();
         }
+    }
+}
+
+impl Waiting for Acks {
+    fn send(&self) {
+        self.write_or_ring();
     }
 }
 
@@ -140,7 +164,7 @@ impl Drop for Pending {
         self.acks.acked_at.store(now_ns(), Ordering::Relaxed);
         // The connection may have gone; then nobody reads it.
         self.acks.lock().push((self.kind, self.pkid));
-        let batched = crate::direct::acks_later(&self.acks);
+        let batched = later(self.acks.clone());
         if !batched {
             self.acks.bell.notify_one();
         }

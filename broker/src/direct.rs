@@ -12,14 +12,12 @@ use std::task::{ready, Context, Poll};
 use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
-use rumqttc::v5::mqttbytes::v5::{PubAck, Publish, PublishProperties};
+use rumqttc::v5::mqttbytes::v5::{Publish, PublishProperties};
 use rumqttc::v5::mqttbytes::QoS;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
-use crate::ack::{AckKind, Acks};
-use crate::hub::Mailroom;
 use crate::mailbox::{Mailbox, Outgoing};
 use crate::wire::{Packet, Wire};
 
@@ -28,12 +26,14 @@ thread_local! {
     static TOGETHER: RefCell<Option<Held>> = const { RefCell::new(None) };
 }
 
-/// Acknowledgements released and mailboxes queued into while a [`Together`] lasts.
-#[derive(Default)]
-struct Held {
-    acks: Vec<Arc<Acks>>,
-    rooms: Vec<Arc<Mailroom>>,
+/// Who waits for a client's bytes: written or rung once, at a [`Together`]'s end.
+pub(crate) trait Waiting: Send + Sync {
+    fn send(&self);
 }
+
+/// What a [`Together`] on this thread holds back: each once, in the order first held.
+#[derive(Default)]
+struct Held(Vec<Arc<dyn Waiting>>);
 
 /// While it lives, what this thread releases or publishes is written to each client at its
 /// end, together: one write per client rather than one per message. A commit's
@@ -53,35 +53,19 @@ impl Together {
 impl Drop for Together {
     fn drop(&mut self) {
         let held = TOGETHER.with(|t| std::mem::replace(&mut *t.borrow_mut(), self.outer.take()));
-        let Some(held) = held else { return };
-        for room in held.rooms {
-            room.deliver();
-        }
-        for acks in held.acks {
-            acks.send();
+        for waiting in held.map(|h| h.0).unwrap_or_default() {
+            waiting.send();
         }
     }
 }
 
-/// Holds `acks` back if a [`Together`] lasts on this thread.
-pub(crate) fn acks_later(acks: &Arc<Acks>) -> bool {
+/// Holds `waiting` back if a [`Together`] lasts on this thread; false when none does.
+pub(crate) fn later(waiting: Arc<dyn Waiting>) -> bool {
     TOGETHER.with(|t| match t.borrow_mut().as_mut() {
         Some(held) => {
-            if !held.acks.iter().any(|a| Arc::ptr_eq(a, acks)) {
-                held.acks.push(acks.clone());
-            }
-            true
-        }
-        None => false,
-    })
-}
-
-/// Holds `room` back if a [`Together`] lasts on this thread.
-pub(crate) fn later(room: &Arc<Mailroom>) -> bool {
-    TOGETHER.with(|t| match t.borrow_mut().as_mut() {
-        Some(held) => {
-            if !held.rooms.iter().any(|r| Arc::ptr_eq(r, room)) {
-                held.rooms.push(room.clone());
+            let at = Arc::as_ptr(&waiting).cast::<()>();
+            if !held.0.iter().any(|o| Arc::as_ptr(o).cast::<()>() == at) {
+                held.0.push(waiting);
             }
             true
         }
@@ -216,27 +200,22 @@ impl Direct {
         Flushed { took, ring }
     }
 
-    /// From the thread that released `acks`: writes them if the socket is free and they are all
-    /// PUBACKs (a PUBREC changes the task's QoS 2 state); false when the task must run.
-    pub(crate) fn flush_acks(&self, acks: &Acks) -> bool {
+    /// From a thread that has bytes for the client: `encode` adds them to the write if the
+    /// socket is free (it may decline, returning false); false when the task must run.
+    pub fn flush_with(
+        &self,
+        encode: impl FnOnce(Wire, Option<u32>, &mut BytesMut) -> bool,
+    ) -> bool {
         let Ok(mut state) = self.state.try_lock() else {
             return false;
         };
         if state.task_writing || state.closed || !state.leftover.is_empty() {
             return false;
         }
-        let mut released = acks.released.lock().unwrap_or_else(PoisonError::into_inner);
-        if released.iter().any(|(kind, _)| *kind != AckKind::PubAck) {
+        let mut out = BytesMut::new();
+        if !encode(self.wire, self.max_out, &mut out) {
             return false;
         }
-        let mut out = BytesMut::new();
-        for (_, pkid) in released.drain(..) {
-            let ack = Packet::PubAck(PubAck::new(pkid, None));
-            if let Err(e) = self.wire.write(ack, &mut out, self.max_out) {
-                tracing::debug!(error = %e, "acknowledgement not written");
-            }
-        }
-        drop(released);
         self.write(&mut state, out)
     }
 

@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::ack::Ack;
-use crate::direct::{Direct, Flushed};
+use crate::direct::{Direct, Flushed, Waiting};
 use crate::dollar::to_broker;
 use crate::index::{Index, SessionId};
 use crate::mailbox::{Limits, Mailbox, Owed, Published};
@@ -72,9 +72,13 @@ impl Mailroom {
     /// Writes what its reader may take now from the publishing thread if the socket is free;
     /// else rings the connection's task. Inside [`Together`](crate::Together), once at its end.
     pub(crate) fn deliver(self: &Arc<Self>) {
-        if crate::direct::later(self) {
+        if crate::direct::later(self.clone()) {
             return;
         }
+        self.write_or_ring();
+    }
+
+    fn write_or_ring(&self) {
         let direct = lock(&self.direct).clone();
         let flushed = direct.map(|d| d.flush(&self.mailbox));
         if let Some(Flushed { took: true, .. }) = flushed {
@@ -93,6 +97,12 @@ impl Mailroom {
         if holder.as_ref().is_some_and(|(c, _)| *c == connection) {
             *holder = None;
         }
+    }
+}
+
+impl Waiting for Mailroom {
+    fn send(&self) {
+        self.write_or_ring();
     }
 }
 
