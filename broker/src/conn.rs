@@ -26,7 +26,7 @@ use crate::dollar::to_broker;
 use crate::events::ClientEvents;
 use crate::hub::{hand_to_links, ForLinks, Hub, Mailroom};
 use crate::index::{valid_topic, Options, RetainHandling, SessionId};
-use crate::mailbox::{Limits, Outgoing, Published, Resend};
+use crate::mailbox::{Limits, Published, Resend};
 use crate::registry::Will;
 use crate::security::{publishable, reserved, Grants, Identity, Policy};
 use crate::wire::{Packet, Wire, WireError};
@@ -496,7 +496,7 @@ where
     for item in resend.unwrap_or_default() {
         match item {
             Resend::Publish(out) => {
-                let publish = conn.publish_packet(*out);
+                let publish = publish_of(&out);
                 conn.send(Packet::Publish(publish));
             }
             Resend::Release(pkid) => conn.send(Packet::PubRel(PubRel::new(pkid, None))),
@@ -1089,10 +1089,6 @@ impl Conn {
         if let Some(direct) = &self.direct {
             direct.close(&mut self.out);
         }
-    }
-
-    fn publish_packet(&self, out: Outgoing) -> Publish {
-        publish_of(&out)
     }
 
     fn mailbox<T>(&self, f: impl FnOnce(&mut crate::mailbox::Mailbox) -> T) -> T {

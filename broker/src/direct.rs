@@ -150,6 +150,16 @@ struct State {
     leftover: BytesMut,
 }
 
+impl State {
+    /// Puts what an outside write left before `out`: it is the rest of bytes already begun.
+    fn leftover_first(&mut self, out: &mut BytesMut) {
+        if !self.leftover.is_empty() {
+            let mine = std::mem::replace(out, std::mem::take(&mut self.leftover));
+            out.extend_from_slice(&mine);
+        }
+    }
+}
+
 /// What [`Direct::flush`] did.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Flushed {
@@ -241,11 +251,7 @@ impl Direct {
     /// adds. While `out` is not empty afterwards the task owns the socket, until [`Direct::done`].
     pub fn turn(&self, out: &mut BytesMut, fill: impl FnOnce(&mut BytesMut)) {
         let mut state = self.lock();
-        if !state.leftover.is_empty() {
-            let leftover = std::mem::take(&mut state.leftover);
-            let mine = std::mem::replace(out, leftover);
-            out.extend_from_slice(&mine);
-        }
+        state.leftover_first(out);
         fill(out);
         state.task_writing = !out.is_empty();
     }
@@ -259,11 +265,7 @@ impl Direct {
     pub fn close(&self, out: &mut BytesMut) {
         let mut state = self.lock();
         state.closed = true;
-        if !state.leftover.is_empty() {
-            let leftover = std::mem::take(&mut state.leftover);
-            let mine = std::mem::replace(out, leftover);
-            out.extend_from_slice(&mine);
-        }
+        state.leftover_first(out);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
