@@ -52,7 +52,7 @@ pub struct Settings {
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct LogConfig {
-    /// A tracing filter (`info`, `edgemeta=debug,rumqttd=warn`); `RUST_LOG` wins over it.
+    /// A tracing filter (`info`, `info,edgemeta_broker=debug`); `RUST_LOG` wins over it.
     #[serde(default = "default_level")]
     pub level: String,
     /// `text` for people (coloured only on a terminal), `json` (one object a line) for shippers.

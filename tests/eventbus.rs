@@ -177,7 +177,7 @@ async fn connections_and_disconnections_of_clients_reach_subscribers() {
         .await;
     event(&disconnected, "disconnected", &sensor);
 
-    // A refused client (an id rumqttd cannot take) never connected: nothing to announce.
+    // A refused client (an id with a wildcard) never connected: nothing to announce.
     let (published, _) = mosquitto_pub(node.port, &["-i", "bad#id", "-t", "plain/x", "-m", "1"]);
     assert!(!published);
     let later = watcher.drain_topics(QUIET).await;
@@ -185,8 +185,6 @@ async fn connections_and_disconnections_of_clients_reach_subscribers() {
 }
 
 /// A `mosquitto_sub -v` on `filters` at QoS 1, in MQTT `version`, printing into `lines`.
-/// (Not QoS 2: rumqttd keeps up to 100 QoS 2 publishes unreleased, past mosquitto's receive
-/// maximum of 20, which mosquitto_sub calls a protocol error, `$` topics or not.)
 fn mosquitto_sub(port: u16, version: &str, filters: &[&str]) -> (Child, UnboundedReceiver<String>) {
     let mut command = Command::new("mosquitto_sub");
     command.args([
@@ -280,15 +278,15 @@ async fn messages_until(client: &mut Client, last: &str) -> Vec<Msg> {
 
 #[tokio::test]
 async fn wildcard_subscribers_get_no_dollar_topic_in_mqtt_3_1_1_and_5() {
-    // More than rumqttd's 100 publishes in flight per subscriber: each withheld one must be
-    // acknowledged in its place, in order, or rumqttd would stall or drop the subscriber.
+    // More than the 100 publishes the node keeps in flight to a subscriber: a `$` publish that
+    // took a slot of that window unseen would stall the subscriber.
     const PLAIN: usize = 300;
     let node = Node::start_v5().await;
     let v5 = node.v5_port.expect("v5 listener");
     let prober = node.client().await;
     let mut hash = node.client().await;
     hash.subscribe("#").await;
-    // QoS 2: a withheld publish is completed with PUBREC and PUBCOMP in the client's place.
+    // A QoS 2 wildcard subscriber too.
     let mut plus = node.client().await;
     plus.client
         .subscribe("+/events/#", rumqttc::QoS::ExactlyOnce)

@@ -229,6 +229,109 @@ pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--devices --devices-baseline OLD`: the same device load against two edgemeta builds,
+/// alternated round by round in the same minutes; each round's figures on stderr, and per build
+/// the medians of p50, p99 and CPU per report with a rank-sum test of the p99s.
+pub async fn compare(
+    args: &Args,
+    baseline: &std::path::Path,
+    rows: &mut Vec<Row>,
+) -> anyhow::Result<()> {
+    let load = DeviceLoad::new(args);
+    let ids: Vec<String> = (1..=load.devices).map(|i| format!("dev-{i:04}")).collect();
+    let builds = [args.edgemeta.as_path(), baseline];
+    // Per build: (p50, p99, CPU µs per report) of each round.
+    let mut figures: [Vec<(u64, u64, f64)>; 2] = [Vec::new(), Vec::new()];
+    for round in 0..args.device_rounds {
+        let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+        for b in order {
+            let dir = tempfile::tempdir()?;
+            let node = Server::edgemeta(builds[b], dir.path()).await?;
+            add_devices(node.port, &ids).await?;
+            let before = node.cpu()?;
+            let watched = Watched {
+                broker: node.pid(),
+                helper: None,
+            };
+            let side = if b == 0 { "edgemeta" } else { "baseline" };
+            let o = run_load(node.port, &ids, load, side, watched).await?;
+            let cpu = (node.cpu()? - before).as_secs_f64() * 1e6 / o.sent as f64;
+            if o.errors > 0 || o.lost > 0 {
+                bail!("{side}: {} error results, {} lost", o.errors, o.lost);
+            }
+            let (p50, _, _) = o.percentiles();
+            let (_, p99, _) = percentiles(&o.steady);
+            eprintln!(
+                "round {round} {side} ({}): p50 {p50} µs, p99 from {WARM_UP} s on {p99} µs, CPU {cpu:.0} µs per report",
+                builds[b].display()
+            );
+            figures[b].push((p50, p99, cpu));
+        }
+    }
+    let medians = |f: &[(u64, u64, f64)]| {
+        let mut p50: Vec<u64> = f.iter().map(|x| x.0).collect();
+        let mut p99: Vec<u64> = f.iter().map(|x| x.1).collect();
+        let cpu: Vec<f64> = f.iter().map(|x| x.2).collect();
+        p50.sort_unstable();
+        p99.sort_unstable();
+        (median_u64(&p50), median_u64(&p99), super::median(cpu))
+    };
+    let (new, old) = (medians(&figures[0]), medians(&figures[1]));
+    let p99s = |b: usize| figures[b].iter().map(|x| x.1).collect::<Vec<_>>();
+    let z = rank_sum_z(&p99s(0), &p99s(1));
+    let change = |a: f64, b: f64| format!("{:+.0} %", (a / b - 1.0) * 100.0);
+    rows.push(Row {
+        name: format!(
+            "devices, two builds alternated ({} rounds each, {} devices × 1 report/s for {} s): medians of p50 / p99 from {WARM_UP} s on (µs); CPU µs per report",
+            args.device_rounds, load.devices, load.seconds
+        ),
+        edgemeta: format!("{} / {}; {:.0}", new.0, new.1, new.2),
+        mosquitto: format!("{} / {}; {:.0} (baseline)", old.0, old.1, old.2),
+        target: "—".into(),
+        verdict: format!(
+            "p50 {}, p99 {}, CPU {}; p99 rank-sum z {z:+.2}",
+            change(new.0 as f64, old.0 as f64),
+            change(new.1 as f64, old.1 as f64),
+            change(new.2, old.2)
+        ),
+    });
+    Ok(())
+}
+
+/// The median of sorted `values`.
+fn median_u64(values: &[u64]) -> u64 {
+    match values.len() {
+        0 => 0,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2,
+    }
+}
+
+/// Wilcoxon rank-sum (Mann-Whitney) z of `a` against `b`, normal approximation without tie
+/// correction: positive when `a` tends larger; |z| < 2 is no difference this test can see.
+fn rank_sum_z(a: &[u64], b: &[u64]) -> f64 {
+    let mut all: Vec<(u64, bool)> = a
+        .iter()
+        .map(|&v| (v, true))
+        .chain(b.iter().map(|&v| (v, false)))
+        .collect();
+    all.sort_unstable();
+    let ranks: f64 = all
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, from_a))| *from_a)
+        .map(|(i, _)| (i + 1) as f64)
+        .sum();
+    let (n, m) = (a.len() as f64, b.len() as f64);
+    let expected = n * (n + m + 1.0) / 2.0;
+    let sd = (n * m * (n + m + 1.0) / 12.0).sqrt();
+    if sd == 0.0 {
+        0.0
+    } else {
+        (ranks - expected) / sd
+    }
+}
+
 /// The node's store commits so far: all, within 10 ms, within 100 ms, and the cloud-bound
 /// changes in its outbox (from `/metrics`); `None` if they cannot be read.
 async fn commits(node: &Server) -> Option<[f64; 4]> {

@@ -89,6 +89,14 @@ struct Args {
     /// With the devices row: mosquitto with its default `set_tcp_nodelay false` (Nagle on).
     #[arg(long)]
     device_nagle: bool,
+    /// With the devices row: instead of mosquitto, this other edgemeta build, alternated with
+    /// `--edgemeta` for `--device-rounds` rounds (each a fresh node, the order swapped every
+    /// round), to tell a regression from this machine's drift.
+    #[arg(long)]
+    devices_baseline: Option<PathBuf>,
+    /// With `--devices-baseline`: rounds per build.
+    #[arg(long, default_value_t = 8)]
+    device_rounds: usize,
     /// Only the MetaServer rows: list of 10,000 pods over HTTP, commit → watch event latency at
     /// 1,000 changes/s with 10 watches open, and the node's RSS with them.
     #[arg(long)]
@@ -217,6 +225,10 @@ async fn main() -> anyhow::Result<()> {
     }
     if args.burst {
         burst::burst(&args, &mut rows).await?;
+        return print_rows(rows);
+    }
+    if let (true, Some(baseline)) = (args.devices, &args.devices_baseline) {
+        devices::compare(&args, baseline, &mut rows).await?;
         return print_rows(rows);
     }
     if args.devices {

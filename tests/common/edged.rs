@@ -37,7 +37,7 @@ impl Edged {
         }
         let section: String = keys.iter().map(|(k, v)| format!("  {k}: {v}\n")).collect();
         let yaml = format!(
-            "log:\n  level: info,rumqttd=off,rumqttd::segments=warn\n\
+            "log:\n  level: info\n\
              broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\n\
              edged:\n{section}",
             port = node.port,

@@ -443,7 +443,7 @@ impl Node {
             "  synchronous: normal\n"
         };
         let yaml = format!(
-            "log:\n  level: info,rumqttd=off,rumqttd::segments=warn\n{log_yaml}\
+            "log:\n  level: info\n{log_yaml}\
              broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\n{v5}{extra_listeners}  max_packet_bytes: {max_packet_bytes}\n{broker_yaml}\
              store:\n  path: {db}\n{synchronous}  max_pages: {max_pages}\n  busy_timeout_ms: {busy_timeout_ms}\n{store_yaml}\
              metamanager:\n  max_payload_bytes: {max_payload_bytes}\n  remote_query_timeout_ms: {remote_query_timeout_ms}\n  volume_timeout_ms: {volume_timeout_ms}\n  podstatus_sync_interval_s: {podstatus_sync_interval_s}\n\
