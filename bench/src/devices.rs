@@ -230,8 +230,8 @@ pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
 }
 
 /// `--devices --devices-baseline OLD`: the same device load against two edgemeta builds,
-/// alternated round by round in the same minutes; each round's figures on stderr, and per build
-/// the medians of p50, p99 and CPU per report with a rank-sum test of the p99s.
+/// alternated round by round in the same minutes; each round's figures on stderr, per build the
+/// medians of p50, p99 and CPU per report, and the median of the rounds' ratios of each.
 pub async fn compare(
     args: &Args,
     baseline: &std::path::Path,
@@ -277,9 +277,21 @@ pub async fn compare(
         (median_u64(&p50), median_u64(&p99), super::median(cpu))
     };
     let (new, old) = (medians(&figures[0]), medians(&figures[1]));
-    let p99s = |b: usize| figures[b].iter().map(|x| x.1).collect::<Vec<_>>();
-    let z = rank_sum_z(&p99s(0), &p99s(1));
-    let change = |a: f64, b: f64| format!("{:+.0} %", (a / b - 1.0) * 100.0);
+    // Rounds are pairs run in the same minutes: each figure's new / baseline ratio per round,
+    // and its median, follows the machine's drift where the medians per build do not.
+    let paired = |figure: fn(&(u64, u64, f64)) -> f64| {
+        let ratios: Vec<f64> = figures[0]
+            .iter()
+            .zip(&figures[1])
+            .map(|(n, o)| figure(n) / figure(o))
+            .collect();
+        let lower = ratios.iter().filter(|r| **r < 1.0).count();
+        (super::median(ratios), lower)
+    };
+    let (p50, _) = paired(|f| f.0 as f64);
+    let (p99, p99_lower) = paired(|f| f.1 as f64);
+    let (cpu, _) = paired(|f| f.2);
+    let change = |ratio: f64| format!("{:+.0} %", (ratio - 1.0) * 100.0);
     rows.push(Row {
         name: format!(
             "devices, two builds alternated ({} rounds each, {} devices × 1 report/s for {} s): medians of p50 / p99 from {WARM_UP} s on (µs); CPU µs per report",
@@ -289,10 +301,11 @@ pub async fn compare(
         mosquitto: format!("{} / {}; {:.0} (baseline)", old.0, old.1, old.2),
         target: "—".into(),
         verdict: format!(
-            "p50 {}, p99 {}, CPU {}; p99 rank-sum z {z:+.2}",
-            change(new.0 as f64, old.0 as f64),
-            change(new.1 as f64, old.1 as f64),
-            change(new.2, old.2)
+            "median of the rounds' ratios: p50 {}, p99 {}, CPU {}; p99 lower in {p99_lower} of {} rounds",
+            change(p50),
+            change(p99),
+            change(cpu),
+            args.device_rounds
         ),
     });
     Ok(())
@@ -304,31 +317,6 @@ fn median_u64(values: &[u64]) -> u64 {
         0 => 0,
         n if n % 2 == 1 => values[n / 2],
         n => (values[n / 2 - 1] + values[n / 2]) / 2,
-    }
-}
-
-/// Wilcoxon rank-sum (Mann-Whitney) z of `a` against `b`, normal approximation without tie
-/// correction: positive when `a` tends larger; |z| < 2 is no difference this test can see.
-fn rank_sum_z(a: &[u64], b: &[u64]) -> f64 {
-    let mut all: Vec<(u64, bool)> = a
-        .iter()
-        .map(|&v| (v, true))
-        .chain(b.iter().map(|&v| (v, false)))
-        .collect();
-    all.sort_unstable();
-    let ranks: f64 = all
-        .iter()
-        .enumerate()
-        .filter(|(_, (_, from_a))| *from_a)
-        .map(|(i, _)| (i + 1) as f64)
-        .sum();
-    let (n, m) = (a.len() as f64, b.len() as f64);
-    let expected = n * (n + m + 1.0) / 2.0;
-    let sd = (n * m * (n + m + 1.0) / 12.0).sqrt();
-    if sd == 0.0 {
-        0.0
-    } else {
-        (ranks - expected) / sd
     }
 }
 
