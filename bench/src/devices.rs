@@ -243,7 +243,7 @@ pub async fn compare(
     // Per build: (p50, p99, CPU µs per report) of each round.
     let mut figures: [Vec<(u64, u64, f64)>; 2] = [Vec::new(), Vec::new()];
     for round in 0..args.device_rounds {
-        let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+        let order = [[0, 1], [1, 0]][round % 2];
         for b in order {
             let dir = tempfile::tempdir()?;
             let node = Server::edgemeta(builds[b], dir.path()).await?;
