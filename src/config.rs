@@ -7,7 +7,7 @@ use std::path::Path;
 use anyhow::Context as _;
 use config::{Config, Environment, File, FileFormat};
 use edgemeta_bridges::CloudConfig;
-use edgemeta_broker::{BrokerConfig, MqttVersion};
+use edgemeta_broker::BrokerConfig;
 use edgemeta_edged::EdgedConfig;
 use edgemeta_metamanager::{MetaConfig, StoreConfig};
 use edgemeta_metaserver::MetaServerConfig;
@@ -159,7 +159,7 @@ impl Settings {
         Ok(settings)
     }
 
-    /// `edged:` with `broker_url` filled in: when empty, the first plain MQTT 3.1.1 listener of
+    /// `edged:` with `broker_url` filled in: when empty, the first plain (not TLS) listener of
     /// this configuration (an unspecified address is reached on loopback); and `node.name`,
     /// when empty, from `cloud.node_id` if the cloud is enabled.
     pub fn edged(&self) -> anyhow::Result<EdgedConfig> {
@@ -169,10 +169,8 @@ impl Settings {
                 .broker
                 .listeners
                 .values()
-                .find(|l| l.tls.is_none() && l.protocol == MqttVersion::V4)
-                .context(
-                    "edged.broker_url is empty and no plain MQTT 3.1.1 listener is configured",
-                )?;
+                .find(|l| l.tls.is_none())
+                .context("edged.broker_url is empty and no plain (not TLS) listener is configured")?;
             let mut address = listener.address;
             if address.ip().is_unspecified() {
                 address.set_ip(std::net::Ipv4Addr::LOCALHOST.into());

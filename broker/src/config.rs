@@ -21,7 +21,16 @@ pub struct BrokerConfig {
     /// Most simultaneous client connections, in-process links included.
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
+    /// Most levels a client's topic name or filter may have (a `$share/<group>/` prefix
+    /// counts): a deeper SUBSCRIBE filter gets 0x8F (3.1.1: 0x80), a deeper PUBLISH topic
+    /// ends the connection (MQTT 5: DISCONNECT 0x90), a deeper will topic gets CONNACK 0x90.
+    #[serde(default = "default_max_topic_levels")]
+    pub max_topic_levels: usize,
+    /// Most bytes a client's topic name or filter may have, refused as past `max_topic_levels`.
+    #[serde(default = "default_max_topic_bytes")]
+    pub max_topic_bytes: usize,
     /// How long a new TCP connection may take to send CONNECT, in milliseconds (at most 65535).
+    /// Until then it counts against `max_connections` like any client.
     #[serde(default = "default_connect_timeout_ms")]
     pub connect_timeout_ms: u16,
     /// Bytes of topic and payload one session's queue holds, connected or not: a reader a
@@ -62,15 +71,12 @@ pub struct BrokerConfig {
     pub acl: AclConfig,
 }
 
-/// One listener.
+/// One listener; it serves MQTT 3.1.1 and 5 alike (a CONNECT's protocol level says which).
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct ListenerConfig {
     /// Address to bind, e.g. `127.0.0.1:1883`.
     pub address: SocketAddr,
-    /// MQTT protocol version spoken on this port: `v4` (3.1.1) or `v5`.
-    #[serde(default)]
-    pub protocol: MqttVersion,
     /// Serve MQTT over TLS with this certificate and key (PEM files).
     #[serde(default)]
     pub tls: Option<ListenerTls>,
@@ -90,15 +96,6 @@ pub struct ListenerTls {
     pub client_ca_file: Option<String>,
 }
 
-/// MQTT protocol version of a listener.
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum MqttVersion {
-    #[default]
-    V4,
-    V5,
-}
-
 const fn default_true() -> bool {
     true
 }
@@ -108,7 +105,6 @@ fn default_topic_root() -> String {
 fn default_listeners() -> BTreeMap<String, ListenerConfig> {
     let mqtt = ListenerConfig {
         address: SocketAddr::from(([127, 0, 0, 1], 1883)),
-        protocol: MqttVersion::V4,
         tls: None,
     };
     BTreeMap::from([("mqtt".to_owned(), mqtt)])
@@ -118,6 +114,12 @@ const fn default_max_packet_bytes() -> usize {
 }
 const fn default_max_connections() -> usize {
     10_000
+}
+const fn default_max_topic_levels() -> usize {
+    128
+}
+const fn default_max_topic_bytes() -> usize {
+    8 * 1024
 }
 const fn default_connect_timeout_ms() -> u16 {
     5_000
@@ -148,6 +150,8 @@ impl Default for BrokerConfig {
             listeners: default_listeners(),
             max_packet_bytes: default_max_packet_bytes(),
             max_connections: default_max_connections(),
+            max_topic_levels: default_max_topic_levels(),
+            max_topic_bytes: default_max_topic_bytes(),
             connect_timeout_ms: default_connect_timeout_ms(),
             queue_bytes: default_queue_bytes(),
             reader_store_backlog: default_reader_store_backlog(),
@@ -183,6 +187,9 @@ impl BrokerConfig {
         }
         if self.max_packet_bytes < 1024 {
             return bad("broker.max_packet_bytes must be >= 1024".into());
+        }
+        if self.max_topic_levels == 0 || self.max_topic_bytes == 0 {
+            return bad("broker.max_topic_levels and broker.max_topic_bytes must be >= 1".into());
         }
         if self.max_connections == 0 {
             return bad("broker.max_connections must be >= 1".into());

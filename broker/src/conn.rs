@@ -4,13 +4,14 @@
 //! after their commit. Buffers are empty while the client is idle.
 
 use std::collections::{HashMap, HashSet};
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use rumqttc::v5::mqttbytes::v5::{
-    ConnAck, ConnAckProperties, ConnectReturnCode, Disconnect, DisconnectReasonCode, PubAck,
+    ConnAck, ConnAckProperties, Connect, ConnectReturnCode, LastWill, Subscribe, Unsubscribe, Disconnect, DisconnectReasonCode, PubAck,
     PubAckReason, PubComp, PubRec, PubRel, Publish, PublishProperties, RetainForwardRule, SubAck,
     SubscribeReasonCode, UnsubAck, UnsubAckReason,
 };
@@ -25,7 +26,8 @@ use crate::direct::{drain, publish_of, Direct, SharedTcp};
 use crate::dollar::to_broker;
 use crate::events::ClientEvents;
 use crate::hub::{hand_to_links, ForLinks, Hub, Mailroom};
-use crate::index::{valid_topic, Options, RetainHandling, SessionId};
+use crate::index::{valid_topic, Options, RetainHandling, SessionId, TopicBounds};
+use crate::login::Verdict;
 use crate::mailbox::{Limits, Published, Resend};
 use crate::registry::Will;
 use crate::security::{publishable, reserved, Grants, Identity, Policy};
@@ -58,7 +60,12 @@ pub struct Shared {
     pub max_clients: usize,
     /// How long a new connection has to send its CONNECT (and finish its TLS handshake).
     pub connect_within: Duration,
+    /// The most levels and bytes of a client's topic or filter.
+    pub topics: TopicBounds,
+    /// Connections counted against `max_clients`, from their accept to their end.
     admitted: AtomicUsize,
+    /// Connections over the limit being told so (a CONNACK) right now.
+    refusing: AtomicUsize,
     /// Connections open now.
     pub open: AtomicU64,
     /// Clients waiting now for a module's inbox to have room, and how many times one did.
@@ -75,7 +82,9 @@ impl Shared {
             max_packet,
             max_clients: usize::MAX,
             connect_within: Duration::from_secs(10),
+            topics: TopicBounds::PROTOCOL,
             admitted: AtomicUsize::new(0),
+            refusing: AtomicUsize::new(0),
             open: AtomicU64::new(0),
             paused: AtomicU64::new(0),
             pauses: AtomicU64::new(0),
@@ -95,14 +104,70 @@ impl Shared {
         Shared::new(hub, Arc::new(policy), 1 << 20)
     }
 
-    /// Counts a client in, unless that would pass the limit.
-    fn admit(&self) -> bool {
+    /// Counts a new connection in, before its CONNECT, unless that would pass the limit: a
+    /// connection that has not finished CONNECT holds a task and a buffer too.
+    pub(crate) fn admit(self: &Arc<Self>) -> Option<Admitted> {
         self.admitted
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < self.max_clients).then_some(n + 1)
             })
-            .is_ok()
+            .ok()
+            .map(|_| Admitted(self.clone()))
     }
+}
+
+/// Connections over the limit told so at once, each for at most a second; past them a new
+/// connection is closed unanswered.
+const REFUSING_MAX: usize = 64;
+
+/// A connection over `max_connections`: its CONNECT's first bytes name the version, the
+/// CONNACK refuses it in that version, and it is closed. Reads at most 512 bytes.
+async fn refuse_over_limit<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, shared: &Shared) {
+    let refusing = shared.refusing.fetch_add(1, Ordering::AcqRel);
+    let _refusing = Defer(|| {
+        shared.refusing.fetch_sub(1, Ordering::AcqRel);
+    });
+    if refusing >= REFUSING_MAX {
+        return;
+    }
+    warn!(error_code = "EM-BROKER-CONNECTION-LIMIT", "refused a client: broker.max_connections reached");
+    let mut head = BytesMut::with_capacity(512);
+    let detect = async {
+        loop {
+            match Wire::detect(&head) {
+                Ok(Some(wire)) => return Some(wire),
+                Err(_) => return None,
+                Ok(None) if head.len() >= 512 => return None,
+                Ok(None) => {}
+            }
+            match stream.read_buf(&mut head).await {
+                Ok(0) | Err(_) => return None,
+                Ok(_) => {}
+            }
+        }
+    };
+    let Ok(Some(wire)) = tokio::time::timeout(Duration::from_secs(1), detect).await else {
+        return;
+    };
+    let code = if wire == Wire::V5 {
+        ConnectReturnCode::QuotaExceeded
+    } else {
+        ConnectReturnCode::ServerUnavailable
+    };
+    let _ = stream.write_all(&refusal(wire, code)).await;
+    Box::pin(linger(&mut stream)).await;
+}
+
+/// A CONNACK refusing a client with `code`, in its version.
+fn refusal(wire: Wire, code: ConnectReturnCode) -> BytesMut {
+    let mut out = BytesMut::new();
+    let refusal = ConnAck {
+        session_present: false,
+        code,
+        properties: None,
+    };
+    let _ = wire.write(Packet::ConnAck(refusal), &mut out, None);
+    out
 }
 
 /// Why a client id is refused, or `None` when it is acceptable.
@@ -166,8 +231,8 @@ struct Conn {
     /// The client's Maximum Packet Size.
     max_out: Option<u32>,
     aliases_in: HashMap<u16, Bytes>,
-    /// QoS 2 packet ids received and not yet released (§4.3.3, method A).
-    qos2_in: HashSet<u16>,
+    /// QoS 2 packet ids received and not yet released (§4.3.3, method A): the session's.
+    qos2_in: Arc<Mutex<HashSet<u16>>>,
     /// QoS 2 packet ids whose PUBREC waits for a module's commit.
     qos2_held: HashSet<u16>,
     /// Subscriptions held, against `broker.max_subscriptions_per_client`.
@@ -184,14 +249,17 @@ struct Conn {
 /// large as its future, and an idle connection is mostly its task.
 /// `certified` is
 /// the name its TLS client certificate proved, if any: its identity, whatever login it sends;
-/// `socket` the write half of a plain TCP connection, which publishers may write to directly.
-pub async fn serve<S>(
-    mut stream: S,
-    certified: Option<String>,
-    socket: Option<Arc<OwnedWriteHalf>>,
-    shared: Arc<Shared>,
-    cancel: CancellationToken,
-) where
+/// `socket` the write half of a plain TCP connection, which publishers may write to directly;
+/// `peer` the client's address, for the back-off of failing logins.
+pub(crate) struct Accepted {
+    pub certified: Option<String>,
+    pub socket: Option<Arc<OwnedWriteHalf>>,
+    pub peer: Option<IpAddr>,
+    pub admitted: Admitted,
+}
+
+pub(crate) async fn serve<S>(mut stream: S, accepted: Accepted, shared: Arc<Shared>, cancel: CancellationToken)
+where
     S: AsyncRead + AsyncWrite + Unpin,
 {
     shared.open.fetch_add(1, Ordering::Relaxed);
@@ -200,10 +268,16 @@ pub async fn serve<S>(
     });
     let mut buf = BytesMut::new();
     // The CONNECT and what it decides, boxed: its locals are gone before the long wait below.
+    let Accepted {
+        certified,
+        socket,
+        peer,
+        admitted,
+    } = accepted;
     let Some(opened) = Box::pin(open(
         &mut stream,
         &mut buf,
-        certified,
+        Login { certified, peer },
         socket,
         &shared,
         &cancel,
@@ -219,7 +293,6 @@ pub async fn serve<S>(
         keep_alive,
         token,
         announced,
-        admitted,
     } = opened;
     let end = conn
         .run(&mut stream, &mut buf, &shared, &token, &cancel, keep_alive)
@@ -245,19 +318,35 @@ pub async fn serve<S>(
     }
 }
 
-/// Serves a plain TCP client, whose socket publishers may write to directly.
+/// Serves a plain TCP client, whose socket publishers may write to directly; one over
+/// `max_connections` is refused.
 pub async fn serve_tcp(
     stream: tokio::net::TcpStream,
     shared: Arc<Shared>,
     cancel: CancellationToken,
 ) {
+    let Some(admitted) = shared.admit() else {
+        return refuse_over_limit(stream, &shared).await;
+    };
+    let peer = stream.peer_addr().ok().map(|a| a.ip());
     let stream = SharedTcp::new(stream);
-    let socket = Some(stream.writer());
-    serve(stream, None, socket, shared, cancel).await;
+    let accepted = Accepted {
+        certified: None,
+        socket: Some(stream.writer()),
+        peer,
+        admitted,
+    };
+    serve(stream, accepted, shared, cancel).await;
+}
+
+/// Who a connection is before its CONNECT: a certificate's name, and its address.
+struct Login {
+    certified: Option<String>,
+    peer: Option<IpAddr>,
 }
 
 /// What a CONNECT opened: the connection's state and what its end needs.
-struct Opened<'a> {
+struct Opened {
     conn: Conn,
     will: Option<Will>,
     /// The Session Expiry Interval the CONNECT asked for.
@@ -266,28 +355,58 @@ struct Opened<'a> {
     token: CancellationToken,
     /// Its connection event's number, to announce its end.
     announced: Option<u64>,
-    admitted: Admitted<'a>,
 }
 
-/// A client counted against `max_connections`, until dropped.
-struct Admitted<'a>(&'a Shared);
+/// A connection counted against `max_connections`, until dropped.
+pub(crate) struct Admitted(Arc<Shared>);
 
-impl Drop for Admitted<'_> {
+impl Drop for Admitted {
     fn drop(&mut self) {
         self.0.admitted.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
-/// Reads the CONNECT and answers it: refused (client id, limit, login), or the session it
-/// starts or resumes with its CONNACK and what it is owed written to `conn.out`.
-async fn open<'a, S>(
+/// Reads the CONNECT and answers it: refused (client id, login, a rule of the protocol), or
+/// the session it starts or resumes with its CONNACK and what it is owed written to
+/// `conn.out`.
+async fn open<S>(
     stream: &mut S,
     buf: &mut BytesMut,
-    certified: Option<String>,
+    who: Login,
     socket: Option<Arc<OwnedWriteHalf>>,
-    shared: &'a Shared,
+    shared: &Shared,
     cancel: &CancellationToken,
-) -> Option<Opened<'a>>
+) -> Option<Opened>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let (wire, connect, will, login) = Box::pin(read_connect(stream, buf, shared)).await?;
+    let refused = match vet_connect(wire, &connect, will.as_ref(), shared) {
+        Ok(()) => Box::pin(check_login(wire, &connect, login, who, shared)).await,
+        Err(code) => Err(code),
+    };
+    let identity = match refused {
+        Ok(identity) => identity,
+        Err(code) => {
+            let _ = stream.write_all(&refusal(wire, code)).await;
+            Box::pin(linger(&mut *stream)).await;
+            return None;
+        }
+    };
+    let grants = shared.policy.grants(&identity);
+    let will = will.and_then(|w| will_of(w, &grants, &identity.client_id, shared));
+    let mut opened = start(wire, connect, grants, socket, shared, cancel);
+    opened.will = will;
+    Some(opened)
+}
+
+/// Reads until the CONNECT has arrived within `connect_timeout_ms`; a client that sends an
+/// unsupported protocol level or too large a CONNECT is told so in a CONNACK.
+async fn read_connect<S>(
+    stream: &mut S,
+    buf: &mut BytesMut,
+    shared: &Shared,
+) -> Option<(Wire, Connect, Option<LastWill>, Option<rumqttc::v5::mqttbytes::v5::Login>)>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -296,93 +415,165 @@ where
         Box::pin(first_packet(&mut *stream, buf, shared.max_packet)),
     )
     .await;
-    let (wire, connect) = match first {
-        Ok(Ok(Some(first))) => first,
+    let refused = match first {
+        Ok(Ok(Some((wire, Packet::Connect(connect, will, login))))) => {
+            return Some((wire, connect, will, login))
+        }
+        // §3.1.2.2: CONNACK 0x84 (MQTT 5) or return code 1 (3.1.1) for a level the node does
+        // not speak, in the form the client's level is closest to.
+        Ok(Err(WireError::Level(level))) if level > 5 => {
+            refusal(Wire::V5, ConnectReturnCode::UnsupportedProtocolVersion)
+        }
+        Ok(Err(WireError::Level(_))) => {
+            refusal(Wire::V4, ConnectReturnCode::UnsupportedProtocolVersion)
+        }
+        Ok(Err(WireError::TooLarge(size))) if Wire::detect(buf).ok().flatten() == Some(Wire::V5) => {
+            debug!(size, "CONNECT larger than the node reads");
+            refusal(Wire::V5, ConnectReturnCode::PacketTooLarge)
+        }
+        Ok(Err(WireError::Duplicate(_))) => refusal(Wire::V5, ConnectReturnCode::ProtocolError),
         Ok(Err(e)) => {
             debug!(error = %e, "connection closed before a valid CONNECT");
             return None;
         }
         _ => return None,
     };
-    let Packet::Connect(connect, will, login) = connect else {
-        return None;
-    };
-    let refuse = |code: ConnectReturnCode| {
-        let mut out = BytesMut::new();
-        let refusal = ConnAck {
-            session_present: false,
-            code,
-            properties: None,
-        };
-        let _ = wire.write(Packet::ConnAck(refusal), &mut out, None);
-        out
-    };
+    let _ = stream.write_all(&refused).await;
+    Box::pin(linger(&mut *stream)).await;
+    None
+}
+
+/// What the CONNECT asks that the protocol or the node refuses: a client id, a Receive
+/// Maximum or Maximum Packet Size of 0 (§3.1.2.11.3, .5: Protocol Error), a will topic.
+fn vet_connect(
+    wire: Wire,
+    connect: &Connect,
+    will: Option<&LastWill>,
+    shared: &Shared,
+) -> Result<(), ConnectReturnCode> {
     if let Some(reason) = refuse_client_id(&connect.client_id) {
         warn!(error_code = "EM-BROKER-CLIENT-ID", client_id = %connect.client_id, reason, "refused MQTT client id");
-        let _ = stream
-            .write_all(&refuse(ConnectReturnCode::ClientIdentifierNotValid))
-            .await;
-        return None;
+        return Err(ConnectReturnCode::ClientIdentifierNotValid);
     }
-    if !shared.admit() {
-        warn!(error_code = "EM-BROKER-CONNECTION-LIMIT", client_id = %connect.client_id, "refused a client: broker.max_connections reached");
-        let code = if wire == Wire::V5 {
-            ConnectReturnCode::QuotaExceeded
-        } else {
-            ConnectReturnCode::ServerUnavailable
-        };
-        let _ = stream.write_all(&refuse(code)).await;
-        Box::pin(linger(&mut *stream)).await;
-        return None;
+    if connect.client_id.is_empty() && !connect.clean_start && wire == Wire::V4 {
+        // 3.1.1 §3.1.3.1: an empty id needs a clean session.
+        return Err(ConnectReturnCode::ClientIdentifierNotValid);
     }
-    let admitted = Admitted(shared);
-    let username = certified.clone().or_else(|| {
+    let props = connect.properties.as_ref();
+    if props.and_then(|p| p.receive_maximum) == Some(0)
+        || props.and_then(|p| p.max_packet_size) == Some(0)
+    {
+        return Err(ConnectReturnCode::ProtocolError);
+    }
+    if let Some(will) = will {
+        let topic = std::str::from_utf8(&will.topic).ok();
+        if !topic.is_some_and(|t| valid_topic(t) && shared.topics.admit(t)) {
+            warn!(error_code = "EM-BROKER-TOPIC-BOUND", client_id = %connect.client_id,
+                "refused a will topic: invalid or past broker.max_topic_levels / max_topic_bytes");
+            return Err(ConnectReturnCode::TopicNameInvalid);
+        }
+    }
+    Ok(())
+}
+
+/// Checks the login (a certificate's name wins); who the client is to the ACL, or the
+/// CONNACK code that refuses it.
+async fn check_login(
+    wire: Wire,
+    connect: &Connect,
+    login: Option<rumqttc::v5::mqttbytes::v5::Login>,
+    who: Login,
+    shared: &Shared,
+) -> Result<Identity, ConnectReturnCode> {
+    let username = who.certified.clone().or_else(|| {
         login
             .as_ref()
             .map(|l| l.username.clone())
             .filter(|u| !u.is_empty())
     });
-    if certified.is_none() && shared.policy.needs_login_check() {
-        let policy = shared.policy.clone();
+    if who.certified.is_none() && shared.policy.needs_login_check() {
         let (user, password) = login.map(|l| (l.username, l.password)).unwrap_or_default();
-        // argon2 is slow on purpose: keep it off the async workers.
-        let checked = user.clone();
-        let ok = Box::pin(tokio::task::spawn_blocking(move || {
-            policy.check_login(&checked, &password)
-        }))
-        .await
-        .unwrap_or(false);
-        if !ok {
-            warn!(error_code = "EM-AUTH-REFUSED", client_id = %connect.client_id, username = %user, "login refused");
-            let code = if user.is_empty() {
-                ConnectReturnCode::NotAuthorized
-            } else {
-                ConnectReturnCode::BadUserNamePassword
-            };
-            let _ = stream.write_all(&refuse(code)).await;
-            return None;
+        let checked = shared
+            .policy
+            .check_login(who.peer, &user, &connect.client_id, password);
+        match checked.await {
+            Verdict::Admitted => {}
+            Verdict::Busy => {
+                warn!(error_code = "EM-AUTH-BUSY", client_id = %connect.client_id, username = %user,
+                    peer = ?who.peer, "login not checked: the check queue is full or this address or username is held off after failures");
+                return Err(if wire == Wire::V5 {
+                    ConnectReturnCode::ServerBusy
+                } else {
+                    ConnectReturnCode::ServerUnavailable
+                });
+            }
+            Verdict::Refused => {
+                warn!(error_code = "EM-AUTH-REFUSED", client_id = %connect.client_id, username = %user, peer = ?who.peer, "login refused");
+                return Err(if user.is_empty() {
+                    ConnectReturnCode::NotAuthorized
+                } else {
+                    ConnectReturnCode::BadUserNamePassword
+                });
+            }
         }
     }
     // A username nobody checked (no users configured) is only a claim: such a client is
     // anonymous to the ACL, or naming a module would grant its rights.
-    let verified = shared.policy.needs_login_check() || certified.is_some();
-    let identity = Identity {
+    let verified = shared.policy.needs_login_check() || who.certified.is_some();
+    Ok(Identity {
         username: username.filter(|_| verified),
         client_id: connect.client_id.clone(),
-    };
-    let grants = shared.policy.grants(&identity);
+    })
+}
 
+/// The will a CONNECT carries, if its topic may be published to by this client: a will is
+/// published without asking anyone, so a device could otherwise send as the cloud by dropping
+/// its connection.
+fn will_of(w: LastWill, grants: &Grants, client_id: &str, shared: &Shared) -> Option<Will> {
+    let topic = String::from_utf8_lossy(&w.topic).into_owned();
+    if publishable(grants, &topic).is_none() {
+        shared.policy.count_denied_publish();
+        warn!(error_code = "EM-ACL-WILL-DENIED", %client_id, %topic, "will topic not permitted; the will goes nowhere");
+        return None;
+    }
+    let wp = w.properties;
+    let delay = wp.as_ref().and_then(|p| p.delay_interval).unwrap_or(0);
+    let expiry = wp.as_ref().and_then(|p| p.message_expiry_interval);
+    let properties = wp.map(|p| PublishProperties {
+        payload_format_indicator: p.payload_format_indicator,
+        content_type: p.content_type,
+        response_topic: p.response_topic,
+        correlation_data: p.correlation_data,
+        user_properties: p.user_properties,
+        ..PublishProperties::default()
+    });
+    Some(Will {
+        message: Arc::new(Published {
+            topic: topic.into(),
+            payload: w.message,
+            received: Instant::now(),
+            expiry: expiry.map(|s| Duration::from_secs(s.into())),
+            properties,
+        }),
+        qos: qos_num(w.qos),
+        retain: w.retain,
+        delay: Duration::from_secs(delay.into()),
+    })
+}
+
+/// Starts or resumes the session, writes the CONNACK and what the session is owed.
+fn start(
+    wire: Wire,
+    connect: Connect,
+    grants: Grants,
+    socket: Option<Arc<OwnedWriteHalf>>,
+    shared: &Shared,
+    cancel: &CancellationToken,
+) -> Opened {
     let hub = &shared.hub;
     let props = connect.properties.clone().unwrap_or_default();
     let mut assigned = None;
     let client_id = if connect.client_id.is_empty() {
-        if !connect.clean_start && wire == Wire::V4 {
-            // 3.1.1 §3.1.3.1: an empty id needs a clean session.
-            let _ = stream
-                .write_all(&refuse(ConnectReturnCode::ClientIdentifierNotValid))
-                .await;
-            return None;
-        }
         let id = format!(
             "{RESERVED_CLIENT_PREFIX}assigned-{}",
             uuid::Uuid::new_v4().simple()
@@ -402,39 +593,6 @@ where
         topic_alias_maximum: props.topic_alias_max.unwrap_or(0),
         queue_bytes: hub.limits.queue_bytes,
     };
-    let will = will.and_then(|w| {
-        let topic = String::from_utf8_lossy(&w.topic).into_owned();
-        // A will is published without asking anyone: its topic is vetted as a publish now,
-        // or a device could send as the cloud by dropping its connection.
-        if publishable(&grants, &topic).is_none() {
-            shared.policy.count_denied_publish();
-            warn!(error_code = "EM-ACL-WILL-DENIED", %client_id, %topic, "will topic not permitted; the will goes nowhere");
-            return None;
-        }
-        let wp = w.properties;
-        let delay = wp.as_ref().and_then(|p| p.delay_interval).unwrap_or(0);
-        let expiry = wp.as_ref().and_then(|p| p.message_expiry_interval);
-        let properties = wp.map(|p| PublishProperties {
-            payload_format_indicator: p.payload_format_indicator,
-            content_type: p.content_type,
-            response_topic: p.response_topic,
-            correlation_data: p.correlation_data,
-            user_properties: p.user_properties,
-            ..PublishProperties::default()
-        });
-        Some(Will {
-            message: Arc::new(Published {
-                topic: topic.into(),
-                payload: w.message,
-                received: Instant::now(),
-                expiry: expiry.map(|s| Duration::from_secs(s.into())),
-                properties,
-            }),
-            qos: qos_num(w.qos),
-            retain: w.retain,
-            delay: Duration::from_secs(delay.into()),
-        })
-    });
     let token = cancel.child_token();
     let (connected, room) = hub.connect(
         &client_id,
@@ -443,7 +601,6 @@ where
         limits,
         token.clone(),
     );
-
     let mut conn = Conn {
         wire,
         client_id,
@@ -453,7 +610,7 @@ where
         grants,
         max_out: limits.maximum_packet_size,
         aliases_in: HashMap::new(),
-        qos2_in: HashSet::new(),
+        qos2_in: connected.awaiting_release.clone(),
         qos2_held: HashSet::new(),
         subscriptions: HashSet::new(),
         acks: None,
@@ -463,31 +620,11 @@ where
     if let Some(direct) = &conn.direct {
         conn.room.plug(direct.clone());
     }
-    let connack = ConnAck {
+    conn.send(Packet::ConnAck(ConnAck {
         session_present: connected.session_present,
         code: ConnectReturnCode::Success,
-        // Keep-alive 0 is honoured as asked (§3.1.2.10): no Server Keep Alive is imposed.
-        properties: (wire == Wire::V5).then(|| ConnAckProperties {
-            session_expiry_interval: None,
-            receive_max: Some(RECEIVE_MAX),
-            max_qos: None,
-            retain_available: None,
-            max_packet_size: Some(shared.max_packet),
-            assigned_client_identifier: assigned,
-            topic_alias_max: Some(ALIASES_IN),
-            reason_string: None,
-            user_properties: Vec::new(),
-            wildcard_subscription_available: None,
-            subscription_identifiers_available: None,
-            shared_subscription_available: None,
-            server_keep_alive: None,
-            response_information: None,
-            server_reference: None,
-            authentication_method: None,
-            authentication_data: None,
-        }),
-    };
-    conn.send(Packet::ConnAck(connack));
+        properties: (wire == Wire::V5).then(|| connack_properties(shared, assigned)),
+    }));
     let resend = conn
         .room
         .mailbox
@@ -503,17 +640,38 @@ where
         }
     }
     let announced = shared.events.as_ref().map(|e| e.connected(&conn.client_id));
-
-    let keep_alive = Duration::from_secs(u64::from(connect.keep_alive));
-    Some(Opened {
+    Opened {
         conn,
-        will,
+        will: None,
         expiry,
-        keep_alive,
+        keep_alive: Duration::from_secs(u64::from(connect.keep_alive)),
         token,
         announced,
-        admitted,
-    })
+    }
+}
+
+/// The node's side of an MQTT 5 session: its limits and an assigned client id.
+fn connack_properties(shared: &Shared, assigned: Option<String>) -> ConnAckProperties {
+    ConnAckProperties {
+        session_expiry_interval: None,
+        receive_max: Some(RECEIVE_MAX),
+        max_qos: None,
+        retain_available: None,
+        max_packet_size: Some(shared.max_packet),
+        assigned_client_identifier: assigned,
+        topic_alias_max: Some(ALIASES_IN),
+        reason_string: None,
+        user_properties: Vec::new(),
+        wildcard_subscription_available: None,
+        subscription_identifiers_available: None,
+        shared_subscription_available: None,
+        // Keep-alive 0 is honoured as asked (§3.1.2.10): no Server Keep Alive is imposed.
+        server_keep_alive: None,
+        response_information: None,
+        server_reference: None,
+        authentication_method: None,
+        authentication_data: None,
+    }
 }
 
 /// Runs a closure when dropped: a count given back however the connection ends.
@@ -539,6 +697,15 @@ async fn linger<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S) {
         }
     };
     let _ = tokio::time::timeout(Duration::from_secs(1), drain).await;
+}
+
+/// The DISCONNECT reason code for a packet the node could not take (§4.13).
+fn reason_for(error: &WireError) -> DisconnectReasonCode {
+    match error {
+        WireError::TooLarge(_) => DisconnectReasonCode::PacketTooLarge,
+        WireError::Duplicate(_) => DisconnectReasonCode::ProtocolError,
+        _ => DisconnectReasonCode::MalformedPacket,
+    }
 }
 
 /// Polls `future` once: its output if it is ready now, without waiting for it.
@@ -718,8 +885,7 @@ impl Conn {
                                 debug!(client_id = %self.client_id, error = %e, "malformed packet");
                                 self.closing();
                                 if self.wire == Wire::V5 {
-                                    let bye =
-                                        Disconnect::new(DisconnectReasonCode::MalformedPacket);
+                                    let bye = Disconnect::new(reason_for(&e));
                                     self.send(Packet::Disconnect(bye));
                                     let _ = stream.write_all(&self.out).await;
                                 }
@@ -797,11 +963,10 @@ impl Conn {
 
     /// One packet from the client; Some when the connection ends.
     fn handle(&mut self, packet: Packet, shared: &Shared) -> Option<Step> {
-        let hub = &*shared.hub;
         match packet {
             Packet::Publish(publish) => return self.inbound(publish, shared),
             Packet::PubRel(rel) => {
-                self.qos2_in.remove(&rel.pkid);
+                self.released(rel.pkid);
                 self.send(Packet::PubComp(PubComp::new(rel.pkid, None)));
             }
             Packet::PubAck(ack) => {
@@ -815,95 +980,8 @@ impl Conn {
                     self.send(Packet::PubRel(PubRel::new(rec.pkid, None)));
                 }
             }
-            Packet::Subscribe(subscribe) => {
-                let id = subscribe
-                    .properties
-                    .as_ref()
-                    .and_then(|p| p.id)
-                    .map(|id| id as u32);
-                let mut codes = Vec::with_capacity(subscribe.filters.len());
-                let mut retained = Vec::new();
-                for filter in subscribe.filters {
-                    if let Some(refusal) = self.may_subscribe(&filter.path, &shared.policy) {
-                        let denied = shared.policy.count_denied_subscribe();
-                        warn!(error_code = "EM-ACL-SUBSCRIBE-DENIED", client_id = %self.client_id,
-                            filter = %filter.path, reason = refusal, denied, "subscribe refused");
-                        codes.push(if self.wire == Wire::V5 {
-                            SubscribeReasonCode::NotAuthorized
-                        } else {
-                            SubscribeReasonCode::Unspecified
-                        });
-                        continue;
-                    }
-                    let options = Options {
-                        qos: qos_num(filter.qos),
-                        no_local: filter.nolocal,
-                        retain_as_published: filter.preserve_retain,
-                        retain_handling: match filter.retain_forward_rule {
-                            RetainForwardRule::OnEverySubscribe => RetainHandling::OnSubscribe,
-                            RetainForwardRule::OnNewSubscribe => RetainHandling::OnNewSubscribe,
-                            RetainForwardRule::Never => RetainHandling::Never,
-                        },
-                        id,
-                    };
-                    match hub.subscribe(
-                        &self.client_id,
-                        self.session,
-                        &filter.path,
-                        options.clone(),
-                    ) {
-                        Ok(new) => {
-                            self.subscriptions.insert(filter.path.clone());
-                            codes.push(SubscribeReasonCode::Success(filter.qos));
-                            let send = match options.retain_handling {
-                                RetainHandling::OnSubscribe => true,
-                                RetainHandling::OnNewSubscribe => new,
-                                RetainHandling::Never => false,
-                            };
-                            // §3.3.1.3: no retained messages for a shared subscription.
-                            if send && !filter.path.starts_with("$share/") {
-                                for message in hub.retained_for(&filter.path) {
-                                    retained.push((message, options.clone()));
-                                }
-                            }
-                        }
-                        Err(_) => codes.push(SubscribeReasonCode::TopicFilterInvalid),
-                    }
-                }
-                self.send(Packet::SubAck(SubAck {
-                    pkid: subscribe.pkid,
-                    return_codes: codes,
-                    properties: None,
-                }));
-                for ((message, qos), options) in retained {
-                    let owed = crate::mailbox::Owed {
-                        qos: qos.min(options.qos),
-                        retain: true,
-                        subscription_ids: options.id.into_iter().collect(),
-                        message,
-                    };
-                    self.mailbox(|m| m.push(owed).is_ok());
-                }
-            }
-            Packet::Unsubscribe(unsubscribe) => {
-                let reasons = unsubscribe
-                    .filters
-                    .iter()
-                    .map(|f| {
-                        self.subscriptions.remove(f.as_str());
-                        if hub.unsubscribe(&self.client_id, self.session, f) {
-                            UnsubAckReason::Success
-                        } else {
-                            UnsubAckReason::NoSubscriptionExisted
-                        }
-                    })
-                    .collect();
-                self.send(Packet::UnsubAck(UnsubAck {
-                    pkid: unsubscribe.pkid,
-                    reasons,
-                    properties: None,
-                }));
-            }
+            Packet::Subscribe(subscribe) => return self.subscribe(subscribe, shared),
+            Packet::Unsubscribe(unsubscribe) => return self.unsubscribe(unsubscribe, shared),
             Packet::PingReq(_) => self.send(Packet::PingResp(rumqttc::v5::mqttbytes::v5::PingResp)),
             Packet::Disconnect(d) => {
                 let expiry = d.properties.and_then(|p| p.session_expiry_interval);
@@ -916,6 +994,122 @@ impl Conn {
             // A second CONNECT, or a server's packet from a client (§3.1.0-2): protocol error.
             _ => return Some(Step::End(End::Refused(DisconnectReasonCode::ProtocolError))),
         }
+        None
+    }
+
+    /// A SUBSCRIBE: each filter granted or refused with its reason code, then the retained
+    /// messages the granted ones get. A NUL in a filter is a malformed packet (§1.5.4), a
+    /// Subscription Identifier of 0 a Protocol Error (§3.8.2.1.2).
+    fn subscribe(&mut self, subscribe: Subscribe, shared: &Shared) -> Option<Step> {
+        let hub = &*shared.hub;
+        if subscribe.filters.iter().any(|f| f.path.contains('\0')) {
+            return Some(Step::End(End::Refused(DisconnectReasonCode::MalformedPacket)));
+        }
+        let id = subscribe.properties.as_ref().and_then(|p| p.id);
+        if id == Some(0) {
+            return Some(Step::End(End::Refused(DisconnectReasonCode::ProtocolError)));
+        }
+        let id = id.map(|id| id as u32);
+        let mut codes = Vec::with_capacity(subscribe.filters.len());
+        let mut retained = Vec::new();
+        for filter in subscribe.filters {
+            if !shared.topics.admit(&filter.path) {
+                warn!(error_code = "EM-BROKER-TOPIC-BOUND", client_id = %self.client_id,
+                    bytes = filter.path.len(), "subscribe refused: filter past broker.max_topic_levels or max_topic_bytes");
+                codes.push(SubscribeReasonCode::TopicFilterInvalid);
+                continue;
+            }
+            if let Some(refusal) = self.may_subscribe(&filter.path, &shared.policy) {
+                let denied = shared.policy.count_denied_subscribe();
+                warn!(error_code = "EM-ACL-SUBSCRIBE-DENIED", client_id = %self.client_id,
+                    filter = %filter.path, reason = refusal, denied, "subscribe refused");
+                codes.push(if self.wire == Wire::V5 {
+                    SubscribeReasonCode::NotAuthorized
+                } else {
+                    SubscribeReasonCode::Unspecified
+                });
+                continue;
+            }
+            let options = Options {
+                qos: qos_num(filter.qos),
+                no_local: filter.nolocal,
+                retain_as_published: filter.preserve_retain,
+                retain_handling: match filter.retain_forward_rule {
+                    RetainForwardRule::OnEverySubscribe => RetainHandling::OnSubscribe,
+                    RetainForwardRule::OnNewSubscribe => RetainHandling::OnNewSubscribe,
+                    RetainForwardRule::Never => RetainHandling::Never,
+                },
+                id,
+            };
+            match hub.subscribe(
+                &self.client_id,
+                self.session,
+                &filter.path,
+                options.clone(),
+            ) {
+                Ok(new) => {
+                    self.subscriptions.insert(filter.path.clone());
+                    codes.push(SubscribeReasonCode::Success(filter.qos));
+                    let send = match options.retain_handling {
+                        RetainHandling::OnSubscribe => true,
+                        RetainHandling::OnNewSubscribe => new,
+                        RetainHandling::Never => false,
+                    };
+                    // §3.3.1.3: no retained messages for a shared subscription.
+                    if send && !filter.path.starts_with("$share/") {
+                        for message in hub.retained_for(&filter.path) {
+                            retained.push((message, options.clone()));
+                        }
+                    }
+                }
+                Err(_) => codes.push(SubscribeReasonCode::TopicFilterInvalid),
+            }
+        }
+        self.send(Packet::SubAck(SubAck {
+            pkid: subscribe.pkid,
+            return_codes: codes,
+            properties: None,
+        }));
+        for ((message, qos), options) in retained {
+            let owed = crate::mailbox::Owed {
+                qos: qos.min(options.qos),
+                retain: true,
+                subscription_ids: options.id.into_iter().collect(),
+                message,
+            };
+            self.mailbox(|m| m.push(owed).is_ok());
+        }
+        None
+    }
+
+    /// An UNSUBSCRIBE: a filter past the bounds cannot be held, so it is answered 0x8F
+    /// without a look.
+    fn unsubscribe(&mut self, unsubscribe: Unsubscribe, shared: &Shared) -> Option<Step> {
+        let hub = &*shared.hub;
+        if unsubscribe.filters.iter().any(|f| f.contains('\0')) {
+            return Some(Step::End(End::Refused(DisconnectReasonCode::MalformedPacket)));
+        }
+        let bounds = shared.topics;
+        let reasons = unsubscribe
+            .filters
+            .iter()
+            .map(|f| {
+                if !bounds.admit(f) {
+                    return UnsubAckReason::TopicFilterInvalid;
+                }
+                self.subscriptions.remove(f.as_str());
+                if hub.unsubscribe(&self.client_id, self.session, f) {
+                    UnsubAckReason::Success
+                } else {
+                    UnsubAckReason::NoSubscriptionExisted
+                }
+            })
+            .collect();
+        self.send(Packet::UnsubAck(UnsubAck {
+            pkid: unsubscribe.pkid,
+            reasons,
+            properties: None,
+        }));
         None
     }
 
@@ -956,14 +1150,28 @@ impl Conn {
                 self.aliases_in.insert(alias, publish.topic.clone());
             }
         }
-        let topic = String::from_utf8_lossy(&publish.topic).into_owned();
+        // §1.5.4: ill-formed UTF-8 or a NUL in a topic is a malformed packet, not a topic to
+        // repair; a topic past the node's bounds is one it does not accept (0x90).
+        let Ok(topic) = String::from_utf8(publish.topic.to_vec()) else {
+            return Some(Step::End(End::Refused(DisconnectReasonCode::MalformedPacket)));
+        };
+        if topic.contains('\0') {
+            return Some(Step::End(End::Refused(DisconnectReasonCode::MalformedPacket)));
+        }
+        if !shared.topics.admit(&topic) {
+            warn!(error_code = "EM-BROKER-TOPIC-BOUND", client_id = %self.client_id,
+                bytes = topic.len(), "publish refused: topic past broker.max_topic_levels or max_topic_bytes");
+            return Some(Step::End(End::Refused(
+                DisconnectReasonCode::TopicNameInvalid,
+            )));
+        }
         if !valid_topic(&topic) {
             return Some(Step::End(End::Refused(
                 DisconnectReasonCode::TopicNameInvalid,
             )));
         }
         let qos = qos_num(publish.qos);
-        if qos == 2 && self.qos2_in.contains(&publish.pkid) {
+        if qos == 2 && self.awaiting_release(publish.pkid) {
             // A resent QoS 2 publish (§4.3.3): answered once its first copy is.
             if !self.qos2_held.contains(&publish.pkid) {
                 self.send(Packet::PubRec(PubRec::new(publish.pkid, None)));
@@ -988,8 +1196,8 @@ impl Conn {
             return None;
         }
         if qos == 2 {
-            self.qos2_in.insert(publish.pkid);
-            if self.qos2_in.len() > usize::from(RECEIVE_MAX) && self.wire == Wire::V5 {
+            let awaiting = self.await_release(publish.pkid);
+            if awaiting > usize::from(RECEIVE_MAX) && self.wire == Wire::V5 {
                 return Some(Step::End(End::Refused(
                     DisconnectReasonCode::ReceiveMaximumExceeded,
                 )));
@@ -1045,6 +1253,27 @@ impl Conn {
         } else if kind == AckKind::PubRec {
             self.qos2_held.insert(pkid);
         }
+    }
+
+    fn qos2(&self) -> std::sync::MutexGuard<'_, HashSet<u16>> {
+        self.qos2_in
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn awaiting_release(&self, pkid: u16) -> bool {
+        self.qos2().contains(&pkid)
+    }
+
+    /// Records a QoS 2 id as received; how many await release now.
+    fn await_release(&self, pkid: u16) -> usize {
+        let mut ids = self.qos2();
+        ids.insert(pkid);
+        ids.len()
+    }
+
+    fn released(&self, pkid: u16) {
+        self.qos2().remove(&pkid);
     }
 
     /// A promise to acknowledge `pkid`, released to this connection's queue.

@@ -15,12 +15,6 @@ pub enum Error {
         address: SocketAddr,
         reason: String,
     },
-    #[error("listener `{name}` on {address} did not start accepting within {waited_ms} ms")]
-    NotReady {
-        name: String,
-        address: SocketAddr,
-        waited_ms: u64,
-    },
     #[error("invalid broker config: {0}")]
     Config(String),
     #[error("in-process link `{client_id}` refused by the router: {reason}")]

@@ -113,6 +113,40 @@ impl Node {
     }
 }
 
+/// Frees a subtree level by level: the derived drop recurses once per level, and a client
+/// chooses how many levels a filter has.
+impl Drop for Node {
+    fn drop(&mut self) {
+        let mut below: Vec<Node> = self.children.drain().map(|(_, node)| node).collect();
+        while let Some(mut node) = below.pop() {
+            below.extend(node.children.drain().map(|(_, node)| node));
+        }
+    }
+}
+
+/// The most levels and bytes a client's topic name or filter may have: the trie and each
+/// subscription grow with them, so they are the operator's to bound (`broker.max_topic_levels`,
+/// `broker.max_topic_bytes`); a `$share/<group>/` prefix counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TopicBounds {
+    pub max_levels: usize,
+    pub max_bytes: usize,
+}
+
+impl TopicBounds {
+    /// No bound but the protocol's (a UTF-8 string of at most 65,535 bytes).
+    pub const PROTOCOL: TopicBounds = TopicBounds {
+        max_levels: usize::MAX,
+        max_bytes: usize::MAX,
+    };
+
+    /// Whether `name` (a topic or a filter) lies within the bounds.
+    pub fn admit(&self, name: &str) -> bool {
+        name.len() <= self.max_bytes
+            && name.bytes().filter(|&b| b == b'/').count() < self.max_levels
+    }
+}
+
 /// Every subscription on the node. Written on (un)subscribe and session end only; a publish
 /// reads it, and a shared group's turn is an atomic, so routing needs no write lock.
 #[derive(Debug, Default)]
@@ -242,12 +276,8 @@ impl Index {
             return false;
         };
         let removed = if parsed.wildcard {
-            remove_in_trie(
-                &mut self.wild,
-                parsed.filter.split('/'),
-                parsed.group,
-                session,
-            )
+            let levels: Vec<&str> = parsed.filter.split('/').collect();
+            remove_in_trie(&mut self.wild, &levels, parsed.group, session)
         } else {
             let Some(holders) = self.exact.get_mut(parsed.filter) else {
                 return false;
@@ -286,15 +316,7 @@ impl Index {
             matched.push(holders);
         }
         if !self.wild.is_empty() {
-            // §4.7.2: a topic starting with '$' is not matched by a filter starting with a
-            // wildcard.
-            collect(
-                &self.wild,
-                Some(topic),
-                true,
-                topic.starts_with('$'),
-                &mut matched,
-            );
+            collect(&self.wild, topic, &mut matched);
         }
 
         let mut out: Vec<Delivery> = Vec::new();
@@ -361,36 +383,38 @@ impl Index {
     }
 }
 
-/// Adds the holders of every wildcard filter under `node` that matches the levels `rest` has
-/// left (None: the topic ended at `node`).
-fn collect<'a>(
-    node: &'a Node,
-    rest: Option<&str>,
-    first: bool,
-    dollar: bool,
-    out: &mut Vec<&'a Holders>,
-) {
-    let wildcards_allowed = !(dollar && first);
-    if wildcards_allowed {
-        // '#' matches the rest, and the parent level too (§4.7.1.2: "sport/#" matches "sport").
-        if let Some(hash) = node.children.get("#") {
-            out.push(&hash.holders);
+/// Adds the holders of every wildcard filter in the trie under `root` that matches `topic`.
+/// Walked with a stack, not recursion: the depth is the topic's, which a client chooses. Each
+/// trie node is visited at most once (its path is one prefix of the topic's levels).
+fn collect<'a>(root: &'a Node, topic: &str, out: &mut Vec<&'a Holders>) {
+    // §4.7.2: a topic starting with '$' is not matched by a filter starting with a wildcard.
+    let dollar = topic.starts_with('$');
+    // A node and the levels the topic has left below it (None: the topic ended at it).
+    let mut stack: Vec<(&'a Node, Option<&str>, bool)> = vec![(root, Some(topic), true)];
+    while let Some((node, rest, first)) = stack.pop() {
+        let wildcards_allowed = !(dollar && first);
+        if wildcards_allowed {
+            // '#' matches the rest, and the parent level too (§4.7.1.2: "sport/#" matches
+            // "sport").
+            if let Some(hash) = node.children.get("#") {
+                out.push(&hash.holders);
+            }
         }
-    }
-    let Some(rest) = rest else {
-        out.push(&node.holders);
-        return;
-    };
-    let (level, next) = match rest.split_once('/') {
-        Some((level, next)) => (level, Some(next)),
-        None => (rest, None),
-    };
-    if let Some(child) = node.children.get(level) {
-        collect(child, next, false, dollar, out);
-    }
-    if wildcards_allowed {
-        if let Some(plus) = node.children.get("+") {
-            collect(plus, next, false, dollar, out);
+        let Some(rest) = rest else {
+            out.push(&node.holders);
+            continue;
+        };
+        let (level, next) = match rest.split_once('/') {
+            Some((level, next)) => (level, Some(next)),
+            None => (rest, None),
+        };
+        if let Some(child) = node.children.get(level) {
+            stack.push((child, next, false));
+        }
+        if wildcards_allowed {
+            if let Some(plus) = node.children.get("+") {
+                stack.push((plus, next, false));
+            }
         }
     }
 }
@@ -410,26 +434,42 @@ fn remove_holder(holders: &mut Holders, group: Option<&str>, session: SessionId)
     removed
 }
 
-/// Removes a holder under the trie path, pruning the levels it leaves empty.
-fn remove_in_trie<'a>(
-    node: &mut Node,
-    mut levels: impl Iterator<Item = &'a str>,
-    group: Option<&str>,
-    session: SessionId,
-) -> bool {
-    match levels.next() {
-        None => remove_holder(&mut node.holders, group, session),
-        Some(level) => {
-            let Some(child) = node.children.get_mut(level) else {
-                return false;
-            };
-            let removed = remove_in_trie(child, levels, group, session);
-            if child.is_empty() {
-                node.children.remove(level);
-            }
-            removed
+/// Removes a holder under the trie path `levels`, pruning the levels it leaves empty. Two
+/// walks down and no recursion: the depth is the filter's, which a client chooses.
+fn remove_in_trie(root: &mut Node, levels: &[&str], group: Option<&str>, session: SessionId) -> bool {
+    // The deepest node on the path that keeps something besides the path below it: if the
+    // holder's node empties, the path is cut there.
+    let mut cut = 0;
+    let mut node = &*root;
+    for (depth, level) in levels.iter().enumerate() {
+        if node.children.len() > 1 || !node.holders.is_empty() {
+            cut = depth;
+        }
+        match node.children.get(*level) {
+            Some(child) => node = child,
+            None => return false,
         }
     }
+    let Some(held) = descend(root, levels) else {
+        return false;
+    };
+    let removed = remove_holder(&mut held.holders, group, session);
+    if removed && held.is_empty() {
+        if let (Some(parent), Some(level)) = (descend(root, &levels[..cut]), levels.get(cut)) {
+            // The cut subtree is one chain; its drop is iterative.
+            parent.children.remove(*level);
+        }
+    }
+    removed
+}
+
+/// The node at the end of the trie path `levels`, if it exists.
+fn descend<'n>(root: &'n mut Node, levels: &[&str]) -> Option<&'n mut Node> {
+    let mut node = root;
+    for level in levels {
+        node = node.children.get_mut(*level)?;
+    }
+    Some(node)
 }
 
 #[cfg(test)]
@@ -579,6 +619,64 @@ mod tests {
         assert!(index.unsubscribe(2, "$share/g/a/+/c/#"));
         assert!(index.is_empty());
         assert!(index.exact.is_empty() && index.wild.is_empty(), "{index:?}");
+    }
+
+    /// Levels a client cannot send over MQTT (a string has at most 65,535 bytes) but the
+    /// index must survive anyway: no walk, removal or drop recurses per level.
+    const DEEP: usize = 100_000;
+
+    #[test]
+    fn filters_and_topics_of_100_000_levels_are_routed_removed_and_dropped() {
+        let mut index = Index::default();
+        let plus = vec!["+"; DEEP].join("/");
+        let hash = format!("{}/#", vec!["a"; DEEP - 1].join("/"));
+        let exact = vec!["a"; DEEP].join("/");
+        index.subscribe(1, &plus, Options::v4(1)).unwrap();
+        index.subscribe(2, &hash, Options::v4(1)).unwrap();
+        index.subscribe(3, &exact, Options::v4(1)).unwrap();
+        index.subscribe(4, "a/+/#", Options::v4(1)).unwrap();
+        let got = sorted(index.route(&exact, None, 1, false));
+        assert_eq!(
+            got.iter().map(|d| d.session).collect::<Vec<_>>(),
+            [1, 2, 3, 4]
+        );
+        let deeper = format!("{exact}/a");
+        let got = sorted(index.route(&deeper, None, 1, false));
+        assert_eq!(got.iter().map(|d| d.session).collect::<Vec<_>>(), [2, 4]);
+        assert!(index.unsubscribe(1, &plus));
+        assert!(!index.unsubscribe(1, &plus));
+        assert!(index.unsubscribe(3, &exact));
+        assert_eq!(index.route(&exact, None, 1, false).len(), 2);
+        assert!(index.unsubscribe(4, "a/+/#"));
+        // The deep `#` filter is still held and freed with the index, iteratively.
+        assert_eq!(index.len(), 1);
+        drop(index);
+    }
+
+    #[test]
+    fn removing_one_deep_filter_keeps_the_paths_others_share() {
+        let mut index = Index::default();
+        index.subscribe(1, "a/b/+/d", Options::v4(0)).unwrap();
+        index.subscribe(2, "a/b/+", Options::v4(0)).unwrap();
+        index.subscribe(3, "a/x/#", Options::v4(0)).unwrap();
+        assert!(index.unsubscribe(1, "a/b/+/d"));
+        assert_eq!(index.route("a/b/c", None, 0, false)[0].session, 2);
+        assert_eq!(index.route("a/x/y", None, 0, false)[0].session, 3);
+        assert!(index.unsubscribe(2, "a/b/+"));
+        assert!(index.unsubscribe(3, "a/x/#"));
+        assert!(index.wild.is_empty(), "{index:?}");
+    }
+
+    #[test]
+    fn topic_bounds_count_levels_and_bytes() {
+        let bounds = TopicBounds {
+            max_levels: 3,
+            max_bytes: 8,
+        };
+        assert!(bounds.admit("a/b/c") && bounds.admit("+/+/#"));
+        assert!(!bounds.admit("a/b/c/d"), "four levels");
+        assert!(!bounds.admit("abcdefghi"), "nine bytes");
+        assert!(TopicBounds::PROTOCOL.admit(&"/".repeat(DEEP)));
     }
 
     #[test]

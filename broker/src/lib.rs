@@ -10,6 +10,7 @@
 //! - [`conn`]: one connection's task: CONNECT (login, limits), then every packet both ways.
 //! - [`wire`]: MQTT 3.1.1 and 5 read into and written from one model.
 //! - [`security`]: authentication and the topic ACL a connection is held to.
+//! - [`login`]: password checks on a small pool of threads, with back-off for failing clients.
 //! - [`dollar`]: `$hw/...` and `$ke/...` as the node's modules name them (`edgemeta$...`).
 //! - [`hub`]: the shared state and its one `publish`.
 //! - [`index`]: the subscription index: MQTT 5's subscription options, shared groups, `$` topics.
@@ -31,6 +32,7 @@ mod events;
 mod hub;
 mod index;
 mod link;
+mod login;
 mod mailbox;
 mod message;
 mod registry;
@@ -41,7 +43,7 @@ mod tls;
 mod wire;
 
 pub use ack::{release_together, Ack, AckKind};
-pub use config::{BrokerConfig, ListenerConfig, MqttVersion};
+pub use config::{BrokerConfig, ListenerConfig};
 pub use conn::{serve_tcp as serve_connection, Shared};
 pub use direct::Together;
 pub use dollar::{to_broker, to_client, INTERNAL_PREFIX};
@@ -56,6 +58,7 @@ pub use mailbox::{Dropped, Limits, Mailbox, Outgoing, Owed, Published, Resend};
 pub use message::Message;
 pub use registry::{Connected, Fired, Registry, Session as KeptSession, Will};
 pub use retained::{Refused, Retained};
+pub use login::CheckConfig;
 pub use security::{hash_password, Policy};
 pub use server::{reachable, Broker, BrokerStats};
 pub use wire::{Packet as WirePacket, Wire, WireError};

@@ -4,7 +4,7 @@
 //! back whole so the caller frees its subscriptions. No I/O and no clock of its own: the
 //! sessions task passes `now` and asks what is due.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -27,6 +27,11 @@ pub struct Session {
     /// The filters it subscribed to, to free them from the index when it ends.
     pub filters: Vec<String>,
     pub mailbox: Arc<Mutex<Mailbox>>,
+    /// QoS 2 packet ids received from its client and not yet released by a PUBREL: state of
+    /// the session, not the connection, so a resend with DUP after a reconnect is not
+    /// delivered twice (§4.3.3, [MQTT-4.3.3-10]). Only the connection holding the session
+    /// uses it.
+    pub awaiting_release: Arc<Mutex<HashSet<u16>>>,
     /// How long it is kept after its connection ends; `Duration::MAX` for "never expires".
     pub expiry: Duration,
     /// The connection that holds it, numbered so a late disconnect of a replaced one is ignored.
@@ -43,7 +48,10 @@ pub struct Connected {
     /// CONNACK's Session Present (§3.2.2.1.1).
     pub session_present: bool,
     pub mailbox: Arc<Mutex<Mailbox>>,
-    /// The connection this one replaced, to be closed (§3.1.4-3, Session Takeover).
+    /// The session's QoS 2 packet ids awaiting PUBREL.
+    pub awaiting_release: Arc<Mutex<HashSet<u16>>>,
+    /// The connection this one replaced, to be closed (§3.1.4-3, Session Takeover), whether
+    /// it resumed the session or Clean Start discarded it.
     pub took_over: Option<u64>,
     /// A session Clean Start discarded, for the caller to free.
     pub discarded: Option<Session>,
@@ -108,10 +116,13 @@ impl Registry {
         self.wills.retain(|(client, _), _| &**client != client_id);
         let connection = self.next_number();
         let mut discarded = None;
+        let mut replaced = None;
         if clean_start {
             discarded = self.sessions.remove(client_id);
-            if discarded.as_ref().is_some_and(|s| s.connection.is_none()) {
-                self.away -= 1;
+            match discarded.as_ref().map(|s| s.connection) {
+                Some(None) => self.away -= 1,
+                Some(Some(held)) => replaced = Some(held),
+                None => {}
             }
         }
         let (key, present) = match self.sessions.get_key_value(client_id) {
@@ -126,6 +137,7 @@ impl Registry {
                     id,
                     filters: Vec::new(),
                     mailbox: Arc::new(Mutex::new(Mailbox::new(limits))),
+                    awaiting_release: Arc::default(),
                     expiry,
                     connection: None,
                     expires_at: None,
@@ -147,7 +159,8 @@ impl Registry {
             connection,
             session_present: present,
             mailbox: session.mailbox.clone(),
-            took_over,
+            awaiting_release: session.awaiting_release.clone(),
+            took_over: took_over.or(replaced),
             discarded,
         }
     }
@@ -343,6 +356,28 @@ mod tests {
     }
 
     const MIN: Duration = Duration::from_secs(60);
+
+    #[test]
+    fn a_clean_start_takes_over_the_connection_of_the_session_it_discards() {
+        let mut registry = Registry::default();
+        let first = registry.connect("dev", false, MIN, LIMITS);
+        let second = registry.connect("dev", true, MIN, LIMITS);
+        assert_eq!(second.took_over, Some(first.connection));
+        assert!(!second.session_present);
+        assert_eq!(second.discarded.map(|s| s.id), Some(first.session));
+    }
+
+    #[test]
+    fn qos_2_ids_awaiting_release_outlive_the_connection_with_the_session() {
+        let mut registry = Registry::default();
+        let first = registry.connect("dev", false, MIN, LIMITS);
+        first.awaiting_release.lock().unwrap().insert(7);
+        registry.disconnect("dev", first.connection, None, MIN, Instant::now());
+        let again = registry.connect("dev", false, MIN, LIMITS);
+        assert!(again.awaiting_release.lock().unwrap().contains(&7));
+        let fresh = registry.connect("dev", true, MIN, LIMITS);
+        assert!(fresh.awaiting_release.lock().unwrap().is_empty());
+    }
 
     #[test]
     fn a_session_is_kept_until_its_expiry_then_ended_whole() {

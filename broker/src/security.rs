@@ -5,11 +5,15 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use argon2::password_hash::{PasswordHash, PasswordHasher, SaltString};
 use argon2::Argon2;
 use serde::Deserialize;
 
 use crate::dollar;
+use crate::login::{memory_kib, CheckConfig, Checker, Verdict, Who};
 
 /// Whether no client may use `topic` (or the filter a subscription shares), whatever its
 /// rights: `$` topics other than the carried ones are the broker's own, and so is the carried
@@ -41,6 +45,9 @@ pub struct AuthConfig {
     /// Users by name; `password_hash` comes from `edgemeta passwd`.
     #[serde(default)]
     pub users: BTreeMap<String, UserConfig>,
+    /// How password checks run and how failing clients are held off.
+    #[serde(default)]
+    pub checks: CheckConfig,
 }
 
 /// One user.
@@ -94,6 +101,7 @@ impl Default for AuthConfig {
         AuthConfig {
             allow_anonymous: true,
             users: BTreeMap::new(),
+            checks: CheckConfig::default(),
         }
     }
 }
@@ -130,7 +138,8 @@ struct Denials {
 pub struct Policy {
     root: String,
     allow_anonymous: bool,
-    users: BTreeMap<String, String>,
+    users: BTreeMap<String, Arc<str>>,
+    checker: Checker,
     acl: Option<AclConfig>,
     max_subscriptions: usize,
     denials: Denials,
@@ -167,7 +176,17 @@ impl Policy {
             PasswordHash::new(&user.password_hash).map_err(|e| {
                 format!("broker.auth.users.{name}.password_hash is not an argon2 hash ({e}); make one with `edgemeta passwd`")
             })?;
+            let kib = memory_kib(&user.password_hash).map_err(|e| {
+                format!("broker.auth.users.{name}.password_hash has invalid argon2 parameters ({e})")
+            })?;
+            if kib > auth.checks.max_hash_kib {
+                return Err(format!(
+                    "broker.auth.users.{name}.password_hash asks for {kib} KiB per check, more than broker.auth.checks.max_hash_kib ({})",
+                    auth.checks.max_hash_kib
+                ));
+            }
         }
+        auth.checks.validate()?;
         for (i, rule) in acl.rules.iter().enumerate() {
             if rule.identity.is_empty() {
                 return Err(format!("broker.acl.rules[{i}].identity is empty"));
@@ -179,8 +198,9 @@ impl Policy {
             users: auth
                 .users
                 .iter()
-                .map(|(name, user)| (name.clone(), user.password_hash.clone()))
+                .map(|(name, user)| (name.clone(), Arc::from(user.password_hash.as_str())))
                 .collect(),
+            checker: Checker::new(auth.checks.clone()),
             acl: acl.enabled.then(|| acl.clone()),
             max_subscriptions,
             denials: Denials::default(),
@@ -192,22 +212,31 @@ impl Policy {
         !self.users.is_empty() || !self.allow_anonymous
     }
 
-    /// Checks a username and password; an empty username is the anonymous client.
-    /// Slow on purpose (argon2): call it off the async workers.
-    pub fn check_login(&self, username: &str, password: &str) -> bool {
+    /// Checks a username and password from `peer`; an empty username is the anonymous
+    /// client. argon2 runs on the checker's own threads, never on the caller's.
+    pub(crate) async fn check_login(
+        &self,
+        peer: Option<IpAddr>,
+        username: &str,
+        client_id: &str,
+        password: String,
+    ) -> Verdict {
         if username.is_empty() {
-            return self.allow_anonymous;
+            return if self.allow_anonymous {
+                Verdict::Admitted
+            } else {
+                Verdict::Refused
+            };
         }
         let Some(hash) = self.users.get(username) else {
-            return false;
+            return Verdict::Refused;
         };
-        PasswordHash::new(hash)
-            .map(|parsed| {
-                Argon2::default()
-                    .verify_password(password.as_bytes(), &parsed)
-                    .is_ok()
-            })
-            .unwrap_or(false)
+        let who = Who {
+            peer,
+            user: username,
+            client_id,
+        };
+        self.checker.check(who, hash.clone(), password).await
     }
 
     pub fn max_subscriptions(&self) -> usize {
@@ -560,12 +589,19 @@ mod tests {
             AuthConfig {
                 allow_anonymous: false,
                 users,
+                checks: CheckConfig::default(),
             },
         );
-        assert!(p.check_login("bob", "hunter2"));
-        assert!(!p.check_login("bob", "hunter3"));
-        assert!(!p.check_login("alice", "hunter2"));
-        assert!(!p.check_login("", ""));
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let check = |user: &str, password: &str| {
+            rt.block_on(p.check_login(None, user, "c", password.into())) == Verdict::Admitted
+        };
+        assert!(check("bob", "hunter2"));
+        assert!(!check("bob", "hunter3"));
+        assert!(!check("alice", "hunter2"));
+        assert!(!check("", ""));
         assert!(p.needs_login_check());
     }
 
@@ -583,6 +619,7 @@ mod tests {
             &AuthConfig {
                 allow_anonymous: true,
                 users,
+                checks: CheckConfig::default(),
             },
             &AclConfig::default(),
             10,

@@ -13,10 +13,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::config::{BrokerConfig, ListenerConfig};
-use crate::conn::{serve, serve_tcp, Shared};
+use crate::conn::{serve, serve_tcp, Accepted, Shared};
 use crate::dollar::to_client;
 use crate::events::ClientEvents;
 use crate::hub::{Hub, HubLimits};
+use crate::index::TopicBounds;
 use crate::link::{Link, Links, Publisher};
 use crate::security::Policy;
 use crate::tls::Tls;
@@ -94,6 +95,10 @@ impl Broker {
         shared.events = Some(events.clone());
         shared.max_clients = config.max_connections;
         shared.connect_within = Duration::from_millis(u64::from(config.connect_timeout_ms));
+        shared.topics = TopicBounds {
+            max_levels: config.max_topic_levels,
+            max_bytes: config.max_topic_bytes,
+        };
         let cancel = CancellationToken::new();
         let mut links = Links::default();
         links.spawn(hub.clone().run_timers(cancel.clone()));
@@ -256,9 +261,25 @@ impl Accept {
                     tokio::spawn(serve_tcp(stream, shared, cancel));
                 }
                 Some(tls) => {
+                    // Counted before the handshake, which holds memory too; one over the limit
+                    // is closed without a handshake (it cannot be answered in MQTT before it).
+                    let Some(admitted) = shared.admit() else {
+                        drop(stream);
+                        warn!(error_code = "EM-BROKER-CONNECTION-LIMIT", listener = %self.name, "closed a TLS connection: broker.max_connections reached");
+                        continue;
+                    };
+                    let peer = stream.peer_addr().ok().map(|a| a.ip());
                     tokio::spawn(async move {
                         match tls.accept(stream, shared.connect_within).await {
-                            Ok((stream, name)) => serve(stream, name, None, shared, cancel).await,
+                            Ok((stream, certified)) => {
+                                let accepted = Accepted {
+                                    certified,
+                                    socket: None,
+                                    peer,
+                                    admitted,
+                                };
+                                serve(stream, accepted, shared, cancel).await;
+                            }
                             Err(e) => debug!(error = %e, "TLS connection refused"),
                         }
                     });

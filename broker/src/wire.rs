@@ -23,6 +23,15 @@ pub enum WireError {
     V5(m5::Error),
     #[error("an MQTT 3.1.1 client cannot be sent {0}")]
     NoV4Form(&'static str),
+    /// Larger than the node reads (MQTT 5: 0x95 Packet too large).
+    #[error("a packet of {0} bytes, more than the node reads")]
+    TooLarge(usize),
+    /// A form the spec calls malformed that the codec lets through (MQTT 5: 0x81).
+    #[error("malformed packet: {0}")]
+    Malformed(&'static str),
+    /// A property that may appear once appeared again (MQTT 5: 0x82 Protocol Error).
+    #[error("property 0x{0:02x} appears more than once")]
+    Duplicate(u8),
 }
 
 /// The version a connection speaks, chosen by its CONNECT.
@@ -65,16 +74,42 @@ impl Wire {
     }
 
     /// The next whole packet in `buf`, taken out of it; None until one has fully arrived.
+    /// The packet is framed and its fixed header checked here, before the codec: the codec
+    /// then only ever sees a whole packet, so running short inside one is a malformed packet,
+    /// never "wait for more".
     pub fn read(self, buf: &mut BytesMut, max_size: u32) -> Result<Option<Packet>, WireError> {
+        let Some((first, header, remaining)) = fixed_header(buf)? else {
+            return Ok(None);
+        };
+        let whole = header + remaining;
+        if whole > max_size as usize {
+            return Err(WireError::TooLarge(whole));
+        }
+        if buf.len() < whole {
+            return Ok(None);
+        }
+        let body = &buf[header..whole];
+        check_fixed_header(self, first)?;
+        if first >> 4 == 1 {
+            check_connect_flags(body)?;
+        }
+        if self == Wire::V5 {
+            no_duplicate_properties(first, body)?;
+            if let Some(disconnect) = short_disconnect(first, body)? {
+                let _ = buf.split_to(whole);
+                return Ok(Some(disconnect));
+            }
+        }
+        let mut packet = buf.split_to(whole);
         match self {
-            Wire::V5 => match v5::Packet::read(buf, Some(max_size)) {
+            Wire::V5 => match v5::Packet::read(&mut packet, None) {
                 Ok(packet) => Ok(Some(packet)),
-                Err(m5::Error::InsufficientBytes(_)) => Ok(None),
+                Err(m5::Error::InsufficientBytes(_)) => Err(WireError::Malformed("truncated")),
                 Err(e) => Err(WireError::V5(e)),
             },
-            Wire::V4 => match v4::Packet::read(buf, max_size as usize) {
+            Wire::V4 => match v4::Packet::read(&mut packet, whole) {
                 Ok(packet) => Ok(Some(up(packet))),
-                Err(m4::Error::InsufficientBytes(_)) => Ok(None),
+                Err(m4::Error::InsufficientBytes(_)) => Err(WireError::Malformed("truncated")),
                 Err(e) => Err(WireError::V4(e)),
             },
         }
@@ -97,6 +132,178 @@ impl Wire {
             }
         }
     }
+}
+
+/// The first byte, the fixed header's length and the remaining length of the packet at the
+/// start of `buf`; None until its fixed header has arrived.
+fn fixed_header(buf: &[u8]) -> Result<Option<(u8, usize, usize)>, WireError> {
+    let Some(&first) = buf.first() else {
+        return Ok(None);
+    };
+    let mut remaining = 0usize;
+    for i in 0..4 {
+        let Some(&byte) = buf.get(1 + i) else {
+            return Ok(None);
+        };
+        remaining |= usize::from(byte & 0x7f) << (7 * i);
+        if byte & 0x80 == 0 {
+            return Ok(Some((first, 2 + i, remaining)));
+        }
+    }
+    Err(WireError::Malformed("a remaining length longer than four bytes"))
+}
+
+/// The fixed header's flags are fixed for every packet but PUBLISH (§2.1.3, 3.1.1 §2.2.2),
+/// and a PUBLISH has no QoS 3 (§3.3.1.2); rumqttc reads some of these (a SUBSCRIBE's) without
+/// looking at the flags.
+fn check_fixed_header(wire: Wire, first: u8) -> Result<(), WireError> {
+    let flags = first & 0x0f;
+    let ok = match first >> 4 {
+        0 => false,
+        3 => flags & 0b0110 != 0b0110,
+        6 | 8 | 10 => flags == 0b0010,
+        15 => wire == Wire::V5 && flags == 0,
+        _ => flags == 0,
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(WireError::Malformed("reserved fixed header flags"))
+    }
+}
+
+/// The CONNECT flags' reserved bit must be 0 [MQTT-3.1.2-3]; rumqttc does not look at it.
+fn check_connect_flags(body: &[u8]) -> Result<(), WireError> {
+    let (Some(&hi), Some(&lo)) = (body.first(), body.get(1)) else {
+        return Ok(());
+    };
+    let flags_at = 2 + usize::from(u16::from_be_bytes([hi, lo])) + 1;
+    match body.get(flags_at) {
+        Some(flags) if flags & 1 != 0 => Err(WireError::Malformed("CONNECT reserved flag set")),
+        _ => Ok(()),
+    }
+}
+
+/// A DISCONNECT without properties: `E0 00` (no reason code: 0x00) and `E0 01 <code>` (no
+/// property length), both valid (§3.14.2.1). rumqttc 0.25.1 refuses them: its
+/// `Packet::read` answers any remaining length 0 but PINGREQ's and PINGRESP's with
+/// `PayloadRequired` (src/v5/mqttbytes/v5/mod.rs, `Packet::read`), and `Disconnect::read`
+/// reads a property length after the reason code whatever the remaining length
+/// (src/v5/mqttbytes/v5/disconnect.rs, `Disconnect::read` via `DisconnectProperties::extract`).
+fn short_disconnect(first: u8, body: &[u8]) -> Result<Option<Packet>, WireError> {
+    if first != 0xE0 || body.len() > 1 {
+        return Ok(None);
+    }
+    let code = body.first().copied().unwrap_or(0);
+    let reason_code = v5::DisconnectReasonCode::try_from(code)
+        .map_err(|_| WireError::Malformed("unknown DISCONNECT reason code"))?;
+    Ok(Some(Packet::Disconnect(v5::Disconnect {
+        reason_code,
+        properties: None,
+    })))
+}
+
+/// A property other than User Property given twice is a Protocol Error (§2.2.2.2); rumqttc
+/// keeps the last. Checks each property block a client's packet can carry; a block the walk
+/// cannot read is left to the codec, which refuses it.
+fn no_duplicate_properties(first: u8, body: &[u8]) -> Result<(), WireError> {
+    let mut at = match first >> 4 {
+        // CONNECT: protocol name, level, flags, keep alive; then its properties and, with a
+        // will, the will's after the client id.
+        1 => {
+            let Some(name) = u16_at(body, 0) else {
+                return Ok(());
+            };
+            let props = 2 + usize::from(name) + 4;
+            let Some(after) = properties_unique(body, props)? else {
+                return Ok(());
+            };
+            let will = body.get(2 + usize::from(name) + 1).is_some_and(|f| f & 0b100 != 0);
+            if !will {
+                return Ok(());
+            }
+            let Some(id) = u16_at(body, after) else {
+                return Ok(());
+            };
+            after + 2 + usize::from(id)
+        }
+        3 => {
+            let Some(topic) = u16_at(body, 0) else {
+                return Ok(());
+            };
+            let id = if first & 0b0110 != 0 { 2 } else { 0 };
+            2 + usize::from(topic) + id
+        }
+        4..=7 if body.len() >= 4 => 3,
+        8 | 10 => 2,
+        14 | 15 if body.len() >= 2 => 1,
+        _ => return Ok(()),
+    };
+    if at > body.len() {
+        at = body.len();
+    }
+    properties_unique(body, at).map(drop)
+}
+
+/// Walks the property block at `at` in `body`: where it ends, or None if it cannot be read.
+fn properties_unique(body: &[u8], at: usize) -> Result<Option<usize>, WireError> {
+    let Some((len, len_len)) = varint_at(body, at) else {
+        return Ok(None);
+    };
+    let end = at + len_len + len;
+    let mut seen = [false; 64];
+    let mut p = at + len_len;
+    while p < end.min(body.len()) {
+        let id = body[p];
+        p += 1;
+        let size = match id {
+            0x01 | 0x17 | 0x19 | 0x24 | 0x25 | 0x28 | 0x29 | 0x2A => 1,
+            0x13 | 0x21 | 0x22 | 0x23 => 2,
+            0x02 | 0x11 | 0x18 | 0x27 => 4,
+            0x0B => match varint_at(body, p) {
+                Some((_, n)) => n,
+                None => return Ok(None),
+            },
+            0x03 | 0x08 | 0x09 | 0x12 | 0x15 | 0x16 | 0x1A | 0x1C | 0x1F => {
+                match u16_at(body, p) {
+                    Some(n) => 2 + usize::from(n),
+                    None => return Ok(None),
+                }
+            }
+            0x26 => {
+                let Some(key) = u16_at(body, p) else {
+                    return Ok(None);
+                };
+                let Some(value) = u16_at(body, p + 2 + usize::from(key)) else {
+                    return Ok(None);
+                };
+                4 + usize::from(key) + usize::from(value)
+            }
+            _ => return Ok(None),
+        };
+        if id != 0x26 && std::mem::replace(&mut seen[usize::from(id)], true) {
+            return Err(WireError::Duplicate(id));
+        }
+        p += size;
+    }
+    Ok(Some(end))
+}
+
+fn u16_at(body: &[u8], at: usize) -> Option<u16> {
+    Some(u16::from_be_bytes([*body.get(at)?, *body.get(at + 1)?]))
+}
+
+/// A Variable Byte Integer at `at`: its value and how many bytes it took.
+fn varint_at(body: &[u8], at: usize) -> Option<(usize, usize)> {
+    let mut value = 0usize;
+    for i in 0..4 {
+        let byte = *body.get(at + i)?;
+        value |= usize::from(byte & 0x7f) << (7 * i);
+        if byte & 0x80 == 0 {
+            return Some((value, i + 1));
+        }
+    }
+    None
 }
 
 fn qos_up(qos: m4::QoS) -> m5::QoS {
@@ -363,6 +570,69 @@ mod tests {
                 None
             )
             .is_err());
+    }
+
+    fn read5(bytes: &[u8]) -> Result<Option<Packet>, WireError> {
+        Wire::V5.read(&mut BytesMut::from(bytes), 1 << 20)
+    }
+
+    #[test]
+    fn the_short_disconnect_forms_are_normal_disconnects() {
+        for bytes in [&[0xE0, 0x00][..], &[0xE0, 0x01, 0x00]] {
+            let Ok(Some(Packet::Disconnect(d))) = read5(bytes) else {
+                panic!("{bytes:?} is a DISCONNECT");
+            };
+            assert_eq!(
+                d.reason_code,
+                v5::DisconnectReasonCode::NormalDisconnection
+            );
+        }
+        let Ok(Some(Packet::Disconnect(d))) = read5(&[0xE0, 0x01, 0x04]) else {
+            panic!("with will");
+        };
+        assert_eq!(
+            d.reason_code,
+            v5::DisconnectReasonCode::DisconnectWithWillMessage
+        );
+        assert!(read5(&[0xE0, 0x01, 0x05]).is_err(), "no such reason code");
+        assert!(read5(&[0xE2, 0x00]).is_err(), "reserved flags");
+    }
+
+    #[test]
+    fn reserved_flags_qos_3_and_a_truncated_body_are_malformed() {
+        assert!(matches!(
+            read5(&[0x80, 6, 0, 1, 0, 0, 1, b'a']),
+            Err(WireError::Malformed(_))
+        ));
+        assert!(matches!(
+            read5(&[0x36, 6, 0, 1, b'a', 0, 1, 0]),
+            Err(WireError::Malformed(_))
+        ));
+        // A SUBSCRIBE whose filter runs past the packet's end.
+        assert!(read5(&[0x82, 5, 0, 1, 0, 0, 9]).is_err(), "never 'wait for more'");
+        assert!(read5(&[0x82, 5, 0, 1]).unwrap().is_none(), "not all there yet");
+    }
+
+    #[test]
+    fn a_property_given_twice_is_a_protocol_error_but_user_properties_repeat() {
+        // PUBLISH a/b, Message Expiry Interval twice.
+        let twice = [0x30, 16, 0, 3, b'a', b'/', b'b', 10, 2, 0, 0, 0, 9, 2, 0, 0, 0, 9];
+        assert!(matches!(read5(&twice[..]), Err(WireError::Duplicate(2))));
+        // Two User Properties k=v.
+        let users = [
+            0x30, 20, 0, 3, b'a', b'/', b'b', 14, 0x26, 0, 1, b'k', 0, 1, b'v', 0x26, 0, 1, b'k',
+            0, 1, b'v',
+        ];
+        assert!(matches!(read5(&users[..]), Ok(Some(Packet::Publish(_)))));
+    }
+
+    #[test]
+    fn a_packet_past_the_maximum_is_too_large_before_it_arrives() {
+        let mut head = BytesMut::from(&[0x30, 0xE8, 0x07][..]);
+        assert!(matches!(
+            Wire::V5.read(&mut head, 512),
+            Err(WireError::TooLarge(1003))
+        ));
     }
 
     #[test]

@@ -14,7 +14,7 @@ use crate::Error;
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct EdgedConfig {
-    /// The node's broker, `mqtt://host:port`. Empty: the first plain MQTT 3.1.1 listener of the
+    /// The node's broker, `mqtt://host:port`. Empty: the first plain (not TLS) listener of the
     /// same configuration file (`0.0.0.0` is reached as `127.0.0.1`).
     #[serde(default)]
     pub broker_url: String,

@@ -5,6 +5,7 @@
 pub mod cloud;
 pub mod edged;
 pub mod pki;
+pub mod raw;
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -400,7 +401,7 @@ impl Node {
         }
         let v5 = match self.v5_port {
             Some(port) => {
-                format!("    mqtt5:\n      address: 127.0.0.1:{port}\n      protocol: v5\n")
+                format!("    mqtt5:\n      address: 127.0.0.1:{port}\n")
             }
             None => String::new(),
         };

@@ -1,0 +1,217 @@
+//! Clients that try to bring the node down: topic filters and names as deep and as long as
+//! MQTT carries, connections that never finish CONNECT, and wrong passwords in a storm. After
+//! each, the node must still answer a query.
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::raw::{connect, packet, props, publish, string, subscribe, unsubscribe, Raw};
+use common::{auth_yaml, send, Node, Options};
+use serde_json::json;
+
+/// An insert acknowledged and a query answered with what it stored: the node serves.
+async fn assert_answers_a_query(node: &Node, name: &str) {
+    let resource = format!("default/configmap/{name}");
+    let mut client = node.client().await;
+    client.subscribe("ke/cloud/meta/response/#").await;
+    client.subscribe("ke/edged/meta/response/#").await;
+    let id = send(&client, "edgecontroller", "insert", &resource, json!({"n": name})).await;
+    client
+        .expect_reply_about("ke/cloud/meta/response", &resource, &id)
+        .await;
+    let id = send(&client, "edged", "query", &resource, json!(null)).await;
+    let answer = client
+        .expect_reply_about("ke/edged/meta/response", &resource, &id)
+        .await;
+    assert!(
+        answer.content().to_string().contains(name),
+        "query answer {}",
+        answer.content()
+    );
+}
+
+/// `+/+/…/+` with `levels` levels.
+fn pluses(levels: usize) -> String {
+    vec!["+"; levels].join("/")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_10_000_level_filter_is_refused_by_the_default_bound_and_the_node_serves_on() {
+    let node = Node::start().await;
+    // The command that aborted the node: a 10,000-level wildcard SUBSCRIBE, then exit.
+    let out = Command::new("mosquitto_sub")
+        .args(["-h", "127.0.0.1", "-p", &node.port.to_string()])
+        .args(["-t", &pluses(10_000), "-W", "1"])
+        .output()
+        .expect("mosquitto_sub is installed");
+    assert!(node.log().contains("EM-BROKER-TOPIC-BOUND"), "{out:?}");
+    let deep = pluses(10_000);
+    for v5 in [true, false] {
+        let (mut raw, code) = Raw::connected(node.port, &connect(v5, "deep", &props(&[]))).await;
+        assert_eq!(code, 0);
+        raw.send(&subscribe(v5, 1, deep.as_bytes())).await;
+        let suback = raw.next().await.expect("SUBACK");
+        // MQTT 5: 0x8F Topic Filter invalid; 3.1.1: 0x80 Failure.
+        let refused = if v5 { 0x8F } else { 0x80 };
+        assert_eq!((suback.kind(), suback.body.last()), (9, Some(&refused)));
+        raw.send(&unsubscribe(v5, 2, deep.as_bytes())).await;
+        let unsuback = raw.next().await.expect("UNSUBACK");
+        assert_eq!(unsuback.kind(), 11);
+        if v5 {
+            assert_eq!(unsuback.body.last(), Some(&0x8F));
+        }
+        // A topic past the bound ends the connection: MQTT 5 is told 0x90 Topic Name invalid.
+        let topic = vec!["t"; 200].join("/");
+        raw.send(&publish(v5, topic.as_bytes(), 1, b"x")).await;
+        raw.expect_closed(v5.then_some(0x90)).await;
+    }
+    assert_answers_a_query(&node, "after-deep").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_the_bound_raised_the_deepest_filters_and_topics_mqtt_carries_are_routed_and_freed() {
+    let node = Node::start_with(Options {
+        broker_yaml: "  max_topic_levels: 1000000\n  max_topic_bytes: 65535\n".into(),
+        ..Options::default()
+    })
+    .await;
+    // A UTF-8 string holds at most 65,535 bytes: 32,768 levels of `+` and of `a`, and 65,535
+    // empty levels under a `#`. (The index itself is tested at 100,000 levels in index.rs.)
+    let levels = 32_768;
+    let plus = pluses(levels);
+    let topic = vec!["a"; levels].join("/");
+    let hash = format!("{}#", "/".repeat(65_534));
+    let empty_levels = "/".repeat(65_535);
+    assert!(plus.len() <= 65_535 && topic.len() <= 65_535 && hash.len() <= 65_535);
+    for v5 in [true, false] {
+        let id = if v5 { "deep5" } else { "deep4" };
+        let (mut raw, code) = Raw::connected(node.port, &connect(v5, id, &props(&[]))).await;
+        assert_eq!(code, 0);
+        raw.send(&subscribe(v5, 1, plus.as_bytes())).await;
+        raw.send(&subscribe(v5, 2, hash.as_bytes())).await;
+        for _ in 0..2 {
+            let suback = raw.next().await.expect("SUBACK");
+            assert_eq!((suback.kind(), suback.body.last()), (9, Some(&1)));
+        }
+        for t in [&topic, &empty_levels] {
+            raw.send(&publish(v5, t.as_bytes(), 1, b"deep")).await;
+            let mut delivered = false;
+            let mut acked = false;
+            while !(delivered && acked) {
+                let frame = raw.next().await.expect("PUBLISH and PUBACK");
+                match frame.kind() {
+                    3 => {
+                        let len = u16::from_be_bytes([frame.body[0], frame.body[1]]);
+                        assert_eq!(usize::from(len), t.len());
+                        delivered = true;
+                        // QoS 1: acknowledge the delivery.
+                        let pkid = &frame.body[2 + t.len()..4 + t.len()];
+                        raw.send(&packet(0x40, pkid)).await;
+                    }
+                    4 => acked = true,
+                    other => panic!("unexpected packet type {other}"),
+                }
+            }
+        }
+        raw.send(&unsubscribe(v5, 3, plus.as_bytes())).await;
+        let unsuback = raw.next_not_publish().await.expect("UNSUBACK");
+        assert_eq!(unsuback.kind(), 11);
+        if v5 {
+            assert_eq!(unsuback.body.last(), Some(&0), "the deep filter was held");
+        }
+        // The `#` filter goes with the connection (a clean session ends with it).
+    }
+    assert_answers_a_query(&node, "after-deepest").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn connections_that_never_send_connect_count_against_max_connections_and_time_out() {
+    let node = Node::start_with(Options {
+        broker_yaml: "  max_connections: 4\n  connect_timeout_ms: 1500\n".into(),
+        ..Options::default()
+    })
+    .await;
+    // Four silent connections take every place.
+    let mut silent = Vec::new();
+    for _ in 0..4 {
+        silent.push(Raw::open(node.port).await);
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (mut refused, code) = Raw::connected(node.port, &connect(true, "late", &props(&[]))).await;
+    assert_eq!(code, 0x97, "MQTT 5: Quota exceeded");
+    assert!(refused.next().await.is_none(), "closed after the CONNACK");
+    let (_, code) = Raw::connected(node.port, &connect(false, "late4", &[])).await;
+    assert_eq!(code, 3, "3.1.1: server unavailable");
+    // Past connect_timeout_ms the node closes them and gives their places back.
+    let started = Instant::now();
+    for raw in &mut silent {
+        assert!(raw.next().await.is_none(), "closed unanswered");
+    }
+    assert!(started.elapsed() < Duration::from_secs(3));
+    let (_, code) = Raw::connected(node.port, &connect(true, "now", &props(&[]))).await;
+    assert_eq!(code, 0);
+}
+
+/// A node with user `alice` (password `alice-pw`); anonymous clients too.
+async fn node_with_users() -> Node {
+    Node::start_with(Options {
+        broker_yaml: auth_yaml(true, &["alice"]),
+        ..Options::default()
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn wrong_passwords_are_held_off_while_a_known_client_logs_in() {
+    let node = node_with_users().await;
+    let port = node.port;
+    // alice has logged in from here before.
+    let (_, code) = Raw::connected(port, &login("alice", "alice", "alice-pw")).await;
+    assert_eq!(code, 0);
+    // 64 connections guess alice's password, 4 times each, at once.
+    let storm: Vec<_> = (0..64)
+        .map(|i| {
+            tokio::spawn(async move {
+                let mut codes = Vec::new();
+                for _ in 0..4 {
+                    let guess = login(&format!("g{i}"), "alice", "guess");
+                    codes.push(Raw::connected(port, &guess).await.1);
+                }
+                codes
+            })
+        })
+        .collect();
+    for _ in 0..10 {
+        let (_, code) = Raw::connected(port, &login("alice", "alice", "alice-pw")).await;
+        assert_eq!(code, 0, "alice, who logged in before, is admitted during the storm");
+    }
+    let mut codes = Vec::new();
+    for guesser in storm {
+        codes.extend(guesser.await.expect("guesser"));
+    }
+    // 0x86 Bad User Name or Password (checked), 0x89 Server busy (not checked).
+    assert!(codes.iter().all(|&c| c == 0x86 || c == 0x89), "{codes:?}");
+    let busy = codes.iter().filter(|&&c| c == 0x89).count();
+    assert!(
+        busy > codes.len() / 2,
+        "most guesses are refused unchecked: {busy} of {}",
+        codes.len()
+    );
+    assert!(node.log().contains("EM-AUTH-BUSY"));
+    assert_answers_a_query(&node, "after-storm").await;
+}
+
+/// A CONNECT (MQTT 5) with a username and password.
+fn login(id: &str, user: &str, password: &str) -> Vec<u8> {
+    let mut body = string(b"MQTT");
+    body.push(5);
+    body.push(0b1100_0010);
+    body.extend_from_slice(&30u16.to_be_bytes());
+    body.push(0);
+    body.extend_from_slice(&string(id.as_bytes()));
+    body.extend_from_slice(&string(user.as_bytes()));
+    body.extend_from_slice(&string(password.as_bytes()));
+    packet(0x10, &body)
+}
