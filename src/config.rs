@@ -170,7 +170,9 @@ impl Settings {
                 .listeners
                 .values()
                 .find(|l| l.tls.is_none())
-                .context("edged.broker_url is empty and no plain (not TLS) listener is configured")?;
+                .context(
+                    "edged.broker_url is empty and no plain (not TLS) listener is configured",
+                )?;
             let mut address = listener.address;
             if address.ip().is_unspecified() {
                 address.set_ip(std::net::Ipv4Addr::LOCALHOST.into());

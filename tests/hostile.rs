@@ -17,7 +17,14 @@ async fn assert_answers_a_query(node: &Node, name: &str) {
     let mut client = node.client().await;
     client.subscribe("ke/cloud/meta/response/#").await;
     client.subscribe("ke/edged/meta/response/#").await;
-    let id = send(&client, "edgecontroller", "insert", &resource, json!({"n": name})).await;
+    let id = send(
+        &client,
+        "edgecontroller",
+        "insert",
+        &resource,
+        json!({"n": name}),
+    )
+    .await;
     client
         .expect_reply_about("ke/cloud/meta/response", &resource, &id)
         .await;
@@ -185,7 +192,10 @@ async fn wrong_passwords_are_held_off_while_a_known_client_logs_in() {
         .collect();
     for _ in 0..10 {
         let (_, code) = Raw::connected(port, &login("alice", "alice", "alice-pw")).await;
-        assert_eq!(code, 0, "alice, who logged in before, is admitted during the storm");
+        assert_eq!(
+            code, 0,
+            "alice, who logged in before, is admitted during the storm"
+        );
     }
     let mut codes = Vec::new();
     for guesser in storm {

@@ -5,7 +5,6 @@
 mod common;
 
 use std::process::Command;
-use std::time::Duration;
 
 use common::raw::{connect, packet, props, publish, string, subscribe, Raw};
 use common::{mosquitto_pub, Node, Options, QUIET};
@@ -63,13 +62,26 @@ async fn a_normal_disconnect_in_its_short_forms_publishes_no_will() {
     let (ok, err) = mosquitto_pub(
         node.port,
         &[
-            "-V", "5", "-i", "mosq-will", "--will-topic", "gone/mosquitto", "--will-payload",
-            "gone", "-t", "plain/x", "-m", "hi",
+            "-V",
+            "5",
+            "-i",
+            "mosq-will",
+            "--will-topic",
+            "gone/mosquitto",
+            "--will-payload",
+            "gone",
+            "-t",
+            "plain/x",
+            "-m",
+            "hi",
         ],
     );
     assert!(ok, "{err}");
     assert_eq!(python(PAHO_DISCONNECT, node.port).trim(), "disconnected");
-    for (n, bye) in [&[0xE0, 0x00][..], &[0xE0, 0x01, 0x00][..]].iter().enumerate() {
+    for (n, bye) in [&[0xE0, 0x00][..], &[0xE0, 0x01, 0x00][..]]
+        .iter()
+        .enumerate()
+    {
         let id = format!("short-{n}");
         let (mut raw, code) = Raw::connected(node.port, &connect_with_will(&id, "gone/raw")).await;
         assert_eq!(code, 0);
@@ -77,10 +89,14 @@ async fn a_normal_disconnect_in_its_short_forms_publishes_no_will() {
         assert!(raw.next().await.is_none(), "the node closes without a word");
     }
     // The control: "disconnect with will message" (0x04) does publish it.
-    let (mut raw, _) = Raw::connected(node.port, &connect_with_will("control", "gone/control")).await;
+    let (mut raw, _) =
+        Raw::connected(node.port, &connect_with_will("control", "gone/control")).await;
     raw.send(&[0xE0, 0x01, 0x04]).await;
     let first = watcher.next().await;
-    assert_eq!(first.topic, "gone/control", "only the control's will is published");
+    assert_eq!(
+        first.topic, "gone/control",
+        "only the control's will is published"
+    );
 }
 
 const PAHO_TAKEOVER: &str = r#"
@@ -129,8 +145,21 @@ async fn a_take_over_closes_the_old_connection_with_0x8e_for_both_clean_start_va
 async fn a_qos_2_publish_resent_after_a_reconnect_is_delivered_once() {
     let node = Node::start().await;
     let sub = common::MosquittoSub::start(&[
-        "-h", "127.0.0.1", "-p", &node.port.to_string(), "-V", "5", "-v", "-q", "2", "-t",
-        "q2/#", "-C", "2", "-W", "10",
+        "-h",
+        "127.0.0.1",
+        "-p",
+        &node.port.to_string(),
+        "-V",
+        "5",
+        "-v",
+        "-q",
+        "2",
+        "-t",
+        "q2/#",
+        "-C",
+        "2",
+        "-W",
+        "10",
     ])
     .await;
     // Clean Start 0, Session Expiry Interval 60 s.
@@ -159,7 +188,10 @@ async fn a_qos_2_publish_resent_after_a_reconnect_is_delivered_once() {
     assert_eq!(pubcomp.kind(), 7);
     raw.send(&publish(true, b"q2/x", 1, b"second")).await;
     let lines = common::sub_output(sub).await;
-    let payloads: Vec<&str> = lines.iter().map(|l| l.rsplit(' ').next().unwrap_or("")).collect();
+    let payloads: Vec<&str> = lines
+        .iter()
+        .map(|l| l.rsplit(' ').next().unwrap_or(""))
+        .collect();
     assert_eq!(payloads, ["first", "second"], "{lines:?}");
 }
 
@@ -175,7 +207,10 @@ async fn a_topic_that_is_not_utf_8_closes_the_connection() {
         raw.send(&publish(v5, b"bad/\xff\xfe", 1, b"x")).await;
         raw.expect_closed(v5.then_some(0x81)).await;
     }
-    assert!(watcher.next_within(QUIET).await.is_none(), "nothing delivered");
+    assert!(
+        watcher.next_within(QUIET).await.is_none(),
+        "nothing delivered"
+    );
 }
 
 /// §3.1.2.2: an unsupported protocol level gets CONNACK 0x84 (MQTT 5) or return code 1 (3.1.1),
@@ -220,35 +255,55 @@ async fn malformed_packets_and_protocol_errors_are_answered_as_the_spec_says() {
 
     let cases: [(&str, Vec<u8>, Option<u8>); 6] = [
         // [MQTT-3.8.1-1]: SUBSCRIBE's fixed header flags must be 0010.
-        ("reserved SUBSCRIBE flags", {
-            let mut s = subscribe(true, 1, b"a/b");
-            s[0] = 0x80;
-            s
-        }, Some(0x81)),
+        (
+            "reserved SUBSCRIBE flags",
+            {
+                let mut s = subscribe(true, 1, b"a/b");
+                s[0] = 0x80;
+                s
+            },
+            Some(0x81),
+        ),
         // §1.5.4: U+0000 in a filter.
         ("NUL in a filter", subscribe(true, 1, b"a/\0"), Some(0x81)),
         // §3.8.2.1.2: Subscription Identifier 0.
-        ("Subscription Identifier 0", {
-            let mut body = vec![0, 1];
-            body.extend_from_slice(&props(&[0x0B, 0]));
-            body.extend_from_slice(&string(b"a/b"));
-            body.push(1);
-            packet(0x82, &body)
-        }, Some(0x82)),
+        (
+            "Subscription Identifier 0",
+            {
+                let mut body = vec![0, 1];
+                body.extend_from_slice(&props(&[0x0B, 0]));
+                body.extend_from_slice(&string(b"a/b"));
+                body.push(1);
+                packet(0x82, &body)
+            },
+            Some(0x82),
+        ),
         // §2.2.2.2: Message Expiry Interval twice in a PUBLISH.
-        ("a duplicate property", {
-            let mut body = string(b"a/b");
-            body.extend_from_slice(&props(&[0x02, 0, 0, 0, 9, 0x02, 0, 0, 0, 9]));
-            packet(0x30, &body)
-        }, Some(0x82)),
+        (
+            "a duplicate property",
+            {
+                let mut body = string(b"a/b");
+                body.extend_from_slice(&props(&[0x02, 0, 0, 0, 9, 0x02, 0, 0, 0, 9]));
+                packet(0x30, &body)
+            },
+            Some(0x82),
+        ),
         // §3.3.1.2: QoS 3.
-        ("QoS 3", {
-            let mut p = publish(true, b"a/b", 1, b"x");
-            p[0] |= 0b0110;
-            p
-        }, Some(0x81)),
+        (
+            "QoS 3",
+            {
+                let mut p = publish(true, b"a/b", 1, b"x");
+                p[0] |= 0b0110;
+                p
+            },
+            Some(0x81),
+        ),
         // Larger than the node's Maximum Packet Size: 0x95 Packet too large.
-        ("an oversize packet", publish(true, b"a/b", 0, &[b'x'; 5000]), Some(0x95)),
+        (
+            "an oversize packet",
+            publish(true, b"a/b", 0, &[b'x'; 5000]),
+            Some(0x95),
+        ),
     ];
     for (what, bytes, reason) in cases {
         let (mut raw, code) = Raw::connected(port, &connect(true, "rules", &props(&[]))).await;

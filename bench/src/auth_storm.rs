@@ -108,12 +108,7 @@ pub async fn auth_storm(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> 
         target: "p99 ≤ 100 ms".into(),
         verdict: verdict(em_p99 <= 100.0 && em.honest_refused == 0, ""),
     });
-    let guesses = |s: &Storm| {
-        format!(
-            "{} checked, {} busy, {} other",
-            s.refused, s.busy, s.other
-        )
-    };
+    let guesses = |s: &Storm| format!("{} checked, {} busy, {} other", s.refused, s.busy, s.other);
     rows.push(Row {
         name: "Auth storm: how the guesses were refused".into(),
         edgemeta: guesses(&em),

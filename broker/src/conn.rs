@@ -11,9 +11,10 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use rumqttc::v5::mqttbytes::v5::{
-    ConnAck, ConnAckProperties, Connect, ConnectReturnCode, LastWill, Subscribe, Unsubscribe, Disconnect, DisconnectReasonCode, PubAck,
-    PubAckReason, PubComp, PubRec, PubRel, Publish, PublishProperties, RetainForwardRule, SubAck,
-    SubscribeReasonCode, UnsubAck, UnsubAckReason,
+    ConnAck, ConnAckProperties, Connect, ConnectReturnCode, Disconnect, DisconnectReasonCode,
+    LastWill, PubAck, PubAckReason, PubComp, PubRec, PubRel, Publish, PublishProperties,
+    RetainForwardRule, SubAck, Subscribe, SubscribeReasonCode, UnsubAck, UnsubAckReason,
+    Unsubscribe,
 };
 use rumqttc::v5::mqttbytes::QoS;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -130,7 +131,10 @@ async fn refuse_over_limit<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, sha
     if refusing >= REFUSING_MAX {
         return;
     }
-    warn!(error_code = "EM-BROKER-CONNECTION-LIMIT", "refused a client: broker.max_connections reached");
+    warn!(
+        error_code = "EM-BROKER-CONNECTION-LIMIT",
+        "refused a client: broker.max_connections reached"
+    );
     let mut head = BytesMut::with_capacity(512);
     let detect = async {
         loop {
@@ -258,8 +262,12 @@ pub(crate) struct Accepted {
     pub admitted: Admitted,
 }
 
-pub(crate) async fn serve<S>(mut stream: S, accepted: Accepted, shared: Arc<Shared>, cancel: CancellationToken)
-where
+pub(crate) async fn serve<S>(
+    mut stream: S,
+    accepted: Accepted,
+    shared: Arc<Shared>,
+    cancel: CancellationToken,
+) where
     S: AsyncRead + AsyncWrite + Unpin,
 {
     shared.open.fetch_add(1, Ordering::Relaxed);
@@ -406,7 +414,12 @@ async fn read_connect<S>(
     stream: &mut S,
     buf: &mut BytesMut,
     shared: &Shared,
-) -> Option<(Wire, Connect, Option<LastWill>, Option<rumqttc::v5::mqttbytes::v5::Login>)>
+) -> Option<(
+    Wire,
+    Connect,
+    Option<LastWill>,
+    Option<rumqttc::v5::mqttbytes::v5::Login>,
+)>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -427,7 +440,9 @@ where
         Ok(Err(WireError::Level(_))) => {
             refusal(Wire::V4, ConnectReturnCode::UnsupportedProtocolVersion)
         }
-        Ok(Err(WireError::TooLarge(size))) if Wire::detect(buf).ok().flatten() == Some(Wire::V5) => {
+        Ok(Err(WireError::TooLarge(size)))
+            if Wire::detect(buf).ok().flatten() == Some(Wire::V5) =>
+        {
             debug!(size, "CONNECT larger than the node reads");
             refusal(Wire::V5, ConnectReturnCode::PacketTooLarge)
         }
@@ -804,94 +819,8 @@ impl Conn {
                 Woke::Silent | Woke::Read(None) => return End::Lost,
                 Woke::Read(Some(read)) => {
                     last_heard = Instant::now();
-                    let mut filled = read == spare;
-                    loop {
-                        let packet = match self.wire.read(buf, shared.max_packet) {
-                            Ok(None) if filled => {
-                                // The read filled what was free: more is likely waiting. It is
-                                // taken in larger reads, many packets a call, without waiting
-                                // for it; an idle connection keeps only the small buffer.
-                                buf.reserve(READ_MORE);
-                                let spare = buf.capacity() - buf.len();
-                                match poll_once(stream.read_buf(buf)) {
-                                    None => break,
-                                    Some(Ok(n)) if n > 0 => {
-                                        filled = n == spare;
-                                        continue;
-                                    }
-                                    Some(_) => return End::Lost,
-                                }
-                            }
-                            other => other,
-                        };
-                        match packet {
-                            Ok(Some(packet)) => {
-                                let end = match self.handle(packet, shared) {
-                                    None => None,
-                                    Some(Step::End(end)) => Some(end),
-                                    Some(Step::Wait(waiting, owed)) => {
-                                        // A module's inbox is full: this client waits (its
-                                        // bytes stay in its socket) while the others go on
-                                        // (protocol §6.10).
-                                        shared.paused.fetch_add(1, Ordering::Relaxed);
-                                        shared.pauses.fetch_add(1, Ordering::Relaxed);
-                                        Box::pin(hand_to_links(waiting)).await;
-                                        shared.paused.fetch_sub(1, Ordering::Relaxed);
-                                        self.settle(owed);
-                                        None
-                                    }
-                                    Some(Step::Unheard(message, qos, owed)) => {
-                                        // MQTT orders packets per connection only, but a client
-                                        // that subscribes on one connection and at once
-                                        // publishes on another expects the message. Tasks woken
-                                        // together run last-woken first (tokio's LIFO slot), so
-                                        // a publish that reached nobody goes to the back of the
-                                        // queue once, letting a SUBSCRIBE that arrived first be
-                                        // handled, and is routed again. Only publishes nobody
-                                        // hears pay for it.
-                                        tokio::task::yield_now().await;
-                                        let ack = owed.as_ref().map(|(_, _, ack)| ack);
-                                        let (waiting, _) = shared.hub.publish_heard(
-                                            Some(self.session),
-                                            message,
-                                            qos,
-                                            false,
-                                            ack,
-                                        );
-                                        if !waiting.is_empty() {
-                                            Box::pin(hand_to_links(waiting)).await;
-                                        }
-                                        self.settle(owed);
-                                        None
-                                    }
-                                };
-                                if let Some(end) = end {
-                                    self.closing();
-                                    if let End::Refused(reason) = end {
-                                        let bye = Disconnect::new(reason);
-                                        if self.wire == Wire::V5 {
-                                            self.send(Packet::Disconnect(bye));
-                                        }
-                                    }
-                                    let _ = stream.write_all(&self.out).await;
-                                    if matches!(end, End::Refused(_)) {
-                                        Box::pin(linger(stream)).await;
-                                    }
-                                    return end;
-                                }
-                            }
-                            Ok(None) => break,
-                            Err(e) => {
-                                debug!(client_id = %self.client_id, error = %e, "malformed packet");
-                                self.closing();
-                                if self.wire == Wire::V5 {
-                                    let bye = Disconnect::new(reason_for(&e));
-                                    self.send(Packet::Disconnect(bye));
-                                    let _ = stream.write_all(&self.out).await;
-                                }
-                                return End::Lost;
-                            }
-                        }
+                    if let Some(end) = self.take_packets(stream, buf, shared, read == spare).await {
+                        return end;
                     }
                     if buf.is_empty() && buf.capacity() > KEEP_BUFFER {
                         *buf = BytesMut::new();
@@ -899,6 +828,104 @@ impl Conn {
                 }
             }
         }
+    }
+
+    /// Handles every whole packet read; `filled`: the last read filled what was free, so more
+    /// is likely waiting. Some when the connection ends.
+    async fn take_packets<S: AsyncRead + AsyncWrite + Unpin>(
+        &mut self,
+        stream: &mut S,
+        buf: &mut BytesMut,
+        shared: &Shared,
+        mut filled: bool,
+    ) -> Option<End> {
+        loop {
+            let packet = match self.wire.read(buf, shared.max_packet) {
+                Ok(None) if filled => {
+                    // More is likely waiting. It is taken in larger reads, many packets a call,
+                    // without waiting for it; an idle connection keeps only the small buffer.
+                    buf.reserve(READ_MORE);
+                    let spare = buf.capacity() - buf.len();
+                    match poll_once(stream.read_buf(buf)) {
+                        None => return None,
+                        Some(Ok(n)) if n > 0 => {
+                            filled = n == spare;
+                            continue;
+                        }
+                        Some(_) => return Some(End::Lost),
+                    }
+                }
+                other => other,
+            };
+            match packet {
+                Ok(Some(packet)) => {
+                    let step = self.handle(packet, shared);
+                    if let Some(end) = self.step(step, shared).await {
+                        return Some(self.ending(stream, end).await);
+                    }
+                }
+                Ok(None) => return None,
+                Err(e) => {
+                    debug!(client_id = %self.client_id, error = %e, "malformed packet");
+                    self.closing();
+                    if self.wire == Wire::V5 {
+                        let bye = Disconnect::new(reason_for(&e));
+                        self.send(Packet::Disconnect(bye));
+                        let _ = stream.write_all(&self.out).await;
+                    }
+                    return Some(End::Lost);
+                }
+            }
+        }
+    }
+
+    /// What a handled packet left to do; Some when the connection ends.
+    async fn step(&mut self, step: Option<Step>, shared: &Shared) -> Option<End> {
+        match step? {
+            Step::End(end) => Some(end),
+            Step::Wait(waiting, owed) => {
+                // A module's inbox is full: this client waits (its bytes stay in its socket)
+                // while the others go on (protocol §6.10).
+                shared.paused.fetch_add(1, Ordering::Relaxed);
+                shared.pauses.fetch_add(1, Ordering::Relaxed);
+                Box::pin(hand_to_links(waiting)).await;
+                shared.paused.fetch_sub(1, Ordering::Relaxed);
+                self.settle(owed);
+                None
+            }
+            Step::Unheard(message, qos, owed) => {
+                // MQTT orders packets per connection only, but a client that subscribes on one
+                // connection and at once publishes on another expects the message. Tasks woken
+                // together run last-woken first (tokio's LIFO slot), so a publish that reached
+                // nobody goes to the back of the queue once, letting a SUBSCRIBE that arrived
+                // first be handled, and is routed again. Only publishes nobody hears pay for it.
+                tokio::task::yield_now().await;
+                let ack = owed.as_ref().map(|(_, _, ack)| ack);
+                let hub = &shared.hub;
+                let (waiting, _) = hub.publish_heard(Some(self.session), message, qos, false, ack);
+                if !waiting.is_empty() {
+                    Box::pin(hand_to_links(waiting)).await;
+                }
+                self.settle(owed);
+                None
+            }
+        }
+    }
+
+    /// The connection ends as `end` says: what is owed written, and a v5 client refused told
+    /// why (§4.13).
+    async fn ending<S: AsyncRead + AsyncWrite + Unpin>(&mut self, stream: &mut S, end: End) -> End {
+        self.closing();
+        if let End::Refused(reason) = end {
+            if self.wire == Wire::V5 {
+                self.send(Packet::Disconnect(Disconnect::new(reason)));
+            }
+        }
+        let _ = stream.write_all(&self.out).await;
+        if matches!(end, End::Refused(_)) {
+            Box::pin(linger(stream)).await;
+        }
+        end
     }
 
     /// The connection was cut: for lagging a whole queue behind (0x97), because the node is
@@ -1003,7 +1030,9 @@ impl Conn {
     fn subscribe(&mut self, subscribe: Subscribe, shared: &Shared) -> Option<Step> {
         let hub = &*shared.hub;
         if subscribe.filters.iter().any(|f| f.path.contains('\0')) {
-            return Some(Step::End(End::Refused(DisconnectReasonCode::MalformedPacket)));
+            return Some(Step::End(End::Refused(
+                DisconnectReasonCode::MalformedPacket,
+            )));
         }
         let id = subscribe.properties.as_ref().and_then(|p| p.id);
         if id == Some(0) {
@@ -1041,12 +1070,7 @@ impl Conn {
                 },
                 id,
             };
-            match hub.subscribe(
-                &self.client_id,
-                self.session,
-                &filter.path,
-                options.clone(),
-            ) {
+            match hub.subscribe(&self.client_id, self.session, &filter.path, options.clone()) {
                 Ok(new) => {
                     self.subscriptions.insert(filter.path.clone());
                     codes.push(SubscribeReasonCode::Success(filter.qos));
@@ -1087,7 +1111,9 @@ impl Conn {
     fn unsubscribe(&mut self, unsubscribe: Unsubscribe, shared: &Shared) -> Option<Step> {
         let hub = &*shared.hub;
         if unsubscribe.filters.iter().any(|f| f.contains('\0')) {
-            return Some(Step::End(End::Refused(DisconnectReasonCode::MalformedPacket)));
+            return Some(Step::End(End::Refused(
+                DisconnectReasonCode::MalformedPacket,
+            )));
         }
         let bounds = shared.topics;
         let reasons = unsubscribe
@@ -1132,44 +1158,10 @@ impl Conn {
     /// consumes is acknowledged once the module is done with it (protocol §6.5).
     fn inbound(&mut self, mut publish: Publish, shared: &Shared) -> Option<Step> {
         let mut properties = publish.properties.take();
-        if let Some(alias) = properties.as_mut().and_then(|p| p.topic_alias.take()) {
-            // §3.3.2.3.4: 0 or above the maximum the node gave is a Topic Alias invalid.
-            if alias == 0 || alias > ALIASES_IN {
-                return Some(Step::End(End::Refused(
-                    DisconnectReasonCode::TopicAliasInvalid,
-                )));
-            }
-            if publish.topic.is_empty() {
-                match self.aliases_in.get(&alias) {
-                    Some(topic) => publish.topic = topic.clone(),
-                    None => {
-                        return Some(Step::End(End::Refused(DisconnectReasonCode::ProtocolError)))
-                    }
-                }
-            } else {
-                self.aliases_in.insert(alias, publish.topic.clone());
-            }
-        }
-        // §1.5.4: ill-formed UTF-8 or a NUL in a topic is a malformed packet, not a topic to
-        // repair; a topic past the node's bounds is one it does not accept (0x90).
-        let Ok(topic) = String::from_utf8(publish.topic.to_vec()) else {
-            return Some(Step::End(End::Refused(DisconnectReasonCode::MalformedPacket)));
+        let topic = match self.topic_of(&mut publish, properties.as_mut(), shared) {
+            Ok(topic) => topic,
+            Err(reason) => return Some(Step::End(End::Refused(reason))),
         };
-        if topic.contains('\0') {
-            return Some(Step::End(End::Refused(DisconnectReasonCode::MalformedPacket)));
-        }
-        if !shared.topics.admit(&topic) {
-            warn!(error_code = "EM-BROKER-TOPIC-BOUND", client_id = %self.client_id,
-                bytes = topic.len(), "publish refused: topic past broker.max_topic_levels or max_topic_bytes");
-            return Some(Step::End(End::Refused(
-                DisconnectReasonCode::TopicNameInvalid,
-            )));
-        }
-        if !valid_topic(&topic) {
-            return Some(Step::End(End::Refused(
-                DisconnectReasonCode::TopicNameInvalid,
-            )));
-        }
         let qos = qos_num(publish.qos);
         if qos == 2 && self.awaiting_release(publish.pkid) {
             // A resent QoS 2 publish (§4.3.3): answered once its first copy is.
@@ -1179,20 +1171,7 @@ impl Conn {
             return None;
         }
         if publishable(&self.grants, &topic).is_none() {
-            let denied = shared.policy.count_denied_publish();
-            warn!(error_code = "EM-ACL-PUBLISH-DENIED", client_id = %self.client_id, %topic, denied,
-                "publish refused by the ACL");
-            let mut ack = PubAck::new(publish.pkid, None);
-            ack.reason = PubAckReason::NotAuthorized;
-            match qos {
-                1 => self.send(Packet::PubAck(ack)),
-                2 => {
-                    let mut rec = PubRec::new(publish.pkid, None);
-                    rec.reason = rumqttc::v5::mqttbytes::v5::PubRecReason::NotAuthorized;
-                    self.send(Packet::PubRec(rec));
-                }
-                _ => {}
-            }
+            self.refuse_publish(&topic, qos, publish.pkid, &shared.policy);
             return None;
         }
         if qos == 2 {
@@ -1239,6 +1218,68 @@ impl Conn {
         }
         self.settle(owed);
         None
+    }
+
+    /// A PUBLISH's topic: its alias resolved (§3.3.2.3.4), then checked: ill-formed UTF-8 or
+    /// a NUL is a malformed packet (§1.5.4), a wildcard or a topic past the node's bounds one
+    /// it does not accept (0x90).
+    fn topic_of(
+        &mut self,
+        publish: &mut Publish,
+        properties: Option<&mut PublishProperties>,
+        shared: &Shared,
+    ) -> Result<String, DisconnectReasonCode> {
+        if let Some(alias) = properties.and_then(|p| p.topic_alias.take()) {
+            // §3.3.2.3.4: 0 or above the maximum the node gave is a Topic Alias invalid.
+            if alias == 0 || alias > ALIASES_IN {
+                return Err(DisconnectReasonCode::TopicAliasInvalid);
+            }
+            if publish.topic.is_empty() {
+                match self.aliases_in.get(&alias) {
+                    Some(topic) => publish.topic = topic.clone(),
+                    None => return Err(DisconnectReasonCode::ProtocolError),
+                }
+            } else {
+                self.aliases_in.insert(alias, publish.topic.clone());
+            }
+        }
+        // §1.5.4: ill-formed UTF-8 or a NUL in a topic is a malformed packet, not a topic to
+        // repair; a topic past the node's bounds is one it does not accept (0x90).
+        let Ok(topic) = String::from_utf8(publish.topic.to_vec()) else {
+            return Err(DisconnectReasonCode::MalformedPacket);
+        };
+        if topic.contains('\0') {
+            return Err(DisconnectReasonCode::MalformedPacket);
+        }
+        if !shared.topics.admit(&topic) {
+            warn!(error_code = "EM-BROKER-TOPIC-BOUND", client_id = %self.client_id,
+                bytes = topic.len(), "publish refused: topic past broker.max_topic_levels or max_topic_bytes");
+            return Err(DisconnectReasonCode::TopicNameInvalid);
+        }
+        if !valid_topic(&topic) {
+            return Err(DisconnectReasonCode::TopicNameInvalid);
+        }
+        Ok(topic)
+    }
+
+    /// A publish the ACL refuses: counted, logged and answered "not authorized" (QoS 1, 2).
+    fn refuse_publish(&mut self, topic: &str, qos: u8, pkid: u16, policy: &Policy) {
+        let denied = policy.count_denied_publish();
+        warn!(error_code = "EM-ACL-PUBLISH-DENIED", client_id = %self.client_id, %topic, denied,
+            "publish refused by the ACL");
+        match qos {
+            1 => {
+                let mut ack = PubAck::new(pkid, None);
+                ack.reason = PubAckReason::NotAuthorized;
+                self.send(Packet::PubAck(ack));
+            }
+            2 => {
+                let mut rec = PubRec::new(pkid, None);
+                rec.reason = rumqttc::v5::mqttbytes::v5::PubRecReason::NotAuthorized;
+                self.send(Packet::PubRec(rec));
+            }
+            _ => {}
+        }
     }
 
     /// After a publish was handed on: its acknowledgement now if no module took it, as a

@@ -436,7 +436,12 @@ fn remove_holder(holders: &mut Holders, group: Option<&str>, session: SessionId)
 
 /// Removes a holder under the trie path `levels`, pruning the levels it leaves empty. Two
 /// walks down and no recursion: the depth is the filter's, which a client chooses.
-fn remove_in_trie(root: &mut Node, levels: &[&str], group: Option<&str>, session: SessionId) -> bool {
+fn remove_in_trie(
+    root: &mut Node,
+    levels: &[&str],
+    group: Option<&str>,
+    session: SessionId,
+) -> bool {
     // The deepest node on the path that keeps something besides the path below it: if the
     // holder's node empties, the path is cut there.
     let mut cut = 0;

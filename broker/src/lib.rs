@@ -54,11 +54,11 @@ pub use index::{
     SessionId,
 };
 pub use link::{Link, Links, Publisher};
+pub use login::CheckConfig;
 pub use mailbox::{Dropped, Limits, Mailbox, Outgoing, Owed, Published, Resend};
 pub use message::Message;
 pub use registry::{Connected, Fired, Registry, Session as KeptSession, Will};
 pub use retained::{Refused, Retained};
-pub use login::CheckConfig;
 pub use security::{hash_password, Policy};
 pub use server::{reachable, Broker, BrokerStats};
 pub use wire::{Packet as WirePacket, Wire, WireError};

@@ -372,7 +372,8 @@ pub fn verify(phc: &str, password: &[u8], memory: &mut Vec<Block>) -> bool {
     let Ok(hash) = PasswordHash::new(phc) else {
         return false;
     };
-    let (Ok(algorithm), Ok(params)) = (Algorithm::try_from(hash.algorithm), Params::try_from(&hash))
+    let (Ok(algorithm), Ok(params)) =
+        (Algorithm::try_from(hash.algorithm), Params::try_from(&hash))
     else {
         return false;
     };
@@ -436,8 +437,12 @@ mod tests {
             user,
             client_id,
         };
-        let check = |w: Who<'static>, password: &str| checker.check(w, phc.clone(), password.into());
-        assert_eq!(check(who(here, "alice", "a"), "right").await, Verdict::Admitted);
+        let check =
+            |w: Who<'static>, password: &str| checker.check(w, phc.clone(), password.into());
+        assert_eq!(
+            check(who(here, "alice", "a"), "right").await,
+            Verdict::Admitted
+        );
         for _ in 0..3 {
             let v = check(who(here, "alice", "x"), "wrong").await;
             assert_eq!(v, Verdict::Refused, "free failures are checked");
@@ -449,6 +454,10 @@ mod tests {
         let v = check(who(elsewhere, "alice", "b"), "right").await;
         assert_eq!(v, Verdict::Busy, "a held-off username is refused unchecked");
         let v = check(who(here, "alice", "a"), "right").await;
-        assert_eq!(v, Verdict::Admitted, "the client that logged in before gets in");
+        assert_eq!(
+            v,
+            Verdict::Admitted,
+            "the client that logged in before gets in"
+        );
     }
 }

@@ -177,7 +177,9 @@ impl Policy {
                 format!("broker.auth.users.{name}.password_hash is not an argon2 hash ({e}); make one with `edgemeta passwd`")
             })?;
             let kib = memory_kib(&user.password_hash).map_err(|e| {
-                format!("broker.auth.users.{name}.password_hash has invalid argon2 parameters ({e})")
+                format!(
+                    "broker.auth.users.{name}.password_hash has invalid argon2 parameters ({e})"
+                )
             })?;
             if kib > auth.checks.max_hash_kib {
                 return Err(format!(

@@ -150,7 +150,9 @@ fn fixed_header(buf: &[u8]) -> Result<Option<(u8, usize, usize)>, WireError> {
             return Ok(Some((first, 2 + i, remaining)));
         }
     }
-    Err(WireError::Malformed("a remaining length longer than four bytes"))
+    Err(WireError::Malformed(
+        "a remaining length longer than four bytes",
+    ))
 }
 
 /// The fixed header's flags are fixed for every packet but PUBLISH (§2.1.3, 3.1.1 §2.2.2),
@@ -218,7 +220,9 @@ fn no_duplicate_properties(first: u8, body: &[u8]) -> Result<(), WireError> {
             let Some(after) = properties_unique(body, props)? else {
                 return Ok(());
             };
-            let will = body.get(2 + usize::from(name) + 1).is_some_and(|f| f & 0b100 != 0);
+            let will = body
+                .get(2 + usize::from(name) + 1)
+                .is_some_and(|f| f & 0b100 != 0);
             if !will {
                 return Ok(());
             }
@@ -264,12 +268,10 @@ fn properties_unique(body: &[u8], at: usize) -> Result<Option<usize>, WireError>
                 Some((_, n)) => n,
                 None => return Ok(None),
             },
-            0x03 | 0x08 | 0x09 | 0x12 | 0x15 | 0x16 | 0x1A | 0x1C | 0x1F => {
-                match u16_at(body, p) {
-                    Some(n) => 2 + usize::from(n),
-                    None => return Ok(None),
-                }
-            }
+            0x03 | 0x08 | 0x09 | 0x12 | 0x15 | 0x16 | 0x1A | 0x1C | 0x1F => match u16_at(body, p) {
+                Some(n) => 2 + usize::from(n),
+                None => return Ok(None),
+            },
             0x26 => {
                 let Some(key) = u16_at(body, p) else {
                     return Ok(None);
@@ -582,10 +584,7 @@ mod tests {
             let Ok(Some(Packet::Disconnect(d))) = read5(bytes) else {
                 panic!("{bytes:?} is a DISCONNECT");
             };
-            assert_eq!(
-                d.reason_code,
-                v5::DisconnectReasonCode::NormalDisconnection
-            );
+            assert_eq!(d.reason_code, v5::DisconnectReasonCode::NormalDisconnection);
         }
         let Ok(Some(Packet::Disconnect(d))) = read5(&[0xE0, 0x01, 0x04]) else {
             panic!("with will");
@@ -609,14 +608,22 @@ mod tests {
             Err(WireError::Malformed(_))
         ));
         // A SUBSCRIBE whose filter runs past the packet's end.
-        assert!(read5(&[0x82, 5, 0, 1, 0, 0, 9]).is_err(), "never 'wait for more'");
-        assert!(read5(&[0x82, 5, 0, 1]).unwrap().is_none(), "not all there yet");
+        assert!(
+            read5(&[0x82, 5, 0, 1, 0, 0, 9]).is_err(),
+            "never 'wait for more'"
+        );
+        assert!(
+            read5(&[0x82, 5, 0, 1]).unwrap().is_none(),
+            "not all there yet"
+        );
     }
 
     #[test]
     fn a_property_given_twice_is_a_protocol_error_but_user_properties_repeat() {
         // PUBLISH a/b, Message Expiry Interval twice.
-        let twice = [0x30, 16, 0, 3, b'a', b'/', b'b', 10, 2, 0, 0, 0, 9, 2, 0, 0, 0, 9];
+        let twice = [
+            0x30, 16, 0, 3, b'a', b'/', b'b', 10, 2, 0, 0, 0, 9, 2, 0, 0, 0, 9,
+        ];
         assert!(matches!(read5(&twice[..]), Err(WireError::Duplicate(2))));
         // Two User Properties k=v.
         let users = [
