@@ -189,10 +189,12 @@ async fn storm(args: &Args, port: u16, pid: u32) -> anyhow::Result<Storm> {
         })
     };
     let started = Instant::now();
-    let per_conn = total / conns;
+    // Each connection guesses in turn, one guess a gap; the first `total % conns` once more.
+    let per_conn = total.div_ceil(conns);
     let gap = length / per_conn as u32;
     let guessers: Vec<_> = (0..conns)
         .map(|c| {
+            let per_conn = total / conns + usize::from(c < total % conns);
             tokio::spawn(async move {
                 let mut codes = Vec::new();
                 // Spread the connections' starts over one gap.
