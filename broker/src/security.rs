@@ -1,5 +1,5 @@
 //! Who may connect (username/password, anonymous) and what each identity may publish and
-//! subscribe to (topic ACL). Each connection's task (`conn.rs`) applies these rules to every
+//! subscribe to (topic ACL). Each connection's task (`conn/`) applies these rules to every
 //! CONNECT, PUBLISH and SUBSCRIBE it decodes.
 
 use std::collections::BTreeMap;

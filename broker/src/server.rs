@@ -1,5 +1,5 @@
 //! The listeners and the node's modules on the one path: every listener's accept loop hands
-//! each connection (after its TLS handshake, if any) to its own task (`conn.rs`); the node's
+//! each connection (after its TLS handshake, if any) to its own task (`conn/`); the node's
 //! modules attach to the same hub as socket-less sessions (`link.rs`).
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};

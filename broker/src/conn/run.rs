@@ -1,0 +1,239 @@
+//! A connection's loop: what wakes it (its socket, its mailbox, released acknowledgements, a
+//! cut), every packet read handled in turn, and how it ends.
+
+use super::*;
+
+/// The DISCONNECT reason code for a packet the node could not take (§4.13).
+fn reason_for(error: &WireError) -> DisconnectReasonCode {
+    match error {
+        WireError::TooLarge(_) => DisconnectReasonCode::PacketTooLarge,
+        WireError::Duplicate(_) => DisconnectReasonCode::ProtocolError,
+        _ => DisconnectReasonCode::MalformedPacket,
+    }
+}
+
+/// Polls `future` once: its output if it is ready now, without waiting for it.
+fn poll_once<F: std::future::Future>(future: F) -> Option<F::Output> {
+    let mut future = std::pin::pin!(future);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match future.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(output) => Some(output),
+        std::task::Poll::Pending => None,
+    }
+}
+
+impl Conn {
+    pub(super) async fn run<S: AsyncRead + AsyncWrite + Unpin>(
+        &mut self,
+        stream: &mut S,
+        buf: &mut BytesMut,
+        shared: &Shared,
+        token: &CancellationToken,
+        node: &CancellationToken,
+        keep_alive: Duration,
+    ) -> End {
+        // §3.1.2.10: one and a half keep-alives without a packet ends the connection.
+        let grace = keep_alive + keep_alive / 2;
+        let mut last_heard = Instant::now();
+        loop {
+            if self.fill() {
+                self.room.taken(&shared.hub);
+                shared.hub.room.notify_waiters();
+            }
+            if !self.out.is_empty() {
+                // A reader that stopped takes nothing: its queue fills and the hub cuts it
+                // off through `token` while this write waits.
+                tokio::select! {
+                    written = stream.write_all(&self.out) => if written.is_err() {
+                        return End::Lost;
+                    },
+                    _ = token.cancelled() => return Box::pin(self.cut(stream, node)).await,
+                }
+                self.out.clear();
+                if self.out.capacity() > KEEP_BUFFER {
+                    self.out = BytesMut::new();
+                }
+                if let Some(direct) = &self.direct {
+                    direct.done();
+                }
+            }
+            let silent = tokio::time::sleep(if keep_alive.is_zero() {
+                Duration::from_secs(u64::from(u32::MAX))
+            } else {
+                grace.saturating_sub(last_heard.elapsed())
+            });
+            if buf.capacity() - buf.len() < 64 {
+                buf.reserve(256);
+            }
+            let spare = buf.capacity() - buf.len();
+            let woke = {
+                let acks = self.acks.as_deref();
+                let acked = async {
+                    match acks {
+                        Some(acks) => acks.bell.notified().await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    _ = token.cancelled() => Woke::Cut,
+                    _ = self.room.ready.notified() => Woke::Mail,
+                    () = acked => Woke::Acked,
+                    _ = silent => Woke::Silent,
+                    read = stream.read_buf(buf) => Woke::Read(read.ok().filter(|&n| n > 0)),
+                }
+            };
+            match woke {
+                Woke::Cut => return Box::pin(self.cut(stream, node)).await,
+                Woke::Mail | Woke::Acked => {}
+                Woke::Silent | Woke::Read(None) => return End::Lost,
+                Woke::Read(Some(read)) => {
+                    last_heard = Instant::now();
+                    if let Some(end) = self.take_packets(stream, buf, shared, read == spare).await {
+                        return end;
+                    }
+                    if buf.is_empty() && buf.capacity() > KEEP_BUFFER {
+                        *buf = BytesMut::new();
+                    }
+                }
+            }
+        }
+    }
+
+    /// Handles every whole packet read; `filled`: the last read filled what was free, so more
+    /// is likely waiting. Some when the connection ends.
+    async fn take_packets<S: AsyncRead + AsyncWrite + Unpin>(
+        &mut self,
+        stream: &mut S,
+        buf: &mut BytesMut,
+        shared: &Shared,
+        mut filled: bool,
+    ) -> Option<End> {
+        loop {
+            let packet = match self.wire.read(buf, shared.max_packet) {
+                Ok(None) if filled => {
+                    // More is likely waiting. It is taken in larger reads, many packets a call,
+                    // without waiting for it; an idle connection keeps only the small buffer.
+                    buf.reserve(READ_MORE);
+                    let spare = buf.capacity() - buf.len();
+                    match poll_once(stream.read_buf(buf)) {
+                        None => return None,
+                        Some(Ok(n)) if n > 0 => {
+                            filled = n == spare;
+                            continue;
+                        }
+                        Some(_) => return Some(End::Lost),
+                    }
+                }
+                other => other,
+            };
+            match packet {
+                Ok(Some(packet)) => {
+                    let step = self.handle(packet, shared);
+                    if let Some(end) = self.step(step, shared).await {
+                        return Some(self.ending(stream, end).await);
+                    }
+                }
+                Ok(None) => return None,
+                Err(e) => {
+                    debug!(client_id = %self.client_id, error = %e, "malformed packet");
+                    self.closing();
+                    if self.wire == Wire::V5 {
+                        let bye = Disconnect::new(reason_for(&e));
+                        self.send(Packet::Disconnect(bye));
+                        let _ = stream.write_all(&self.out).await;
+                    }
+                    return Some(End::Lost);
+                }
+            }
+        }
+    }
+
+    /// What a handled packet left to do; Some when the connection ends.
+    async fn step(&mut self, step: Option<Step>, shared: &Shared) -> Option<End> {
+        match step? {
+            Step::End(end) => Some(end),
+            Step::Wait(waiting, owed) => {
+                // A module's inbox is full: this client waits (its bytes stay in its socket)
+                // while the others go on (protocol §6.10).
+                shared.paused.fetch_add(1, Ordering::Relaxed);
+                shared.pauses.fetch_add(1, Ordering::Relaxed);
+                Box::pin(hand_to_links(waiting)).await;
+                shared.paused.fetch_sub(1, Ordering::Relaxed);
+                self.settle(owed);
+                None
+            }
+            Step::Unheard(message, qos, owed) => {
+                // MQTT orders packets per connection only, but a client that subscribes on one
+                // connection and at once publishes on another expects the message. Tasks woken
+                // together run last-woken first (tokio's LIFO slot), so a publish that reached
+                // nobody goes to the back of the queue once, letting a SUBSCRIBE that arrived
+                // first be handled, and is routed again. Only publishes nobody hears pay for it.
+                tokio::task::yield_now().await;
+                let ack = owed.as_ref().map(|(_, _, ack)| ack);
+                let hub = &shared.hub;
+                let (waiting, _) = hub.publish_heard(Some(self.session), message, qos, false, ack);
+                if !waiting.is_empty() {
+                    Box::pin(hand_to_links(waiting)).await;
+                }
+                self.settle(owed);
+                None
+            }
+        }
+    }
+
+    /// The connection ends as `end` says: what is owed written, and a v5 client refused told
+    /// why (§4.13).
+    async fn ending<S: AsyncRead + AsyncWrite + Unpin>(&mut self, stream: &mut S, end: End) -> End {
+        self.closing();
+        if let End::Refused(reason) = end {
+            if self.wire == Wire::V5 {
+                self.send(Packet::Disconnect(Disconnect::new(reason)));
+            }
+        }
+        let _ = stream.write_all(&self.out).await;
+        if matches!(end, End::Refused(_)) {
+            Box::pin(linger(stream)).await;
+        }
+        end
+    }
+
+    /// The connection was cut: for lagging a whole queue behind (0x97), because the node is
+    /// stopping (0x8B), else taken over (§3.1.4-3). A v5 client is told which.
+    async fn cut<S: AsyncRead + AsyncWrite + Unpin>(
+        &mut self,
+        stream: &mut S,
+        node: &CancellationToken,
+    ) -> End {
+        let lagged = self.room.lagged.load(Ordering::Relaxed);
+        let reason = if lagged {
+            DisconnectReasonCode::QuotaExceeded
+        } else if node.is_cancelled() {
+            DisconnectReasonCode::ServerShuttingDown
+        } else {
+            DisconnectReasonCode::SessionTakenOver
+        };
+        let mut out = BytesMut::new();
+        if let Some(direct) = &self.direct {
+            // A partial packet a direct write left must be finished before anything else.
+            direct.close(&mut out);
+        }
+        if self.wire == Wire::V5 {
+            let bye = Disconnect::new(reason);
+            if self
+                .wire
+                .write(Packet::Disconnect(bye), &mut out, self.max_out)
+                .is_ok()
+            {
+                let write = stream.write_all(&out);
+                let _ = tokio::time::timeout(Duration::from_secs(1), write).await;
+            }
+        }
+        if lagged {
+            Box::pin(linger(stream)).await;
+            // What did not fit is gone: the session ends, so the client resyncs (its next
+            // CONNECT finds no session present) and is never handed a gap.
+            return End::Cut;
+        }
+        End::Lost
+    }
+}
