@@ -424,6 +424,7 @@ async fn main() -> anyhow::Result<()> {
     edged_start(&args, &mut rows).await?;
     devices::devices(&args, &mut rows).await?;
     connections::connections(&args, &mut rows).await?;
+    auth_storm::auth_storm(&args, &mut rows).await?;
     drop(mosquitto);
     print_rows(rows)
 }
