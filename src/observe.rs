@@ -31,7 +31,10 @@ use crate::config::ObserveConfig;
 /// of zero is visible; anything else counts as `other`.
 pub const ERROR_CODES: &[&str] = &[
     "EM-AUTH-REFUSED",
+    "EM-AUTH-BUSY",
+    "EM-AUTH-POOL",
     "EM-BROKER-CLIENT-ID",
+    "EM-BROKER-TOPIC-BOUND",
     "EM-BROKER-CONNECTION-LIMIT",
     "EM-BROKER-FD-LIMIT",
     "EM-ACL-PUBLISH-DENIED",

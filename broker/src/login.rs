@@ -164,6 +164,32 @@ impl std::fmt::Debug for Checker {
     }
 }
 
+/// A check counted against its address (when it is), until dropped however the login ends:
+/// a client that leaves mid-check must not hold its address's places.
+struct Pending<'a> {
+    checker: &'a Checker,
+    address: Option<IpAddr>,
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        let Some(address) = self.address else {
+            return;
+        };
+        let mut memory = self
+            .checker
+            .memory
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(waiting) = memory.pending.get_mut(&address) {
+            *waiting -= 1;
+            if *waiting == 0 {
+                memory.pending.remove(&address);
+            }
+        }
+    }
+}
+
 /// Who asks for a check.
 pub struct Who<'a> {
     pub peer: Option<IpAddr>,
@@ -193,20 +219,25 @@ impl Checker {
         let user: Arc<str> = Arc::from(who.user);
         let client: Known = (address, user.clone(), Arc::from(who.client_id));
         let now = Instant::now();
-        let known = {
+        let (known, _pending) = {
             let mut memory = self.memory.lock().unwrap_or_else(PoisonError::into_inner);
             let known = memory.known.contains(&client);
+            let mut pending = Pending {
+                checker: self,
+                address: None,
+            };
             if !known {
                 let held_off = [Key::Address(address), Key::User(user.clone())]
                     .iter()
                     .any(|k| memory.strikes.get(k).is_some_and(|s| s.until > now));
-                let pending = memory.pending.entry(address).or_default();
-                if held_off || *pending >= PENDING_PER_ADDRESS {
+                let waiting = memory.pending.get(&address).copied().unwrap_or(0);
+                if held_off || waiting >= PENDING_PER_ADDRESS {
                     return Verdict::Busy;
                 }
-                *pending += 1;
+                memory.pending.insert(address, waiting + 1);
+                pending.address = Some(address);
             }
-            known
+            (known, pending)
         };
         let (answer, answered) = oneshot::channel();
         let job = Job {
@@ -217,10 +248,9 @@ impl Checker {
         let ok = if self.enqueue(job, known) {
             answered.await.unwrap_or(false)
         } else {
-            self.settle(&client, known, None);
             return Verdict::Busy;
         };
-        self.settle(&client, known, Some(ok));
+        self.settle(&client, ok);
         if ok {
             Verdict::Admitted
         } else {
@@ -246,39 +276,27 @@ impl Checker {
         true
     }
 
-    /// Records a check's outcome (None: it never ran).
-    fn settle(&self, client: &Known, known: bool, ok: Option<bool>) {
+    /// Records a check's outcome.
+    fn settle(&self, client: &Known, ok: bool) {
         let (address, user, _) = client;
         let address = *address;
         let mut memory = self.memory.lock().unwrap_or_else(PoisonError::into_inner);
-        if !known {
-            if let Some(pending) = memory.pending.get_mut(&address) {
-                *pending -= 1;
-                if *pending == 0 {
-                    memory.pending.remove(&address);
-                }
+        if !ok {
+            // A known client that fails is no longer known: it queues and is held off as any.
+            memory.known.remove(client);
+            for key in [Key::Address(address), Key::User(user.clone())] {
+                self.strike(&mut memory, key);
             }
+            return;
         }
-        match ok {
-            Some(true) => {
-                memory.strikes.remove(&Key::User(user.clone()));
-                if memory.known.insert(client.clone()) {
-                    memory.known_order.push_back(client.clone());
-                    if memory.known_order.len() > self.config.remembered {
-                        if let Some(old) = memory.known_order.pop_front() {
-                            memory.known.remove(&old);
-                        }
-                    }
+        memory.strikes.remove(&Key::User(user.clone()));
+        if memory.known.insert(client.clone()) {
+            memory.known_order.push_back(client.clone());
+            if memory.known_order.len() > self.config.remembered {
+                if let Some(old) = memory.known_order.pop_front() {
+                    memory.known.remove(&old);
                 }
             }
-            Some(false) => {
-                // A known client that fails is no longer known: it queues and is held off as any.
-                memory.known.remove(client);
-                for key in [Key::Address(address), Key::User(user.clone())] {
-                    self.strike(&mut memory, key);
-                }
-            }
-            None => {}
         }
     }
 
@@ -424,6 +442,24 @@ mod tests {
             queue,
             ..CheckConfig::default()
         })
+    }
+
+    #[tokio::test]
+    async fn a_login_abandoned_mid_check_gives_its_address_its_place_back() {
+        let phc: Arc<str> = hash_password("right").unwrap().into();
+        let checker = checker(16);
+        let here = Some(IpAddr::V4(Ipv4Addr::LOCALHOST));
+        let who = |client_id| Who {
+            peer: here,
+            user: "alice",
+            client_id,
+        };
+        for _ in 0..3 {
+            let abandoned = checker.check(who("gone"), phc.clone(), "wrong".into());
+            let _ = tokio::time::timeout(Duration::from_micros(100), abandoned).await;
+        }
+        let v = checker.check(who("new"), phc, "right".into()).await;
+        assert_eq!(v, Verdict::Admitted);
     }
 
     #[tokio::test]
