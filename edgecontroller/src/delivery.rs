@@ -307,6 +307,38 @@ impl Delivery {
         }
     }
 
+    /// Objects of `res_type` a node acknowledged before a restart and has not acknowledged
+    /// since, for which `exists(node, resource)` is false: deleted while no controller ran.
+    /// Each comes as the delete to send, with the version the node holds.
+    pub fn restored_gone(
+        &self,
+        res_type: &str,
+        exists: impl Fn(&str, &str) -> bool,
+    ) -> Vec<Outgoing> {
+        self.slots
+            .iter()
+            .filter(|((_, resource), slot)| {
+                slot.restored
+                    && slot.in_flight.is_none()
+                    && resource.split('/').nth(1) == Some(res_type)
+            })
+            .filter(|((node, resource), _)| !exists(node, resource))
+            .map(|((node, resource), slot)| {
+                let mut parts = resource.splitn(3, '/');
+                let namespace = parts.next().unwrap_or_default();
+                let name = parts.nth(1).unwrap_or_default();
+                Outgoing {
+                    node: node.clone(),
+                    operation: "delete",
+                    resource: resource.clone(),
+                    content: serde_json::json!({"metadata": {"name": name, "namespace": namespace}}),
+                    rv: slot.acked.and_then(|(rv, _)| rv),
+                    force: false,
+                }
+            })
+            .collect()
+    }
+
     /// `node`'s acked versions are to be taken again (their save was put off).
     pub fn mark_dirty(&mut self, node: String) {
         self.dirty.insert(node);
@@ -403,6 +435,11 @@ mod tests {
         let mut status_only = change(6, false);
         status_only.content = json!({"rv": 4, "status": {"phase": "Running"}});
         assert!(restarted.submit(status_only, now).is_none());
+        // One deleted while no controller ran is deleted on the node.
+        let gone = restarted.restored_gone("configmap", |_, _| false);
+        assert_eq!(gone.len(), 1);
+        assert_eq!((gone[0].operation, gone[0].rv), ("delete", Some(6)));
+        assert!(restarted.restored_gone("configmap", |_, _| true).is_empty());
     }
 
     #[test]
