@@ -24,8 +24,7 @@ pub const LABEL: &str = "edgemeta.io/acked-by";
 /// How often the nodes whose acks changed are written.
 pub const SAVE_EVERY: Duration = Duration::from_secs(1);
 
-/// What one node acknowledged: resource → (resourceVersion, shape).
-pub type Acked = BTreeMap<String, (u64, u64)>;
+pub use crate::delivery::Acked;
 
 fn name(node: &str) -> String {
     format!("edgemeta-acked-{node}")

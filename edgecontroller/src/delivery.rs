@@ -16,6 +16,9 @@ use tracing::warn;
 
 use crate::envelope::Envelope;
 
+/// What one node acknowledged: resource → (resourceVersion, [`shape`]).
+pub type Acked = BTreeMap<String, (u64, u64)>;
+
 /// A change one node must get.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Outgoing {
@@ -293,7 +296,7 @@ impl Delivery {
 
     /// Takes what `node` acknowledged as kept from before a restart: the same versions are
     /// not sent to it again.
-    pub fn preload(&mut self, node: &str, acked: &BTreeMap<String, (u64, u64)>) {
+    pub fn preload(&mut self, node: &str, acked: &Acked) {
         for (resource, &(rv, shape)) in acked {
             let slot = self
                 .slots
@@ -346,12 +349,12 @@ impl Delivery {
 
     /// The acked versions and shapes of every node that acknowledged something since the last
     /// call, per node: the objects it holds (deletes and unversioned objects are not kept).
-    pub fn take_dirty(&mut self) -> Vec<(String, BTreeMap<String, (u64, u64)>)> {
+    pub fn take_dirty(&mut self) -> Vec<(String, Acked)> {
         if self.dirty.is_empty() {
             return Vec::new();
         }
         let dirty = std::mem::take(&mut self.dirty);
-        let mut out: HashMap<String, BTreeMap<String, (u64, u64)>> =
+        let mut out: HashMap<String, Acked> =
             dirty.into_iter().map(|n| (n, BTreeMap::new())).collect();
         for ((node, resource), slot) in &self.slots {
             if let (Some(acked), Some((Some(rv), false)), Some(shape)) =
