@@ -12,10 +12,11 @@ use common::cloud::{await_signal, cloud_insert, tail, CONNECTION};
 use common::{wait_until, CloudBroker, CloudOptions, Msg, Node, Options};
 use serde_json::json;
 
-/// How long the cloud broker stays away; `EDGEMETA_TEST_OUTAGE_S` sets another length (the
-/// field report was 20 s; a few seconds reproduce the same).
+/// How long the cloud broker stays away; `OUTAGE_TEST_S` sets another length (the field
+/// report was 20 s; a few seconds reproduce the same). Not an `EDGEMETA_` name: the node
+/// reads those as configuration.
 fn outage() -> Duration {
-    let seconds = std::env::var("EDGEMETA_TEST_OUTAGE_S")
+    let seconds = std::env::var("OUTAGE_TEST_S")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(5);

@@ -2,20 +2,26 @@
 //! `<root>/cloud/<from>/<insert|update>/<ns>/<nodestatus|lease>` skips the outbox. The newest per
 //! topic waits here for a cloud session and goes once, at QoS 0, so one sent while the cloud is
 //! unreachable is replaced by the next instead of being replayed in bulk after the outage
-//! (protocol §5). Every new session starts with the newest of each topic, sent before or not,
-//! so the cloud sees the node Ready again at once rather than at edged's next report.
+//! (protocol §5). Every new session starts with the newest of each topic, sent before or not
+//! (if sent at most [`RESEND_WITHIN`] ago), so the cloud sees the node Ready again at once
+//! rather than at edged's next report.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use tokio::sync::futures::Notified;
 use tokio::sync::Notify;
 
-/// Per local topic, the newest heartbeat not yet sent, and the last one sent.
+/// How old a heartbeat already sent may be to go again with a new session: the node lifecycle
+/// controller's grace period. An older one would report an edged that stopped as alive.
+pub(super) const RESEND_WITHIN: Duration = Duration::from_secs(40);
+
+/// Per local topic, the newest heartbeat not yet sent, and the last one sent and when.
 #[derive(Debug, Default)]
 struct Slots {
     waiting: BTreeMap<String, Vec<u8>>,
-    sent: BTreeMap<String, Vec<u8>>,
+    sent: BTreeMap<String, (Vec<u8>, Instant)>,
 }
 
 /// The node's heartbeats, shared by the task that receives them and the sessions that send them.
@@ -47,21 +53,24 @@ impl Live {
     pub(super) fn take(&self) -> Vec<(String, Vec<u8>)> {
         let mut slots = self.slots();
         let waiting = std::mem::take(&mut slots.waiting);
+        let now = Instant::now();
         for (topic, payload) in &waiting {
-            slots.sent.insert(topic.clone(), payload.clone());
+            slots.sent.insert(topic.clone(), (payload.clone(), now));
         }
         waiting.into_iter().collect()
     }
 
-    /// For a new session: the newest of every topic, waiting or already sent once.
+    /// For a new session: the newest of every topic, waiting or sent within [`RESEND_WITHIN`].
     pub(super) fn take_newest(&self) -> Vec<(String, Vec<u8>)> {
         {
             let mut slots = self.slots();
             let Slots { waiting, sent } = &mut *slots;
-            for (topic, payload) in sent.iter() {
-                waiting
-                    .entry(topic.clone())
-                    .or_insert_with(|| payload.clone());
+            for (topic, (payload, at)) in sent.iter() {
+                if at.elapsed() < RESEND_WITHIN {
+                    waiting
+                        .entry(topic.clone())
+                        .or_insert_with(|| payload.clone());
+                }
             }
         }
         self.take()
@@ -109,5 +118,21 @@ mod tests {
         live.put("a".to_owned(), b"2".to_vec());
         assert_eq!(live.take(), [("a".to_owned(), b"2".to_vec())]);
         assert_eq!(live.take_newest().len(), 2);
+    }
+
+    #[test]
+    fn a_heartbeat_sent_long_ago_is_not_sent_again() {
+        let live = Live::default();
+        live.put("a".to_owned(), b"1".to_vec());
+        live.take();
+        if let Some((_, at)) = live.slots().sent.get_mut("a") {
+            *at = at
+                .checked_sub(RESEND_WITHIN)
+                .expect("the clock is past 40 s");
+        }
+        assert!(
+            live.take_newest().is_empty(),
+            "edged may have stopped since"
+        );
     }
 }
