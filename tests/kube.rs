@@ -1282,3 +1282,45 @@ async fn a_restarted_controller_sends_a_node_only_what_changed_while_it_was_down
         rig.controller.log()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_an_outage_the_node_is_unknown_once_and_ready_again_within_two_seconds_of_the_link() {
+    let cloud = CloudBroker::start().await;
+    let mut relay = Relay::start(cloud.port).await;
+    let rig = lifecycle_rig(Some(&relay), cloud).await;
+    await_ready(&rig, "True", Duration::from_secs(10)).await;
+
+    relay.cut();
+    await_ready(&rig, "Unknown", Duration::from_secs(10)).await;
+    // fault injection: the link stays down while edged goes on reporting.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    relay.restore().await;
+    let restored = Instant::now();
+    // Every 50 ms for 6 s: when Ready came back, and whether it left True again.
+    let mut states: Vec<(Duration, String)> = Vec::new();
+    while restored.elapsed() < Duration::from_secs(6) {
+        let (ready, _) = readiness(&rig.cluster, &rig.bridge.node_id).await;
+        if states.last().is_none_or(|(_, last)| *last != ready) {
+            states.push((restored.elapsed(), ready));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!("Ready after the link was restored: {states:?}");
+    let back = states
+        .iter()
+        .find(|(_, ready)| ready == "True")
+        .map(|(at, _)| *at)
+        .unwrap_or_else(|| panic!("never Ready again: {states:?}\n{}", rig.logs()));
+    let after: Vec<&str> = states
+        .iter()
+        .skip_while(|(_, ready)| ready != "True")
+        .map(|(_, ready)| ready.as_str())
+        .collect();
+    assert_eq!(after, ["True"], "Unknown once for the outage: {states:?}");
+    // The bridge's reconnect cap (1.5 s) and one status write; room for a loaded machine.
+    assert!(
+        back <= Duration::from_millis(2_500),
+        "Ready again {back:?} after the link\n{}",
+        rig.logs()
+    );
+}
