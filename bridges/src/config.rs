@@ -39,6 +39,8 @@ pub struct CloudConfig {
     /// First reconnect delay; it doubles up to `backoff_max_ms`.
     #[serde(default = "default_backoff_min_ms")]
     pub backoff_min_ms: u64,
+    /// Longest reconnect delay, each drawn from its upper half: a returning cloud is found
+    /// within it, however long the node waited, and a fleet's connects spread over half of it.
     #[serde(default = "default_backoff_max_ms")]
     pub backoff_max_ms: u64,
     /// Messages sent to the cloud and not yet acknowledged by it.
@@ -65,7 +67,7 @@ const fn default_backoff_min_ms() -> u64 {
     200
 }
 const fn default_backoff_max_ms() -> u64 {
-    30_000
+    1_500
 }
 const fn default_inflight() -> u16 {
     100

@@ -6,7 +6,8 @@
 //! writes per second, desired-value fan-out latency, reported-value writes per second and the
 //! controller's RSS; then every node heartbeats as edged does (node status and Lease every
 //! 10 s, spread over the interval) and it prints the controller's API writes per second for
-//! them and its CPU.
+//! them and its CPU; finally it restarts the controller with nothing changed and counts the
+//! pod and configmap messages the nodes get after it.
 //!
 //! Run with:
 //! `cargo run --profile kube-bench -p edgemeta-edgecontroller --example scale -- --nodes 1000 --pods 10000 --devices 10000`
@@ -24,6 +25,10 @@ use tokio_util::sync::CancellationToken;
 /// The shipped `edgemeta-edgecontroller`'s allocator, so its RSS is what is measured.
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+/// Pod and configmap changes (`insert`/`update`/`delete` from the edgecontroller) the simulated
+/// nodes received, resends included: what a restarted controller sends is counted by it.
+static CHANGES_RECEIVED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// What the simulated nodes saw: per node, when each (resource, rv) first arrived.
 #[derive(Default)]
@@ -195,6 +200,10 @@ fn spawn_node(
                     Ok(Event::Incoming(Packet::Publish(p))) => {
                         let Ok(envelope) = serde_json::from_slice::<Value>(&p.payload) else { continue };
                         let resource = envelope["route"]["resource"].as_str().unwrap_or_default().to_owned();
+                        let change = ["insert", "update", "delete"].iter().any(|op| envelope["route"]["operation"] == *op);
+                        if change && (resource.contains("/pod/") || resource.contains("/configmap/")) {
+                            CHANGES_RECEIVED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
                         let rv = envelope["header"]["resourceversion"].as_str().unwrap_or_default().to_owned();
                         if resource.contains("/pod/") && envelope["route"]["operation"] == "insert" {
                             let name = envelope["content"]["metadata"]["name"].as_str().unwrap_or_default().to_owned();
@@ -535,6 +544,32 @@ async fn main() {
         (leases_after - leases_before) as f64 / seconds,
         cpu * 100.0,
         rss_kib(pid, "VmRSS:") as f64 / 1024.0,
+    );
+    // A restart with nothing changed meanwhile: what each node acknowledged is kept in
+    // Kubernetes (the ConfigMaps are written once a second), so it is not sent again.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let _ = controller.kill();
+    let _ = controller.wait();
+    let before = CHANGES_RECEIVED.load(std::sync::atomic::Ordering::Relaxed);
+    let restarted = Instant::now();
+    let mut controller = Command::new(std::env::current_exe().expect("exe"))
+        .arg("--controller")
+        .arg("--kubeconfig")
+        .arg(dir.join("kubeconfig"))
+        .arg("--broker")
+        .arg(format!("mqtt://127.0.0.1:{port}"))
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("controller");
+    let settle = Duration::from_secs(arg("--restart-window-s", 30) as u64);
+    tokio::time::sleep(settle).await;
+    println!(
+        "| controller restarted, {nodes} nodes x {} pods unchanged | {} pod and configmap messages to nodes in the {} s after (changes made meanwhile: 0) |",
+        pods / nodes.max(1),
+        CHANGES_RECEIVED.load(std::sync::atomic::Ordering::Relaxed) - before,
+        restarted.elapsed().as_secs(),
     );
     let _ = controller.kill();
     let _ = controller.wait();

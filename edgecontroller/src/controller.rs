@@ -236,11 +236,19 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Error>
     });
 
     let (devices, mut device_events) = crate::devices::start(client.clone(), cancel.clone());
+    // What the nodes acknowledged before a restart: not sent to them again.
+    let mut delivery = Delivery::new(config.resend, config.resend_max);
+    for (node, acked) in crate::acked::load(&client).await {
+        delivery.preload(&node, &acked);
+    }
+    let (acked_tx, acked_rx) = mpsc::channel(64);
+    tokio::spawn(crate::acked::save(client.clone(), acked_rx, cancel.clone()));
+    let mut save_acked = tokio::time::interval(crate::acked::SAVE_EVERY);
     let mut owner = Owner {
         devices,
         root: config.root.clone(),
         routing: Routing::default(),
-        delivery: Delivery::new(config.resend, config.resend_max),
+        delivery,
         relisting: HashMap::new(),
         written: HashMap::new(),
         statuses: status::Queue::new(WRITERS),
@@ -262,6 +270,19 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<(), Error>
             _ = tick.tick() => {
                 let due = owner.delivery.due(Instant::now());
                 owner.publish_all(due).await;
+                continue;
+            }
+            _ = save_acked.tick() => {
+                let changed = owner.delivery.take_dirty();
+                if changed.is_empty() {
+                    continue;
+                }
+                if let Err(mpsc::error::TrySendError::Full(changed)) = acked_tx.try_send(changed) {
+                    // The writer is behind: these nodes go with the next second's.
+                    for (node, _) in changed {
+                        owner.delivery.mark_dirty(node);
+                    }
+                }
                 continue;
             }
         };
@@ -470,6 +491,18 @@ impl Owner {
                 let mut sends = Vec::new();
                 for key in gone {
                     sends.extend(self.delete(watched, key));
+                }
+                if watched == Watched::Pod {
+                    // Pods a node acknowledged before a restart that were deleted meanwhile.
+                    // Only absence counts: the pod's node may not be known as an edge node
+                    // yet (its watch may sync later); a pod moved elsewhere is routing's.
+                    let routing = &self.routing;
+                    sends.extend(self.delivery.restored_gone("pod", |_, resource| {
+                        let mut parts = resource.splitn(3, '/');
+                        let (ns, name) = (parts.next(), parts.nth(1));
+                        ns.zip(name)
+                            .is_some_and(|(ns, name)| routing.pod(ns, name).is_some())
+                    }));
                 }
                 info!(kind = watched.kind(), listed = listed.len(), "watch synced");
                 sends

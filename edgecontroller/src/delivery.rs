@@ -3,11 +3,11 @@
 //! (a newer replaces an older), resends with back-off until the node's MetaManager acks
 //! (`response "OK"` with `parent_msg_id`), and the acked resourceVersion kept.
 //!
-//! The acked versions live in memory, not in an ObjectSync CRD: they are a cache of what
-//! each node holds, rebuilt by one full resend after a controller restart (the node's upserts
-//! are idempotent), which costs less than one API write per acked message.
+//! The acked versions are kept in Kubernetes too, one ConfigMap per node written at most once a
+//! second (`acked.rs`), and loaded again at start: a restarted controller sends a node only
+//! what changed since, not everything.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -15,6 +15,9 @@ use serde_json::Value;
 use tracing::warn;
 
 use crate::envelope::Envelope;
+
+/// What one node acknowledged: resource → (resourceVersion, [`shape`]).
+pub type Acked = BTreeMap<String, (u64, u64)>;
 
 /// A change one node must get.
 #[derive(Debug, Clone, PartialEq)]
@@ -36,6 +39,7 @@ pub struct Outgoing {
 #[derive(Debug)]
 struct InFlight {
     operation: &'static str,
+    shape: u64,
     payload: Bytes,
     rv: Option<u64>,
     delete: bool,
@@ -61,8 +65,33 @@ impl InFlight {
 struct Slot {
     /// The version the node acknowledged last, and whether it was a delete.
     acked: Option<(Option<u64>, bool)>,
+    /// The [`shape`] of what the node acknowledged last.
+    acked_shape: Option<u64>,
+    /// `acked` was kept from before a restart: a newer version of the same shape (a status
+    /// write since) is not sent again either.
+    restored: bool,
     in_flight: Option<Box<InFlight>>,
     queued: Option<Box<Outgoing>>,
+}
+
+/// A fingerprint of what a node holds of an object: everything but its status and the API
+/// server's bookkeeping, so status writes (which change the resourceVersion) leave it alone.
+/// std's hasher may change between Rust releases: a controller built by another one resends
+/// once.
+pub fn shape(content: &Value) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut shaped = content.clone();
+    if let Some(object) = shaped.as_object_mut() {
+        object.remove("status");
+        if let Some(meta) = object.get_mut("metadata").and_then(Value::as_object_mut) {
+            meta.remove("resourceVersion");
+            meta.remove("managedFields");
+            meta.remove("generation");
+        }
+    }
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    shaped.to_string().hash(&mut hasher);
+    hasher.finish()
 }
 
 /// What to publish: an encoded envelope for one node, and what its topic is made of.
@@ -92,6 +121,8 @@ pub struct Delivery {
     slots: HashMap<(String, String), Slot>,
     by_msg: HashMap<String, (String, String)>,
     offline: HashSet<String>,
+    /// Nodes whose acked versions changed since they were last taken for saving.
+    dirty: HashSet<String>,
     first_wait: Duration,
     max_wait: Duration,
 }
@@ -103,6 +134,7 @@ impl Delivery {
             slots: HashMap::new(),
             by_msg: HashMap::new(),
             offline: HashSet::new(),
+            dirty: HashSet::new(),
             first_wait,
             max_wait,
         }
@@ -129,6 +161,7 @@ impl Delivery {
 
     fn start(&mut self, key: (String, String), out: Outgoing, now: Instant) -> Option<Dispatch> {
         let rv = out.rv.map(|v| v.to_string());
+        let shaped = shape(&out.content);
         let envelope = Envelope::new(out.operation, out.resource, out.content, rv);
         let payload = match serde_json::to_vec(&envelope) {
             Ok(p) => Bytes::from(p),
@@ -142,6 +175,7 @@ impl Delivery {
         let slot = self.slots.entry(key.clone()).or_default();
         slot.in_flight = Some(Box::new(InFlight {
             operation: out.operation,
+            shape: shaped,
             payload: payload.clone(),
             rv: out.rv,
             delete: out.operation == "delete",
@@ -171,6 +205,14 @@ impl Delivery {
                 .is_some_and(|f| f.rv == out.rv && f.delete == delete);
             let nothing_to_delete =
                 delete && slot.acked.is_none_or(|(_, d)| d) && slot.in_flight.is_none();
+            let same_shape_as_restored = slot.restored
+                && !delete
+                && slot.acked.is_some_and(|(_, d)| !d)
+                && slot.acked_shape == Some(shape(&out.content));
+            if same_shape_as_restored && slot.in_flight.is_none() {
+                slot.acked = Some((out.rv, false));
+                return None;
+            }
             if (same_as_acked && slot.in_flight.is_none()) || same_as_flying || nothing_to_delete {
                 return None;
             }
@@ -192,6 +234,9 @@ impl Delivery {
         let slot = self.slots.get_mut(&key)?;
         let flight = slot.in_flight.take()?;
         slot.acked = Some((flight.rv, flight.delete));
+        slot.acked_shape = Some(flight.shape);
+        slot.restored = false;
+        self.dirty.insert(key.0.clone());
         let Some(queued) = slot.queued.take() else {
             // A delete the node has: nothing is left to remember about that object.
             if flight.delete {
@@ -246,6 +291,79 @@ impl Delivery {
         self.slots.retain(|(n, _), _| n != node);
         self.by_msg.retain(|_, (n, _)| n != node);
         self.offline.remove(node);
+        self.dirty.remove(node);
+    }
+
+    /// Takes what `node` acknowledged as kept from before a restart: the same versions are
+    /// not sent to it again.
+    pub fn preload(&mut self, node: &str, acked: &Acked) {
+        for (resource, &(rv, shape)) in acked {
+            let slot = self
+                .slots
+                .entry((node.to_owned(), resource.clone()))
+                .or_default();
+            if slot.acked.is_none() {
+                slot.acked = Some((Some(rv), false));
+                slot.acked_shape = Some(shape);
+                slot.restored = true;
+            }
+        }
+    }
+
+    /// Objects of `res_type` a node acknowledged before a restart and has not acknowledged
+    /// since, for which `exists(node, resource)` is false: deleted while no controller ran.
+    /// Each comes as the delete to send, with the version the node holds.
+    pub fn restored_gone(
+        &self,
+        res_type: &str,
+        exists: impl Fn(&str, &str) -> bool,
+    ) -> Vec<Outgoing> {
+        self.slots
+            .iter()
+            .filter(|((_, resource), slot)| {
+                slot.restored
+                    && slot.in_flight.is_none()
+                    && resource.split('/').nth(1) == Some(res_type)
+            })
+            .filter(|((node, resource), _)| !exists(node, resource))
+            .map(|((node, resource), slot)| {
+                let mut parts = resource.splitn(3, '/');
+                let namespace = parts.next().unwrap_or_default();
+                let name = parts.nth(1).unwrap_or_default();
+                Outgoing {
+                    node: node.clone(),
+                    operation: "delete",
+                    resource: resource.clone(),
+                    content: serde_json::json!({"metadata": {"name": name, "namespace": namespace}}),
+                    rv: slot.acked.and_then(|(rv, _)| rv),
+                    force: false,
+                }
+            })
+            .collect()
+    }
+
+    /// `node`'s acked versions are to be taken again (their save was put off).
+    pub fn mark_dirty(&mut self, node: String) {
+        self.dirty.insert(node);
+    }
+
+    /// The acked versions and shapes of every node that acknowledged something since the last
+    /// call, per node: the objects it holds (deletes and unversioned objects are not kept).
+    pub fn take_dirty(&mut self) -> Vec<(String, Acked)> {
+        if self.dirty.is_empty() {
+            return Vec::new();
+        }
+        let dirty = std::mem::take(&mut self.dirty);
+        let mut out: HashMap<String, Acked> =
+            dirty.into_iter().map(|n| (n, BTreeMap::new())).collect();
+        for ((node, resource), slot) in &self.slots {
+            if let (Some(acked), Some((Some(rv), false)), Some(shape)) =
+                (out.get_mut(node), slot.acked, slot.acked_shape)
+            {
+                acked.insert(resource.clone(), (rv, shape));
+            }
+        }
+        out.into_iter().collect()
     }
 }
 
@@ -287,6 +405,44 @@ mod tests {
         let mut forced = change(3, false);
         forced.force = true;
         assert!(d.submit(forced, now).is_some());
+    }
+
+    #[test]
+    fn acked_versions_are_taken_once_per_change_and_preloaded_ones_are_not_sent_again() {
+        let now = Instant::now();
+        let mut d = Delivery::new(Duration::from_secs(1), Duration::from_secs(8));
+        let sent = env(d.submit(change(4, false), now).expect("sent"));
+        assert!(d.take_dirty().is_empty(), "nothing acked yet");
+        d.ack("n", &sent.header.msg_id, now);
+        let kept = d.take_dirty();
+        assert_eq!(kept.len(), 1);
+        assert_eq!(
+            kept[0].1.get("default/configmap/c"),
+            Some(&(4, shape(&json!({"rv": 4}))))
+        );
+        assert!(d.take_dirty().is_empty());
+
+        let mut restarted = Delivery::new(Duration::from_secs(1), Duration::from_secs(8));
+        restarted.preload("n", &kept[0].1);
+        assert!(
+            restarted.submit(change(4, false), now).is_none(),
+            "acked before"
+        );
+        assert!(
+            restarted.submit(change(5, false), now).is_some(),
+            "changed since"
+        );
+        // A newer version whose only change is its status is not sent after a restart.
+        let mut restarted = Delivery::new(Duration::from_secs(1), Duration::from_secs(8));
+        restarted.preload("n", &kept[0].1);
+        let mut status_only = change(6, false);
+        status_only.content = json!({"rv": 4, "status": {"phase": "Running"}});
+        assert!(restarted.submit(status_only, now).is_none());
+        // One deleted while no controller ran is deleted on the node.
+        let gone = restarted.restored_gone("configmap", |_, _| false);
+        assert_eq!(gone.len(), 1);
+        assert_eq!((gone[0].operation, gone[0].rv), ("delete", Some(6)));
+        assert!(restarted.restored_gone("configmap", |_, _| true).is_empty());
     }
 
     #[test]

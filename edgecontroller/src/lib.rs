@@ -13,6 +13,7 @@
 //! - `watch`: the watch loop every kind shares, objects cut down before the owner sees them.
 //! - `controller`: the owner task: watch events and node messages in, MQTT and API writes out.
 
+mod acked;
 mod controller;
 mod delivery;
 mod devices;

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use edgemeta_broker::Message;
-use edgemeta_metamanager::{OutboxHandle, OutboxStats};
-use rumqttc::{AsyncClient, QoS};
+use edgemeta_metamanager::{OutboxEntry, OutboxHandle, OutboxStats};
+use rumqttc::{AsyncClient, ClientError, QoS, Request};
 use tokio::sync::futures::Notified;
 use tokio::sync::{mpsc, Notify};
 use tokio_util::sync::CancellationToken;
@@ -114,6 +114,9 @@ pub(super) struct Egress<'a> {
     map: &'a TopicMap,
     changed: Arc<Notify>,
     window: Window,
+    /// Entries read from the outbox that rumqttc's request queue had no room for yet: they go
+    /// first, in order, before anything more is read.
+    unsent: VecDeque<OutboxEntry>,
     last_sent: i64,
     /// The last read filled the room it had, so more may be waiting; otherwise wait for a commit.
     more: bool,
@@ -127,6 +130,7 @@ impl<'a> Egress<'a> {
             map,
             changed: outbox.changed(),
             window: Window::new(window),
+            unsent: VecDeque::new(),
             last_sent: 0,
             more: true,
         }
@@ -134,23 +138,48 @@ impl<'a> Egress<'a> {
 
     /// Reads the next entries into the window's free room and publishes them.
     pub(super) async fn fill(&mut self, client: &AsyncClient) -> Result<(), Error> {
+        self.publish_unsent(client);
         let room = self.window.room();
-        if !self.more || room == 0 {
+        if !self.unsent.is_empty() || !self.more || room == 0 {
             return Ok(());
         }
         let entries = self.outbox.peek(self.last_sent, room).await?;
         self.more = entries.len() == room;
-        for entry in entries {
-            self.last_sent = entry.seq;
+        if let Some(last) = entries.last() {
+            self.last_sent = last.seq;
+        }
+        self.unsent.extend(entries);
+        self.publish_unsent(client);
+        Ok(())
+    }
+
+    /// Hands the unsent entries to rumqttc in order, until its request queue is full. A full
+    /// queue is no error: the session's own loop drains it (acks share it), and the rest goes
+    /// on the next turn of that loop.
+    fn publish_unsent(&mut self, client: &AsyncClient) {
+        while let Some(entry) = self.unsent.pop_front() {
             let Some(topic) = self.map.up(&entry.topic) else {
                 warn!(error_code = "EM-BRIDGE-TOPIC", topic = %entry.topic, "outbox entry is not cloud-bound; dropped");
                 self.window.push_done(entry.seq);
                 continue;
             };
-            client.try_publish(topic, QoS::AtLeastOnce, false, entry.payload)?;
-            self.window.push_queued(entry.seq);
+            match client.try_publish(topic, QoS::AtLeastOnce, false, entry.payload) {
+                Ok(()) => self.window.push_queued(entry.seq),
+                // The queue's receiver is the event loop this session polls, so a refused
+                // request means a full queue; the payload comes back with it.
+                Err(refused) => {
+                    let payload = match refused {
+                        ClientError::Request(Request::Publish(p))
+                        | ClientError::TryRequest(Request::Publish(p)) => Vec::from(p.payload),
+                        ClientError::Request(_) | ClientError::TryRequest(_) => {
+                            unreachable!("try_publish returns the publish it could not queue")
+                        }
+                    };
+                    self.unsent.push_front(OutboxEntry { payload, ..entry });
+                    return;
+                }
+            }
         }
-        Ok(())
     }
 
     /// Resolves on the next commit that wrote the outbox; only worth waiting for once the

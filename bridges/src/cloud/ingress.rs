@@ -16,7 +16,7 @@ use crate::topic_map::TopicMap;
 use crate::Error;
 
 /// Cloud messages waiting to be handed to the MetaManager, and submissions waiting for their ack.
-const DOWN_QUEUE: usize = 256;
+pub(super) const DOWN_QUEUE: usize = 256;
 /// Cloud messages received but not yet queued for the MetaManager, past which reading pauses.
 const DOWN_BACKLOG: usize = 4096;
 

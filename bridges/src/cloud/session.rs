@@ -25,6 +25,10 @@ use crate::Error;
 /// How long a cancelled session waits for its DISCONNECT to go out, so shutdown stays bounded.
 const DISCONNECT_GRACE: Duration = Duration::from_millis(500);
 
+/// rumqttc's request queue beyond the outbox window: the acks of the cloud messages ingress has
+/// in hand (its two queues), the subscription, the birth message and heartbeats.
+const REQUEST_ROOM: usize = 2 * super::ingress::DOWN_QUEUE + 64;
+
 /// How a session ended.
 pub(super) enum SessionEnd {
     Cancelled,
@@ -50,29 +54,42 @@ pub(super) struct Session<'a> {
 
 impl Session<'_> {
     pub(super) async fn run(self, cancel: &CancellationToken, backoff: &mut Backoff) -> SessionEnd {
-        // Room for a full window of publishes plus subscribes and acks, so try_publish never
-        // finds the request channel full.
-        let (client, mut eventloop) = AsyncClient::new(self.options.clone(), self.window * 2 + 64);
+        // rumqttc takes no request at all, acks included, while `inflight` publishes are
+        // unacknowledged, and numbers publishes 1..=inflight in turn, holding everything back
+        // on a number still in use. The session never has more than the outbox window and its
+        // birth message unacknowledged, so two above that neither happens: an ack never waits
+        // behind publishes, whatever the cloud sends at once.
+        let window = self.window.min(usize::from(u16::MAX - 2));
+        let mut options = self.options.clone();
+        options.set_inflight(u16::try_from(window + 2).expect("window is at most u16::MAX - 2"));
+        // A full request queue only delays a publish (see `Egress::fill`), never fails one;
+        // this much room lets a window of publishes and a burst of acks queue side by side.
+        let (client, mut eventloop) = AsyncClient::new(options, window + REQUEST_ROOM);
         if let Some(end) = connect(&mut eventloop, cancel).await {
             return end;
         }
         backoff.reset();
         self.status.set_connected(true);
         self.signal.send(LinkState::Connected).await;
+        // The queue is empty here, so these awaited requests take their place at once.
         // Subscriptions are not restored by rumqttc: subscribe on every connection.
-        if let Err(e) = client.try_subscribe(self.map.down_filter(), QoS::AtLeastOnce) {
+        if let Err(e) = client
+            .subscribe(self.map.down_filter(), QoS::AtLeastOnce)
+            .await
+        {
             return lost(e.into());
         }
         // The birth message, retained: the cloud's controller resyncs this node (protocol §5).
         // It goes out before any outbox entry, so `exchange` knows the first publish is it.
         let birth = super::signal::envelope(LinkState::Connected);
-        if let Err(e) = client.try_publish(self.map.connection(), QoS::AtLeastOnce, true, birth) {
+        if let Err(e) = client
+            .publish(self.map.connection(), QoS::AtLeastOnce, true, birth)
+            .await
+        {
             return lost(e.into());
         }
         // The newest heartbeats, right behind the birth: the Node is Ready again at once.
-        if let Err(e) = send_live(&client, self.map, self.live) {
-            return lost(e);
-        }
+        send_heartbeats(&client, self.map, self.live, self.live.take_newest());
         // Not a child of `cancel`: on shutdown the acks of what is already committed may still
         // go out with the DISCONNECT; the session stops its tasks itself once that is done.
         let stop = CancellationToken::new();
@@ -166,7 +183,7 @@ async fn exchange(
             _ = cancel.cancelled() => return Ok(()),
             _ = egress.changed(), if egress.caught_up() => egress.outbox_changed(),
             _ = redeliver.notified() => return Err(Error::Redeliver),
-            _ = live.changed() => send_live(client, map, live)?,
+            _ = live.changed() => send_heartbeats(client, map, live, live.take()),
             handed = down.hand_over(), if down.has_pending() => handed?,
             event = eventloop.poll(), if down.has_room() => match event? {
                 // A heartbeat (QoS 0): no packet id, nothing of the outbox's.
@@ -188,12 +205,22 @@ async fn exchange(
     }
 }
 
-/// Publishes the heartbeats waiting in `live` at QoS 0: a lost one is replaced by the next.
-fn send_live(client: &AsyncClient, map: &TopicMap, live: &Live) -> Result<(), Error> {
-    for (local, payload) in live.take() {
+/// Publishes heartbeats taken from `live` at QoS 0: a lost one is replaced by the next. One
+/// the request queue has no room for waits in `live` for the next heartbeat or session.
+fn send_heartbeats(
+    client: &AsyncClient,
+    map: &TopicMap,
+    live: &Live,
+    beats: Vec<(String, Vec<u8>)>,
+) {
+    for (local, payload) in beats {
         if let Some(topic) = map.up(&local) {
-            client.try_publish(topic, QoS::AtMostOnce, false, payload)?;
+            if client
+                .try_publish(topic, QoS::AtMostOnce, false, payload.clone())
+                .is_err()
+            {
+                live.keep(local, payload);
+            }
         }
     }
-    Ok(())
 }

@@ -8,11 +8,11 @@ use tracing::debug;
 use crate::error::Error;
 use crate::request::Request;
 use crate::routing::{self, Reply, Rule, Store, When};
-use crate::store::Db;
+use crate::store::{Applied, Db};
 use crate::unit::Context;
-use edgemeta_protocol::Operation;
 use edgemeta_protocol::Resource;
 use edgemeta_protocol::{json_string, null};
+use edgemeta_protocol::{Operation, CLOUD_SOURCES};
 
 /// Applies `request` as the first matching row of the table says.
 pub(crate) async fn apply(request: &Request, cx: &mut Context<'_>) -> Result<(), Error> {
@@ -44,6 +44,20 @@ pub(crate) async fn apply(request: &Request, cx: &mut Context<'_>) -> Result<(),
 async fn run_rule(rule: &Rule, request: &Request, cx: &mut Context<'_>) -> Result<(), Error> {
     let resource = &request.resource;
     let content = &request.envelope.content;
+    let cloud_change = cloud_change(rule, request);
+    if let Some(change) = &cloud_change {
+        let applied = cx
+            .db()
+            .cloud_applied(resource.key())
+            .await
+            .map_err(Error::store("query cloud_applied"))?;
+        if applied.is_some_and(|a| a.covers(&change.msg_id, change.rv, change.deleted)) {
+            // Delivered again (a new session, a resend) or overtaken by a newer version:
+            // acknowledged again, neither stored nor handed on again (protocol §6.4).
+            debug!(resource = %resource, msg_id = %change.msg_id, "cloud change already applied");
+            return reply(rule, request, cx).await;
+        }
+    }
     match rule.store {
         Store::Nothing => {}
         Store::Upsert => upsert(cx.db(), resource, content.get()).await?,
@@ -64,10 +78,52 @@ async fn run_rule(rule: &Rule, request: &Request, cx: &mut Context<'_>) -> Resul
                 .map_err(Error::store("delete meta"))?;
         }
     }
+    match (&cloud_change, rule.store) {
+        (Some(change), _) => cx
+            .db()
+            .set_cloud_applied(resource.key(), change)
+            .await
+            .map_err(Error::store("write cloud_applied"))?,
+        // edged removed it on its own: the cloud's next copy of that version is news again.
+        (None, Store::Delete) => cx
+            .db()
+            .forget_cloud_applied(resource.key())
+            .await
+            .map_err(Error::store("write cloud_applied"))?,
+        (None, _) => {}
+    }
     if let Some(forward) = rule.forward {
         cx.send(forward.module(), &request.requester.from, &request.envelope)
             .await?;
     }
+    reply(rule, request, cx).await
+}
+
+/// A change from the cloud that writes the store, as [`Applied`] would remember it once applied.
+fn cloud_change(rule: &Rule, request: &Request) -> Option<Applied> {
+    let writes = matches!(
+        rule.store,
+        Store::Upsert | Store::UpsertItems(_) | Store::Delete
+    );
+    let operation = matches!(
+        request.operation,
+        Operation::Insert | Operation::Update | Operation::Delete
+    );
+    if !writes || !operation || !CLOUD_SOURCES.contains(&request.requester.from.as_str()) {
+        return None;
+    }
+    let header = &request.envelope.header;
+    Some(Applied {
+        rv: header
+            .resourceversion
+            .as_deref()
+            .and_then(|rv| rv.parse().ok()),
+        msg_id: header.msg_id.clone(),
+        deleted: rule.store == Store::Delete,
+    })
+}
+
+async fn reply(rule: &Rule, request: &Request, cx: &mut Context<'_>) -> Result<(), Error> {
     match rule.reply {
         Reply::Nothing => Ok(()),
         Reply::Ok => {

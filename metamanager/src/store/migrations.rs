@@ -71,6 +71,21 @@ pub const MIGRATIONS: &[(i64, &str)] = &[
         "CREATE INDEX IF NOT EXISTS meta_type_key ON meta(type, key);
          DROP INDEX IF EXISTS meta_type;",
     ),
+    (
+        6,
+        // The cloud change last applied per object (protocol §6.4): a redelivered or older one
+        // is recognised and acknowledged without being applied again. Deletes stay an hour as
+        // tombstones, found for pruning through the partial index.
+        "CREATE TABLE IF NOT EXISTS cloud_applied (
+             key TEXT PRIMARY KEY,
+             rv INTEGER,
+             msg_id TEXT NOT NULL,
+             deleted INTEGER NOT NULL,
+             at_ms INTEGER NOT NULL
+         );
+         CREATE INDEX IF NOT EXISTS cloud_applied_tombstones ON cloud_applied(at_ms)
+             WHERE deleted = 1;",
+    ),
 ];
 
 /// The schema version this build writes.

@@ -4,6 +4,7 @@
 //! synchronously inside its async calls, so it must never run on a tokio worker serving MQTT.
 
 mod checkpoint;
+mod cloud_applied;
 mod devices;
 mod migrations;
 mod read_only;
@@ -11,6 +12,7 @@ mod reader;
 mod versions;
 
 pub use checkpoint::Checkpointer;
+pub use cloud_applied::Applied;
 pub use devices::DeviceRow;
 pub use read_only::{read_meta, MetaRow};
 pub use reader::{ListPage, ListQuery, Reader, Since, StoredObject};
