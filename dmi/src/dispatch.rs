@@ -31,7 +31,7 @@ pub(crate) type Wanted = (pb::Device, (Key, pb::DeviceModel));
 /// The latest state of one object for the mapper.
 pub(crate) enum Op {
     /// A device and its model, or `None`: the mapper should not have it.
-    Device(Key, Option<Wanted>),
+    Device(Key, Option<Box<Wanted>>),
     /// A model changed (`Some`) or is gone from the node.
     Model(Key, Option<pb::DeviceModel>),
 }
@@ -43,7 +43,7 @@ enum Target {
 }
 
 enum Want {
-    Device(Option<Wanted>),
+    Device(Option<Box<Wanted>>),
     Model(Option<pb::DeviceModel>),
 }
 
@@ -208,7 +208,8 @@ impl Dispatcher {
 
     fn next_call(&self, target: &Target) -> Option<Call> {
         match (target, self.wants.get(target)?) {
-            (Target::Device(key), Want::Device(Some((device, (model_key, model))))) => {
+            (Target::Device(key), Want::Device(Some(wanted))) => {
+                let (device, (model_key, model)) = wanted.as_ref();
                 match self.held_models.get(model_key) {
                     None => return Some(Call::CreateModel(model_key.clone(), model.clone())),
                     Some(held) if held != model => {
@@ -333,7 +334,7 @@ impl Dispatcher {
                 backoff.failures += 1;
                 backoff.at = now + backoff.wait;
                 backoff.wait = (backoff.wait * 2).min(self.retry_max);
-                if backoff.failures == 1 || backoff.failures % 10 == 0 {
+                if backoff.failures == 1 || backoff.failures.is_multiple_of(10) {
                     warn!(error_code = "EM-DMI-CALL", protocol = %self.protocol, call = call.name(), key = ?call.key(), failures = backoff.failures, code = ?status.code(), error = %status.message(), "call to the mapper failed; retrying");
                 }
             }

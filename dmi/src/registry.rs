@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use edgemeta_broker::Link;
-use edgemeta_metamanager::dmi_feed::{self, Item, DEVICE, DEVICE_MODEL};
+use edgemeta_metamanager::dmi_feed::{self, Item, DEVICE, DEVICE_MAPPER, DEVICE_MODEL};
 use edgemeta_metamanager::{DeviceReports, Verdict};
 use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
@@ -76,6 +76,7 @@ struct Registry {
     /// The feed has delivered the node's whole set once: registrations are answered.
     synced: bool,
     waiting: Vec<Ask>,
+    reports: DeviceReports,
     cancel: CancellationToken,
 }
 
@@ -95,6 +96,7 @@ pub(crate) fn spawn(
         buckets: HashMap::new(),
         synced: false,
         waiting: Vec::new(),
+        reports: reports.clone(),
         cancel: cancel.clone(),
     };
     let task = tokio::spawn(registry.run(link, rx, reports));
@@ -159,6 +161,8 @@ impl Registry {
         }
     }
 
+    // The gRPC service answers this `Status` as it is; boxing it would only unbox it there.
+    #[allow(clippy::result_large_err)]
     fn admit(&mut self, namespace: String, name: String) -> Result<(), Status> {
         let key = (namespace, name);
         let Some(device) = self.devices.get(&key) else {
@@ -230,6 +234,17 @@ impl Registry {
             self.cancel.child_token(),
         );
         info!(%protocol, mapper = %mapper.name, address = %address.display(), devices = response.device_list.len(), with_data, "mapper registered");
+        let info = serde_json::json!({
+            "name": mapper.name, "version": mapper.version, "api_version": mapper.api_version,
+            "protocol": protocol, "address": address.display().to_string(), "state": mapper.state,
+        });
+        let stored = self
+            .reports
+            .mapper_registered(&protocol, bytes::Bytes::from(info.to_string()))
+            .await;
+        if stored != Verdict::Stored {
+            warn!(error_code = "EM-DMI-STORE", %protocol, ?stored, "mapper not stored: after a node restart it gets calls only once it registers again");
+        }
         self.mappers.insert(
             protocol,
             Mapper {
@@ -258,6 +273,55 @@ impl Registry {
             convert::device(device, Some(model)),
             (model_key, convert::model(model)),
         ))
+    }
+
+    /// A mapper registered before the node (re)started, as stored: it is called again at its
+    /// address. What it holds is not known, so every device of its protocol is sent again as
+    /// an update (and each model), which brings it to the node's set if it kept running.
+    async fn restore(&mut self, protocol: String, info: &Value) {
+        if self.mappers.contains_key(&protocol) {
+            return;
+        }
+        let Some(address) = info["address"].as_str().filter(|a| !a.is_empty()) else {
+            return;
+        };
+        let mut keys: Vec<Key> = self.devices.keys().cloned().collect();
+        keys.sort();
+        let wanted: Vec<(Key, dispatch::Wanted)> = keys
+            .into_iter()
+            .filter_map(|k| self.converted(&k, &protocol).map(|w| (k, w)))
+            .collect();
+        // Held as "something": never equal to what is wanted, so updates, not registrations.
+        let held_devices = wanted
+            .iter()
+            .map(|(k, _)| (k.clone(), pb::Device::default()))
+            .collect();
+        let held_models = wanted
+            .iter()
+            .map(|(_, (_, (m, _)))| (m.clone(), pb::DeviceModel::default()))
+            .collect();
+        let (ops, task, cancel) = dispatch::spawn(
+            protocol.clone(),
+            PathBuf::from(address),
+            held_devices,
+            held_models,
+            &self.config,
+            self.cancel.child_token(),
+        );
+        info!(%protocol, %address, devices = wanted.len(), "mapper registered before the node started; calling it again");
+        for (key, want) in wanted {
+            let _ = ops.send(Op::Device(key, Some(Box::new(want)))).await;
+        }
+        let name = info["name"].as_str().unwrap_or_default().to_owned();
+        self.mappers.insert(
+            protocol,
+            Mapper {
+                name,
+                ops,
+                cancel,
+                task,
+            },
+        );
     }
 
     async fn send(&self, protocol: &str, op: Op) {
@@ -300,6 +364,10 @@ impl Registry {
                     self.device_changed(key, object).await;
                 } else if res_type == DEVICE_MODEL {
                     self.model_changed(key, object).await;
+                } else if res_type == DEVICE_MAPPER {
+                    if let Some(object) = object {
+                        self.restore(key.1, &object).await;
+                    }
                 }
             }
         }
@@ -315,7 +383,7 @@ impl Registry {
                     self.send(&old, Op::Device(key.clone(), None)).await;
                 }
                 if let Some((device, model)) = self.converted(&key, &protocol) {
-                    self.send(&protocol, Op::Device(key, Some((device, model))))
+                    self.send(&protocol, Op::Device(key, Some(Box::new((device, model)))))
                         .await;
                 }
             }
@@ -357,7 +425,7 @@ impl Registry {
                 .map(convert::device_protocol)
                 .unwrap_or_default();
             if let Some(converted) = self.converted(&device, &protocol) {
-                self.send(&protocol, Op::Device(device, Some(converted)))
+                self.send(&protocol, Op::Device(device, Some(Box::new(converted))))
                     .await;
             }
         }

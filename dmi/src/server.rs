@@ -2,6 +2,9 @@
 //! become the MQTT mapper topics' messages (`twin/update`, `state/update`), applied by the same
 //! MetaManager families and answered only once committed.
 
+// Helpers here return tonic's `Status`, which the service methods answer as it is.
+#![allow(clippy::result_large_err)]
+
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
@@ -152,8 +155,8 @@ impl DeviceManagerService for Manager {
     ) -> Result<Response<pb::MapperRegisterResponse>, Status> {
         let request = request.into_inner();
         let mapper = request.mapper.ok_or_else(|| bad("mapper is required"))?;
-        if mapper.protocol.is_empty() || mapper.protocol.len() > MAX_NAME {
-            return Err(bad("mapper.protocol is required"));
+        if !name_ok(&mapper.protocol) {
+            return Err(bad("mapper.protocol is required, one topic level"));
         }
         if mapper.address.is_empty() || mapper.address.len() > MAX_ADDRESS {
             return Err(bad("mapper.address must be the mapper's unix socket path"));

@@ -178,6 +178,18 @@ impl DeviceReports {
         self.apply("dmi_resync", "", "", bytes::Bytes::new()).await
     }
 
+    /// Stores the mapper of `protocol` (one topic level) as registered, `info` its JSON: a
+    /// restarted node finds it in the resync.
+    pub async fn mapper_registered(&self, protocol: &str, info: bytes::Bytes) -> Verdict {
+        if !devices::is_level(protocol) {
+            return Verdict::Refused {
+                code: 400,
+                reason: format!("protocol {protocol:?} is not one topic level"),
+            };
+        }
+        self.apply("dmi_mapper", protocol, "", info).await
+    }
+
     async fn apply(&self, kind: &str, id: &str, suffix: &str, payload: bytes::Bytes) -> Verdict {
         let Some(family) = handlers::family(kind) else {
             return Verdict::Refused {

@@ -282,3 +282,57 @@ async fn a_grpc_mapper_gets_its_kubectl_device_and_edits_and_its_reports_reach_t
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_mapper_gets_the_latest_spec_after_the_node_was_down_and_reports_outlast_the_cloud(
+) {
+    let cluster = Cluster::start().await;
+    let mut cloud = CloudBroker::start().await;
+    let controller = Controller::start(&cluster, &cloud);
+    let dir = tempfile::tempdir().expect("dir");
+    let (mut node, bridge, socket) = dmi_node(&cloud, dir.path()).await;
+    let mut mapper = PyMapper::start(&socket, dir.path()).await;
+    apply_device(&cluster, &bridge.node_id);
+    mapper
+        .next("RegisterDevice", |e| {
+            e["call"] == "RegisterDevice" && e["name"] == DEVICE
+        })
+        .await;
+
+    // The node is killed while the desired value changes 20 times; the mapper keeps running
+    // and does not register again: the node calls it with the latest once it is back.
+    node.kill9();
+    for i in 1..=20 {
+        kubectl_patch_json(
+            &cluster,
+            DEVICE,
+            &json!([{"op": "replace", "path": "/spec/properties/0/desired/value", "value": i.to_string()}]),
+        );
+    }
+    node.restart().await;
+    mapper
+        .next("UpdateDevice with the latest value", |e| {
+            e["call"] == "UpdateDevice" && e["desired"]["temp"] == "20"
+        })
+        .await;
+
+    // Reports made while the cloud is away are acknowledged once stored and reach the
+    // DeviceStatus when it is back.
+    cloud.kill9();
+    for value in ["51", "52", "53"] {
+        let answer = mapper
+            .ask(&format!("report default beta1-device temp {value}"))
+            .await;
+        assert_eq!(answer["ok"], true, "{answer}");
+    }
+    cloud.restart().await;
+    wait_until("the last report in the DeviceStatus", WAIT, async || {
+        let status = status(&cluster).await;
+        if twin(&status, "temp")["reported"]["value"] == "53" {
+            Ok(())
+        } else {
+            Err(format!("{status}\n--- controller\n{}", controller.log()))
+        }
+    })
+    .await;
+}

@@ -12,14 +12,20 @@ pub const FILTER: &str = "$dmi/#";
 pub const DEVICE: &str = "device";
 /// `meta.type` of a DeviceModel.
 pub const DEVICE_MODEL: &str = "devicemodel";
+/// `meta.type` of a registered DMI mapper (`node/devicemapper/<protocol>`, its `MapperInfo`), so
+/// a node that restarts still calls the mappers that keep running (KubeEdge 1.23
+/// `initDeviceMapperInfoFromDB`).
+pub const DEVICE_MAPPER: &str = "devicemapper";
+/// The namespace level of a mapper's key.
+pub const MAPPER_NAMESPACE: &str = "node";
 /// Published after a resync's objects: the server holds the node's whole set from here on.
 const SYNCED: &str = "$dmi/synced";
 
 /// One message of the feed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Item {
-    /// `res_type` is [`DEVICE`] or [`DEVICE_MODEL`]; `object` is the stored JSON, `None` once
-    /// it is removed.
+    /// `res_type` is [`DEVICE`], [`DEVICE_MODEL`] or [`DEVICE_MAPPER`]; `object` is the stored
+    /// JSON, `None` once it is removed.
     Object {
         res_type: String,
         namespace: String,
@@ -48,7 +54,7 @@ pub fn parse(topic: &str, payload: &Bytes) -> Option<Item> {
     let rest = topic.strip_prefix("$dmi/")?;
     let mut levels = rest.splitn(3, '/');
     let (res_type, namespace, name) = (levels.next()?, levels.next()?, levels.next()?);
-    if ![DEVICE, DEVICE_MODEL].contains(&res_type) || name.contains('/') {
+    if ![DEVICE, DEVICE_MODEL, DEVICE_MAPPER].contains(&res_type) || name.contains('/') {
         return None;
     }
     Some(Item::Object {

@@ -7,7 +7,7 @@
 use serde_json::Value;
 use tracing::{info, warn};
 
-use crate::devices::feed::{self, DEVICE, DEVICE_MODEL};
+use crate::devices::feed::{self, DEVICE, DEVICE_MAPPER, DEVICE_MODEL, MAPPER_NAMESPACE};
 use crate::devices::Event;
 use crate::error::Error;
 use crate::handlers::device::bad_cloud_content;
@@ -40,6 +40,25 @@ pub(crate) const RESYNC: Family = Family {
     answers_failures: false,
     apply: applying!(resync),
 };
+
+pub(crate) const MAPPER: Family = Family {
+    kind: "dmi_mapper",
+    shape: Shape::Internal,
+    result: crate::handlers::family::ResultTopic::None,
+    answers_failures: false,
+    apply: applying!(mapper),
+};
+
+/// A mapper the DMI server registered: its `MapperInfo` (JSON) stored under
+/// `node/devicemapper/<protocol>` (the event's id).
+async fn mapper(event: &Event, cx: &mut Context<'_>) -> Result<(), Error> {
+    let key = format!("{MAPPER_NAMESPACE}/{DEVICE_MAPPER}/{}", event.id);
+    let value = String::from_utf8_lossy(&event.payload);
+    cx.db()
+        .upsert(&key, DEVICE_MAPPER, &value)
+        .await
+        .map_err(Error::store("store device mapper"))
+}
 
 async fn apply_device(event: &Event, cx: &mut Context<'_>) -> Result<(), Error> {
     apply_object(DEVICE, event, cx).await
@@ -116,10 +135,10 @@ async fn apply_object(res_type: &str, event: &Event, cx: &mut Context<'_>) -> Re
     Ok(())
 }
 
-/// Every stored model, then every device, then the end mark: the DMI server starts over from
-/// these (it asks once its link is subscribed, so nothing committed after is missed).
+/// Every stored model, then every device, then the mappers registered before, then the end
+/// mark: the DMI server starts over from these (it asks once its link is subscribed, so nothing committed after is missed).
 async fn resync(_event: &Event, cx: &mut Context<'_>) -> Result<(), Error> {
-    for res_type in [DEVICE_MODEL, DEVICE] {
+    for res_type in [DEVICE_MODEL, DEVICE, DEVICE_MAPPER] {
         let rows = cx
             .db()
             .rows_by_type(res_type)

@@ -57,6 +57,7 @@ const DEVICES: &[&Family] = &[
     &cloud_object::DEVICES,
     &cloud_object::MODELS,
     &cloud_object::RESYNC,
+    &cloud_object::MAPPER,
 ];
 
 /// The row of [`DEVICES`] whose `kind` is `kind` (a family the node's DMI server hands in).
