@@ -31,8 +31,13 @@ impl PyMapper {
     /// Starts it (stubs generated into `dir` the first time) and waits until it registered
     /// and serves.
     async fn start(node_socket: &Path, dir: &Path) -> PyMapper {
+        PyMapper::start_for(node_socket, dir, "modbus").await
+    }
+
+    /// A mapper of `protocol`, serving on `<dir>/<protocol>.sock`.
+    async fn start_for(node_socket: &Path, dir: &Path, protocol: &str) -> PyMapper {
         let script = format!("{}/tests/kube/dmi_mapper.py", env!("CARGO_MANIFEST_DIR"));
-        let own = dir.join("mapper.sock");
+        let own = dir.join(format!("{protocol}.sock"));
         let stubs = dir.join("stubs");
         std::fs::create_dir_all(&stubs).expect("stub dir");
         let mut child = Command::new("python3")
@@ -40,6 +45,7 @@ impl PyMapper {
             .arg(node_socket)
             .arg(&own)
             .arg(&stubs)
+            .arg(protocol)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .kill_on_drop(true)
@@ -107,14 +113,29 @@ async fn dmi_node(
     cloud: &CloudBroker,
     dir: &Path,
 ) -> (super::common::Node, super::common::CloudOptions, PathBuf) {
+    dmi_node_with(cloud, dir, &[]).await
+}
+
+/// ... with more `EDGEMETA_DEVICES__DMI__*` settings.
+async fn dmi_node_with(
+    cloud: &CloudBroker,
+    dir: &Path,
+    settings: &[(&str, &str)],
+) -> (super::common::Node, super::common::CloudOptions, PathBuf) {
     let socket = dir.join("dmi.sock");
+    let mut env = vec![(
+        "EDGEMETA_DEVICES__DMI__SOCKET".to_owned(),
+        socket.display().to_string(),
+    )];
+    env.extend(
+        settings
+            .iter()
+            .map(|(k, v)| (format!("EDGEMETA_DEVICES__DMI__{k}"), (*v).to_owned())),
+    );
     let (node, bridge) = bridged_with(
         cloud,
         Options {
-            env: vec![(
-                "EDGEMETA_DEVICES__DMI__SOCKET".to_owned(),
-                socket.display().to_string(),
-            )],
+            env,
             ..Options::default()
         },
     )
@@ -335,4 +356,53 @@ async fn a_running_mapper_gets_the_latest_spec_after_the_node_was_down_and_repor
         }
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mapper_over_its_report_limit_is_refused_and_another_mapper_is_not_held_back() {
+    let cluster = Cluster::start().await;
+    let cloud = CloudBroker::start().await;
+    let _controller = Controller::start(&cluster, &cloud);
+    let dir = tempfile::tempdir().expect("dir");
+    // 1 report a second, 5 at once; up to 4 twins a report.
+    let (_node, bridge, socket) = dmi_node_with(
+        &cloud,
+        dir.path(),
+        &[
+            ("REPORTS_PER_S", "1"),
+            ("REPORT_BURST", "5"),
+            ("MAX_TWINS_PER_REPORT", "4"),
+        ],
+    )
+    .await;
+    let mut modbus = PyMapper::start(&socket, dir.path()).await;
+    let mut opcua = PyMapper::start_for(&socket, dir.path(), "opcua").await;
+    apply_device(&cluster, &bridge.node_id);
+    let other = std::fs::read_to_string(super::devices::conf("demo-device.yaml"))
+        .expect("device manifest")
+        .replace("nodeName: edge-1", &format!("nodeName: {}", bridge.node_id))
+        .replace("name: beta1-device", "name: opcua-device")
+        .replace("protocolName: modbus", "protocolName: opcua");
+    kubectl_apply(&cluster, &["-f", "-"], Some(&other));
+    modbus
+        .next("RegisterDevice", |e| {
+            e["call"] == "RegisterDevice" && e["name"] == DEVICE
+        })
+        .await;
+    let registered = opcua
+        .next("RegisterDevice", |e| e["call"] == "RegisterDevice")
+        .await;
+    assert_eq!(registered["name"], "opcua-device", "{registered}");
+    // Ten times the burst at once: the burst is taken, the rest refused with the code.
+    let burst = modbus.ask("burst default beta1-device 50").await;
+    let taken = burst["codes"]["OK"].as_i64().unwrap_or(0);
+    let refused = burst["codes"]["RESOURCE_EXHAUSTED"].as_i64().unwrap_or(0);
+    assert!((5..=8).contains(&taken), "{burst}");
+    assert_eq!(taken + refused, 50, "{burst}");
+    // The other mapper's limit is its own.
+    let answer = opcua.ask("report default opcua-device temp 12").await;
+    assert_eq!(answer["ok"], true, "{answer}");
+    // Ten times the twins a report may carry.
+    let many = opcua.ask("twins default opcua-device 40").await;
+    assert_eq!(many["code"], "OUT_OF_RANGE", "{many}");
 }

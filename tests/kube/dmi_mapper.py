@@ -12,6 +12,8 @@ per stdin line:
     raw <hex>                             ReportDeviceStatus with these bytes as the body
     big <ns> <name> <bytes>               ReportDeviceStatus with a value this long
     held                                  the devices it holds, with their desired values
+    burst <ns> <name> <count>             that many reports at once: how many were taken
+    twins <ns> <name> <count>             one report with that many twins
 """
 
 import json
@@ -190,6 +192,31 @@ def main():
                     deviceName=name, deviceNamespace=ns,
                     reportedDevice=api_pb2.DeviceStatus(twins=[twin])), timeout=20)
                 say(answer="big", ok=True)
+            elif words[0] == "burst":
+                ns, name, count = words[1], words[2], int(words[3])
+                twin = api_pb2.Twin(propertyName="temp",
+                                    reported=api_pb2.TwinProperty(value="7"))
+                request = api_pb2.ReportDeviceStatusRequest(
+                    deviceName=name, deviceNamespace=ns,
+                    reportedDevice=api_pb2.DeviceStatus(twins=[twin]))
+                calls = [stub.ReportDeviceStatus.future(request, timeout=20) for _ in range(count)]
+                codes = {}
+                for call in calls:
+                    try:
+                        call.result()
+                        codes["OK"] = codes.get("OK", 0) + 1
+                    except grpc.RpcError as error:
+                        codes[error.code().name] = codes.get(error.code().name, 0) + 1
+                say(answer="burst", codes=codes)
+            elif words[0] == "twins":
+                ns, name, count = words[1], words[2], int(words[3])
+                twins = [api_pb2.Twin(propertyName=f"p{i}",
+                                      reported=api_pb2.TwinProperty(value="1"))
+                         for i in range(count)]
+                stub.ReportDeviceStatus(api_pb2.ReportDeviceStatusRequest(
+                    deviceName=name, deviceNamespace=ns,
+                    reportedDevice=api_pb2.DeviceStatus(twins=twins)), timeout=20)
+                say(answer="twins", ok=True)
             elif words[0] == "held":
                 say(answer="held", devices=sorted(devices),
                     desired={k: describe(d)["desired"] for k, d in devices.items()})
