@@ -48,6 +48,10 @@ pub async fn run(
     let cloud_filter = map.local_cloud_filter();
     let mut watched = meta_filters.clone();
     watched.push(cloud_filter.clone());
+    let dmi_on = settings.devices.dmi.socket.is_some();
+    if dmi_on {
+        watched.extend(edgemeta_dmi::subscriptions());
+    }
     let mut broker = Broker::new(&settings.broker, &watched).context("starting the MQTT broker")?;
     let link = broker
         .link("metamanager", &meta_filters, LINK_CAPACITY)
@@ -74,6 +78,24 @@ pub async fn run(
     )
     .await
     .with_context(|| format!("opening the store {}", settings.store.path.display()))?;
+    // Gone before the MetaManager stops: it holds a way into the store worker.
+    let mut dmi = if dmi_on {
+        let link = broker
+            .link("dmi", &edgemeta_dmi::subscriptions(), LINK_CAPACITY)
+            .await
+            .context("linking the DMI server to the broker")?;
+        let dmi = edgemeta_dmi::Dmi::start(
+            &settings.devices.dmi,
+            link,
+            meta.device_reports(),
+            cancel.child_token(),
+        )
+        .await
+        .context("starting the DMI server (devices.dmi)")?;
+        Some(dmi)
+    } else {
+        None
+    };
     let mut cloud_status = None;
     let mut bridge = if cloud {
         let link = broker
@@ -178,6 +200,9 @@ pub async fn run(
         }
         if let Err(e) = bridge_stopped(&mut bridge).await {
             errors.push(e);
+        }
+        if let Some(dmi) = dmi.take() {
+            dmi.stopped().await;
         }
         if let Err(e) = meta.stopped().await {
             errors.push(from_meta(e).context("the metamanager did not stop cleanly"));

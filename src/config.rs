@@ -38,6 +38,9 @@ pub struct Settings {
     /// The node's read-only Kubernetes API (KubeEdge's MetaServer).
     #[serde(default)]
     pub metaserver: MetaServerConfig,
+    /// Devices beyond the MQTT mapper topics: KubeEdge's DMI for gRPC mappers.
+    #[serde(default)]
+    pub devices: edgemeta_dmi::DevicesConfig,
     /// How long SIGINT/SIGTERM may take to commit accepted work and stop, in milliseconds.
     #[serde(default = "default_shutdown_grace_ms")]
     pub shutdown_grace_ms: u64,

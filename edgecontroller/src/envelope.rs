@@ -52,6 +52,8 @@ pub fn source_of(resource: &str) -> (&'static str, &'static str) {
         (Some("node"), Some("membership" | "membershipdetail")) | (_, Some("devicetwin")) => {
             (DEVICE_SOURCE, "twin")
         }
+        // The objects DMI mappers get (KubeEdge's `sendDeviceMsg`: group `resource`).
+        (_, Some("device" | "devicemodel")) => (DEVICE_SOURCE, "resource"),
         _ => (SOURCE, "resource"),
     }
 }

@@ -371,7 +371,9 @@ fn patch(
         .get(header::CONTENT_TYPE)
         .and_then(|c| c.to_str().ok())
         .unwrap_or_default();
-    if !content_type.starts_with("application/merge-patch+json")
+    let json_patch = content_type.starts_with("application/json-patch+json");
+    if !json_patch
+        && !content_type.starts_with("application/merge-patch+json")
         && !content_type.starts_with("application/strategic-merge-patch+json")
     {
         return Err(Error::UnsupportedMediaType);
@@ -382,13 +384,31 @@ fn patch(
     let mut store = shared.store();
     let mut object = store.get(target.kind, &namespace, name)?;
     let current_rv = object["metadata"]["resourceVersion"].clone();
-    merge_patch(&mut object, &patch);
-    // A patch without a resourceVersion applies to whatever is stored.
-    if patch["metadata"]["resourceVersion"].is_null() {
+    let keeps_rv = if json_patch {
+        apply_json_patch(&mut object, patch)?;
+        object["metadata"]["resourceVersion"] == current_rv
+    } else {
+        merge_patch(&mut object, &patch);
+        patch["metadata"]["resourceVersion"].is_null()
+    };
+    // A patch that leaves the resourceVersion alone applies to whatever is stored; one that
+    // sets it is a precondition, checked by the update.
+    if keeps_rv {
         object["metadata"]["resourceVersion"] = current_rv;
     }
     let updated = store.update(target.kind, &namespace, name, object, target.status)?;
     Ok((200, updated))
+}
+
+/// RFC 6902: the operations in order, all or nothing (`json_patch::patch` undoes a partial one).
+/// A body that is not a list of operations is a 400; an operation that fails (a `test` that does
+/// not match, a path that is not there) a 422, as the API server answers both.
+fn apply_json_patch(object: &mut Value, patch: Value) -> Result<(), Error> {
+    let patch: json_patch::Patch = serde_json::from_value(patch).map_err(|e| {
+        Error::BadRequest(format!("the JSON patch is not a list of operations: {e}"))
+    })?;
+    json_patch::patch(object, &patch)
+        .map_err(|e| Error::Invalid(format!("the JSON patch cannot be applied: {e}")))
 }
 
 fn delete(

@@ -44,6 +44,7 @@ use tokio::sync::{broadcast, mpsc, oneshot, Notify};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+pub use devices::feed as dmi_feed;
 pub use edgemeta_protocol::Operation;
 pub use error::Error;
 pub use handon::HandonGauge;
@@ -140,12 +141,111 @@ impl Ingress {
     }
 }
 
+/// What a device message handed in through [`DeviceReports`] came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Committed (and durable, as a client's PUBACK would say).
+    Stored,
+    /// Refused as the mapper topics refuse it (400 bad input, 404 unknown device); nothing
+    /// changed.
+    Refused { code: u16, reason: String },
+    /// Not stored: the store failed or the node is stopping; the sender may try again.
+    Retry,
+}
+
+/// The node's DMI server's way in: a gRPC mapper's reports applied by the same families as
+/// the MQTT topics (`twin_update`, `state_update`), each answered only once committed.
+#[derive(Clone)]
+pub struct DeviceReports {
+    jobs: mpsc::Sender<unit::Job>,
+}
+
+impl DeviceReports {
+    /// `$hw/events/device/<id>/twin/update` with `payload`, as a mapper would publish it.
+    pub async fn twin_update(&self, id: &str, payload: bytes::Bytes) -> Verdict {
+        self.apply("twin_update", id, "/twin/update", payload).await
+    }
+
+    /// `$hw/events/device/<id>/state/update` with `payload`.
+    pub async fn state_update(&self, id: &str, payload: bytes::Bytes) -> Verdict {
+        self.apply("state_update", id, "/state/update", payload)
+            .await
+    }
+
+    /// Every stored Device and DeviceModel again on the DMI feed ([`dmi_feed`]), then its end
+    /// mark, in commit order with every other change.
+    pub async fn resync(&self) -> Verdict {
+        self.apply("dmi_resync", "", "", bytes::Bytes::new()).await
+    }
+
+    /// Stores the mapper of `protocol` (one topic level) as registered, `info` its JSON: a
+    /// restarted node finds it in the resync.
+    pub async fn mapper_registered(&self, protocol: &str, info: bytes::Bytes) -> Verdict {
+        if !devices::is_level(protocol) {
+            return Verdict::Refused {
+                code: 400,
+                reason: format!("protocol {protocol:?} is not one topic level"),
+            };
+        }
+        self.apply("dmi_mapper", protocol, "", info).await
+    }
+
+    async fn apply(&self, kind: &str, id: &str, suffix: &str, payload: bytes::Bytes) -> Verdict {
+        let Some(family) = handlers::family(kind) else {
+            return Verdict::Refused {
+                code: 500,
+                reason: format!("no device family {kind}"),
+            };
+        };
+        let topic = if suffix.is_empty() {
+            String::new()
+        } else {
+            devices::device_topic(id, suffix)
+        };
+        let event = devices::Event {
+            family,
+            id: id.to_owned(),
+            topic,
+            payload,
+            ack: None,
+        };
+        let verdict = Arc::new(std::sync::OnceLock::new());
+        let report = unit::Report {
+            event,
+            verdict: verdict.clone(),
+        };
+        let (done, rx) = oneshot::channel();
+        let job = unit::Job::Apply(
+            unit::Work::Report(Box::new(report)),
+            Some(unit::Done::Told(done)),
+        );
+        if self.jobs.send(job).await.is_err() {
+            return Verdict::Retry;
+        }
+        match rx.await {
+            Ok(Outcome::Final) => match verdict.get() {
+                Some(None) => Verdict::Stored,
+                Some(Some((code, reason))) => Verdict::Refused {
+                    code: *code,
+                    reason: reason.clone(),
+                },
+                None => Verdict::Refused {
+                    code: 500,
+                    reason: "the report could not be applied".to_owned(),
+                },
+            },
+            Ok(Outcome::Retry) | Err(_) => Verdict::Retry,
+        }
+    }
+}
+
 /// A running MetaManager: it owns its tasks (intake, the relay) and its store thread.
 pub struct MetaManager {
     outbox: OutboxHandle,
     /// Committed changes of served objects, batch by batch (the MetaServer's live watches).
     changes: broadcast::Sender<store::Changes>,
     ingress: Ingress,
+    reports: DeviceReports,
     intake: Option<JoinHandle<()>>,
     relay: Option<JoinHandle<()>>,
     /// Hands committed messages on at their subscribers' pace (`handon.rs`).
@@ -205,6 +305,9 @@ impl MetaManager {
         )
         .await?;
         let outbox = OutboxHandle::new(jobs_tx.clone(), changed.clone());
+        let reports = DeviceReports {
+            jobs: jobs_tx.clone(),
+        };
         let pump = tokio::spawn(handon::run(
             pump,
             outbox.clone(),
@@ -238,6 +341,7 @@ impl MetaManager {
             outbox,
             changes,
             ingress: Ingress { tx: submit_tx },
+            reports,
             intake: Some(intake),
             relay,
             pump: Some(pump),
@@ -250,6 +354,12 @@ impl MetaManager {
     /// The way in for messages that do not come through the local broker (the cloud bridge).
     pub fn ingress(&self) -> Ingress {
         self.ingress.clone()
+    }
+
+    /// The DMI server's way in for its mappers' reports. Drop every clone before
+    /// [`MetaManager::stopped`]: the store thread ends once no one can hand it work.
+    pub fn device_reports(&self) -> DeviceReports {
+        self.reports.clone()
     }
 
     /// Hand-ons committed and waiting for their subscribers, for the node's metrics.
@@ -296,6 +406,7 @@ impl MetaManager {
             outbox,
             changes: _,
             ingress,
+            reports,
             intake,
             relay,
             pump,
@@ -304,6 +415,7 @@ impl MetaManager {
             store_stopped,
         } = self;
         drop(ingress);
+        drop(reports);
         let mut result = Ok(());
         for (task, handle) in [("intake", intake), ("relay", relay), ("hand-on pump", pump)] {
             if let Some(handle) = handle {

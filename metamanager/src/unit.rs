@@ -91,6 +91,17 @@ impl Outcome {
 pub(crate) enum Work {
     Request(Box<Request>),
     Device(Box<Event>),
+    /// A device message from the node's DMI server, which hears whether it was stored.
+    Report(Box<Report>),
+}
+
+/// A device message whose sender waits for more than the commit: whether it was refused.
+#[derive(Debug)]
+pub(crate) struct Report {
+    pub(crate) event: Event,
+    /// Set once applied: `None` stored, else the refusal's code and reason. Read after the
+    /// commit ([`Outcome::Final`]); unset then, the message failed.
+    pub(crate) verdict: std::sync::Arc<std::sync::OnceLock<Option<(u16, String)>>>,
 }
 
 /// The counter row a message is counted in (`edgemeta_messages_total` by operation,
@@ -106,6 +117,7 @@ impl Work {
         match self {
             Work::Request(request) => Counted::Operation(request.operation),
             Work::Device(event) => Counted::Device(event.family),
+            Work::Report(report) => Counted::Device(report.event.family),
         }
     }
 }
@@ -208,6 +220,8 @@ pub(crate) struct Context<'a> {
     outbox_written: bool,
     /// Whether a device message was answered with an error result (bad input, nothing stored).
     refused: bool,
+    /// The last refusal's code and reason, for a sender that waits for it ([`Report`]).
+    refusal: Option<(u16, String)>,
 }
 
 /// What applying one message left behind.
@@ -229,7 +243,18 @@ impl<'a> Context<'a> {
             local: Vec::new(),
             outbox_written: false,
             refused: false,
+            refusal: None,
         }
+    }
+
+    /// Records why a device message was refused (its error result says the same).
+    pub(crate) fn note_refusal(&mut self, code: u16, reason: &str) {
+        self.refusal = Some((code, reason.to_owned()));
+    }
+
+    /// The refusal noted while applying this message, if any.
+    pub(crate) fn refusal(&self) -> Option<(u16, String)> {
+        self.refusal.clone()
     }
 
     /// What the message left behind, once applied.

@@ -14,16 +14,16 @@ use super::common::cloud::bridged;
 use super::common::{assert_quiet_for, wait_until, Client, CloudBroker, CloudOptions, Node};
 use super::{Cluster, Controller};
 
-const DEVICE: &str = "beta1-device";
+pub(super) const DEVICE: &str = "beta1-device";
 const ID: &str = "default/beta1-device";
 const WAIT: Duration = Duration::from_secs(20);
 
-fn conf(file: &str) -> String {
+pub(super) fn conf(file: &str) -> String {
     format!("{}/conf/kube/{file}", env!("CARGO_MANIFEST_DIR"))
 }
 
 /// `kubectl apply --validate=false -f -` of `manifest`; its output.
-fn kubectl_apply(cluster: &Cluster, args: &[&str], manifest: Option<&str>) -> String {
+pub(super) fn kubectl_apply(cluster: &Cluster, args: &[&str], manifest: Option<&str>) -> String {
     let mut child = Command::new("kubectl")
         .arg("--kubeconfig")
         .arg(cluster.kubeconfig())
@@ -49,7 +49,7 @@ fn kubectl_apply(cluster: &Cluster, args: &[&str], manifest: Option<&str>) -> St
     text
 }
 
-fn api(cluster: &Cluster, kind: &str, plural: &str) -> Api<DynamicObject> {
+pub(super) fn api(cluster: &Cluster, kind: &str, plural: &str) -> Api<DynamicObject> {
     let gvk = GroupVersionKind::gvk("devices.kubeedge.io", "v1beta1", kind);
     let resource = ApiResource::from_gvk_with_plural(&gvk, plural);
     Api::namespaced_with(cluster.client.clone(), "default", &resource)
@@ -57,7 +57,7 @@ fn api(cluster: &Cluster, kind: &str, plural: &str) -> Api<DynamicObject> {
 
 /// The CRDs, KubeEdge's files as they are; then the docs' DeviceModel and Device, bound to
 /// `node`.
-fn apply_device(cluster: &Cluster, node: &str) {
+pub(super) fn apply_device(cluster: &Cluster, node: &str) {
     let out = kubectl_apply(cluster, &["-f", &conf("crds")], None);
     assert_eq!(out.matches(" created").count(), 3, "{out}");
     kubectl_apply(cluster, &["-f", &conf("demo-devicemodel.yaml")], None);
@@ -146,7 +146,7 @@ async fn twin_get(mapper: &mut Client) -> Result<String, i64> {
     }
 }
 
-async fn status(cluster: &Cluster) -> Value {
+pub(super) async fn status(cluster: &Cluster) -> Value {
     api(cluster, "DeviceStatus", "devicestatuses")
         .get_opt(DEVICE)
         .await
@@ -301,4 +301,78 @@ async fn a_node_offline_while_fifty_desired_values_change_gets_the_latest() {
         },
     )
     .await;
+}
+
+/// `kubectl patch device beta1-device --type json -p <patch>`: the output.
+pub(super) fn kubectl_patch_json(cluster: &Cluster, name: &str, patch: &Value) -> String {
+    let out = Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(cluster.kubeconfig())
+        .args(["patch", "device", name, "--type", "json", "-p"])
+        .arg(patch.to_string())
+        .output()
+        .expect("kubectl is installed (scripts/test installs kubernetes-client)");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "kubectl patch failed: {text}");
+    text
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_json_patch_sets_a_desired_value_and_removing_it_removes_it_on_the_node() {
+    let cluster = Cluster::start().await;
+    let cloud = CloudBroker::start().await;
+    let _controller = Controller::start(&cluster, &cloud);
+    let (node, bridge) = bridged(&cloud).await;
+    let mut mapper = mapper(&node, &bridge).await;
+    apply_device(&cluster, &bridge.node_id);
+    assert_eq!(
+        wait_until("the device on the node", WAIT, async || {
+            twin_get(&mut mapper).await.map_err(|c| format!("code {c}"))
+        })
+        .await,
+        "30"
+    );
+    // One property of the list edited in place, as users do with a JSON patch.
+    let out = kubectl_patch_json(
+        &cluster,
+        DEVICE,
+        &json!([{"op": "test", "path": "/spec/properties/0/name", "value": "temp"},
+                {"op": "replace", "path": "/spec/properties/0/desired/value", "value": "55"}]),
+    );
+    assert!(out.contains("patched"), "{out}");
+    delta_of(&mut mapper, "55").await;
+    // A failing `test` changes nothing and is refused.
+    let refused = Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(cluster.kubeconfig())
+        .args(["patch", "device", DEVICE, "--type", "json", "-p"])
+        .arg(r#"[{"op":"test","path":"/spec/properties/0/name","value":"other"},{"op":"replace","path":"/spec/nodeName","value":"nowhere"}]"#)
+        .output()
+        .expect("kubectl");
+    assert!(!refused.status.success());
+    let device = api(&cluster, "Device", "devices")
+        .get(DEVICE)
+        .await
+        .expect("device");
+    assert_eq!(device.data["spec"]["nodeName"], bridge.node_id.as_str());
+    // The desired value removed from the Device is removed on the node.
+    kubectl_patch_json(
+        &cluster,
+        DEVICE,
+        &json!([{"op": "remove", "path": "/spec/properties/0/desired"}]),
+    );
+    let gone = wait_until(
+        "the desired value gone on the node",
+        WAIT,
+        async || match twin_get(&mut mapper).await {
+            Ok(v) if v.is_empty() => Ok(v),
+            other => Err(format!("{other:?}")),
+        },
+    )
+    .await;
+    assert_eq!(gone, "");
 }

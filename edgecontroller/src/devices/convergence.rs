@@ -145,6 +145,7 @@ impl World {
                 name: "temp".to_owned(),
                 desired: Some(value.to_string()),
             }],
+            object: None,
         }
     }
 
@@ -191,6 +192,7 @@ proptest! {
             namespace: "default".to_owned(),
             name: "thermo".to_owned(),
             types: vec![("temp".to_owned(), "INT".to_owned())],
+            object: None,
         };
         w.state.model_applied(model, &w.delivery);
         w.state.models_synced();

@@ -10,6 +10,7 @@
 //! never applies an older value after a newer one, whatever order resends arrive in.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 
 use serde_json::{json, Map, Value};
 
@@ -38,6 +39,9 @@ pub struct DeviceSpec {
     /// The `description` label (KubeEdge `createDevice`).
     pub description: String,
     pub properties: Vec<Property>,
+    /// The Device as its node stores it for DMI mappers (`<ns>/device/<name>`: metadata and
+    /// `spec`); `None` sends no object, only membership and twins.
+    pub object: Option<Arc<Value>>,
 }
 
 impl DeviceSpec {
@@ -52,6 +56,8 @@ pub struct ModelSpec {
     pub namespace: String,
     pub name: String,
     pub types: Vec<(String, String)>,
+    /// The DeviceModel as nodes store it for DMI mappers (metadata and `spec`).
+    pub object: Option<Arc<Value>>,
 }
 
 #[derive(Debug)]
@@ -154,6 +160,8 @@ pub enum Refused {
 pub struct Devices {
     devices: HashMap<Key, Entry>,
     models: HashMap<Key, Vec<(String, String)>>,
+    /// Each model's object, for the nodes whose devices use it.
+    model_objects: HashMap<Key, Arc<Value>>,
     by_node: HashMap<String, BTreeSet<Key>>,
     /// The DeviceModel watch has listed everything once: a model unknown now does not exist.
     models_synced: bool,
@@ -163,6 +171,17 @@ pub struct Devices {
 /// Namespaces have no dots, so `<ns>.<name>` is unambiguous.
 pub fn membership_resource((ns, name): &Key) -> String {
     format!("node/membership/{ns}.{name}")
+}
+
+/// Where a node stores a Device (`<ns>/device/<name>`) or DeviceModel for DMI mappers.
+pub fn object_resource(kind: &str, (ns, name): &Key) -> String {
+    format!("{ns}/{kind}/{name}")
+}
+
+fn rv_of(object: &Value) -> Option<u64> {
+    object["metadata"]["resourceVersion"]
+        .as_str()
+        .and_then(|rv| rv.parse().ok())
 }
 
 pub fn twin_resource((ns, name): &Key) -> String {
@@ -184,6 +203,18 @@ fn twin_type(model_type: Option<&str>) -> String {
     match model_type.map(str::to_ascii_lowercase).as_deref() {
         Some(t @ ("int" | "float" | "double" | "boolean" | "string" | "bytes")) => t.to_owned(),
         _ => "string".to_owned(),
+    }
+}
+
+/// An object's removal: always sent, never coalesced away by an acked version.
+fn delete(node: &str, resource: String) -> Outgoing {
+    Outgoing {
+        node: node.to_owned(),
+        operation: "delete",
+        resource,
+        content: Value::Null,
+        rv: None,
+        force: true,
     }
 }
 
@@ -229,9 +260,10 @@ impl Devices {
             let mut twin = json!({"metadata": {"type": kind}, "optional": false});
             if let Some(value) = &p.desired {
                 twin["expected"] = json!({"value": value});
-                let edge = entry.edge.get(&p.name).copied().unwrap_or(0);
-                twin["expected_version"] = json!({"cloud": spec.rv, "edge": edge});
             }
+            // Without a value, the version alone tells the node to drop the one it holds.
+            let edge = entry.edge.get(&p.name).copied().unwrap_or(0);
+            twin["expected_version"] = json!({"cloud": spec.rv, "edge": edge});
             twins.insert(p.name.clone(), twin);
         }
         Value::Object(twins)
@@ -358,12 +390,78 @@ impl Devices {
                 sends.push(self.desired_changed(node, &entry, delivery, false));
             }
         }
+        let object_changed = moved
+            || replaced
+            || was_held
+            || old.as_ref().is_none_or(|o| {
+                // As KubeEdge: only a change of `spec` reaches the mapper.
+                let spec = |d: &DeviceSpec| d.object.as_ref().map(|v| v["spec"].clone());
+                spec(&o.spec) != spec(&entry.spec)
+            });
         self.bind(
             &key,
             entry.spec.node.as_ref(),
             old.as_ref().and_then(|o| o.spec.node.as_ref()),
         );
+        if let Some(old) = old.as_ref().filter(|o| !o.held) {
+            if let Some(node) = old.spec.node.as_ref().filter(|_| moved || replaced) {
+                sends.extend(self.object_gone(node, old));
+            }
+        }
+        if let Some(node) = entry.spec.node.as_ref().filter(|_| !held && object_changed) {
+            sends.extend(self.object_sends(node, &entry));
+        }
         self.devices.insert(key, entry);
+        sends
+    }
+
+    /// The device's model (when known) and the device itself, as the node stores them for DMI
+    /// mappers. They travel in separate delivery slots: the node's DMI server holds a device
+    /// until its model is there.
+    fn object_sends(&self, node: &str, entry: &Entry) -> Vec<Outgoing> {
+        let Some(object) = entry.spec.object.as_ref() else {
+            return Vec::new();
+        };
+        let mut sends = Vec::new();
+        let model = (entry.spec.namespace.clone(), entry.spec.model.clone());
+        if let Some(model_object) = self.model_objects.get(&model) {
+            sends.push(self.model_send(node, &model, model_object));
+        }
+        sends.push(update(
+            node,
+            object_resource("device", &entry.spec.key()),
+            Value::clone(object),
+            Some(entry.spec.rv),
+            false,
+        ));
+        sends
+    }
+
+    fn model_send(&self, node: &str, model: &Key, object: &Value) -> Outgoing {
+        update(
+            node,
+            object_resource("devicemodel", model),
+            object.clone(),
+            rv_of(object),
+            false,
+        )
+    }
+
+    /// `entry` left `node`: its object goes, and its model too when no other device there
+    /// uses it (KubeEdge's `isExistModel`).
+    fn object_gone(&self, node: &str, entry: &Entry) -> Vec<Outgoing> {
+        if entry.spec.object.is_none() {
+            return Vec::new();
+        }
+        let key = entry.spec.key();
+        let mut sends = vec![delete(node, object_resource("device", &key))];
+        let model = (entry.spec.namespace.clone(), entry.spec.model.clone());
+        let used = self
+            .on(node)
+            .any(|e| e.spec.key() != key && e.spec.namespace == model.0 && e.spec.model == model.1);
+        if !used && !model.1.is_empty() {
+            sends.push(delete(node, object_resource("devicemodel", &model)));
+        }
         sends
     }
 
@@ -376,11 +474,12 @@ impl Devices {
         if old.held {
             return Vec::new();
         }
-        old.spec
-            .node
-            .as_ref()
-            .map(|node| vec![self.remove(node, &old)])
-            .unwrap_or_default()
+        let Some(node) = old.spec.node.as_ref() else {
+            return Vec::new();
+        };
+        let mut sends = vec![self.remove(node, &old)];
+        sends.extend(self.object_gone(node, &old));
+        sends
     }
 
     /// A DeviceModel was added or changed: devices whose twin types change get them again.
@@ -389,6 +488,21 @@ impl Devices {
         let before: Vec<(Key, Value)> = self.using(&key, |d, e| d.twins(e));
         self.models.insert(key.clone(), model.types);
         let mut sends = Vec::new();
+        if let Some(object) = model.object {
+            if self.model_objects.get(&key) != Some(&object) {
+                // Every node with a device of this model that is not held gets it now.
+                let nodes: BTreeSet<String> = self
+                    .devices
+                    .values()
+                    .filter(|e| !e.held && e.spec.namespace == key.0 && e.spec.model == key.1)
+                    .filter_map(|e| e.spec.node.clone())
+                    .collect();
+                for node in nodes {
+                    sends.push(self.model_send(&node, &key, &object));
+                }
+                self.model_objects.insert(key.clone(), object);
+            }
+        }
         for (device, twins) in before {
             let held = match self.devices.get_mut(&device) {
                 Some(entry) => std::mem::replace(&mut entry.held, false),
@@ -400,6 +514,7 @@ impl Devices {
             if let Some(node) = &entry.spec.node {
                 if held {
                     sends.push(self.add(node, entry, false));
+                    sends.extend(self.object_sends(node, entry));
                 } else if self.twins(entry) != twins {
                     sends.push(self.desired_changed(node, entry, delivery, true));
                 }
@@ -426,6 +541,7 @@ impl Devices {
             if let Some(entry) = self.devices.get(&key) {
                 if let Some(node) = &entry.spec.node {
                     sends.push(self.add(node, entry, false));
+                    sends.extend(self.object_sends(node, entry));
                 }
             }
         }
@@ -435,6 +551,7 @@ impl Devices {
     /// A DeviceModel is gone: its devices keep the types the nodes have.
     pub fn model_deleted(&mut self, key: &Key) {
         self.models.remove(key);
+        self.model_objects.remove(key);
     }
 
     fn using<T>(&self, model: &Key, f: impl Fn(&Devices, &Entry) -> T) -> Vec<(Key, T)> {
@@ -449,7 +566,11 @@ impl Devices {
     /// where the node acknowledged that version).
     pub fn desired(&self, node: &str) -> Vec<Outgoing> {
         self.on(node)
-            .map(|entry| self.add(node, entry, false))
+            .flat_map(|entry| {
+                let mut sends = vec![self.add(node, entry, false)];
+                sends.extend(self.object_sends(node, entry));
+                sends
+            })
             .collect()
     }
 
@@ -568,6 +689,7 @@ mod tests {
                 name: "temp".to_owned(),
                 desired: Some(desired.to_owned()),
             }],
+            object: None,
         }
     }
 
@@ -596,6 +718,7 @@ mod tests {
             namespace: "default".to_owned(),
             name: "thermo".to_owned(),
             types: vec![("temp".to_owned(), "INT".to_owned())],
+            object: None,
         };
         // Held until its model is known (the models are still being listed).
         assert!(d

@@ -2,8 +2,10 @@
 //! generated types) as the watches hand them over: each object cut down to what the controller
 //! keeps, in the watch task, so the owner task never holds a Device's JSON.
 
+use std::sync::Arc;
+
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use super::state::{DeviceSpec, ModelSpec, Property};
 use crate::watch::key;
@@ -56,7 +58,25 @@ pub fn device(o: &DynamicObject) -> DeviceSpec {
             .cloned()
             .unwrap_or_default(),
         properties,
+        object: Some(Arc::new(object_of(o))),
     }
+}
+
+/// What a node stores of a Device or DeviceModel for DMI mappers: its identity and `spec`
+/// (not its status, managed fields or annotations, which mappers never read).
+fn object_of(o: &DynamicObject) -> Value {
+    let meta = &o.metadata;
+    json!({
+        "apiVersion": format!("{GROUP}/{VERSION}"),
+        "kind": o.types.as_ref().map(|t| t.kind.clone()).unwrap_or_default(),
+        "metadata": {
+            "name": meta.name,
+            "namespace": meta.namespace,
+            "uid": meta.uid,
+            "resourceVersion": meta.resource_version,
+        },
+        "spec": o.data["spec"],
+    })
 }
 
 /// A DeviceModel as the controller keeps it.
@@ -72,5 +92,6 @@ pub fn model(o: &DynamicObject) -> ModelSpec {
         namespace,
         name,
         types,
+        object: Some(Arc::new(object_of(o))),
     }
 }

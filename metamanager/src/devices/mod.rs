@@ -2,6 +2,7 @@
 //! ([`wire`]), the twin merge ([`twin`]) and how device messages are made. What each device
 //! message does is in [`crate::handlers`], one file per family (docs/devices.md).
 
+pub mod feed;
 pub mod twin;
 pub mod wire;
 

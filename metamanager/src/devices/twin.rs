@@ -255,6 +255,19 @@ fn compare(
             }
         }
     }
+    // The cloud's twin names a version but no expected value: the desired value was removed
+    // from the Device, so the node drops the one it holds (KubeEdge keeps it for ever).
+    if allowed && source == Source::Cloud && m.expected.is_none() && twin.expected.is_some() {
+        if let Some(sent) = m.expected_version {
+            let mut stored = twin.expected_version.unwrap_or_default();
+            if version(&mut stored, Some(sent), source).is_ok() {
+                twin.expected = None;
+                twin.expected_meta = None;
+                twin.expected_version = Some(stored);
+                changed = true;
+            }
+        }
+    }
     if allowed {
         if let Some(optional) = m.optional {
             if optional != twin.optional && twin.optional {
@@ -599,6 +612,28 @@ mod tests {
         );
         assert_eq!(twins["t"].expected.as_deref(), Some("30"));
         assert_eq!(delta(&twins).unwrap().1["t"], "30");
+    }
+
+    #[test]
+    fn a_desired_value_removed_in_the_cloud_is_dropped_unless_stale() {
+        let mut twins = BTreeMap::new();
+        cloud_desires(&mut twins, "20", (100, 0), 1);
+        let without = |cloud| {
+            let mut m = desired("x", cloud, 0);
+            m.expected = None;
+            one("t", Some(m))
+        };
+        // An older message naming no value changes nothing.
+        merge(&mut twins, &without(99), Source::Cloud, 2).unwrap();
+        assert_eq!(twins["t"].expected.as_deref(), Some("20"));
+        let merged = merge(&mut twins, &without(101), Source::Cloud, 3).unwrap();
+        assert_eq!(twins["t"].expected, None);
+        assert_eq!(twins["t"].expected_version.map(|v| v.cloud), Some(101));
+        assert_eq!(merged.changed.len(), 1, "the row is written");
+        assert!(delta(&twins).is_none(), "no delta without a desired value");
+        // A value that comes back later applies.
+        cloud_desires(&mut twins, "21", (102, 0), 4);
+        assert_eq!(twins["t"].expected.as_deref(), Some("21"));
     }
 
     #[test]

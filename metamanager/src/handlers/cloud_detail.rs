@@ -3,6 +3,7 @@
 use crate::devices::wire::{Device, Membership};
 use crate::devices::{Event, MEMBERSHIP_DETAIL};
 use crate::error::Error;
+use crate::handlers::cloud_object::forget_unlisted;
 use crate::handlers::device::{add_device, bad_cloud_content, remove_device};
 use crate::handlers::family::{applying, Family};
 use crate::unit::Context;
@@ -29,6 +30,7 @@ async fn cloud_detail(content: &[u8], cx: &mut Context<'_>) -> Result<(), Error>
     for device in detail.devices {
         add_device(device, cx).await?;
     }
+    forget_unlisted(&listed, cx).await?;
     for row in cx
         .db()
         .devices()

@@ -379,6 +379,7 @@ pub(crate) fn refuse(
     detail: &str,
 ) -> Result<(), Error> {
     warn!(error_code = "EM-DEVICE-REFUSED", %topic, code, reason, detail, "device message refused");
+    cx.note_refusal(code, reason);
     let asker = Asker::Device {
         result: topic,
         event_id,

@@ -44,13 +44,16 @@ pub(crate) enum Shape {
     Node { action: &'static str },
     /// `SYS/dis/upload_records`, `$hw/events/upload/#` and edge apps' user topics (`+/user/#`).
     Upload,
-    /// The devicecontroller's `update` of `<namespace>/<res_type>`; with `named`, the resource
-    /// names a device (`<ns>/<res_type>/<name>`), whose id the event carries.
+    /// The devicecontroller's `operations` of `<namespace>/<res_type>`; with `named`, the
+    /// resource names a device (`<ns>/<res_type>/<name>`), whose id the event carries.
     Cloud {
         namespace: Option<&'static str>,
         res_type: &'static str,
         named: bool,
+        operations: &'static [&'static str],
     },
+    /// No topic: only the node's own DMI server hands these in (`crate::DeviceReports`).
+    Internal,
 }
 
 /// Where a family's answers go.
@@ -91,12 +94,26 @@ impl Family {
         named: bool,
         apply: Apply,
     ) -> Family {
+        Family::cloud_objects(kind, namespace, res_type, named, &["update"], apply)
+    }
+
+    /// The devicecontroller's `operations` of `<namespace>/<res_type>[/<name>]`, answered
+    /// nowhere.
+    pub(crate) const fn cloud_objects(
+        kind: &'static str,
+        namespace: Option<&'static str>,
+        res_type: &'static str,
+        named: bool,
+        operations: &'static [&'static str],
+        apply: Apply,
+    ) -> Family {
         Family {
             kind,
             shape: Shape::Cloud {
                 namespace,
                 res_type,
                 named,
+                operations,
             },
             result: ResultTopic::None,
             answers_failures: false,
@@ -135,7 +152,7 @@ impl Shape {
                 || topic.starts_with("$hw/events/upload/")
                 || is_user_topic(topic))
             .then(String::new),
-            Shape::Cloud { .. } => None,
+            Shape::Cloud { .. } | Shape::Internal => None,
         }
     }
 
@@ -152,11 +169,12 @@ impl Shape {
             namespace: want,
             res_type: want_type,
             named,
+            operations,
         } = *self
         else {
             return None;
         };
-        if operation != "update" || res_type != want_type {
+        if !operations.contains(&operation) || res_type != want_type {
             return None;
         }
         if want.is_some_and(|want| want != namespace) {

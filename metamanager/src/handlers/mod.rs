@@ -15,6 +15,7 @@
 mod answer;
 mod cloud_detail;
 mod cloud_membership;
+mod cloud_object;
 mod cloud_twin;
 mod connect;
 mod data;
@@ -53,7 +54,16 @@ const DEVICES: &[&Family] = &[
     &cloud_membership::FAMILY,
     &cloud_detail::FAMILY,
     &cloud_twin::FAMILY,
+    &cloud_object::DEVICES,
+    &cloud_object::MODELS,
+    &cloud_object::RESYNC,
+    &cloud_object::MAPPER,
 ];
+
+/// The row of [`DEVICES`] whose `kind` is `kind` (a family the node's DMI server hands in).
+pub(crate) fn family(kind: &str) -> Option<usize> {
+    DEVICES.iter().position(|f| f.kind == kind)
+}
 
 /// The `kind` label of `edgemeta_device_messages_total`, one per row of [`DEVICES`].
 pub(crate) const KINDS: [&str; DEVICES.len()] = {
@@ -99,6 +109,11 @@ pub(crate) async fn apply(work: &Work, cx: &mut Context<'_>) -> Result<(), Error
                 None => Ok(()),
             }
         }
+        Work::Report(report) => {
+            (DEVICES[report.event.family].apply)(&report.event, cx).await?;
+            let _ = report.verdict.set(cx.refusal());
+            Ok(())
+        }
     }
 }
 
@@ -141,6 +156,8 @@ pub(crate) fn failure_reply(root: &str, node: &str, work: &Work, error: &Error) 
             code_of(error),
             &reason,
         ),
+        // The DMI server answers its mapper with a gRPC status itself.
+        Work::Report(_) => Vec::new(),
         Work::Device(event) => {
             let family = DEVICES[event.family];
             let Some(result) = family
@@ -173,6 +190,7 @@ pub(crate) fn log_failure(work: &Work, error: &Error) {
             }
         }
         Work::Device(event) => log_device_failure(event, error),
+        Work::Report(report) => log_device_failure(&report.event, error),
     }
 }
 

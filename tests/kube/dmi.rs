@@ -1,0 +1,408 @@
+//! Devices through DMI, end to end: KubeEdge's CRDs and a Device applied with `kubectl` to the
+//! fake API server, the real controller and cloud broker, a node serving DMI on a unix socket,
+//! and a mapper built in Python grpcio from the same `api.proto` (`dmi_mapper.py`), speaking
+//! gRPC as mapper-framework's template does.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, ChildStdin, Command};
+use tokio::sync::mpsc;
+
+use super::common::cloud::bridged_with;
+use super::common::{wait_until, Options};
+use super::devices::{apply_device, kubectl_apply, kubectl_patch_json, status, DEVICE};
+use super::{CloudBroker, Cluster, Controller};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+/// The Python mapper: its stdout's JSON lines, its stdin for commands.
+struct PyMapper {
+    child: Child,
+    stdin: ChildStdin,
+    lines: mpsc::Receiver<Value>,
+    seen: Vec<Value>,
+}
+
+impl PyMapper {
+    /// Starts it (stubs generated into `dir` the first time) and waits until it registered
+    /// and serves.
+    async fn start(node_socket: &Path, dir: &Path) -> PyMapper {
+        PyMapper::start_for(node_socket, dir, "modbus").await
+    }
+
+    /// A mapper of `protocol`, serving on `<dir>/<protocol>.sock`.
+    async fn start_for(node_socket: &Path, dir: &Path, protocol: &str) -> PyMapper {
+        let script = format!("{}/tests/kube/dmi_mapper.py", env!("CARGO_MANIFEST_DIR"));
+        let own = dir.join(format!("{protocol}.sock"));
+        let stubs = dir.join("stubs");
+        std::fs::create_dir_all(&stubs).expect("stub dir");
+        let mut child = Command::new("python3")
+            .arg(script)
+            .arg(node_socket)
+            .arg(&own)
+            .arg(&stubs)
+            .arg(protocol)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("python3 runs (scripts/test installs grpcio and grpcio-tools)");
+        let stdin = child.stdin.take().expect("stdin");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, lines) = mpsc::channel(4096);
+        tokio::spawn(async move {
+            let mut reader = BufReader::new(stdout).lines();
+            while let Ok(Some(line)) = reader.next_line().await {
+                let value = serde_json::from_str(&line).unwrap_or(json!({"text": line}));
+                if tx.send(value).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let mut mapper = PyMapper {
+            child,
+            stdin,
+            lines,
+            seen: Vec::new(),
+        };
+        mapper.next("serving", |e| e["event"] == "serving").await;
+        mapper
+    }
+
+    /// The first line `pick` accepts, of those passed over before (`seen`) or the next ones.
+    async fn next(&mut self, what: &str, pick: impl Fn(&Value) -> bool) -> Value {
+        if let Some(i) = self.seen.iter().position(&pick) {
+            return self.seen.remove(i);
+        }
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            let line = tokio::time::timeout_at(deadline, self.lines.recv()).await;
+            match line {
+                Ok(Some(line)) if pick(&line) => return line,
+                Ok(Some(line)) => self.seen.push(line),
+                Ok(None) => panic!("the mapper ended before {what}; saw {:#?}", self.seen),
+                Err(_) => panic!(
+                    "no {what} from the mapper within {WAIT:?}; saw {:#?}",
+                    self.seen
+                ),
+            }
+        }
+    }
+
+    /// Sends a command and returns its answer line.
+    async fn ask(&mut self, command: &str) -> Value {
+        self.stdin
+            .write_all(format!("{command}\n").as_bytes())
+            .await
+            .expect("mapper stdin");
+        let word = command.split(' ').next().unwrap_or_default().to_owned();
+        self.next(command, |e| e["answer"] == word.as_str()).await
+    }
+
+    async fn kill(mut self) {
+        let _ = self.child.kill().await;
+    }
+}
+
+/// A bridged node serving DMI on `<dir>/dmi.sock`.
+async fn dmi_node(
+    cloud: &CloudBroker,
+    dir: &Path,
+) -> (super::common::Node, super::common::CloudOptions, PathBuf) {
+    dmi_node_with(cloud, dir, &[]).await
+}
+
+/// ... with more `EDGEMETA_DEVICES__DMI__*` settings.
+async fn dmi_node_with(
+    cloud: &CloudBroker,
+    dir: &Path,
+    settings: &[(&str, &str)],
+) -> (super::common::Node, super::common::CloudOptions, PathBuf) {
+    let socket = dir.join("dmi.sock");
+    let mut env = vec![(
+        "EDGEMETA_DEVICES__DMI__SOCKET".to_owned(),
+        socket.display().to_string(),
+    )];
+    env.extend(
+        settings
+            .iter()
+            .map(|(k, v)| (format!("EDGEMETA_DEVICES__DMI__{k}"), (*v).to_owned())),
+    );
+    let (node, bridge) = bridged_with(
+        cloud,
+        Options {
+            env,
+            ..Options::default()
+        },
+    )
+    .await;
+    (node, bridge, socket)
+}
+
+fn twin<'a>(status: &'a Value, property: &str) -> &'a Value {
+    status["twins"]
+        .as_array()
+        .and_then(|t| t.iter().find(|t| t["propertyName"] == property))
+        .unwrap_or(&Value::Null)
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let i = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[i]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_mapper_gets_its_kubectl_device_and_edits_and_its_reports_reach_the_devicestatus() {
+    let cluster = Cluster::start().await;
+    let cloud = CloudBroker::start().await;
+    let controller = Controller::start(&cluster, &cloud);
+    let dir = tempfile::tempdir().expect("dir");
+    let (_node, bridge, socket) = dmi_node(&cloud, dir.path()).await;
+    let mut mapper = PyMapper::start(&socket, dir.path()).await;
+    let registered = mapper
+        .next("MapperRegister", |e| e["call"] == "MapperRegister")
+        .await;
+    assert_eq!(registered["devices"], json!([]), "{registered}");
+
+    // kubectl apply: the model goes first, then RegisterDevice with the Device's spec.
+    apply_device(&cluster, &bridge.node_id);
+    mapper
+        .next("CreateDeviceModel", |e| e["call"] == "CreateDeviceModel")
+        .await;
+    let device = mapper
+        .next("RegisterDevice", |e| {
+            e["call"] == "RegisterDevice" && e["name"] == DEVICE
+        })
+        .await;
+    assert_eq!(device["model"], "beta1-model", "{device}");
+    assert_eq!(device["desired"]["temp"], "30", "{device}");
+    assert_eq!(device["protocol"], "modbus", "{device}");
+    // configData as KubeEdge sends it: strings as StringValue, numbers as FloatValue.
+    assert_eq!(device["config"]["ip"], "172.17.0.3", "{device}");
+    assert_eq!(device["config"]["port"], 1502.0, "{device}");
+    assert_eq!(
+        device["visitors"]["temp"]["register"], "HoldingRegister",
+        "{device}"
+    );
+
+    // Desired values edited with `kubectl patch --type json` reach the mapper as UpdateDevice.
+    let mut latencies = Vec::new();
+    for i in 0..20 {
+        let value = (100 + i).to_string();
+        kubectl_patch_json(
+            &cluster,
+            DEVICE,
+            &json!([{"op": "replace", "path": "/spec/properties/0/desired/value", "value": value}]),
+        );
+        let edited = Instant::now();
+        mapper
+            .next("UpdateDevice", |e| {
+                e["call"] == "UpdateDevice" && e["desired"]["temp"] == value.as_str()
+            })
+            .await;
+        latencies.push(edited.elapsed());
+    }
+    latencies.sort();
+    eprintln!(
+        "kubectl patch → UpdateDevice over {} edits: p50 {:?}, p99 {:?}",
+        latencies.len(),
+        percentile(&latencies, 0.5),
+        percentile(&latencies, 0.99)
+    );
+
+    // A report reaches the DeviceStatus, and the state too.
+    let answer = mapper.ask("report default beta1-device temp 41").await;
+    assert_eq!(answer["ok"], true, "{answer}");
+    let reported = Instant::now();
+    wait_until("the report in the DeviceStatus", WAIT, async || {
+        let status = status(&cluster).await;
+        if twin(&status, "temp")["reported"]["value"] == "41" {
+            Ok(())
+        } else {
+            Err(format!("{status}\n--- controller\n{}", controller.log()))
+        }
+    })
+    .await;
+    eprintln!(
+        "ReportDeviceStatus → DeviceStatus: {:?}",
+        reported.elapsed()
+    );
+    let answer = mapper.ask("state default beta1-device online").await;
+    assert_eq!(answer["ok"], true, "{answer}");
+    wait_until("the state in the DeviceStatus", WAIT, async || {
+        let status = status(&cluster).await;
+        if status["state"] == "online" {
+            Ok(())
+        } else {
+            Err(status.to_string())
+        }
+    })
+    .await;
+
+    // Refused reports get a status and change nothing.
+    let unknown = mapper.ask("report default no-such-device temp 1").await;
+    assert_eq!(unknown["code"], "NOT_FOUND", "{unknown}");
+    let typed = mapper.ask("report default beta1-device temp warm").await;
+    assert_eq!(typed["code"], "INVALID_ARGUMENT", "{typed}");
+    let state = mapper.ask("state default beta1-device exploded").await;
+    assert_eq!(state["code"], "INVALID_ARGUMENT", "{state}");
+    let malformed = mapper.ask("raw ffffffff0a").await;
+    assert_eq!(malformed["ok"], false, "{malformed}");
+    let big = mapper.ask("big default beta1-device 2000000").await;
+    assert_eq!(big["code"], "OUT_OF_RANGE", "{big}");
+    let status = status(&cluster).await;
+    assert_eq!(twin(&status, "temp")["reported"]["value"], "41", "{status}");
+    assert_eq!(status["state"], "online", "{status}");
+    // The node still serves after all that.
+    let answer = mapper.ask("report default beta1-device temp 43").await;
+    assert_eq!(answer["ok"], true, "{answer}");
+
+    // The desired value removed from the Device is removed at the mapper.
+    kubectl_patch_json(
+        &cluster,
+        DEVICE,
+        &json!([{"op": "remove", "path": "/spec/properties/0/desired"}]),
+    );
+    mapper
+        .next("UpdateDevice without a desired value", |e| {
+            e["call"] == "UpdateDevice" && e["desired"]["temp"].is_null()
+        })
+        .await;
+
+    // The mapper is killed; devices change meanwhile; once it registers again it holds
+    // exactly the node's devices at their latest spec.
+    mapper.kill().await;
+    let second = std::fs::read_to_string(super::devices::conf("demo-device.yaml"))
+        .expect("device manifest")
+        .replace("nodeName: edge-1", &format!("nodeName: {}", bridge.node_id))
+        .replace("name: beta1-device", "name: beta1-device-2");
+    kubectl_apply(&cluster, &["-f", "-"], Some(&second));
+    kubectl_patch_json(
+        &cluster,
+        DEVICE,
+        &json!([{"op": "add", "path": "/spec/properties/0/desired", "value": {"value": "77"}}]),
+    );
+    let mut mapper = PyMapper::start(&socket, dir.path()).await;
+    let want =
+        json!({"default/beta1-device": {"temp": "77"}, "default/beta1-device-2": {"temp": "30"}});
+    wait_until(
+        "the restarted mapper holding the node's devices",
+        WAIT,
+        async || {
+            let held = mapper.ask("held").await;
+            if held["desired"] == want {
+                Ok(held)
+            } else {
+                Err(held.to_string())
+            }
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_mapper_gets_the_latest_spec_after_the_node_was_down_and_reports_outlast_the_cloud(
+) {
+    let cluster = Cluster::start().await;
+    let mut cloud = CloudBroker::start().await;
+    let controller = Controller::start(&cluster, &cloud);
+    let dir = tempfile::tempdir().expect("dir");
+    let (mut node, bridge, socket) = dmi_node(&cloud, dir.path()).await;
+    let mut mapper = PyMapper::start(&socket, dir.path()).await;
+    apply_device(&cluster, &bridge.node_id);
+    mapper
+        .next("RegisterDevice", |e| {
+            e["call"] == "RegisterDevice" && e["name"] == DEVICE
+        })
+        .await;
+
+    // The node is killed while the desired value changes 20 times; the mapper keeps running
+    // and does not register again: the node calls it with the latest once it is back.
+    node.kill9();
+    for i in 1..=20 {
+        kubectl_patch_json(
+            &cluster,
+            DEVICE,
+            &json!([{"op": "replace", "path": "/spec/properties/0/desired/value", "value": i.to_string()}]),
+        );
+    }
+    node.restart().await;
+    mapper
+        .next("UpdateDevice with the latest value", |e| {
+            e["call"] == "UpdateDevice" && e["desired"]["temp"] == "20"
+        })
+        .await;
+
+    // Reports made while the cloud is away are acknowledged once stored and reach the
+    // DeviceStatus when it is back.
+    cloud.kill9();
+    for value in ["51", "52", "53"] {
+        let answer = mapper
+            .ask(&format!("report default beta1-device temp {value}"))
+            .await;
+        assert_eq!(answer["ok"], true, "{answer}");
+    }
+    cloud.restart().await;
+    wait_until("the last report in the DeviceStatus", WAIT, async || {
+        let status = status(&cluster).await;
+        if twin(&status, "temp")["reported"]["value"] == "53" {
+            Ok(())
+        } else {
+            Err(format!("{status}\n--- controller\n{}", controller.log()))
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mapper_over_its_report_limit_is_refused_and_another_mapper_is_not_held_back() {
+    let cluster = Cluster::start().await;
+    let cloud = CloudBroker::start().await;
+    let _controller = Controller::start(&cluster, &cloud);
+    let dir = tempfile::tempdir().expect("dir");
+    // 1 report a second, 5 at once; up to 4 twins a report.
+    let (_node, bridge, socket) = dmi_node_with(
+        &cloud,
+        dir.path(),
+        &[
+            ("REPORTS_PER_S", "1"),
+            ("REPORT_BURST", "5"),
+            ("MAX_TWINS_PER_REPORT", "4"),
+        ],
+    )
+    .await;
+    let mut modbus = PyMapper::start(&socket, dir.path()).await;
+    let mut opcua = PyMapper::start_for(&socket, dir.path(), "opcua").await;
+    apply_device(&cluster, &bridge.node_id);
+    let other = std::fs::read_to_string(super::devices::conf("demo-device.yaml"))
+        .expect("device manifest")
+        .replace("nodeName: edge-1", &format!("nodeName: {}", bridge.node_id))
+        .replace("name: beta1-device", "name: opcua-device")
+        .replace("protocolName: modbus", "protocolName: opcua");
+    kubectl_apply(&cluster, &["-f", "-"], Some(&other));
+    modbus
+        .next("RegisterDevice", |e| {
+            e["call"] == "RegisterDevice" && e["name"] == DEVICE
+        })
+        .await;
+    let registered = opcua
+        .next("RegisterDevice", |e| e["call"] == "RegisterDevice")
+        .await;
+    assert_eq!(registered["name"], "opcua-device", "{registered}");
+    // Ten times the burst at once: the burst is taken, the rest refused with the code.
+    let burst = modbus.ask("burst default beta1-device 50").await;
+    let taken = burst["codes"]["OK"].as_i64().unwrap_or(0);
+    let refused = burst["codes"]["RESOURCE_EXHAUSTED"].as_i64().unwrap_or(0);
+    assert!((5..=8).contains(&taken), "{burst}");
+    assert_eq!(taken + refused, 50, "{burst}");
+    // The other mapper's limit is its own.
+    let answer = opcua.ask("report default opcua-device temp 12").await;
+    assert_eq!(answer["ok"], true, "{answer}");
+    // Ten times the twins a report may carry.
+    let many = opcua.ask("twins default opcua-device 40").await;
+    assert_eq!(many["code"], "OUT_OF_RANGE", "{many}");
+}
