@@ -1193,3 +1193,5 @@ async fn heartbeats_sent_during_an_outage_are_replaced_not_replayed() {
 
 #[path = "kube/devices.rs"]
 mod devices;
+#[path = "kube/stream.rs"]
+mod stream;
