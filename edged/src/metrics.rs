@@ -36,9 +36,11 @@ fn proc_stat(text: &str) -> Option<ProcStat> {
     let fields: Vec<&str> = after.split_whitespace().collect();
     // `after` starts at field 3 (state): field n is fields[n - 3].
     let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<u64>().ok());
+    // utime + stime, and cutime + cstime: the children it waited for (a shell's `sleep`s) count,
+    // as a cgroup counts them.
     Some(ProcStat {
         pgrp: u32::try_from(field(5)?).ok()?,
-        ticks: field(14)? + field(15)?,
+        ticks: field(14)? + field(15)? + field(16)? + field(17)?,
         rss_pages: field(24)?,
     })
 }
@@ -244,9 +246,9 @@ mod tests {
 
     #[test]
     fn a_stat_line_with_spaces_in_the_name_parses() {
-        let line = "4242 (my prog) S 1 4240 4240 0 -1 4194560 100 0 0 0 150 50 0 0 20 0 1 0 999 1000000 321 18446744073709551615";
+        let line = "4242 (my prog) S 1 4240 4240 0 -1 4194560 100 0 0 0 150 50 7 3 20 0 1 0 999 1000000 321 18446744073709551615";
         let s = proc_stat(line).expect("parses");
-        assert_eq!((s.pgrp, s.ticks, s.rss_pages), (4240, 200, 321));
+        assert_eq!((s.pgrp, s.ticks, s.rss_pages), (4240, 210, 321));
     }
 
     #[test]

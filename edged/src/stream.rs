@@ -149,6 +149,18 @@ pub async fn run(settings: Settings, kubelet: SocketAddr, cancel: CancellationTo
                                 client: client.clone(),
                                 topic: wire::up_topic(&settings.root, &settings.node, &id),
                             };
+                            // Both ends count credit against the same window: the controller's, up to ours.
+                            if !(1024..=settings.window).contains(&window) {
+                                let refused =
+                                    format!("window {window} outside 1024..={}", settings.window);
+                                let _ = client.try_publish(
+                                    up.topic,
+                                    QoS::AtLeastOnce,
+                                    false,
+                                    Frame::Close(&refused).encode(),
+                                );
+                                continue;
+                            }
                             if streams.len() >= settings.max_streams || streams.contains_key(&id) {
                                 let _ = client.try_publish(
                                     up.topic,
@@ -166,7 +178,6 @@ pub async fn run(settings: Settings, kubelet: SocketAddr, cancel: CancellationTo
                                     controller: controller.to_owned(),
                                 },
                             );
-                            let window = window.clamp(1024, settings.window.max(1024));
                             tokio::spawn(serve_stream(
                                 id,
                                 up,
