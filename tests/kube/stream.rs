@@ -453,3 +453,81 @@ async fn the_stream_server_wants_the_apiservers_certificate_and_the_node_refuses
         }
     }
 }
+
+/// `curl -N` following `/containerLogs/default/<pod>/main` through the stream server.
+fn follow_with_curl(rig: &StreamRig, pod: &str) -> tokio::process::Child {
+    let host = format!("{}.{DOMAIN}", rig.name);
+    tokio::process::Command::new("curl")
+        .args(["-sSN", "--max-time", "60"])
+        .arg("--resolve")
+        .arg(format!("{host}:{}:127.0.0.1", rig.stream_port))
+        .arg("--cacert")
+        .arg(rig.pki.path("ca.pem"))
+        .arg("--cert")
+        .arg(rig.pki.path(&format!("{}.pem", rig.client)))
+        .arg("--key")
+        .arg(rig.pki.path(&format!("{}.key", rig.client)))
+        .arg(format!(
+            "https://{host}:{}/containerLogs/default/{pod}/main?follow=true&tailLines=0",
+            rig.stream_port
+        ))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("curl is installed")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_that_reads_nothing_slows_only_its_own_stream() {
+    let rig = StreamRig::start(true).await;
+    rig.web(SCRIPT, json!({})).await;
+    // A second pod writing about 1 MB/s, followed by a reader that never reads.
+    let noisy = "while true; do head -c 65536 /dev/zero | tr '\\0' x; echo; sleep 0.05; done";
+    rig.cluster
+        .create::<Pod>(json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "noisy", "namespace": "default"},
+            "spec": {"nodeName": rig.name, "terminationGracePeriodSeconds": 1,
+                     "containers": [{"name": "main", "image": "busybox",
+                                     "command": ["sh", "-c", noisy]}]}}))
+        .await;
+    wait_until("noisy Running", RUN_WAIT, async || {
+        match rig.cluster.pods().get("noisy").await {
+            Ok(pod) if phase(&pod) == "Running" => Ok(()),
+            _ => Err(rig.logs()),
+        }
+    })
+    .await;
+    let mut stalled = follow_with_curl(&rig, "noisy");
+    const READERS: usize = 20;
+    let mut readers = Vec::new();
+    for _ in 0..READERS {
+        let mut child = follow_with_curl(&rig, "web");
+        let lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+        readers.push((child, lines));
+    }
+    // Every follower is connected, and the one that reads nothing has filled what it can.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let dir = rig.edged.pod_dir("web");
+    for round in 1..=3 {
+        let text = format!("marker-{round}");
+        let written = Instant::now();
+        say(&dir, &text);
+        let mut slowest = Duration::ZERO;
+        for (_, lines) in &mut readers {
+            let line = tokio::time::timeout(Duration::from_secs(5), lines.next_line())
+                .await
+                .unwrap_or_else(|_| panic!("{text} not seen within 5 s\n{}", rig.logs()))
+                .expect("read")
+                .expect("a line");
+            assert_eq!(line, text);
+            slowest = slowest.max(written.elapsed());
+        }
+        println!("{READERS} followers beside a stalled one: {text} seen by all after {slowest:?}");
+        assert!(slowest < Duration::from_secs(1), "{slowest:?}");
+    }
+    assert!(
+        stalled.try_wait().expect("curl").is_none(),
+        "the stalled follower's stream was cut"
+    );
+}
