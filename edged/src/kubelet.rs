@@ -1,5 +1,5 @@
 //! kubelet's API for this agent's pods, served on 127.0.0.1 only: `containerLogs`,
-//! `/metrics/resource`, `/healthz`, and `exec` (refused with 403 when turned off). Nothing
+//! `/metrics/resource`, `/healthz`, and `exec` over WebSocket (refused with 403 when turned off). Nothing
 //! outside the host reaches it; the cloud's requests arrive over the stream link (`stream.rs`),
 //! which relays them to this port.
 
@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use axum::body::Body;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, Query, State, WebSocketUpgrade};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get};
@@ -228,30 +228,49 @@ async fn resource_metrics(State(kubelet): State<Kubelet>) -> Response {
 async fn exec_with_uid(
     State(kubelet): State<Kubelet>,
     Path((namespace, pod, _uid, container)): Path<(String, String, String, String)>,
+    Query(query): Query<Vec<(String, String)>>,
+    ws: Option<WebSocketUpgrade>,
 ) -> Response {
-    exec_refusal(&kubelet, &namespace, &pod, &container)
+    exec_response(&kubelet, (&namespace, &pod, &container), &query, ws)
 }
 
 async fn exec(
     State(kubelet): State<Kubelet>,
     Path((namespace, pod, container)): Path<(String, String, String)>,
+    Query(query): Query<Vec<(String, String)>>,
+    ws: Option<WebSocketUpgrade>,
 ) -> Response {
-    exec_refusal(&kubelet, &namespace, &pod, &container)
+    exec_response(&kubelet, (&namespace, &pod, &container), &query, ws)
 }
 
-/// exec: refused when turned off; the streaming protocols are not implemented yet.
-fn exec_refusal(kubelet: &Kubelet, namespace: &str, pod: &str, container: &str) -> Response {
+/// exec: refused when turned off; otherwise the command over WebSocket (`exec.rs`).
+fn exec_response(
+    kubelet: &Kubelet,
+    (namespace, pod, container): (&str, &str, &str),
+    query: &[(String, String)],
+    ws: Option<WebSocketUpgrade>,
+) -> Response {
     if !kubelet.exec {
         return text(
             StatusCode::FORBIDDEN,
             "exec is turned off on this node (edged.kubelet.exec: false)\n".to_owned(),
         );
     }
-    if let Err(message) = find(kubelet, namespace, pod, container) {
-        return text(StatusCode::NOT_FOUND, message);
-    }
-    text(
-        StatusCode::NOT_IMPLEMENTED,
-        "exec is not implemented by edged yet\n".to_owned(),
-    )
+    let plan = match find(kubelet, namespace, pod, container) {
+        Ok((_, plan)) => plan,
+        Err(message) => return text(StatusCode::NOT_FOUND, message),
+    };
+    let request = match crate::exec::ExecRequest::parse(query) {
+        Ok(request) => request,
+        Err(message) => return text(StatusCode::BAD_REQUEST, format!("{message}\n")),
+    };
+    let Some(ws) = ws else {
+        return text(
+            StatusCode::BAD_REQUEST,
+            "exec needs a WebSocket upgrade (v5.channel.k8s.io or v4.channel.k8s.io); SPDY is not served\n"
+                .to_owned(),
+        );
+    };
+    ws.protocols(crate::exec::PROTOCOLS)
+        .on_upgrade(move |socket| crate::exec::run(socket, plan, request))
 }

@@ -13,12 +13,13 @@
 //! - [`status`]: `PodStatus` and the coalescing, rate-limited reporter.
 //! - [`node`]: the Node: registration, node status from the host, the heartbeat Lease.
 //! - [`kubelet`]: kubelet's API on loopback: [`logs`] (`containerLogs`), [`metrics`]
-//!   (`/metrics/resource`), `exec`.
+//!   (`/metrics/resource`), [`exec`].
 //! - [`stream`]: the cloud's kubelet API requests, carried over the cloud broker to [`kubelet`].
 
 mod agent;
 mod config;
 mod error;
+mod exec;
 mod kubelet;
 mod logs;
 mod message;

@@ -12,8 +12,8 @@
 //!   status subresource, graceful pod deletion, and the `/fake/faults` knobs.
 //! - `table`: `meta.k8s.io/v1` Tables for `kubectl get`.
 //! - `lifecycle`: the node lifecycle controller and taint-based eviction, when turned on.
-//! - `proxy`: `pods/log` proxied to the kubelet port the pod's Node reports, over HTTPS with a
-//!   kubelet client certificate, as kube-apiserver does.
+//! - `proxy`: `pods/log` and `pods/exec` (WebSocket, passed through) proxied to the kubelet
+//!   port the pod's Node reports, over HTTPS with a kubelet client certificate.
 //!
 //! Not a real API server: no authentication, admission, defaulting beyond a pod's initial
 //! status, or server-side apply; strategic merge patches are applied as JSON merge patches; no
@@ -146,6 +146,10 @@ impl FakeApi {
             .route(
                 "/api/v1/namespaces/:namespace/pods/:name/log",
                 axum::routing::get(proxy::log),
+            )
+            .route(
+                "/api/v1/namespaces/:namespace/pods/:name/exec",
+                axum::routing::any(proxy::exec),
             )
             .with_state(logs)
             .merge(

@@ -117,17 +117,31 @@ fn reason_of(code: u16) -> &'static str {
     }
 }
 
-/// `GET /api/v1/namespaces/{ns}/pods/{name}/log`.
-pub(crate) async fn log(
-    State(proxy): State<Arc<Proxy>>,
-    Path((namespace, name)): Path<(String, String)>,
-    Query(params): Query<HashMap<String, String>>,
-) -> Response {
+/// Where a pod's kubelet is: address, port and the container asked for.
+struct KubeletTarget<'a> {
+    connector: &'a TlsConnector,
+    client: &'a KubeletClient,
+    address: String,
+    port: u16,
+    container: String,
+}
+
+/// An answer of the API instead of a kubelet's: code, reason, message.
+type Refused = (u16, &'static str, String);
+
+/// The pod's container (`container`, or the only one) and its Node's kubelet, or the API's
+/// error for it.
+fn kubelet_of<'a>(
+    proxy: &'a Proxy,
+    namespace: &str,
+    name: &str,
+    container: Option<&str>,
+) -> Result<KubeletTarget<'a>, Refused> {
     let found = {
         let store = proxy.shared.store();
         let pods = crate::kinds::find("", "v1", "pods").expect("pods are served");
         let nodes = crate::kinds::find("", "v1", "nodes").expect("nodes are served");
-        store.get(pods, &namespace, &name).map(|pod| {
+        store.get(pods, namespace, name).map(|pod| {
             let node = pod["spec"]["nodeName"]
                 .as_str()
                 .unwrap_or_default()
@@ -138,62 +152,91 @@ pub(crate) async fn log(
             (pod, node, node_object)
         })
     };
-    let (pod, node, node_object) = match found {
-        Ok(found) => found,
-        Err(e) => return status(e.code(), reason_of(e.code()), &e.to_string()),
-    };
+    let (pod, node, node_object) =
+        found.map_err(|e| (e.code(), reason_of(e.code()), e.to_string()))?;
     let containers: Vec<&str> = pod["spec"]["containers"]
         .as_array()
         .map(|c| c.iter().filter_map(|c| c["name"].as_str()).collect())
         .unwrap_or_default();
-    let container = match params.get("container") {
+    let container = match container {
         Some(c) if !c.is_empty() => {
-            if !containers.contains(&c.as_str()) {
-                return status(
+            if !containers.contains(&c) {
+                return Err((
                     400,
                     "BadRequest",
-                    &format!("container {c} is not valid for pod {name}"),
-                );
+                    format!("container {c} is not valid for pod {name}"),
+                ));
             }
-            c.clone()
+            c.to_owned()
         }
         _ if containers.len() == 1 => containers[0].to_owned(),
         _ => {
-            return status(
+            return Err((
                 400,
                 "BadRequest",
-                &format!(
+                format!(
                     "a container name must be specified for pod {name}, choose one of: [{}]",
                     containers.join(" ")
                 ),
-            )
+            ))
         }
     };
     if node.is_empty() {
-        return status(
+        return Err((
             400,
             "BadRequest",
-            &format!("pod {name} does not have a host assigned"),
-        );
+            format!("pod {name} does not have a host assigned"),
+        ));
     }
     let Some(node_object) = node_object else {
-        return status(404, "NotFound", &format!("nodes \"{node}\" not found"));
+        return Err((404, "NotFound", format!("nodes \"{node}\" not found")));
     };
     let Some((connector, client)) = &proxy.kubelet else {
-        return status(
+        return Err((
             503,
             "ServiceUnavailable",
-            "no kubelet client certificate configured (--kubelet-client-certificate)",
-        );
+            "no kubelet client certificate configured (--kubelet-client-certificate)".to_owned(),
+        ));
     };
     let Some((address, port)) = kubelet_address(&node_object, &client.preferred_address_types)
     else {
-        return status(
+        return Err((
             503,
             "ServiceUnavailable",
-            &format!("node {node} reports no kubelet address and port"),
-        );
+            format!("node {node} reports no kubelet address and port"),
+        ));
     };
+    Ok(KubeletTarget {
+        connector,
+        client,
+        address,
+        port,
+        container,
+    })
+}
+
+/// `GET /api/v1/namespaces/{ns}/pods/{name}/log`.
+pub(crate) async fn log(
+    State(proxy): State<Arc<Proxy>>,
+    Path((namespace, name)): Path<(String, String)>,
+    Query(params): Query<HashMap<String, String>>,
+) -> Response {
+    let target = match kubelet_of(
+        &proxy,
+        &namespace,
+        &name,
+        params.get("container").map(String::as_str),
+    ) {
+        Ok(target) => target,
+        Err((code, reason, message)) => return status(code, reason, &message),
+    };
+    let KubeletTarget {
+        connector,
+        client,
+        address,
+        port,
+        container,
+    } = target;
     let mut query: Vec<String> = Vec::new();
     for key in LOG_PARAMETERS {
         if let Some(value) = params.get(key) {
@@ -208,12 +251,32 @@ pub(crate) async fn log(
         if query.is_empty() { "" } else { "?" },
         query.join("&")
     );
-    match get(connector, client, &address, port, &path).await {
+    match send(
+        connector,
+        client,
+        &address,
+        port,
+        plain_get(&address, port, &path),
+    )
+    .await
+    {
         Ok(response) if response.status().is_success() => {
             let body = Body::new(response.into_body());
             ([(header::CONTENT_TYPE, "text/plain")], body).into_response()
         }
-        Ok(response) => {
+        Ok(response) => kubelet_error(response).await,
+        Err(message) => status(
+            500,
+            "InternalError",
+            &format!("Get \"https://{address}:{port}{path}\": {message}"),
+        ),
+    }
+}
+
+/// A kubelet's error answer as the API's `Status` with its code.
+async fn kubelet_error(response: hyper::Response<hyper::body::Incoming>) -> Response {
+    {
+        {
             let code = response.status().as_u16();
             let text = tokio::time::timeout(KUBELET_TIMEOUT, async {
                 let mut body = response.into_body();
@@ -233,12 +296,111 @@ pub(crate) async fn log(
             let text = String::from_utf8_lossy(&text);
             status(code, reason_of(code), text.trim_end())
         }
-        Err(message) => status(
-            500,
-            "InternalError",
-            &format!("Get \"https://{address}:{port}{path}\": {message}"),
-        ),
     }
+}
+
+/// The `pods/exec` parameters passed on to the kubelet.
+const EXEC_PARAMETERS: [&str; 5] = ["command", "stdin", "stdout", "stderr", "tty"];
+/// Request headers of a protocol upgrade passed on to the kubelet.
+const UPGRADE_HEADERS: [&str; 6] = [
+    "upgrade",
+    "connection",
+    "sec-websocket-key",
+    "sec-websocket-version",
+    "sec-websocket-protocol",
+    "x-stream-protocol-version",
+];
+
+/// `pods/exec`: the upgrade (WebSocket, as kubectl ≥ 1.30 asks) passed through to the kubelet,
+/// then the bytes both ways.
+pub(crate) async fn exec(
+    State(proxy): State<Arc<Proxy>>,
+    Path((namespace, name)): Path<(String, String)>,
+    Query(params): Query<Vec<(String, String)>>,
+    mut request: axum::extract::Request,
+) -> Response {
+    let container = params
+        .iter()
+        .find(|(k, _)| k == "container")
+        .map(|(_, v)| v.as_str());
+    let target = match kubelet_of(&proxy, &namespace, &name, container) {
+        Ok(target) => target,
+        Err((code, reason, message)) => return status(code, reason, &message),
+    };
+    let query: Vec<String> = params
+        .iter()
+        .filter(|(k, _)| EXEC_PARAMETERS.contains(&k.as_str()))
+        .map(|(k, v)| format!("{k}={}", encode(v)))
+        .collect();
+    let path = format!(
+        "/exec/{namespace}/{name}/{}?{}",
+        target.container,
+        query.join("&")
+    );
+    let Some(client_side) = request
+        .extensions_mut()
+        .remove::<hyper::upgrade::OnUpgrade>()
+    else {
+        return status(400, "BadRequest", "exec needs a connection upgrade");
+    };
+    let mut forwarded = Request::builder()
+        .method(request.method().clone())
+        .uri(&path)
+        .header(header::HOST, format!("{}:{}", target.address, target.port));
+    for (name, value) in request.headers() {
+        if UPGRADE_HEADERS.contains(&name.as_str()) {
+            forwarded = forwarded.header(name, value);
+        }
+    }
+    let Ok(forwarded) = forwarded.body(Empty::new()) else {
+        return status(400, "BadRequest", "malformed upgrade request");
+    };
+    let response = match send(
+        target.connector,
+        target.client,
+        &target.address,
+        target.port,
+        forwarded,
+    )
+    .await
+    {
+        Ok(response) => response,
+        Err(message) => {
+            return status(
+                500,
+                "InternalError",
+                &format!(
+                    "https://{}:{}{path}: {message}",
+                    target.address, target.port
+                ),
+            )
+        }
+    };
+    if response.status() != StatusCode::SWITCHING_PROTOCOLS {
+        return kubelet_error(response).await;
+    }
+    let mut switched = Response::builder().status(StatusCode::SWITCHING_PROTOCOLS);
+    for (name, value) in response.headers() {
+        switched = switched.header(name, value);
+    }
+    let kubelet_side = hyper::upgrade::on(response);
+    tokio::spawn(async move {
+        match tokio::join!(client_side, kubelet_side) {
+            (Ok(client), Ok(kubelet)) => {
+                let _ = tokio::io::copy_bidirectional(
+                    &mut TokioIo::new(client),
+                    &mut TokioIo::new(kubelet),
+                )
+                .await;
+            }
+            (client, kubelet) => {
+                tracing::warn!(error_code = "EM-FAKEAPI-UPGRADE", client = ?client.err(), kubelet = ?kubelet.err(), "an exec connection could not be upgraded");
+            }
+        }
+    });
+    switched
+        .body(Body::empty())
+        .unwrap_or_else(|_| status(500, "InternalError", "upgrade response"))
 }
 
 /// The Node's first address of the preferred types, and its kubelet port.
@@ -269,13 +431,21 @@ fn encode(value: &str) -> String {
         .collect()
 }
 
-/// One HTTPS GET to a kubelet; the response's body streams on.
-async fn get(
+/// A GET of `path` for the kubelet at `address:port`.
+fn plain_get(address: &str, port: u16, path: &str) -> Request<Empty<Bytes>> {
+    Request::get(path)
+        .header(header::HOST, format!("{address}:{port}"))
+        .body(Empty::new())
+        .expect("a GET of a path built here is valid")
+}
+
+/// One HTTPS request to a kubelet; the response's body (or upgraded connection) goes on.
+async fn send(
     connector: &TlsConnector,
     client: &KubeletClient,
     address: &str,
     port: u16,
-    path: &str,
+    request: Request<Empty<Bytes>>,
 ) -> Result<hyper::Response<hyper::body::Incoming>, String> {
     let name = rustls::pki_types::ServerName::try_from(address.to_owned())
         .map_err(|e| format!("{address}: {e}"))?;
@@ -293,11 +463,7 @@ async fn get(
             hyper::client::conn::http1::handshake::<_, Empty<Bytes>>(TokioIo::new(tls))
                 .await
                 .map_err(|e| e.to_string())?;
-        tokio::spawn(connection);
-        let request = Request::get(path)
-            .header(header::HOST, format!("{address}:{port}"))
-            .body(Empty::new())
-            .map_err(|e| e.to_string())?;
+        tokio::spawn(connection.with_upgrades());
         sender
             .send_request(request)
             .await

@@ -531,3 +531,60 @@ async fn a_follower_that_reads_nothing_slows_only_its_own_stream() {
         "the stalled follower's stream was cut"
     );
 }
+
+/// `kubectl exec <args>` with `stdin` piped in: (exit code, stdout, stderr).
+fn kubectl_exec(rig: &StreamRig, args: &[&str], stdin: &str) -> (i32, String, String) {
+    use std::io::Write as _;
+    let mut child = Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(rig.cluster.kubeconfig())
+        .arg("exec")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kubectl is installed");
+    if let Some(mut input) = child.stdin.take() {
+        let _ = input.write_all(stdin.as_bytes());
+    }
+    let out = child.wait_with_output().expect("kubectl exec");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubectl_exec_runs_in_the_pods_environment_with_stdin_and_exit_codes() {
+    let rig = StreamRig::start(true).await;
+    rig.web(
+        SCRIPT,
+        json!({"env": [{"name": "GREETING", "value": "hello from the pod"}]}),
+    )
+    .await;
+    let (code, out, err) =
+        kubectl_exec(&rig, &["web", "--", "sh", "-c", "echo $GREETING; pwd"], "");
+    assert_eq!(code, 0, "{err}\n{}", rig.logs());
+    let dir = rig.edged.pod_dir("web");
+    assert_eq!(out, format!("hello from the pod\n{}\n", dir.display()));
+    let (code, out, err) = kubectl_exec(
+        &rig,
+        &[
+            "-i",
+            "web",
+            "--",
+            "sh",
+            "-c",
+            "read a; echo got $a; echo oops >&2",
+        ],
+        "line\n",
+    );
+    assert_eq!((code, out.as_str()), (0, "got line\n"), "{err}");
+    assert!(err.contains("oops"), "{err}");
+    let (code, _, err) = kubectl_exec(&rig, &["web", "--", "sh", "-c", "exit 3"], "");
+    assert_eq!(code, 3, "{err}");
+    let (code, _, err) = kubectl_exec(&rig, &["web", "--", "/no/such/program"], "");
+    assert_ne!(code, 0, "{err}");
+}
