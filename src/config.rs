@@ -186,6 +186,20 @@ impl Settings {
         if edged.node.name.is_empty() && self.cloud.enabled {
             edged.node.name = self.cloud.node_id.clone();
         }
+        // kubelet API streams ride edged's own connection to the bridge's cloud broker.
+        if self.cloud.enabled
+            && edged.stream.broker_url.is_empty()
+            && self.cloud.url.starts_with("mqtt://")
+        {
+            edged.stream.broker_url = self.cloud.url.clone();
+            if edged.stream.username.is_none() {
+                edged.stream.username = self.cloud.username.clone();
+                edged.stream.password = self.cloud.password.clone();
+            }
+        }
+        if edged.stream.root.is_empty() {
+            edged.stream.root = self.cloud.root.clone();
+        }
         Ok(edged)
     }
 }

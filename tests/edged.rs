@@ -200,7 +200,11 @@ async fn a_pod_from_the_cloud_runs_with_its_config_and_reports_running_to_the_cl
     await_text(&log_path, "/work", 1, WAIT).await;
     let log = std::fs::read_to_string(&log_path).expect("log");
     assert!(log.contains("MODE=eco LEVEL=3 PW=hunter2"), "{log}");
-    assert!(log.contains("eco\nhunter2\n"), "{log}");
+    // The CRI log format kubelet reads: `<time> <stream> <F|P> <line>`.
+    assert!(
+        log.contains(" stdout F eco\n") && log.contains(" stdout F hunter2\n"),
+        "{log}"
+    );
     assert!(
         log.contains(&format!("{}/work", edged.pod_dir("web").display())),
         "{log}"

@@ -1324,5 +1324,9 @@ async fn after_an_outage_the_node_is_unknown_once_and_ready_again_within_two_sec
         rig.logs()
     );
 }
+
 #[path = "kube/dmi.rs"]
 mod dmi;
+
+#[path = "kube/stream.rs"]
+mod stream;

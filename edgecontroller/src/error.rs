@@ -17,6 +17,8 @@ pub enum Error {
     Stopped,
     #[error("leadership lost: another replica holds the lease")]
     LeadershipLost,
+    #[error("kubelet stream server: {0}")]
+    Stream(String),
 }
 
 impl Error {
@@ -30,6 +32,7 @@ impl Error {
             Error::Message { .. } => "EM-EC-MESSAGE",
             Error::Stopped => "EM-EC-STOPPED",
             Error::LeadershipLost => "EM-EC-LEASE-LOST",
+            Error::Stream(_) => "EM-EC-STREAM",
         }
     }
 }

@@ -11,6 +11,7 @@
 //! - `leader`: Lease-based leader election, for a hot standby.
 //! - `devices`: KubeEdge's Devices and DeviceModels down to nodes, DeviceStatus up.
 //! - `watch`: the watch loop every kind shares, objects cut down before the owner sees them.
+//! - `stream`: kubelet's API for the managed nodes, relayed to their edged over the broker.
 //! - `controller`: the owner task: watch events and node messages in, MQTT and API writes out.
 
 mod acked;
@@ -24,6 +25,7 @@ mod leader;
 mod refs;
 mod routing;
 mod status;
+pub mod stream;
 mod watch;
 
 use std::path::PathBuf;
@@ -36,6 +38,7 @@ pub use error::Error;
 pub use leader::LeaseConfig;
 pub use refs::{pod_refs, Ref};
 pub use routing::{Routing, EDGE_LABEL};
+pub use stream::StreamConfig;
 
 /// How the controller runs.
 #[derive(Debug, Clone)]

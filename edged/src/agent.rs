@@ -80,6 +80,8 @@ pub struct Agent {
     pending: HashMap<String, Pending>,
     listing: Option<Listing>,
     connected: bool,
+    /// The pods started here, as kubelet's API serves them (this task is its only writer).
+    running: crate::kubelet::Registry,
     cancel: CancellationToken,
 }
 
@@ -99,6 +101,7 @@ impl Agent {
         runtime: Arc<dyn Runtime>,
         timing: Arc<Timing>,
         reports: mpsc::Sender<Report>,
+        running: crate::kubelet::Registry,
         cancel: CancellationToken,
     ) -> Agent {
         Agent {
@@ -117,6 +120,7 @@ impl Agent {
             pending: HashMap::new(),
             listing: None,
             connected: false,
+            running,
             cancel,
         }
     }
@@ -555,6 +559,7 @@ impl Agent {
             .collect();
         match planned {
             Ok(plan) => {
+                self.running.insert(key, &plan);
                 let worker = PodWorker::spawn(PodStart {
                     plan,
                     images,
@@ -638,6 +643,7 @@ impl Agent {
         let Some(entry) = self.pods.remove(key) else {
             return;
         };
+        self.running.remove(key);
         let grace = entry
             .pod
             .as_ref()

@@ -66,6 +66,91 @@ pub struct EdgedConfig {
     /// The Kubernetes Node this agent runs: registration and heartbeats (docs/edged.md).
     #[serde(default)]
     pub node: NodeConfig,
+    /// kubelet's API for this agent's pods, on loopback only (docs/edged.md).
+    #[serde(default)]
+    pub kubelet: KubeletConfig,
+    /// The link that carries kubelet API requests from the cloud (docs/edged.md).
+    #[serde(default)]
+    pub stream: StreamConfig,
+}
+
+/// `edged.kubelet`: the kubelet API server, always bound to 127.0.0.1.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct KubeletConfig {
+    /// `false`: nothing is served, and streams from the cloud are refused.
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    /// The loopback port; 0 (the default) picks a free one, logged at start. Only edged's
+    /// stream link needs it, so no fixed port can collide with another edged on the host.
+    #[serde(default = "default_kubelet_port")]
+    pub port: u16,
+    /// `false`: `exec` answers 403.
+    #[serde(default = "default_true")]
+    pub exec: bool,
+}
+
+impl Default for KubeletConfig {
+    fn default() -> Self {
+        KubeletConfig {
+            enabled: true,
+            port: default_kubelet_port(),
+            exec: true,
+        }
+    }
+}
+
+/// `edged.stream`: a connection edged opens to the cloud broker for kubelet API streams, beside
+/// the node's bridge (whose up traffic goes through the durable outbox, wrong for byte streams).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StreamConfig {
+    /// The cloud broker, `mqtt://host:port`; empty: `cloud.url` when the node is bridged, else off.
+    #[serde(default)]
+    pub broker_url: String,
+    /// First level of cloud topics; empty: `cloud.root`.
+    #[serde(default)]
+    pub root: String,
+    /// MQTT client id; empty: `edgemeta-<node>-stream`.
+    #[serde(default)]
+    pub client_id: String,
+    #[serde(default)]
+    pub username: Option<String>,
+    #[serde(default)]
+    pub password: Option<String>,
+    /// Bytes one stream may have in flight in each direction (its memory bound on each side).
+    #[serde(default = "default_stream_window")]
+    pub window_bytes: u32,
+    /// Streams open at once; more are refused.
+    #[serde(default = "default_max_streams")]
+    pub max_streams: usize,
+}
+
+impl Default for StreamConfig {
+    fn default() -> Self {
+        StreamConfig {
+            broker_url: String::new(),
+            root: String::new(),
+            client_id: String::new(),
+            username: None,
+            password: None,
+            window_bytes: default_stream_window(),
+            max_streams: default_max_streams(),
+        }
+    }
+}
+
+const fn default_true() -> bool {
+    true
+}
+const fn default_kubelet_port() -> u16 {
+    0
+}
+const fn default_stream_window() -> u32 {
+    64 * 1024
+}
+const fn default_max_streams() -> usize {
+    256
 }
 
 /// `edged.node`: the Node edged registers and keeps Ready, as kubelet does.
@@ -97,9 +182,14 @@ pub struct NodeConfig {
     /// Labels the Node is registered with (the edge label is always added).
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
-    /// `daemonEndpoints.kubeletEndpoint.Port`: 0, since nothing serves kubelet's API here.
+    /// `daemonEndpoints.kubeletEndpoint.Port`: the port of the controller's stream server,
+    /// which carries kubelet API requests to this node; 0: none.
     #[serde(default)]
     pub kubelet_port: u16,
+    /// Reported as the Node's `InternalDNS` address: a name resolving to the controller's
+    /// stream server (`<node>.<stream domain>`), which routes by it; empty: not reported.
+    #[serde(default)]
+    pub kubelet_address: String,
 }
 
 const fn default_heartbeat_ms() -> u64 {
@@ -125,6 +215,7 @@ impl Default for NodeConfig {
             reserved_ephemeral_storage_mib: 0,
             labels: BTreeMap::new(),
             kubelet_port: 0,
+            kubelet_address: String::new(),
         }
     }
 }
@@ -193,6 +284,8 @@ impl Default for EdgedConfig {
             log_max_files: default_log_max_files(),
             keep_alive_s: default_keep_alive_s(),
             node: NodeConfig::default(),
+            kubelet: KubeletConfig::default(),
+            stream: StreamConfig::default(),
         }
     }
 }
@@ -233,6 +326,19 @@ impl EdgedConfig {
                 "edged.node.name {:?} is not a node name",
                 self.node.name
             )));
+        }
+        if !self.stream.broker_url.is_empty() {
+            parse_url(&self.stream.broker_url).map_err(|_| {
+                Error::Config(format!(
+                    "edged.stream.broker_url {:?}: want mqtt://host:port",
+                    self.stream.broker_url
+                ))
+            })?;
+        }
+        if self.stream.window_bytes < 1024 {
+            return Err(Error::Config(
+                "edged.stream.window_bytes must be at least 1024".to_owned(),
+            ));
         }
         if self.restart_backoff_base_ms == 0 || self.status_interval_ms == 0 {
             return Err(Error::Config(

@@ -12,11 +12,18 @@
 //! - [`runtime`]: the runtime trait and the process runtime; [`probe`]: exec/HTTP/TCP probes.
 //! - [`status`]: `PodStatus` and the coalescing, rate-limited reporter.
 //! - [`node`]: the Node: registration, node status from the host, the heartbeat Lease.
+//! - [`kubelet`]: kubelet's API on loopback: [`logs`] (`containerLogs`), [`metrics`]
+//!   (`/metrics/resource`), [`exec`].
+//! - [`stream`]: the cloud's kubelet API requests, carried over the cloud broker to [`kubelet`].
 
 mod agent;
 mod config;
 mod error;
+mod exec;
+mod kubelet;
+mod logs;
 mod message;
+mod metrics;
 mod node;
 mod plan;
 mod pod;
@@ -25,6 +32,7 @@ mod runtime;
 mod session;
 mod spec;
 mod status;
+mod stream;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,7 +42,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
-pub use config::{EdgedConfig, NodeConfig};
+pub use config::{EdgedConfig, KubeletConfig, NodeConfig, StreamConfig};
 pub use error::Error;
 
 /// Requests rumqttc may hold before `try_publish` refuses (100 pods start in one burst).
@@ -116,6 +124,27 @@ pub async fn run(config: EdgedConfig, root: &str, cancel: CancellationToken) -> 
         config.log_max_bytes,
         config.log_max_files,
     ));
+    let registry = kubelet::Registry::new();
+    let kubelet_cancel = CancellationToken::new();
+    let kubelet_server = if config.kubelet.enabled {
+        let api = kubelet::Kubelet {
+            pods: registry.reader(),
+            exec: config.kubelet.exec,
+        };
+        let (address, task) =
+            kubelet::serve(api, config.kubelet.port, kubelet_cancel.clone()).await?;
+        Some((address, task))
+    } else {
+        None
+    };
+    let stream_link = match (&kubelet_server, stream::Settings::from_config(&config)) {
+        (Some((address, _)), Some(settings)) => Some(tokio::spawn(stream::run(
+            settings,
+            *address,
+            kubelet_cancel.clone(),
+        ))),
+        _ => None,
+    };
     let agent = agent::Agent::new(
         agent::AgentSettings {
             root: root.to_owned(),
@@ -128,6 +157,7 @@ pub async fn run(config: EdgedConfig, root: &str, cancel: CancellationToken) -> 
         runtime,
         timing,
         report_tx,
+        registry,
         cancel.clone(),
     );
     info!(namespaces = ?config.namespaces, "edged starting");
@@ -136,6 +166,13 @@ pub async fn run(config: EdgedConfig, root: &str, cancel: CancellationToken) -> 
     agent.run(inbound_rx).await;
     if let Some(heartbeat) = heartbeat {
         let _ = heartbeat.await;
+    }
+    kubelet_cancel.cancel();
+    if let Some(link) = stream_link {
+        let _ = tokio::time::timeout(Duration::from_secs(1), link).await;
+    }
+    if let Some((_, server)) = kubelet_server {
+        let _ = tokio::time::timeout(Duration::from_secs(1), server).await;
     }
     reporter_cancel.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(1), reporter).await;

@@ -255,10 +255,7 @@ pub fn document(settings: &NodeSettings, host: &Host) -> Value {
             "capacity": capacity,
             "allocatable": allocatable,
             "conditions": conditions(host),
-            "addresses": [
-                {"type": "InternalIP", "address": settings.node_ip},
-                {"type": "Hostname", "address": host.hostname},
-            ],
+            "addresses": addresses(settings, host),
             "daemonEndpoints": {"kubeletEndpoint": {"Port": config.kubelet_port}},
             "nodeInfo": {
                 "machineID": host.machine_id,
@@ -274,6 +271,19 @@ pub fn document(settings: &NodeSettings, host: &Host) -> Value {
             },
         },
     })
+}
+
+/// The Node's addresses; the kubelet address (the controller's stream server, which routes by
+/// it) as `InternalDNS`, the type apiservers are told to prefer (README "kubectl logs").
+fn addresses(settings: &NodeSettings, host: &Host) -> Value {
+    let mut addresses = vec![
+        json!({"type": "InternalIP", "address": settings.node_ip}),
+        json!({"type": "Hostname", "address": host.hostname}),
+    ];
+    if !settings.config.kubelet_address.is_empty() {
+        addresses.push(json!({"type": "InternalDNS", "address": settings.config.kubelet_address}));
+    }
+    Value::Array(addresses)
 }
 
 /// The Lease spec edged renews (`renewTime` is the controller's clock: see docs/edged.md).

@@ -6,7 +6,7 @@ use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::process::Stdio;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::process::{Child, Command};
@@ -61,6 +61,7 @@ pub struct ProcessRuntime {
 }
 
 impl ProcessRuntime {
+    /// Each container's log is rotated at `log_max_bytes`, keeping `log_max_files` rotated files.
     pub fn new(log_max_bytes: u64, log_max_files: u32) -> ProcessRuntime {
         ProcessRuntime {
             log_max_bytes: log_max_bytes.max(1024),
@@ -118,6 +119,7 @@ impl Runtime for ProcessRuntime {
                 message: format!("working directory {}: {e}", plan.working_dir.display()),
             });
         }
+        keep_previous_run(&plan.log_path, self.log_max_files);
         let mut command = Command::new(program);
         command
             .args(args)
@@ -241,11 +243,24 @@ fn start_time(pid: u32) -> Option<String> {
     after.split_whitespace().nth(19).map(str::to_owned)
 }
 
-/// A container's log: both streams, rotated at `max_bytes` into `<log>.1` … `<log>.<max_files>`.
+/// A container's log in the CRI format kubelet reads (`<RFC3339 time> <stdout|stderr> <F|P>
+/// <text>`, one record a line), rotated at `max_bytes` into `<log>.1` … `<log>.<max_files>`.
 struct LogFile {
     path: PathBuf,
     max_bytes: u64,
     max_files: u32,
+}
+
+/// A line longer than this is written as partial records (`P`), as container runtimes do.
+const MAX_RECORD_TEXT: usize = 16 * 1024;
+/// An unfinished line is written as a partial record after the output paused this long.
+const PARTIAL_AFTER: Duration = Duration::from_millis(100);
+
+/// Which output a record came from.
+#[derive(Clone, Copy)]
+enum Output {
+    Stdout,
+    Stderr,
 }
 
 impl LogFile {
@@ -259,53 +274,56 @@ impl LogFile {
         }
         let mut out = stdout;
         let mut err = stderr;
-        let mut file = None;
-        let mut written = tokio::fs::metadata(&self.path)
-            .await
-            .map(|m| m.len())
-            .unwrap_or(0);
+        let mut sink = LogSink {
+            file: None,
+            written: tokio::fs::metadata(&self.path)
+                .await
+                .map(|m| m.len())
+                .unwrap_or(0),
+            log: &self,
+        };
         let (mut out_buf, mut err_buf) = (vec![0u8; 8192], vec![0u8; 8192]);
+        let (mut out_line, mut err_line) = (Vec::new(), Vec::new());
         while out.is_some() || err.is_some() {
-            let chunk = tokio::select! {
+            let pending = !out_line.is_empty() || !err_line.is_empty();
+            let (output, chunk, line) = tokio::select! {
+                // An unfinished line (a prompt, a file without its last newline) is written as
+                // a partial record once the output paused, so readers see it now.
+                () = tokio::time::sleep(PARTIAL_AFTER), if pending => {
+                    sink.partial(Output::Stdout, &mut out_line).await;
+                    sink.partial(Output::Stderr, &mut err_line).await;
+                    continue;
+                }
                 n = read(&mut out, &mut out_buf), if out.is_some() => match n {
-                    Some(n) => &out_buf[..n],
-                    None => { out = None; continue; }
+                    Some(n) => (Output::Stdout, &out_buf[..n], &mut out_line),
+                    None => {
+                        out = None;
+                        sink.partial(Output::Stdout, &mut out_line).await;
+                        continue;
+                    }
                 },
                 n = read(&mut err, &mut err_buf), if err.is_some() => match n {
-                    Some(n) => &err_buf[..n],
-                    None => { err = None; continue; }
+                    Some(n) => (Output::Stderr, &err_buf[..n], &mut err_line),
+                    None => {
+                        err = None;
+                        sink.partial(Output::Stderr, &mut err_line).await;
+                        continue;
+                    }
                 },
             };
             let mut rest = chunk;
-            while !rest.is_empty() {
-                if written >= self.max_bytes {
-                    file = None;
-                    self.rotate().await;
-                    written = 0;
-                }
-                if file.is_none() {
-                    file = tokio::fs::OpenOptions::new()
-                        .create(true)
-                        .append(true)
-                        .open(&self.path)
-                        .await
-                        .map_err(|e| {
-                            warn!(error_code = "EM-EDGED-IO", path = %self.path.display(), error = %e, "cannot open the container log");
-                        })
-                        .ok();
-                }
-                let room = usize::try_from(self.max_bytes - written).unwrap_or(usize::MAX);
-                let (now, later) = rest.split_at(rest.len().min(room));
-                if let Some(f) = file.as_mut() {
-                    if f.write_all(now).await.is_err() {
-                        file = None;
-                    }
-                }
-                written += now.len() as u64;
-                rest = later;
+            while let Some(end) = rest.iter().position(|b| *b == b'\n') {
+                line.extend_from_slice(&rest[..end]);
+                sink.record(output, true, line).await;
+                line.clear();
+                rest = &rest[end + 1..];
+            }
+            line.extend_from_slice(rest);
+            if line.len() >= MAX_RECORD_TEXT {
+                sink.partial(output, line).await;
             }
         }
-        if let Some(mut f) = file {
+        if let Some(mut f) = sink.file {
             let _ = f.flush().await;
         }
     }
@@ -320,6 +338,89 @@ impl LogFile {
             let _ = tokio::fs::rename(numbered(n), numbered(n + 1)).await;
         }
         let _ = tokio::fs::rename(&self.path, numbered(1)).await;
+    }
+}
+
+/// Where records go: the open log file and its size.
+struct LogSink<'a> {
+    file: Option<tokio::fs::File>,
+    written: u64,
+    log: &'a LogFile,
+}
+
+impl LogSink<'_> {
+    /// Writes what is left of an unfinished line as a partial record.
+    async fn partial(&mut self, output: Output, line: &mut Vec<u8>) {
+        if !line.is_empty() {
+            self.record(output, false, line).await;
+            line.clear();
+        }
+    }
+
+    /// Writes one record; a record is never split across files.
+    async fn record(&mut self, output: Output, full: bool, text: &[u8]) {
+        let stream = match output {
+            Output::Stdout => "stdout",
+            Output::Stderr => "stderr",
+        };
+        let tag = if full { "F" } else { "P" };
+        let mut record = format!(
+            "{} {stream} {tag} ",
+            crate::logs::timestamp(SystemTime::now())
+        )
+        .into_bytes();
+        record.extend_from_slice(text);
+        record.push(b'\n');
+        if self.written > 0 && self.written + record.len() as u64 > self.log.max_bytes {
+            self.file = None;
+            self.log.rotate().await;
+            self.written = 0;
+        }
+        if self.file.is_none() {
+            self.file = tokio::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&self.log.path)
+                .await
+                .map_err(|e| {
+                    warn!(error_code = "EM-EDGED-IO", path = %self.log.path.display(), error = %e, "cannot open the container log");
+                })
+                .ok();
+        }
+        if let Some(f) = self.file.as_mut() {
+            if f.write_all(&record).await.is_err() {
+                self.file = None;
+            }
+        }
+        self.written += record.len() as u64;
+    }
+}
+
+/// Moves the log of a container's last run (`<log>` and its rotated files) to
+/// `<logs>/previous/`, replacing the run before it: kubelet's `previous` reads it.
+fn keep_previous_run(log: &Path, max_files: u32) {
+    let Some(dir) = log.parent() else { return };
+    let Some(name) = log.file_name().and_then(|n| n.to_str()) else {
+        return;
+    };
+    if !log.exists() {
+        return;
+    }
+    let previous = dir.join("previous");
+    if let Err(e) = std::fs::create_dir_all(&previous) {
+        warn!(error_code = "EM-EDGED-IO", path = %previous.display(), error = %e, "cannot keep the previous run's log");
+        return;
+    }
+    let _ = std::fs::remove_file(previous.join(name));
+    for n in 1..=max_files {
+        let _ = std::fs::remove_file(previous.join(format!("{name}.{n}")));
+    }
+    let _ = std::fs::rename(log, previous.join(name));
+    for n in 1..=max_files {
+        let _ = std::fs::rename(
+            dir.join(format!("{name}.{n}")),
+            previous.join(format!("{name}.{n}")),
+        );
     }
 }
 

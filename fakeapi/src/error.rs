@@ -31,6 +31,8 @@ pub enum Error {
     /// Injected by the `fail_requests` fault knob.
     #[error("injected fault")]
     Injected(u16),
+    #[error("kubelet client: {0}")]
+    Kubelet(String),
     #[error("binding {address}: {source}")]
     Bind {
         address: String,
@@ -64,7 +66,7 @@ impl Error {
             Error::UnsupportedMediaType => 415,
             Error::Invalid(_) => 422,
             Error::Injected(code) => *code,
-            Error::Bind { .. } => 500,
+            Error::Bind { .. } | Error::Kubelet(_) => 500,
         }
     }
 
@@ -80,7 +82,7 @@ impl Error {
             Error::Invalid(_) => "Invalid",
             Error::Injected(429) => "TooManyRequests",
             Error::Injected(503) => "ServiceUnavailable",
-            Error::Injected(_) | Error::Bind { .. } => "InternalError",
+            Error::Injected(_) | Error::Bind { .. } | Error::Kubelet(_) => "InternalError",
         }
     }
 

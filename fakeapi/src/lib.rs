@@ -12,6 +12,8 @@
 //!   status subresource, graceful pod deletion, and the `/fake/faults` knobs.
 //! - `table`: `meta.k8s.io/v1` Tables for `kubectl get`.
 //! - `lifecycle`: the node lifecycle controller and taint-based eviction, when turned on.
+//! - `proxy`: `pods/log` and `pods/exec` (WebSocket, passed through) proxied to the kubelet
+//!   port the pod's Node reports, over HTTPS with a kubelet client certificate.
 //!
 //! Not a real API server: no authentication, admission, defaulting beyond a pod's initial
 //! status, or server-side apply; strategic merge patches are applied as JSON merge patches; no
@@ -24,6 +26,7 @@ mod crd;
 mod error;
 mod kinds;
 mod lifecycle;
+mod proxy;
 mod server;
 mod store;
 
@@ -38,6 +41,7 @@ use tokio_util::sync::CancellationToken;
 pub use edgemeta_kubewire::{FieldSelector, LabelSelector};
 pub use error::Error;
 pub use lifecycle::Lifecycle;
+pub use proxy::{KubeletClient, DEFAULT_ADDRESS_TYPES};
 
 /// How the fake behaves.
 #[derive(Debug, Clone)]
@@ -53,6 +57,8 @@ pub struct Config {
     /// Simulate kube-controller-manager's node lifecycle controller; `None`: Nodes are left
     /// as written.
     pub lifecycle: Option<Lifecycle>,
+    /// How `pods/log` reaches kubelets; `None`: it answers 503.
+    pub kubelet: Option<KubeletClient>,
 }
 
 impl Default for Config {
@@ -63,6 +69,7 @@ impl Default for Config {
             bookmark_interval: Duration::from_secs(5),
             history: 10_000,
             lifecycle: None,
+            kubelet: None,
         }
     }
 }
@@ -112,6 +119,13 @@ impl FakeApi {
                 serde_json::json!({"metadata": {"name": ns}}),
             )?;
         }
+        let kubelet = match &config.kubelet {
+            Some(client) => Some((
+                proxy::connector(client).map_err(Error::Kubelet)?,
+                client.clone(),
+            )),
+            None => None,
+        };
         let (drops, _) = watch::channel(0);
         let shared = Arc::new(server::Shared {
             store: Mutex::new(store),
@@ -124,9 +138,25 @@ impl FakeApi {
         if let Some(lifecycle) = shared.config.lifecycle.clone() {
             tokio::spawn(lifecycle::run(shared.clone(), lifecycle, cancel.clone()));
         }
+        let logs = Arc::new(proxy::Proxy {
+            shared: shared.clone(),
+            kubelet,
+        });
         let app = axum::Router::new()
-            .fallback(server::handle)
-            .with_state(shared.clone());
+            .route(
+                "/api/v1/namespaces/:namespace/pods/:name/log",
+                axum::routing::get(proxy::log),
+            )
+            .route(
+                "/api/v1/namespaces/:namespace/pods/:name/exec",
+                axum::routing::any(proxy::exec),
+            )
+            .with_state(logs)
+            .merge(
+                axum::Router::new()
+                    .fallback(server::handle)
+                    .with_state(shared.clone()),
+            );
         let stop = cancel.clone();
         let task = tokio::spawn(async move {
             let served = axum::serve(listener, app)

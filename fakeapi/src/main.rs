@@ -6,14 +6,30 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use edgemeta_fakeapi::{Config, FakeApi, Lifecycle};
+use edgemeta_fakeapi::{Config, FakeApi, KubeletClient, Lifecycle, DEFAULT_ADDRESS_TYPES};
 use tokio_util::sync::CancellationToken;
 
 fn usage() -> ! {
     eprintln!("usage: edgemeta-fakeapi [--port N] [--kubeconfig FILE] [--bookmark-interval-ms N] [--history N]\n\
                [--node-lifecycle] [--node-monitor-period-ms N] [--node-monitor-grace-period-ms N]\n\
-               [--default-toleration-seconds N]");
+               [--default-toleration-seconds N]\n\
+               [--kubelet-client-certificate FILE --kubelet-client-key FILE --kubelet-certificate-authority FILE]\n\
+               [--kubelet-preferred-address-types T,T,...] [--kubelet-dial HOST:PORT]");
     std::process::exit(2);
+}
+
+/// The kubelet client settings, started with kube-apiserver's defaults.
+fn kubelet(config: &mut Config) -> &mut KubeletClient {
+    config.kubelet.get_or_insert_with(|| KubeletClient {
+        cert: Default::default(),
+        key: Default::default(),
+        ca: Default::default(),
+        preferred_address_types: DEFAULT_ADDRESS_TYPES
+            .iter()
+            .map(|t| (*t).to_owned())
+            .collect(),
+        dial: None,
+    })
 }
 
 fn main() {
@@ -52,6 +68,17 @@ fn main() {
                     }
                     _ => lifecycle.default_toleration = Duration::from_secs(n),
                 }
+            }
+            // kube-apiserver's flags for reaching kubelets (`pods/log`).
+            "--kubelet-client-certificate" => kubelet(&mut config).cert = value().into(),
+            "--kubelet-client-key" => kubelet(&mut config).key = value().into(),
+            "--kubelet-certificate-authority" => kubelet(&mut config).ca = value().into(),
+            "--kubelet-preferred-address-types" => {
+                kubelet(&mut config).preferred_address_types =
+                    value().split(',').map(str::to_owned).collect();
+            }
+            "--kubelet-dial" => {
+                kubelet(&mut config).dial = Some(value().parse().unwrap_or_else(|_| usage()));
             }
             _ => usage(),
         }

@@ -15,6 +15,7 @@ mod envelope;
 mod error;
 mod operation;
 mod resource;
+pub mod stream;
 mod topic;
 mod url;
 

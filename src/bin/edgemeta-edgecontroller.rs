@@ -57,6 +57,24 @@ struct Cli {
     /// milliseconds (keep it under the node monitor grace period less one heartbeat).
     #[arg(long, default_value_t = 20_000)]
     node_status_refresh_ms: u64,
+    /// Serve kubelet's API for the managed nodes here (HTTPS; the port every Node reports as
+    /// its kubelet port), relayed to their edged over the broker. Needs the three files below.
+    #[arg(long)]
+    stream_listen: Option<std::net::SocketAddr>,
+    /// The stream server's certificate chain and key (PEM), valid for `*.<stream-domain>`.
+    #[arg(long, requires = "stream_listen")]
+    stream_cert: Option<PathBuf>,
+    #[arg(long, requires = "stream_listen")]
+    stream_key: Option<PathBuf>,
+    /// The CA that signed the apiserver's kubelet client certificate; others get 401.
+    #[arg(long, requires = "stream_listen")]
+    stream_client_ca: Option<PathBuf>,
+    /// The Nodes' kubelet address is `<node>.<stream-domain>` (empty: the node name itself).
+    #[arg(long, default_value = "")]
+    stream_domain: String,
+    /// Bytes in flight per stream and direction.
+    #[arg(long, default_value_t = 64 * 1024)]
+    stream_window_bytes: u32,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -73,6 +91,12 @@ fn main() -> anyhow::Result<()> {
         lease_duration_s,
         identity,
         node_status_refresh_ms,
+        stream_listen,
+        stream_cert,
+        stream_key,
+        stream_client_ca,
+        stream_domain,
+        stream_window_bytes,
     } = Cli::parse();
     // `RUST_LOG` wins, as for the node.
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
@@ -101,8 +125,45 @@ fn main() -> anyhow::Result<()> {
         node_status_refresh: std::time::Duration::from_millis(node_status_refresh_ms),
         ..edgemeta_edgecontroller::Config::default()
     };
-    shutdown::until_signal("edgemeta-edgecontroller", |cancel| {
-        edgemeta_edgecontroller::run(config, cancel)
+    let stream = match (stream_listen, stream_cert, stream_key, stream_client_ca) {
+        (None, ..) => None,
+        (Some(listen), Some(cert), Some(key), Some(client_ca)) => {
+            Some(edgemeta_edgecontroller::StreamConfig {
+                listen,
+                cert,
+                key,
+                client_ca,
+                domain: stream_domain,
+                window: stream_window_bytes,
+                ..edgemeta_edgecontroller::StreamConfig::default()
+            })
+        }
+        _ => anyhow::bail!(
+            "--stream-listen needs --stream-cert, --stream-key and --stream-client-ca"
+        ),
+    };
+    shutdown::until_signal("edgemeta-edgecontroller", |cancel| async move {
+        // The stream server runs on every replica: streams need no leadership.
+        let streams = stream.map(|stream| {
+            let (config, cancel) = (config.clone(), cancel.clone());
+            tokio::spawn(async move {
+                let served =
+                    edgemeta_edgecontroller::stream::run(&config, stream, cancel.clone()).await;
+                // A stream server that cannot start stops the controller with its error.
+                if served.is_err() {
+                    cancel.cancel();
+                }
+                served
+            })
+        });
+        let ran = edgemeta_edgecontroller::run(config, cancel.clone()).await;
+        cancel.cancel();
+        if let Some(streams) = streams {
+            if let Ok(Err(e)) = streams.await {
+                return Err(e);
+            }
+        }
+        ran
     })?;
     Ok(())
 }

@@ -97,6 +97,11 @@ impl Edged {
             .join(format!("default_{name}"))
     }
 
+    /// The process id (0 when it is not running).
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
     pub fn kill9(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
