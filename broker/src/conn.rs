@@ -24,7 +24,7 @@ use crate::ack::{Ack, AckKind, Acks};
 use crate::direct::{drain, publish_of, Direct, SharedTcp};
 use crate::dollar::to_broker;
 use crate::events::ClientEvents;
-use crate::hub::{hand_to_links, ForLinks, Hub, Mailroom};
+use crate::hub::{hand_to_links, Behind, ForLinks, Hub, Mailroom};
 use crate::index::{valid_topic, Options, RetainHandling, SessionId};
 use crate::mailbox::{Limits, Published, Resend};
 use crate::registry::Will;
@@ -139,8 +139,9 @@ enum End {
 enum Step {
     /// The connection ends.
     End(End),
-    /// A publish waits for room in a module's inbox; then its acknowledgement is settled.
-    Wait(ForLinks, Option<(AckKind, u16, Ack)>),
+    /// A publish waits for room in a module's inbox and in the queues of the readers it
+    /// filled; then its acknowledgement is settled.
+    Wait(ForLinks, Behind, Option<(AckKind, u16, Ack)>),
     /// A publish nobody subscribes to: routed once more after the other connections ran.
     Unheard(Arc<Published>, u8, Option<(AckKind, u16, Ack)>),
 }
@@ -586,8 +587,7 @@ impl Conn {
         let mut last_heard = Instant::now();
         loop {
             if self.fill() {
-                self.room.taken(&shared.hub);
-                shared.hub.room.notify_waiters();
+                self.room.taken();
             }
             if !self.out.is_empty() {
                 // A reader that stopped takes nothing: its queue fills and the hub cuts it
@@ -662,14 +662,18 @@ impl Conn {
                                 let end = match self.handle(packet, shared) {
                                     None => None,
                                     Some(Step::End(end)) => Some(end),
-                                    Some(Step::Wait(waiting, owed)) => {
-                                        // A module's inbox is full: this client waits (its
-                                        // bytes stay in its socket) while the others go on
-                                        // (protocol §6.10).
+                                    Some(Step::Wait(waiting, behind, owed)) => {
+                                        // A module's inbox or a reader's queue is full: this
+                                        // client waits (its bytes stay in its socket) while
+                                        // the others go on (protocol §6.10).
                                         shared.paused.fetch_add(1, Ordering::Relaxed);
                                         shared.pauses.fetch_add(1, Ordering::Relaxed);
                                         Box::pin(hand_to_links(waiting)).await;
+                                        let on = Box::pin(shared.hub.wait_for(behind, token)).await;
                                         shared.paused.fetch_sub(1, Ordering::Relaxed);
+                                        if !on {
+                                            return Box::pin(self.cut(stream, node)).await;
+                                        }
                                         self.settle(owed);
                                         None
                                     }
@@ -684,15 +688,17 @@ impl Conn {
                                         // hears pay for it.
                                         tokio::task::yield_now().await;
                                         let ack = owed.as_ref().map(|(_, _, ack)| ack);
-                                        let (waiting, _) = shared.hub.publish_heard(
+                                        let routed = shared.hub.publish(
                                             Some(self.session),
                                             message,
                                             qos,
                                             false,
                                             ack,
                                         );
-                                        if !waiting.is_empty() {
-                                            Box::pin(hand_to_links(waiting)).await;
+                                        Box::pin(hand_to_links(routed.links)).await;
+                                        let hub = &shared.hub;
+                                        if !Box::pin(hub.wait_for(routed.behind, token)).await {
+                                            return Box::pin(self.cut(stream, node)).await;
                                         }
                                         self.settle(owed);
                                         None
@@ -1015,7 +1021,7 @@ impl Conn {
             _ => None,
         };
         let ack = kind.map(|kind| self.promise(kind, publish.pkid));
-        let (waiting, heard) = shared.hub.publish_heard(
+        let routed = shared.hub.publish(
             Some(self.session),
             message.clone(),
             qos,
@@ -1023,11 +1029,11 @@ impl Conn {
             ack.as_ref(),
         );
         let owed = kind.zip(ack).map(|(kind, ack)| (kind, publish.pkid, ack));
-        if !heard && !publish.retain {
+        if !routed.heard && !publish.retain {
             return Some(Step::Unheard(message, qos, owed));
         }
-        if !waiting.is_empty() {
-            return Some(Step::Wait(waiting, owed));
+        if !routed.links.is_empty() || !routed.behind.is_empty() {
+            return Some(Step::Wait(routed.links, routed.behind, owed));
         }
         self.settle(owed);
         None

@@ -82,7 +82,7 @@ impl Broker {
             queue_bytes: config.queue_bytes,
             retained_bytes: config.retained_bytes,
             max_away_sessions: config.max_away_sessions,
-            reader_store_backlog: config.reader_store_backlog,
+            queues_bytes: config.queues_bytes,
             reader_stall: Duration::from_secs(config.subscriber_stall_s),
         }));
         let events = Arc::new(ClientEvents::default());

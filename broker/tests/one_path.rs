@@ -20,8 +20,8 @@ async fn start() -> (u16, Arc<Hub>, CancellationToken) {
         queue_bytes: 1 << 20,
         retained_bytes: 1 << 20,
         max_away_sessions: 10_000,
-        reader_store_backlog: 1_000,
-        reader_stall: std::time::Duration::from_secs(30),
+        queues_bytes: 64 << 20,
+        reader_stall: std::time::Duration::from_secs(2),
     }));
     let cancel = CancellationToken::new();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -245,8 +245,8 @@ async fn a_reader_a_whole_queue_behind_is_cut_off_and_the_others_get_everything(
         queue_bytes: 256 << 10,
         retained_bytes: 1 << 20,
         max_away_sessions: 10_000,
-        reader_store_backlog: 1_000,
-        reader_stall: std::time::Duration::from_secs(30),
+        queues_bytes: 64 << 20,
+        reader_stall: std::time::Duration::from_secs(2),
     }));
     let cancel = CancellationToken::new();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
