@@ -199,10 +199,10 @@ impl Mailbox {
     }
 
     /// Whether a message of `weight` bytes at `qos` fits now, beside what is promised: within
-    /// the session's share and the node's budget (a session that is `away` may fill half of
-    /// it, so sessions nobody reads cannot starve those that are read). One message always
-    /// fits an empty queue, so a message larger than the bound still reaches a reader that
-    /// keeps up.
+    /// the node's budget (a session that is `away` may fill half of it, so sessions nobody
+    /// reads cannot starve those that are read) and the session's share of it. One message
+    /// always fits an empty queue's share, so a message larger than the share still reaches
+    /// a reader that keeps up.
     pub fn has_room(&self, weight: usize, qos: u8, away: bool) -> bool {
         let owed = self.queued_bytes + self.reserved;
         let node = if away {
@@ -210,7 +210,7 @@ impl Mailbox {
         } else {
             self.budget.limit()
         };
-        owed == 0 || (owed + weight <= self.bound(qos) && self.budget.fits(weight, node))
+        self.budget.fits(weight, node) && (owed == 0 || owed + weight <= self.bound(qos))
     }
 
     /// Promises room to a message on its way; [`Mailbox::push_reserved`] takes it.
@@ -708,20 +708,24 @@ mod tests {
             !boxes[0].has_room(100, 1, false),
             "within its own share, not the node's"
         );
-        assert!(boxes[2].has_room(100, 1, false), "an empty queue takes one");
-        assert_eq!(
-            boxes[2].push_away(owed("t", &[0; 99], 1, None)),
-            Ok(()),
-            "one message always fits an empty queue"
+        assert!(
+            !boxes[2].has_room(100, 1, false),
+            "not even an empty queue past the budget"
         );
+        let now = Instant::now();
+        while boxes[0].next(now, len).is_some() {}
+        assert_eq!(budget.used(), 500, "taken messages give their bytes back");
         assert_eq!(
             boxes[2].push_away(owed("t", &[0; 99], 1, None)),
             Err(Dropped::QueueFull),
             "a session away fills half the budget at most"
         );
-        let now = Instant::now();
-        while boxes[0].next(now, len).is_some() {}
-        assert_eq!(budget.used(), 600, "taken messages give their bytes back");
+        assert!(
+            boxes[2].has_room(100, 1, false),
+            "a connected reader all of it"
+        );
+        assert!(boxes[2].push_over(owed("t", &[0; 99], 1, None)));
+        assert_eq!(budget.used(), 600);
         boxes.truncate(1);
         assert_eq!(budget.used(), 0, "an ended session gives back what it held");
     }
