@@ -15,6 +15,7 @@ mod burst;
 mod connections;
 mod devices;
 mod metaserver;
+mod readers;
 
 #[derive(Parser)]
 #[command(about = "edgemeta against mosquitto, same load, same run")]
@@ -101,6 +102,11 @@ struct Args {
     /// 1,000 changes/s with 10 watches open, and the node's RSS with them.
     #[arg(long)]
     metaserver: bool,
+    /// Only the readers rows: what a reader that reads 10 messages a second costs two that
+    /// keep up with 10,000 a second, and RSS with 10,000 sessions away, each sent more than
+    /// its queue holds.
+    #[arg(long)]
+    readers: bool,
     /// Only the connections row: 10,000 MQTT 3.1.1 clients (200 with --quick) connect with
     /// keep-alive 60, subscribe to a QoS 1 topic each and get one message each.
     #[arg(long)]
@@ -241,6 +247,10 @@ async fn main() -> anyhow::Result<()> {
     }
     if args.connections {
         connections::connections(&args, &mut rows).await?;
+        return print_rows(rows);
+    }
+    if args.readers {
+        readers::readers(&args, &mut rows).await?;
         return print_rows(rows);
     }
     if args.connection_target.is_some() {
