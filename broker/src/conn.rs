@@ -129,7 +129,7 @@ enum End {
         expiry: Option<u32>,
     },
     Lost,
-    /// Cut off for falling a whole queue behind: the session ends with the connection.
+    /// Cut off for not taking what it held: the session ends with the connection.
     Cut,
     /// The client broke the protocol: a v5 client is told why (§4.13) before the close.
     Refused(DisconnectReasonCode),
@@ -741,7 +741,7 @@ impl Conn {
         }
     }
 
-    /// The connection was cut: for lagging a whole queue behind (0x97), because the node is
+    /// The connection was cut: for not taking what it held (0x97), because the node is
     /// stopping (0x8B), else taken over (§3.1.4-3). A v5 client is told which.
     async fn cut<S: AsyncRead + AsyncWrite + Unpin>(
         &mut self,

@@ -61,7 +61,7 @@ pub struct Mailroom {
     /// Its client's id, for the logs.
     client_id: Arc<str>,
     pub ready: Notify,
-    /// The connection reading it now, cut off when it falls a whole queue behind.
+    /// The connection reading it now, cut off when it stops taking what it holds.
     holder: Mutex<Option<(u64, CancellationToken)>>,
     /// Set when it was cut off for lagging, so the connection says why.
     pub lagged: std::sync::atomic::AtomicBool,
