@@ -1,7 +1,7 @@
-//! Flow control end to end (protocol §6.5–6.6): publishers are slowed instead of readers being
-//! cut, hand-ons wait in the store until their subscribers have room, only a subscriber that
-//! stopped reading is cut off (by its bound), and a PUBACK for a message the node consumes means
-//! it is stored.
+//! Flow control end to end (protocol §6.5–6.6, §6.10): publishers are slowed instead of readers
+//! being cut, hand-ons wait in the store until their subscribers have room, only a subscriber
+//! that stopped reading (took less than it held within its window) is cut off, and a PUBACK for
+//! a message the node consumes means it is stored.
 
 mod common;
 
@@ -175,11 +175,106 @@ async fn a_burst_reaches_qos_1_and_qos_0_readers_whole_and_in_order() {
     );
 }
 
-/// `kill -STOP` on a subscriber during a burst: it is cut off by its bound (its queue full, then
-/// `reader_store_backlog` hand-ons waiting in the store), the other reader gets everything, and
-/// the store holds all of it to re-list.
+/// A paho-mqtt (Python) reader of `filter` at `qos`: returns once it is subscribed; its count
+/// of what it received comes when nothing arrived for 5 s or its connection ended.
+async fn python_reader(port: u16, filter: &str, qos: u8) -> tokio::task::JoinHandle<String> {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/py/count_reader.py");
+    let mut child = tokio::process::Command::new("python3")
+        .args([script, &port.to_string(), filter, &qos.to_string(), "5"])
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("python3 runs (paho-mqtt: python3 -m pip install paho-mqtt)");
+    let stdout = child.stdout.take().expect("piped");
+    let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
+    let first = tokio::time::timeout(WAIT, lines.next_line())
+        .await
+        .expect("the Python reader subscribes within the wait")
+        .expect("its output");
+    assert_eq!(
+        first.as_deref(),
+        Some("subscribed"),
+        "paho-mqtt is installed"
+    );
+    tokio::spawn(async move {
+        let last = tokio::time::timeout(Duration::from_secs(300), lines.next_line()).await;
+        let _ = child.wait().await;
+        last.ok().and_then(Result::ok).flatten().unwrap_or_default()
+    })
+}
+
+/// A paho-mqtt (Python) reader of `ke/#` at QoS 1 while a client publishes pod changes at QoS 1
+/// without waiting for each PUBACK: it reads more slowly than the node produces (the publishes
+/// themselves, the hand-ons to edged, the replies), and gets every delivery a fast reader of the
+/// same filter gets, without being cut off; the publisher is paced instead.
 #[tokio::test]
-async fn a_subscriber_that_stops_reading_is_cut_off_by_its_bound_and_no_one_else_is() {
+async fn a_python_reader_of_everything_gets_every_delivery_of_a_large_sync() {
+    let node = Node::start().await;
+    let python = python_reader(node.port, "ke/#", 1).await;
+    let mut fast = Reader::subscribe(node.port, &["ke/#"], QoS::AtLeastOnce).await;
+    let names = (0..500).map(|i| format!("sync-{i}")).collect();
+    burst(node.port, names, "x".repeat(200)).await;
+    let got = fast.take(100_000, Duration::from_secs(5)).await;
+    assert!(
+        got.len() >= 2_000,
+        "{} deliveries to the fast reader",
+        got.len()
+    );
+    let printed = python.await.expect("the Python reader's count");
+    assert_eq!(
+        printed,
+        format!("received {} ended None", got.len()),
+        "the Python reader got every delivery:\n{}",
+        node.log()
+    );
+    assert!(
+        !node.log().contains("EM-BROKER-SUBSCRIBER-LAG"),
+        "a reader that keeps reading was cut off:\n{}",
+        node.log()
+    );
+}
+
+/// Plain pass-through: 3,000 QoS 1 publishes of 400 bytes, pipelined, to a paho-mqtt (Python)
+/// reader of `t/#`: it gets all of them, the publisher waiting for it.
+#[tokio::test]
+async fn a_python_reader_gets_every_pass_through_publish_of_a_pipelining_publisher() {
+    const COUNT: usize = 3_000;
+    let node = Node::start().await;
+    let python = python_reader(node.port, "t/#", 1).await;
+    let mut options = MqttOptions::new(unique_id("pipeline"), "127.0.0.1", node.port);
+    options.set_inflight(1000);
+    let (client, mut events) = AsyncClient::new(options, 1000);
+    let acks = tokio::spawn(async move {
+        let mut acked = 0;
+        while acked < COUNT {
+            match events.poll().await {
+                Ok(Event::Incoming(Packet::PubAck(_))) => acked += 1,
+                Ok(_) => {}
+                Err(e) => panic!("publisher connection failed: {e}"),
+            }
+        }
+    });
+    for i in 0..COUNT {
+        let topic = format!("t/x/{}", i % 10);
+        client
+            .publish(topic, QoS::AtLeastOnce, false, vec![b'p'; 400])
+            .await
+            .expect("publish");
+    }
+    tokio::time::timeout(Duration::from_secs(120), acks)
+        .await
+        .expect("every publish acknowledged")
+        .expect("publisher task");
+    let printed = python.await.expect("the Python reader's count");
+    assert_eq!(printed, format!("received {COUNT} ended None"));
+    assert!(!node.log().contains("EM-BROKER-SUBSCRIBER-LAG"));
+}
+
+/// `kill -STOP` on a subscriber during a burst: it is cut off once it has not taken what it held
+/// within `subscriber_stall_s`, the other reader gets everything, and the store holds all of it
+/// to re-list.
+#[tokio::test]
+async fn a_subscriber_that_stops_reading_is_cut_off_by_its_progress_and_no_one_else_is() {
     const RESOURCES: usize = 1_500;
     let node = stalling_node().await;
     let mut reader = Reader::subscribe(node.port, &["ke/edged/#"], QoS::AtLeastOnce).await;
@@ -224,10 +319,10 @@ async fn a_subscriber_that_stops_reading_is_cut_off_by_its_bound_and_no_one_else
     assert_eq!(answer.content().as_array().map(Vec::len), Some(1));
 }
 
-/// A node that cuts off a reader whose queue is full once 300 hand-ons wait in the store.
+/// A node that cuts off a reader that did not take what it held within a second.
 async fn stalling_node() -> Node {
     Node::start_with(Options {
-        broker_yaml: "  reader_store_backlog: 300\n".into(),
+        broker_yaml: "  subscriber_stall_s: 1\n".into(),
         ..Options::default()
     })
     .await
@@ -250,7 +345,7 @@ async fn printed_line(printed: &mut mpsc::UnboundedReceiver<String>, prefix: &st
 fn assert_cut_off(node: &Node, who: &str) {
     let log = node.log();
     assert!(
-        log.contains("EM-BROKER-SUBSCRIBER-LAG") && log.contains("whole queue"),
+        log.contains("EM-BROKER-SUBSCRIBER-LAG") && log.contains("stopped reading"),
         "the stopped {who} was not cut off:\n{log}"
     );
 }
@@ -554,7 +649,7 @@ async fn a_mapper_that_only_acks_results_stays_connected_and_every_kind_of_subsc
 }
 
 /// `kill -STOP` on one of two mappers subscribed to the same device's results: the stopped one
-/// is cut off by its bound (a full queue, then the store's backlog) and the other gets every
+/// is cut off for not taking what it held and the other gets every
 /// result, in order. The reporter sends 10 KB reports with a 100-message window.
 #[tokio::test]
 async fn a_mapper_that_stops_reading_results_is_cut_off_and_the_other_keeps_them() {

@@ -16,6 +16,7 @@ mod burst;
 mod connections;
 mod devices;
 mod metaserver;
+mod readers;
 
 #[derive(Parser)]
 #[command(about = "edgemeta against mosquitto, same load, same run")]
@@ -107,6 +108,11 @@ struct Args {
     /// in again and again: RSS rise and the honest CONNACK latency, mosquitto beside it.
     #[arg(long)]
     auth_storm: bool,
+    /// Only the readers rows: what a reader that reads 10 messages a second costs two that
+    /// keep up with 10,000 a second, and RSS with 10,000 sessions away, each sent more than
+    /// its queue holds.
+    #[arg(long)]
+    readers: bool,
     /// Only the connections row: 10,000 MQTT 3.1.1 clients (200 with --quick) connect with
     /// keep-alive 60, subscribe to a QoS 1 topic each and get one message each.
     #[arg(long)]
@@ -251,6 +257,10 @@ async fn main() -> anyhow::Result<()> {
     }
     if args.connections {
         connections::connections(&args, &mut rows).await?;
+        return print_rows(rows);
+    }
+    if args.readers {
+        readers::readers(&args, &mut rows).await?;
         return print_rows(rows);
     }
     if args.connection_target.is_some() {

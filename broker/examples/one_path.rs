@@ -21,7 +21,7 @@ async fn main() {
         queue_bytes: 1 << 20,
         retained_bytes: 16 << 20,
         max_away_sessions: 10_000,
-        reader_store_backlog: 1_000,
+        queues_bytes: 64 << 20,
         reader_stall: std::time::Duration::from_secs(30),
     }));
     let cancel = CancellationToken::new();

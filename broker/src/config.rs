@@ -33,18 +33,17 @@ pub struct BrokerConfig {
     /// Until then it counts against `max_connections` like any client.
     #[serde(default = "default_connect_timeout_ms")]
     pub connect_timeout_ms: u16,
-    /// Bytes of topic and payload one session's queue holds, connected or not: a reader a
-    /// whole queue behind is cut off (`EM-BROKER-SUBSCRIBER-LAG`), and a session away drops
-    /// what does not fit (`EM-BROKER-QUEUE-FULL`). QoS 0 messages fill half of it at most.
+    /// Bytes of topic and payload one session's queue holds, connected or not: past it the
+    /// publishers of a connected reader wait for it, and a session away drops what does not
+    /// fit (`EM-BROKER-QUEUE-FULL`). QoS 0 messages fill half of it at most.
     #[serde(default = "default_queue_bytes")]
     pub queue_bytes: usize,
-    /// Hand-ons the node keeps in its store for connected readers whose queue is full before
-    /// it cuts those readers off (`EM-BROKER-SUBSCRIBER-LAG`): a reader that keeps reading
-    /// is waited for, one that stopped holds the others up only this long.
-    #[serde(default = "default_reader_store_backlog")]
-    pub reader_store_backlog: usize,
-    /// A reader whose queue is full and that took nothing for this many seconds is cut off
-    /// even before `reader_store_backlog` hand-ons wait for it (the traffic stopped first).
+    /// Bytes all sessions' queues hold together (each session's `queue_bytes` is a share of
+    /// it); sessions that are away fill half of it at most.
+    #[serde(default = "default_queues_bytes")]
+    pub queues_bytes: usize,
+    /// A reader its publishers wait for must take what it held when they began to wait
+    /// within this many seconds, else it is cut off (`EM-BROKER-SUBSCRIBER-LAG`).
     #[serde(default = "default_subscriber_stall_s")]
     pub subscriber_stall_s: u64,
     /// Sessions kept for clients that are away (MQTT 5 Session Expiry Interval, or 3.1.1's
@@ -127,11 +126,11 @@ const fn default_connect_timeout_ms() -> u16 {
 const fn default_queue_bytes() -> usize {
     256 * 1024
 }
-const fn default_reader_store_backlog() -> usize {
-    1_000
+const fn default_queues_bytes() -> usize {
+    64 * 1024 * 1024
 }
 const fn default_subscriber_stall_s() -> u64 {
-    30
+    2
 }
 const fn default_max_away_sessions() -> usize {
     1_000
@@ -154,7 +153,7 @@ impl Default for BrokerConfig {
             max_topic_bytes: default_max_topic_bytes(),
             connect_timeout_ms: default_connect_timeout_ms(),
             queue_bytes: default_queue_bytes(),
-            reader_store_backlog: default_reader_store_backlog(),
+            queues_bytes: default_queues_bytes(),
             subscriber_stall_s: default_subscriber_stall_s(),
             max_away_sessions: default_max_away_sessions(),
             retained_bytes: default_retained_bytes(),
@@ -184,6 +183,9 @@ impl BrokerConfig {
         }
         if self.queue_bytes < 1024 {
             return bad("broker.queue_bytes must be >= 1024".into());
+        }
+        if self.queues_bytes < self.queue_bytes {
+            return bad("broker.queues_bytes must be >= broker.queue_bytes".into());
         }
         if self.max_packet_bytes < 1024 {
             return bad("broker.max_packet_bytes must be >= 1024".into());

@@ -314,3 +314,146 @@ pub fn publish_of(out: &Outgoing) -> Publish {
         properties,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mailbox::{Limits, Owed, Published};
+    use tokio::io::AsyncReadExt;
+
+    /// A connected pair: the node's write half (as `Direct` holds it) and the client's socket.
+    async fn pair() -> (Arc<OwnedWriteHalf>, OwnedReadHalf, TcpStream) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (node, _) = listener.accept().await.unwrap();
+        let (read, write) = node.into_split();
+        (Arc::new(write), read, client)
+    }
+
+    fn mailbox_of(count: u32, size: usize) -> Mutex<Mailbox> {
+        let mut mailbox = Mailbox::new(Limits {
+            receive_maximum: 100,
+            maximum_packet_size: None,
+            topic_alias_maximum: 0,
+            queue_bytes: usize::MAX,
+        });
+        for n in 0..count {
+            let mut payload = n.to_be_bytes().to_vec();
+            payload.resize(size, 0);
+            let owed = Owed {
+                message: Arc::new(Published {
+                    topic: Arc::from("t"),
+                    payload: Bytes::from(payload),
+                    received: Instant::now(),
+                    expiry: None,
+                    properties: None,
+                }),
+                qos: 0,
+                retain: false,
+                subscription_ids: Vec::new(),
+            };
+            mailbox.push(owed).unwrap();
+        }
+        Mutex::new(mailbox)
+    }
+
+    /// Every PUBLISH's number, in the order the client reads them, until `count` arrived.
+    async fn numbers(client: &mut TcpStream, count: usize) -> Vec<u32> {
+        let mut buf = BytesMut::new();
+        let mut seen = Vec::new();
+        loop {
+            while let Some(packet) = Wire::V4.read(&mut buf, 1 << 24).unwrap() {
+                let Packet::Publish(p) = packet else {
+                    panic!("only publishes were written, got {packet:?}");
+                };
+                seen.push(u32::from_be_bytes(p.payload[..4].try_into().unwrap()));
+            }
+            if seen.len() >= count {
+                return seen;
+            }
+            assert!(client.read_buf(&mut buf).await.unwrap() > 0, "closed");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_publisher_writes_only_while_the_task_does_not() {
+        let (socket, _read, mut client) = pair().await;
+        let direct = Direct::new(socket, Wire::V4, None);
+        let mailbox = mailbox_of(3, 8);
+        let rung = direct.flush(&mailbox);
+        assert_eq!(
+            rung,
+            Flushed {
+                took: false,
+                ring: true
+            },
+            "the task writes first"
+        );
+        direct.done();
+        assert_eq!(
+            direct.flush(&mailbox),
+            Flushed {
+                took: true,
+                ring: false
+            }
+        );
+        assert_eq!(numbers(&mut client, 3).await, [0, 1, 2]);
+        let mut out = BytesMut::from(&b"\xd0\x00"[..]);
+        direct.turn(&mut out, |_| {});
+        assert!(
+            !direct.flush_with(|_, _, _| panic!("nobody else encodes during the task's turn")),
+            "the task's turn excludes everyone else"
+        );
+        direct.done();
+        direct.close(&mut BytesMut::new());
+        assert!(
+            !direct.flush_with(|_, _, _| panic!("nor once the connection is closing")),
+            "only the task writes once the connection ends"
+        );
+    }
+
+    /// A full socket: what a publisher's write left is the task's to write first, so every
+    /// packet arrives whole and in order, however the writes were split.
+    #[tokio::test]
+    async fn what_a_full_socket_left_is_written_first_by_the_task_in_order() {
+        let (socket, _read, mut client) = pair().await;
+        let direct = Direct::new(socket.clone(), Wire::V4, None);
+        direct.done();
+        const COUNT: u32 = 400;
+        let mailbox = mailbox_of(COUNT, 64 << 10);
+        let flushed = direct.flush(&mailbox);
+        assert!(
+            flushed.took && flushed.ring,
+            "25 MiB fills the socket: {flushed:?}"
+        );
+        assert_eq!(
+            direct.flush(&mailbox_of(1, 8)),
+            Flushed {
+                took: false,
+                ring: true
+            },
+            "nobody writes past a partial packet"
+        );
+        let mut out = BytesMut::new();
+        direct.turn(&mut out, |_| {});
+        assert!(!out.is_empty(), "the rest of the write is the task's");
+        let reader = tokio::spawn(async move { numbers(&mut client, COUNT as usize).await });
+        let mut written = 0;
+        while written < out.len() {
+            socket.writable().await.unwrap();
+            match socket.try_write(&out[written..]) {
+                Ok(n) => written += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => panic!("{e}"),
+            }
+        }
+        direct.done();
+        assert_eq!(
+            reader.await.unwrap(),
+            (0..COUNT).collect::<Vec<_>>(),
+            "every publish whole and in queue order"
+        );
+    }
+}

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use rumqttc::v5::mqttbytes::v5::PublishProperties;
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 
 use crate::dollar::to_client;
 use crate::hub::{hand_to_links, Hub};
@@ -68,57 +69,40 @@ impl Publisher {
                     expiry: None,
                     properties,
                 });
-                let waiting = if message.reserved {
+                let routed = if message.reserved {
                     hub.publish_reserved(Some(*session), published, NODE_QOS)
                 } else {
                     hub.publish(Some(*session), published, NODE_QOS, false, None)
                 };
-                hand_to_links(waiting).await;
+                hand_to_links(routed.links).await;
+                // Nothing cancels a module's publish: its readers have room or are cut off
+                // within their window.
+                hub.wait_for(routed.behind, &CancellationToken::new()).await;
                 Ok(())
             }
         }
     }
 
     /// [`Publisher::publish`] once every connected reader it reaches has room for it in its
-    /// queue, so a reader that keeps reading misses nothing however large the burst. While it
-    /// waits, what follows waits in the store: `behind` says how many messages. Once
-    /// [`HubLimits::reader_store_backlog`](crate::HubLimits) more wait than when it began, the
-    /// readers without room are cut off (they resync when they come back) and it is published:
-    /// one reader that stopped holds the others up only that long. If the traffic stops before
-    /// that, a reader that took nothing for [`HubLimits::reader_stall`](crate::HubLimits) is.
-    pub async fn publish_paced(
-        &self,
-        message: Message,
-        behind: impl Fn() -> usize,
-    ) -> Result<(), Error> {
+    /// queue, so a reader that keeps reading misses nothing however large the burst: what
+    /// follows waits in the store meanwhile. A reader that does not take what it held within
+    /// [`HubLimits::reader_stall`](crate::HubLimits) is cut off (it resyncs when it comes
+    /// back), so one that stopped or crawls holds the others up only that long.
+    pub async fn publish_paced(&self, message: Message) -> Result<(), Error> {
         let mut message = message;
         if let Target::Hub(hub, _) = &self.to {
             let topic = to_client(&message.topic).into_owned();
             let weight = topic.len() + message.payload.len();
-            // What waits counts from here: a reader that keeps reading makes room long before
-            // that many more wait, even while the store catches up after an earlier cut.
-            let start = behind();
             loop {
-                // Registered before the check, so room made in between is not missed.
+                // Registered before the look, so room made in between is not missed.
                 let room = hub.room.notified();
                 if hub.reserve(&topic, weight) {
                     message.reserved = true;
                     break;
                 }
-                let blocking = hub.blocking(&topic, weight);
-                if behind().saturating_sub(start) > hub.limits.reader_store_backlog {
-                    for reader in &blocking {
-                        hub.cut_off(reader, "fell a whole queue and the store's backlog behind");
-                    }
-                    break;
-                }
-                // When the traffic stops before that many wait, a reader that took nothing
-                // for the stall time is cut instead, so the others get the burst's tail.
-                let stalled: Vec<_> = blocking.iter().filter(|r| hub.stalled(r)).collect();
-                if !stalled.is_empty() {
-                    for reader in stalled {
-                        hub.cut_off(reader, "stopped reading");
-                    }
+                let mut behind = hub.blocking(&topic, weight);
+                hub.judge(&mut behind);
+                if behind.is_empty() {
                     continue;
                 }
                 let _ = tokio::time::timeout(RECHECK, room).await;

@@ -1,14 +1,74 @@
 //! What one session is owed, within the bounds its client and the node set: a queue with a byte
-//! limit (kept while the client is away, for a persistent session), at most the client's Receive
-//! Maximum in flight, nothing larger than its Maximum Packet Size, expired messages dropped, and
-//! topic aliases keyed by topic. No I/O: the connection task asks what to write next.
+//! share of one node-wide [`Budget`] (kept while the client is away, for a persistent session),
+//! at most the client's Receive Maximum in flight, nothing larger than its Maximum Packet Size
+//! as sent, expired messages dropped, and topic aliases keyed by topic. It also keeps what its
+//! reader took, so a reader that crawls or stopped is told from one that is merely slower than
+//! its writers ([`Mailbox::progress`]). No I/O: the connection task asks what to write next.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use rumqttc::v5::mqttbytes::v5::PublishProperties;
+
+/// The bytes all session queues of the node hold together, against one limit: each session's
+/// queue is a share of it, so many sessions cannot add up past it.
+#[derive(Debug)]
+pub struct Budget {
+    limit: usize,
+    used: AtomicUsize,
+}
+
+impl Budget {
+    pub fn new(limit: usize) -> Arc<Budget> {
+        Arc::new(Budget {
+            limit,
+            used: AtomicUsize::new(0),
+        })
+    }
+
+    /// A budget no queue ever fills: for a mailbox no hub has joined yet.
+    fn unbounded() -> Arc<Budget> {
+        Budget::new(usize::MAX)
+    }
+
+    /// Bytes held in all queues now.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// Whether `weight` more fits below `limit` (the whole budget, or the part sessions
+    /// that are away may fill).
+    fn fits(&self, weight: usize, limit: usize) -> bool {
+        self.used().saturating_add(weight) <= limit
+    }
+
+    fn take(&self, weight: usize) {
+        self.used.fetch_add(weight, Ordering::Relaxed);
+    }
+
+    fn give(&self, weight: usize) {
+        self.used.fetch_sub(weight, Ordering::Relaxed);
+    }
+}
+
+/// What a reader's taking says about it while writers wait for room in its queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Progress {
+    /// Its queue has room: nobody needs to wait for it.
+    Room,
+    /// No room yet, but it took what it held when the wait began, or the window is not over.
+    Behind,
+    /// Within the window it did not take what it held when the wait began: it stopped, or
+    /// crawls so slowly that its writers would wait for it far longer than for anyone else.
+    Stopped,
+}
 
 /// A published message as every recipient shares it.
 #[derive(Debug)]
@@ -35,7 +95,7 @@ pub struct Owed {
 
 impl Owed {
     /// What it holds in the queue's byte count.
-    fn weight(&self) -> usize {
+    pub fn weight(&self) -> usize {
         self.message.topic.len() + self.message.payload.len()
     }
 }
@@ -73,7 +133,7 @@ pub struct Outgoing {
 /// Why a message was not kept for the client (counted, and logged by the caller).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Dropped {
-    /// The queue was at its byte limit.
+    /// The queue was at its byte limit, or the node's budget was (a session that is away).
     QueueFull,
     /// Larger than the client's Maximum Packet Size ([MQTT-3.1.2-25]).
     TooLarge,
@@ -102,6 +162,12 @@ pub struct Mailbox {
     aliases: HashMap<Arc<str>, u16>,
     /// Messages dropped so far, by reason, for the session's metrics.
     pub dropped: [u64; 3],
+    /// The node-wide budget its queued and promised bytes count against.
+    budget: Arc<Budget>,
+    /// Bytes its reader took off the queue, ever.
+    taken: u64,
+    /// Since when writers wait for room here: then, what was taken and what was queued.
+    waited: Option<(Instant, u64, usize)>,
 }
 
 impl Mailbox {
@@ -115,26 +181,95 @@ impl Mailbox {
             last_pkid: 0,
             aliases: HashMap::new(),
             dropped: [0; 3],
+            budget: Budget::unbounded(),
+            taken: 0,
+            waited: None,
         }
     }
 
-    /// Whether a message of `weight` bytes at `qos` fits now, beside what is promised.
-    pub fn has_room(&self, weight: usize, qos: u8) -> bool {
-        let owed = self.queued_bytes + self.reserved;
-        owed == 0 || owed + weight <= self.bound(qos)
+    /// Counts this queue against the node's `budget` from now on.
+    pub fn join(&mut self, budget: &Arc<Budget>) {
+        if Arc::ptr_eq(&self.budget, budget) {
+            return;
+        }
+        let held = self.queued_bytes + self.reserved;
+        self.budget.give(held);
+        budget.take(held);
+        self.budget = budget.clone();
     }
 
-    /// Promises room to a message on its way; [`Mailbox::push`] with `reserved` takes it.
+    /// Whether a message of `weight` bytes at `qos` fits now, beside what is promised: within
+    /// the node's budget (a session that is `away` may fill half of it, so sessions nobody
+    /// reads cannot starve those that are read) and the session's share of it. One message
+    /// always fits an empty queue's share, so a message larger than the share still reaches
+    /// a reader that keeps up.
+    pub fn has_room(&self, weight: usize, qos: u8, away: bool) -> bool {
+        let owed = self.queued_bytes + self.reserved;
+        let node = if away {
+            self.budget.limit() / 2
+        } else {
+            self.budget.limit()
+        };
+        self.budget.fits(weight, node) && (owed == 0 || owed + weight <= self.bound(qos))
+    }
+
+    /// Promises room to a message on its way; [`Mailbox::push_reserved`] takes it.
     pub fn reserve(&mut self, weight: usize) {
         self.reserved += weight;
+        self.budget.take(weight);
+    }
+
+    /// Takes back a promise that was not used.
+    pub fn unreserve(&mut self, weight: usize) {
+        let weight = weight.min(self.reserved);
+        self.reserved -= weight;
+        self.budget.give(weight);
     }
 
     /// Queues a message that was promised room: it is taken whatever the bound.
     pub fn push_reserved(&mut self, owed: Owed) {
         let weight = owed.weight();
-        self.reserved = self.reserved.saturating_sub(weight);
+        let promised = weight.min(self.reserved);
+        self.reserved -= promised;
+        self.budget.take(weight - promised);
         self.queued_bytes += weight;
         self.queued.push_back(owed);
+    }
+
+    /// Queues a message for a connected reader whatever the bound: whoever sent it is paced
+    /// instead ([`Mailbox::progress`]). Whether it was within the room.
+    pub fn push_over(&mut self, owed: Owed) -> bool {
+        let fits = self.has_room(owed.weight(), owed.qos, false);
+        let weight = owed.weight();
+        self.budget.take(weight);
+        self.queued_bytes += weight;
+        self.queued.push_back(owed);
+        fits
+    }
+
+    /// Whether writers that wait for room here should go on waiting: a reader is judged by
+    /// what it takes, not by how far behind it is. Over `window` from the moment writers began
+    /// to wait, it must take what it held then; each time it does, a new window begins. A
+    /// reader slower than its writers passes every window (they are paced to it); one that
+    /// stopped, or takes less than its queue per window, does not.
+    pub fn progress(&mut self, weight: usize, qos: u8, now: Instant, window: Duration) -> Progress {
+        if self.has_room(weight, qos, false) {
+            self.waited = None;
+            return Progress::Room;
+        }
+        match self.waited {
+            Some((since, mark, owed)) if self.taken - mark < owed as u64 => {
+                if now.saturating_duration_since(since) >= window {
+                    Progress::Stopped
+                } else {
+                    Progress::Behind
+                }
+            }
+            _ => {
+                self.waited = Some((now, self.taken, self.queued_bytes));
+                Progress::Behind
+            }
+        }
     }
 
     fn bound(&self, qos: u8) -> usize {
@@ -145,23 +280,42 @@ impl Mailbox {
         }
     }
 
-    /// Queues a message; refused when the queue is at its byte limit. QoS 0 messages are
-    /// refused first: while the queue is over half full only QoS 1 and 2 are taken.
+    /// Queues a message for a session that is away: refused when its queue or the half of
+    /// the node's budget such sessions may fill has no room (counted).
+    pub fn push_away(&mut self, owed: Owed) -> Result<(), Dropped> {
+        if !self.has_room(owed.weight(), owed.qos, true) {
+            return self.drop(Dropped::QueueFull);
+        }
+        let weight = owed.weight();
+        self.budget.take(weight);
+        self.queued_bytes += weight;
+        self.queued.push_back(owed);
+        Ok(())
+    }
+
+    /// Queues a message; refused when the queue is at its byte limit or the node's budget is
+    /// spent. QoS 0 messages are refused first: while the queue is over half full only QoS 1
+    /// and 2 are taken.
     pub fn push(&mut self, owed: Owed) -> Result<(), Dropped> {
         let weight = owed.weight();
         let bound = self.bound(owed.qos);
         // One message always fits an empty queue, so a message larger than the bound is not
         // refused for ever to a reader that keeps up.
-        if !self.queued.is_empty() && self.queued_bytes + weight > bound {
+        let node = self.budget.limit();
+        if !self.queued.is_empty()
+            && (self.queued_bytes + weight > bound || !self.budget.fits(weight, node))
+        {
             return self.drop(Dropped::QueueFull);
         }
+        self.budget.take(weight);
         self.queued_bytes += weight;
         self.queued.push_back(owed);
         Ok(())
     }
 
     /// The next PUBLISH to write, if the client may take one: in order, skipping (and counting)
-    /// expired and oversized messages. `encoded_len` is the PUBLISH's size on the wire.
+    /// expired and oversized messages. `encoded_len` is the PUBLISH's size on the wire; it is
+    /// asked of the packet as it will be sent, alias and packet id in place ([MQTT-3.1.2-25]).
     pub fn next(
         &mut self,
         now: Instant,
@@ -174,22 +328,31 @@ impl Mailbox {
                 return None;
             }
             let owed = self.queued.pop_front()?;
-            self.queued_bytes -= owed.weight();
+            let weight = owed.weight();
+            self.queued_bytes -= weight;
+            self.budget.give(weight);
+            self.taken += weight as u64;
             let Some(expiry_left) = left(&owed.message, now) else {
                 self.dropped[Dropped::Expired as usize] += 1;
                 continue;
             };
             let mut out = self.outgoing(&owed, 0, expiry_left, false);
+            let new_alias = self.alias(&mut out);
+            if owed.qos > 0 {
+                out.pkid = self.next_pkid();
+            }
             if let Some(max) = self.limits.maximum_packet_size {
                 if encoded_len(&out) > max as usize {
-                    // [MQTT-3.1.2-25]: discarded for this client, as if sent.
+                    // [MQTT-3.1.2-25]: discarded for this client, as if sent; an alias it
+                    // would have brought is not taken.
+                    if new_alias {
+                        self.aliases.remove(&owed.message.topic);
+                    }
                     self.dropped[Dropped::TooLarge as usize] += 1;
                     continue;
                 }
             }
-            self.alias(&mut out);
             if owed.qos > 0 {
-                out.pkid = self.next_pkid();
                 self.inflight.push_back(Flight {
                     pkid: out.pkid,
                     owed,
@@ -280,9 +443,10 @@ impl Mailbox {
 
     /// Topic aliases to the client, keyed by topic, up to its Topic Alias Maximum: the first
     /// PUBLISH on a topic carries the topic and its new alias, later ones the alias alone.
-    fn alias(&mut self, out: &mut Outgoing) {
+    /// Whether it gave the topic a new alias.
+    fn alias(&mut self, out: &mut Outgoing) -> bool {
         if self.limits.topic_alias_maximum == 0 {
-            return;
+            return false;
         }
         if let Some(&alias) = self.aliases.get(&out.topic) {
             out.topic_alias = Some(alias);
@@ -291,7 +455,9 @@ impl Mailbox {
             let alias = self.aliases.len() as u16 + 1;
             self.aliases.insert(out.topic.clone(), alias);
             out.topic_alias = Some(alias);
+            return true;
         }
+        false
     }
 
     /// Packet ids 1..=65535 in turn, skipping those still in flight (§2.2.1).
@@ -302,6 +468,13 @@ impl Mailbox {
                 return self.last_pkid;
             }
         }
+    }
+}
+
+impl Drop for Mailbox {
+    fn drop(&mut self) {
+        // An ended session gives its bytes back to the node.
+        self.budget.give(self.queued_bytes + self.reserved);
     }
 }
 
@@ -475,6 +648,128 @@ mod tests {
                 (String::new(), Some(1))
             ]
         );
+    }
+
+    /// The PUBLISH as rumqttc writes it: refuses a QoS 1 or 2 packet without its id, as the
+    /// real encoder does.
+    fn encoded(out: &Outgoing) -> usize {
+        if out.qos > 0 && out.pkid == 0 {
+            return usize::MAX;
+        }
+        len(out) + usize::from(out.qos > 0) * 2
+    }
+
+    #[test]
+    fn a_clients_maximum_packet_size_is_measured_on_the_packet_as_sent() {
+        let mut mailbox = Mailbox::new(Limits {
+            maximum_packet_size: Some(64),
+            topic_alias_maximum: 1,
+            ..limits(10)
+        });
+        mailbox.push(owed("big", &[0; 100], 1, None)).unwrap();
+        for qos in [1, 2, 0] {
+            mailbox.push(owed("t", b"fits", qos, None)).unwrap();
+        }
+        let now = Instant::now();
+        let sent: Vec<_> = std::iter::from_fn(|| mailbox.next(now, encoded)).collect();
+        assert_eq!(
+            sent.iter().map(|o| (o.qos, o.pkid > 0)).collect::<Vec<_>>(),
+            [(1, true), (2, true), (0, false)],
+            "every QoS that fits is delivered"
+        );
+        assert_eq!(mailbox.dropped[Dropped::TooLarge as usize], 1);
+        assert_eq!(
+            sent[0].topic_alias,
+            Some(1),
+            "the alias of a dropped packet is not taken"
+        );
+    }
+
+    #[test]
+    fn every_queue_counts_against_the_nodes_budget_and_gives_back_what_it_held() {
+        let budget = Budget::new(1000);
+        let mut boxes: Vec<Mailbox> = (0..4)
+            .map(|_| {
+                let mut mailbox = Mailbox::new(Limits {
+                    queue_bytes: 600,
+                    ..limits(100)
+                });
+                mailbox.join(&budget);
+                mailbox
+            })
+            .collect();
+        for mailbox in &mut boxes[..2] {
+            for _ in 0..5 {
+                mailbox.push(owed("t", &[0; 99], 1, None)).unwrap();
+            }
+        }
+        assert_eq!(budget.used(), 1000);
+        assert!(
+            !boxes[0].has_room(100, 1, false),
+            "within its own share, not the node's"
+        );
+        assert!(
+            !boxes[2].has_room(100, 1, false),
+            "not even an empty queue past the budget"
+        );
+        let now = Instant::now();
+        while boxes[0].next(now, len).is_some() {}
+        assert_eq!(budget.used(), 500, "taken messages give their bytes back");
+        assert_eq!(
+            boxes[2].push_away(owed("t", &[0; 99], 1, None)),
+            Err(Dropped::QueueFull),
+            "a session away fills half the budget at most"
+        );
+        assert!(
+            boxes[2].has_room(100, 1, false),
+            "a connected reader all of it"
+        );
+        assert!(boxes[2].push_over(owed("t", &[0; 99], 1, None)));
+        assert_eq!(budget.used(), 600);
+        boxes.truncate(1);
+        assert_eq!(budget.used(), 0, "an ended session gives back what it held");
+    }
+
+    #[test]
+    fn a_reader_is_judged_by_what_it_takes_not_by_how_far_behind_it_is() {
+        let window = Duration::from_secs(2);
+        let full = |mailbox: &mut Mailbox| {
+            while mailbox.has_room(100, 1, false) {
+                mailbox.push_over(owed("t", &[0; 99], 1, None));
+            }
+        };
+        let start = Instant::now();
+        // A slow reader: takes what it held within each window, however often it is full.
+        let mut slow = Mailbox::new(Limits {
+            queue_bytes: 1000,
+            ..limits(u16::MAX)
+        });
+        full(&mut slow);
+        assert_eq!(slow.progress(100, 1, start, window), Progress::Behind);
+        for round in 1..=10u32 {
+            while slow.next(start, len).is_some() {}
+            full(&mut slow);
+            let at = start + window * round - Duration::from_millis(1);
+            assert_eq!(slow.progress(100, 1, at, window), Progress::Behind);
+        }
+        // A crawling one takes a little each window, never what it held: it is let go.
+        let mut crawler = Mailbox::new(Limits {
+            queue_bytes: 1000,
+            ..limits(u16::MAX)
+        });
+        full(&mut crawler);
+        assert_eq!(crawler.progress(100, 1, start, window), Progress::Behind);
+        crawler.next(start, len).unwrap();
+        crawler.push_over(owed("t", &[0; 99], 1, None));
+        let later = start + window / 2;
+        assert_eq!(crawler.progress(100, 1, later, window), Progress::Behind);
+        assert_eq!(
+            crawler.progress(100, 1, start + window, window),
+            Progress::Stopped
+        );
+        // One with room is not waited for at all.
+        let mut idle = Mailbox::new(limits(10));
+        assert_eq!(idle.progress(100, 1, start, window), Progress::Room);
     }
 
     #[test]

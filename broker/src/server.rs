@@ -41,7 +41,7 @@ impl BrokerStats {
         self.policy.denials()
     }
 
-    /// Subscribers disconnected so far for falling a whole queue behind
+    /// Subscribers disconnected so far for not taking what they held
     /// (`EM-BROKER-SUBSCRIBER-LAG`).
     pub fn lagging_subscribers_cut(&self) -> u64 {
         self.shared.hub.lag_cuts.load(Ordering::Relaxed)
@@ -83,7 +83,7 @@ impl Broker {
             queue_bytes: config.queue_bytes,
             retained_bytes: config.retained_bytes,
             max_away_sessions: config.max_away_sessions,
-            reader_store_backlog: config.reader_store_backlog,
+            queues_bytes: config.queues_bytes,
             reader_stall: Duration::from_secs(config.subscriber_stall_s),
         }));
         let events = Arc::new(ClientEvents::default());
@@ -152,7 +152,7 @@ impl Broker {
         Ok(())
     }
 
-    /// Subscribers cut off so far for falling a whole queue behind.
+    /// Subscribers cut off so far for not taking what they held.
     pub fn lagging_subscribers_cut(&self) -> u64 {
         self.shared.hub.lag_cuts.load(Ordering::Relaxed)
     }

@@ -20,8 +20,8 @@ async fn start() -> (u16, Arc<Hub>, CancellationToken) {
         queue_bytes: 1 << 20,
         retained_bytes: 1 << 20,
         max_away_sessions: 10_000,
-        reader_store_backlog: 1_000,
-        reader_stall: std::time::Duration::from_secs(30),
+        queues_bytes: 64 << 20,
+        reader_stall: std::time::Duration::from_secs(2),
     }));
     let cancel = CancellationToken::new();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -237,16 +237,16 @@ async fn receive_maximum_5_is_never_exceeded_and_a_10000_burst_arrives_whole() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_reader_a_whole_queue_behind_is_cut_off_and_the_others_get_everything() {
+async fn a_reader_that_stops_taking_is_cut_off_and_the_others_get_everything() {
     let hub = Arc::new(Hub::new(HubLimits {
-        // Room for about 26,000 of the burst's messages (about 10 bytes each): far more than the
-        // reader that keeps up falls behind (the publisher stays within 5,000 of it), far less
-        // than the 60,000 the stopped one is sent.
+        // Room for about 26,000 of the burst's messages (about 10 bytes each), far less than the
+        // 60,000 the stopped one is sent: once it is full the publisher waits for it, and it is
+        // cut off when it has taken nothing of that within the 2 s window.
         queue_bytes: 256 << 10,
         retained_bytes: 1 << 20,
         max_away_sessions: 10_000,
-        reader_store_backlog: 1_000,
-        reader_stall: std::time::Duration::from_secs(30),
+        queues_bytes: 64 << 20,
+        reader_stall: std::time::Duration::from_secs(2),
     }));
     let cancel = CancellationToken::new();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();

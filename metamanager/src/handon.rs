@@ -137,7 +137,7 @@ pub async fn run(
             };
             behind = rows.len() == BATCH;
             for (seq, message) in rows {
-                if !hand_on(&publisher, message, &pump.gauge, &cancel).await {
+                if !hand_on(&publisher, message, &cancel).await {
                     return;
                 }
                 cursor = seq;
@@ -158,7 +158,7 @@ pub async fn run(
                             behind = true;
                             break;
                         }
-                        if !hand_on(&publisher, message, &pump.gauge, &cancel).await {
+                        if !hand_on(&publisher, message, &cancel).await {
                             return;
                         }
                         cursor = seq;
@@ -187,18 +187,13 @@ pub(crate) fn unheard(publisher: &Publisher, message: &Message) -> bool {
 }
 
 /// Publishes one hand-on once its subscribers have room; `false` when the node is stopping.
-async fn hand_on(
-    publisher: &Publisher,
-    message: Message,
-    gauge: &HandonGauge,
-    cancel: &CancellationToken,
-) -> bool {
+async fn hand_on(publisher: &Publisher, message: Message, cancel: &CancellationToken) -> bool {
     if unheard(publisher, &message) {
         return true;
     }
     tokio::select! {
         _ = cancel.cancelled() => false,
-        published = publisher.publish_paced(message, || gauge.waiting() as usize) => published.is_ok(),
+        published = publisher.publish_paced(message) => published.is_ok(),
     }
 }
 

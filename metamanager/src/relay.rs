@@ -51,9 +51,9 @@ pub async fn run(
                     continue;
                 }
                 if publisher
-                    // The rows stay in the outbox until handed over, however many wait, so a
-                    // reader without room is not waited for: it is cut off and resyncs.
-                    .publish_paced(Message::new(entry.topic, entry.payload), || usize::MAX)
+                    // The rows stay in the outbox until handed over: the relay waits for a
+                    // reader without room as long as it takes what it holds.
+                    .publish_paced(Message::new(entry.topic, entry.payload))
                     .await
                     .is_err()
                 {

@@ -31,7 +31,7 @@ use crate::ack::{Ack, AckKind, Acks};
 use crate::direct::{drain, publish_of, Direct, SharedTcp};
 use crate::dollar::to_broker;
 use crate::events::ClientEvents;
-use crate::hub::{hand_to_links, ForLinks, Hub, Mailroom};
+use crate::hub::{hand_to_links, Behind, ForLinks, Hub, Mailroom};
 use crate::index::{valid_topic, Options, RetainHandling, SessionId, TopicBounds};
 use crate::login::Verdict;
 use crate::mailbox::{Limits, Published, Resend};
@@ -152,7 +152,7 @@ enum End {
         expiry: Option<u32>,
     },
     Lost,
-    /// Cut off for falling a whole queue behind: the session ends with the connection.
+    /// Cut off for not taking what it held: the session ends with the connection.
     Cut,
     /// The client broke the protocol: a v5 client is told why (§4.13) before the close.
     Refused(DisconnectReasonCode),
@@ -162,8 +162,9 @@ enum End {
 enum Step {
     /// The connection ends.
     End(End),
-    /// A publish waits for room in a module's inbox; then its acknowledgement is settled.
-    Wait(ForLinks, Option<(AckKind, u16, Ack)>),
+    /// A publish waits for room in a module's inbox and in the queues of the readers it
+    /// filled; then its acknowledgement is settled.
+    Wait(ForLinks, Behind, Option<(AckKind, u16, Ack)>),
     /// A publish nobody subscribes to: routed once more after the other connections ran.
     Unheard(Arc<Published>, u8, Option<(AckKind, u16, Ack)>),
 }

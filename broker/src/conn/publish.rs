@@ -52,7 +52,7 @@ impl Conn {
             _ => None,
         };
         let ack = kind.map(|kind| self.promise(kind, publish.pkid));
-        let (waiting, heard) = shared.hub.publish_heard(
+        let routed = shared.hub.publish(
             Some(self.session),
             message.clone(),
             qos,
@@ -60,11 +60,11 @@ impl Conn {
             ack.as_ref(),
         );
         let owed = kind.zip(ack).map(|(kind, ack)| (kind, publish.pkid, ack));
-        if !heard && !publish.retain {
+        if !routed.heard && !publish.retain {
             return Some(Step::Unheard(message, qos, owed));
         }
-        if !waiting.is_empty() {
-            return Some(Step::Wait(waiting, owed));
+        if !routed.links.is_empty() || !routed.behind.is_empty() {
+            return Some(Step::Wait(routed.links, routed.behind, owed));
         }
         self.settle(owed);
         None

@@ -22,6 +22,14 @@ fn poll_once<F: std::future::Future>(future: F) -> Option<F::Output> {
     }
 }
 
+/// What the loop does after a packet was handled.
+enum Next {
+    On,
+    End(End),
+    /// Cut while it waited: `Conn::cut` tells the client why.
+    Cut,
+}
+
 impl Conn {
     pub(super) async fn run<S: AsyncRead + AsyncWrite + Unpin>(
         &mut self,
@@ -37,12 +45,11 @@ impl Conn {
         let mut last_heard = Instant::now();
         loop {
             if self.fill() {
-                self.room.taken(&shared.hub);
-                shared.hub.room.notify_waiters();
+                self.room.taken();
             }
             if !self.out.is_empty() {
-                // A reader that stopped takes nothing: its queue fills and the hub cuts it
-                // off through `token` while this write waits.
+                // A reader that stopped takes nothing: its writers wait, and the hub cuts it
+                // off through `token` while this write waits (protocol §6.10).
                 tokio::select! {
                     written = stream.write_all(&self.out) => if written.is_err() {
                         return End::Lost;
@@ -88,7 +95,9 @@ impl Conn {
                 Woke::Silent | Woke::Read(None) => return End::Lost,
                 Woke::Read(Some(read)) => {
                     last_heard = Instant::now();
-                    if let Some(end) = self.take_packets(stream, buf, shared, read == spare).await {
+                    let filled = read == spare;
+                    let taken = self.take_packets(stream, buf, shared, filled, token, node);
+                    if let Some(end) = taken.await {
                         return end;
                     }
                     if buf.is_empty() && buf.capacity() > KEEP_BUFFER {
@@ -107,6 +116,8 @@ impl Conn {
         buf: &mut BytesMut,
         shared: &Shared,
         mut filled: bool,
+        token: &CancellationToken,
+        node: &CancellationToken,
     ) -> Option<End> {
         loop {
             let packet = match self.wire.read(buf, shared.max_packet) {
@@ -129,8 +140,10 @@ impl Conn {
             match packet {
                 Ok(Some(packet)) => {
                     let step = self.handle(packet, shared);
-                    if let Some(end) = self.step(step, shared).await {
-                        return Some(self.ending(stream, end).await);
+                    match self.step(step, shared, token).await {
+                        Next::On => {}
+                        Next::End(end) => return Some(self.ending(stream, end).await),
+                        Next::Cut => return Some(Box::pin(self.cut(stream, node)).await),
                     }
                 }
                 Ok(None) => return None,
@@ -148,19 +161,32 @@ impl Conn {
         }
     }
 
-    /// What a handled packet left to do; Some when the connection ends.
-    async fn step(&mut self, step: Option<Step>, shared: &Shared) -> Option<End> {
-        match step? {
-            Step::End(end) => Some(end),
-            Step::Wait(waiting, owed) => {
-                // A module's inbox is full: this client waits (its bytes stay in its socket)
-                // while the others go on (protocol §6.10).
+    /// What a handled packet left to do: go on, end, or be cut (this connection's token was
+    /// cancelled while it waited for a reader).
+    async fn step(
+        &mut self,
+        step: Option<Step>,
+        shared: &Shared,
+        token: &CancellationToken,
+    ) -> Next {
+        let Some(step) = step else {
+            return Next::On;
+        };
+        match step {
+            Step::End(end) => Next::End(end),
+            Step::Wait(waiting, behind, owed) => {
+                // A module's inbox or a reader's queue is full: this client waits (its bytes
+                // stay in its socket) while the others go on (protocol §6.10).
                 shared.paused.fetch_add(1, Ordering::Relaxed);
                 shared.pauses.fetch_add(1, Ordering::Relaxed);
                 Box::pin(hand_to_links(waiting)).await;
+                let on = Box::pin(shared.hub.wait_for(behind, token)).await;
                 shared.paused.fetch_sub(1, Ordering::Relaxed);
+                if !on {
+                    return Next::Cut;
+                }
                 self.settle(owed);
-                None
+                Next::On
             }
             Step::Unheard(message, qos, owed) => {
                 // MQTT orders packets per connection only, but a client that subscribes on one
@@ -171,12 +197,13 @@ impl Conn {
                 tokio::task::yield_now().await;
                 let ack = owed.as_ref().map(|(_, _, ack)| ack);
                 let hub = &shared.hub;
-                let (waiting, _) = hub.publish_heard(Some(self.session), message, qos, false, ack);
-                if !waiting.is_empty() {
-                    Box::pin(hand_to_links(waiting)).await;
+                let routed = hub.publish(Some(self.session), message, qos, false, ack);
+                Box::pin(hand_to_links(routed.links)).await;
+                if !Box::pin(hub.wait_for(routed.behind, token)).await {
+                    return Next::Cut;
                 }
                 self.settle(owed);
-                None
+                Next::On
             }
         }
     }
@@ -197,7 +224,7 @@ impl Conn {
         end
     }
 
-    /// The connection was cut: for lagging a whole queue behind (0x97), because the node is
+    /// The connection was cut: for not taking what it held (0x97), because the node is
     /// stopping (0x8B), else taken over (§3.1.4-3). A v5 client is told which.
     async fn cut<S: AsyncRead + AsyncWrite + Unpin>(
         &mut self,
