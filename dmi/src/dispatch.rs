@@ -22,8 +22,10 @@ use tracing::{debug, warn};
 
 use crate::pb;
 use crate::pb::device_mapper_service_client::DeviceMapperServiceClient;
-use crate::registry::Key;
 use crate::DmiConfig;
+
+/// A device or model: `(namespace, name)`.
+pub(crate) type Key = (String, String);
 
 /// A device with its model, as the mapper should hold them.
 pub(crate) type Wanted = (pb::Device, (Key, pb::DeviceModel));

@@ -17,12 +17,9 @@ use tonic::Status;
 use tracing::{info, warn};
 
 use crate::convert;
-use crate::dispatch::{self, Op};
+use crate::dispatch::{self, Key, Op};
 use crate::pb;
 use crate::DmiConfig;
-
-/// `(namespace, name)`.
-pub(crate) type Key = (String, String);
 
 /// What the gRPC service asks the registry.
 pub(crate) enum Ask {

@@ -27,6 +27,8 @@ const CRATES: &[&str] = &[
     "kubewire/src",
     "metaserver/src",
     "edgecontroller/src",
+    "protocol/src",
+    "dmi/src",
 ];
 
 #[test]
