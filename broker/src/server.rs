@@ -76,7 +76,7 @@ pub struct Broker {
 impl Broker {
     /// Validates the config and starts the hub; listeners open with [`Broker::listen`], so the
     /// node's modules can subscribe before the first client arrives.
-    pub fn new(config: &BrokerConfig, _link_filters: &[String]) -> Result<Broker, Error> {
+    pub fn new(config: &BrokerConfig) -> Result<Broker, Error> {
         config.validate()?;
         let policy = Arc::new(config.policy()?);
         let hub = Arc::new(Hub::new(HubLimits {
