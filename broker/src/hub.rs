@@ -443,10 +443,7 @@ impl Hub {
 
     /// The retained messages a new subscription to `filter` gets, with their QoS.
     pub fn retained_for(&self, filter: &str) -> Vec<(Arc<Published>, u8)> {
-        let filter = filter
-            .strip_prefix("$share/")
-            .and_then(|rest| rest.split_once('/').map(|(_, f)| f))
-            .unwrap_or(filter);
+        let (_, filter) = crate::index::split_shared(filter);
         lock(&self.retained).matching(filter).cloned().collect()
     }
 
