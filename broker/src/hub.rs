@@ -22,7 +22,6 @@ use tracing::warn;
 
 use crate::ack::Ack;
 use crate::direct::{Direct, Flushed, Waiting};
-use crate::dollar::to_broker;
 use crate::index::{Index, SessionId};
 use crate::mailbox::{Budget, Limits, Mailbox, Owed, Progress, Published};
 use crate::registry::{Connected, Fired, Registry, Will};
@@ -622,13 +621,13 @@ impl Hub {
     }
 }
 
-/// The module's copy of a message: its topic in the broker form, v5 request properties kept.
+/// The module's copy of a message: its topic as published, v5 request properties kept.
 fn for_link(message: &Published, ack: Option<&Ack>) -> Message {
     let (response_topic, correlation) = message.properties.as_ref().map_or((None, None), |p| {
         (p.response_topic.clone(), p.correlation_data.clone())
     });
     Message {
-        topic: to_broker(&message.topic).into_owned(),
+        topic: message.topic.to_string(),
         payload: message.payload.clone(),
         response_topic,
         correlation,

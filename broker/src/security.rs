@@ -16,14 +16,14 @@ use crate::dollar;
 use crate::login::{memory_kib, CheckConfig, Checker, Verdict, Who};
 
 /// Whether no client may use `topic` (or the filter a subscription shares), whatever its
-/// rights: `$` topics other than the carried ones are the broker's own, and so is the carried
+/// rights: `$` topics other than the carried ones are the broker's own, and so is the ACL's key
 /// form `edgemeta$...`, so clients name `$hw/...` one way only, the way ACL rules are written.
 pub(crate) fn reserved(topic: &str) -> bool {
     topic.starts_with(dollar::INTERNAL_PREFIX)
         || (topic.starts_with('$') && !dollar::is_carried(topic.as_bytes()))
 }
 
-/// The modules' form of a client's `topic` if a client with `grants` may publish to it.
+/// The ACL's key of a client's `topic` if a client with `grants` may publish to it.
 pub(crate) fn publishable<'a>(
     grants: &Grants,
     topic: &'a str,
@@ -264,7 +264,7 @@ impl Policy {
                 vec![format!("{root}/device/#")],
             ),
         };
-        // Rules are written as clients see topics; grants are checked against the broker form.
+        // Rules are written as clients see topics; grants are checked against the ACL key.
         let grant = |filter: &String| {
             let filter = substitute(
                 filter,
@@ -344,7 +344,7 @@ fn rule_applies(pattern: &str, identity: &Identity) -> bool {
 }
 
 impl Grants {
-    /// Whether `topic`, in the broker form ([`dollar::to_broker`]), may be published to.
+    /// Whether `topic`, as its ACL key ([`dollar::to_broker`]), may be published to.
     pub fn may_publish(&self, topic: &str) -> bool {
         match &self.publish {
             None => true,
@@ -352,7 +352,7 @@ impl Grants {
         }
     }
 
-    /// A subscription (broker form) is allowed when it lies inside an allowed filter.
+    /// A subscription (as its ACL key) is allowed when it lies inside an allowed filter.
     pub fn may_subscribe(&self, filter: &str) -> bool {
         match &self.subscribe {
             None => true,
