@@ -459,7 +459,7 @@ impl Hub {
         retain: bool,
         ack: Option<&Ack>,
     ) -> Routed {
-        self.route(from, message, qos, retain, ack, false)
+        self.route(from, message, qos, Pacing::Asked { retain, ack })
     }
 
     /// [`Hub::publish`] of a message [`Hub::reserve`] promised room to.
@@ -470,7 +470,7 @@ impl Hub {
         message: Arc<Published>,
         qos: u8,
     ) -> Routed {
-        self.route(from, message, qos, false, None, true)
+        self.route(from, message, qos, Pacing::Promised)
     }
 
     fn route(
@@ -478,10 +478,12 @@ impl Hub {
         from: Option<SessionId>,
         message: Arc<Published>,
         qos: u8,
-        retain: bool,
-        ack: Option<&Ack>,
-        reserved: bool,
+        pacing: Pacing<'_>,
     ) -> Routed {
+        let (retain, ack, reserved) = match pacing {
+            Pacing::Asked { retain, ack } => (retain, ack, false),
+            Pacing::Promised => (false, None, true),
+        };
         if retain && lock(&self.retained).set(message.clone(), qos).is_err() {
             warn!(error_code = "EM-BROKER-RETAINED-FULL", topic = %message.topic,
                 "retained message not kept: the retained store is full");
@@ -634,6 +636,14 @@ fn for_link(message: &Published, ack: Option<&Ack>) -> Message {
         ack: ack.cloned(),
         reserved: false,
     }
+}
+
+/// How [`Hub::route`] finds room for a message: asked of each reader as it routes (a client's
+/// or module's publish, maybe retained, maybe acknowledged after the modules), or promised
+/// beforehand by [`Hub::reserve`].
+enum Pacing<'a> {
+    Asked { retain: bool, ack: Option<&'a Ack> },
+    Promised,
 }
 
 /// Waits until each module has room for its message (a module that has gone gets nothing and
