@@ -50,10 +50,7 @@ pub use direct::Together;
 pub use dollar::is_carried;
 pub use error::Error;
 pub use hub::{Hub, HubLimits, Mailroom};
-pub use index::{
-    matches as filter_matches, valid_topic, Delivery, FilterError, Index, Options, RetainHandling,
-    SessionId,
-};
+pub use index::{valid_topic, Delivery, FilterError, Index, Options, RetainHandling, SessionId};
 pub use link::{Link, Links, Publisher};
 pub use login::CheckConfig;
 pub use mailbox::{Dropped, Limits, Mailbox, Outgoing, Owed, Published, Resend};
