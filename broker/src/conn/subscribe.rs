@@ -128,7 +128,7 @@ impl Conn {
     /// or the subscription limit.
     fn may_subscribe(&self, path: &str, policy: &Policy) -> Option<&'static str> {
         let (_, filter) = split_shared(path);
-        if reserved(filter) || !self.grants.may_subscribe(&to_broker(filter)) {
+        if reserved(filter) || !self.grants.may_subscribe(filter) {
             return Some("not allowed by the ACL");
         }
         let held = self.subscriptions.contains(path);
