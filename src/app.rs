@@ -46,13 +46,8 @@ pub async fn run(
     let map = TopicMap::new(&root, &settings.cloud.root, &settings.cloud.node_id);
     let meta_filters = subscriptions(&root);
     let cloud_filter = map.local_cloud_filter();
-    let mut watched = meta_filters.clone();
-    watched.push(cloud_filter.clone());
     let dmi_on = settings.devices.dmi.socket.is_some();
-    if dmi_on {
-        watched.extend(edgemeta_dmi::subscriptions());
-    }
-    let mut broker = Broker::new(&settings.broker, &watched).context("starting the MQTT broker")?;
+    let mut broker = Broker::new(&settings.broker).context("starting the MQTT broker")?;
     let link = broker
         .link("metamanager", &meta_filters, LINK_CAPACITY)
         .await

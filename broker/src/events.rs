@@ -13,7 +13,6 @@ use serde_json::json;
 use tokio::sync::mpsc;
 use tracing::warn;
 
-use crate::dollar::to_broker;
 use crate::link::Publisher;
 use crate::Message;
 
@@ -80,7 +79,7 @@ impl ClientEvents {
     }
 
     fn send(&self, event: &str, client_id: &str) {
-        let topic = to_broker(&format!("$hw/events/{event}/{client_id}")).into_owned();
+        let topic = format!("$hw/events/{event}/{client_id}");
         let timestamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as i64);
@@ -114,9 +113,9 @@ mod tests {
         assert_eq!(
             topics,
             [
-                "edgemeta$hw/events/connected/dev-1",
-                "edgemeta$hw/events/connected/dev-1",
-                "edgemeta$hw/events/disconnected/dev-1"
+                "$hw/events/connected/dev-1",
+                "$hw/events/connected/dev-1",
+                "$hw/events/disconnected/dev-1"
             ]
         );
     }

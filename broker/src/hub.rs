@@ -22,7 +22,6 @@ use tracing::warn;
 
 use crate::ack::Ack;
 use crate::direct::{Direct, Flushed, Waiting};
-use crate::dollar::to_broker;
 use crate::index::{Index, SessionId};
 use crate::mailbox::{Budget, Limits, Mailbox, Owed, Progress, Published};
 use crate::registry::{Connected, Fired, Registry, Will};
@@ -443,10 +442,7 @@ impl Hub {
 
     /// The retained messages a new subscription to `filter` gets, with their QoS.
     pub fn retained_for(&self, filter: &str) -> Vec<(Arc<Published>, u8)> {
-        let filter = filter
-            .strip_prefix("$share/")
-            .and_then(|rest| rest.split_once('/').map(|(_, f)| f))
-            .unwrap_or(filter);
+        let (_, filter) = crate::index::split_shared(filter);
         lock(&self.retained).matching(filter).cloned().collect()
     }
 
@@ -463,7 +459,7 @@ impl Hub {
         retain: bool,
         ack: Option<&Ack>,
     ) -> Routed {
-        self.route(from, message, qos, retain, ack, false)
+        self.route(from, message, qos, Pacing::Asked { retain, ack })
     }
 
     /// [`Hub::publish`] of a message [`Hub::reserve`] promised room to.
@@ -474,7 +470,7 @@ impl Hub {
         message: Arc<Published>,
         qos: u8,
     ) -> Routed {
-        self.route(from, message, qos, false, None, true)
+        self.route(from, message, qos, Pacing::Promised)
     }
 
     fn route(
@@ -482,10 +478,12 @@ impl Hub {
         from: Option<SessionId>,
         message: Arc<Published>,
         qos: u8,
-        retain: bool,
-        ack: Option<&Ack>,
-        reserved: bool,
+        pacing: Pacing<'_>,
     ) -> Routed {
+        let (retain, ack, reserved) = match pacing {
+            Pacing::Asked { retain, ack } => (retain, ack, false),
+            Pacing::Promised => (false, None, true),
+        };
         if retain && lock(&self.retained).set(message.clone(), qos).is_err() {
             warn!(error_code = "EM-BROKER-RETAINED-FULL", topic = %message.topic,
                 "retained message not kept: the retained store is full");
@@ -625,19 +623,27 @@ impl Hub {
     }
 }
 
-/// The module's copy of a message: its topic in the broker form, v5 request properties kept.
+/// The module's copy of a message: its topic as published, v5 request properties kept.
 fn for_link(message: &Published, ack: Option<&Ack>) -> Message {
     let (response_topic, correlation) = message.properties.as_ref().map_or((None, None), |p| {
         (p.response_topic.clone(), p.correlation_data.clone())
     });
     Message {
-        topic: to_broker(&message.topic).into_owned(),
+        topic: message.topic.to_string(),
         payload: message.payload.clone(),
         response_topic,
         correlation,
         ack: ack.cloned(),
         reserved: false,
     }
+}
+
+/// How [`Hub::route`] finds room for a message: asked of each reader as it routes (a client's
+/// or module's publish, maybe retained, maybe acknowledged after the modules), or promised
+/// beforehand by [`Hub::reserve`].
+enum Pacing<'a> {
+    Asked { retain: bool, ack: Option<&'a Ack> },
+    Promised,
 }
 
 /// Waits until each module has room for its message (a module that has gone gets nothing and

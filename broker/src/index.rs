@@ -163,17 +163,28 @@ struct Parsed<'a> {
     wildcard: bool,
 }
 
-fn parse(filter: &str) -> Result<Parsed<'_>, FilterError> {
-    let (group, filter) = match filter.strip_prefix("$share/") {
-        Some(rest) => {
-            let (group, filter) = rest.split_once('/').ok_or(FilterError::Shared)?;
-            if group.is_empty() || filter.is_empty() || group.contains(['+', '#']) {
-                return Err(FilterError::Shared);
-            }
-            (Some(group), filter)
-        }
+/// A filter split into its share group and the filter proper (§4.8.2): `$share/g/a/+` →
+/// `(Some("g"), "a/+")`. Anything else, `$share/g` with no filter included, is returned whole
+/// with no group; [`Index::subscribe`] refuses the malformed forms.
+pub fn split_shared(filter: &str) -> (Option<&str>, &str) {
+    match filter
+        .strip_prefix("$share/")
+        .and_then(|rest| rest.split_once('/'))
+    {
+        Some((group, filter)) => (Some(group), filter),
         None => (None, filter),
+    }
+}
+
+fn parse(filter: &str) -> Result<Parsed<'_>, FilterError> {
+    let (group, filter) = split_shared(filter);
+    let malformed = match group {
+        Some(group) => group.is_empty() || filter.is_empty() || group.contains(['+', '#']),
+        None => filter.starts_with("$share/"),
     };
+    if malformed {
+        return Err(FilterError::Shared);
+    }
     if filter.is_empty() {
         return Err(FilterError::Empty);
     }

@@ -11,7 +11,8 @@
 //! - [`wire`]: MQTT 3.1.1 and 5 read into and written from one model.
 //! - [`security`]: authentication and the topic ACL a connection is held to.
 //! - [`login`]: password checks on a small pool of threads, with back-off for failing clients.
-//! - [`dollar`]: `$hw/...` and `$ke/...` as the node's modules name them (`edgemeta$...`).
+//! - [`dollar`]: KubeEdge's `$hw/...` and `$ke/...` topics, open to clients, and the key the ACL
+//!   matches them by.
 //! - [`hub`]: the shared state and its one `publish`.
 //! - [`index`]: the subscription index: MQTT 5's subscription options, shared groups, `$` topics.
 //! - [`registry`]: sessions by client id: take-over, expiry, delayed wills.
@@ -46,13 +47,10 @@ pub use ack::{release_together, Ack, AckKind};
 pub use config::{BrokerConfig, ListenerConfig};
 pub use conn::{serve_tcp as serve_connection, Shared};
 pub use direct::Together;
-pub use dollar::{to_broker, to_client, INTERNAL_PREFIX};
+pub use dollar::is_carried;
 pub use error::Error;
 pub use hub::{Hub, HubLimits, Mailroom};
-pub use index::{
-    matches as filter_matches, valid_topic, Delivery, FilterError, Index, Options, RetainHandling,
-    SessionId,
-};
+pub use index::{valid_topic, Delivery, FilterError, Index, Options, RetainHandling, SessionId};
 pub use link::{Link, Links, Publisher};
 pub use login::CheckConfig;
 pub use mailbox::{Dropped, Limits, Mailbox, Outgoing, Owed, Published, Resend};

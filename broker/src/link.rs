@@ -9,7 +9,6 @@ use rumqttc::v5::mqttbytes::v5::PublishProperties;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::dollar::to_client;
 use crate::hub::{hand_to_links, Hub};
 use crate::index::SessionId;
 use crate::mailbox::Published;
@@ -49,7 +48,7 @@ impl Publisher {
         }
     }
 
-    /// Publishes `message` (topic in the broker form) to every subscriber; waits only while a
+    /// Publishes `message` to every subscriber; waits only while a
     /// module's inbox is full.
     pub async fn publish(&self, message: Message) -> Result<(), Error> {
         match &self.to {
@@ -63,7 +62,7 @@ impl Publisher {
                     ..PublishProperties::default()
                 });
                 let published = Arc::new(Published {
-                    topic: Arc::from(to_client(&message.topic).as_ref()),
+                    topic: Arc::from(message.topic.as_str()),
                     payload: message.payload.clone(),
                     received: Instant::now(),
                     expiry: None,
@@ -91,7 +90,7 @@ impl Publisher {
     pub async fn publish_paced(&self, message: Message) -> Result<(), Error> {
         let mut message = message;
         if let Target::Hub(hub, _) = &self.to {
-            let topic = to_client(&message.topic).into_owned();
+            let topic = message.topic.clone();
             let weight = topic.len() + message.payload.len();
             loop {
                 // Registered before the look, so room made in between is not missed.
@@ -111,12 +110,12 @@ impl Publisher {
         self.publish(message).await
     }
 
-    /// Whether a client subscribes to `topic` (broker form) now, shared subscriptions
+    /// Whether a client subscribes to `topic` now, shared subscriptions
     /// included (the node's own links are not counted).
     pub fn reaches_anyone(&self, topic: &str) -> bool {
         match &self.to {
             Target::Channel(_) => true,
-            Target::Hub(hub, _) => hub.reaches_clients(&to_client(topic)),
+            Target::Hub(hub, _) => hub.reaches_clients(topic),
         }
     }
 
@@ -126,8 +125,8 @@ impl Publisher {
         match &self.to {
             Target::Channel(_) => true,
             Target::Hub(hub, _) => {
-                let topic = to_client(&message.topic);
-                let fits = hub.reserve(&topic, topic.len() + message.payload.len());
+                let topic = &message.topic;
+                let fits = hub.reserve(topic, topic.len() + message.payload.len());
                 message.reserved = fits;
                 fits
             }

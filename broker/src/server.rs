@@ -14,7 +14,6 @@ use tracing::{debug, info, warn};
 
 use crate::config::{BrokerConfig, ListenerConfig};
 use crate::conn::{serve, serve_tcp, Accepted, Shared};
-use crate::dollar::to_client;
 use crate::events::ClientEvents;
 use crate::hub::{Hub, HubLimits};
 use crate::index::TopicBounds;
@@ -76,7 +75,7 @@ pub struct Broker {
 impl Broker {
     /// Validates the config and starts the hub; listeners open with [`Broker::listen`], so the
     /// node's modules can subscribe before the first client arrives.
-    pub fn new(config: &BrokerConfig, _link_filters: &[String]) -> Result<Broker, Error> {
+    pub fn new(config: &BrokerConfig) -> Result<Broker, Error> {
         config.validate()?;
         let policy = Arc::new(config.policy()?);
         let hub = Arc::new(Hub::new(HubLimits {
@@ -172,7 +171,7 @@ impl Broker {
         self.links.spawn(async move { events.run(publisher).await });
     }
 
-    /// Attaches a node module named `edgemeta-<name>`: what `filters` (broker form) match
+    /// Attaches a node module named `edgemeta-<name>`: what `filters` match
     /// reaches its inbox, which holds `capacity` messages before publishers wait.
     pub async fn link(
         &mut self,
@@ -181,11 +180,10 @@ impl Broker {
         capacity: usize,
     ) -> Result<Link, Error> {
         let (inbox_tx, inbox) = tokio::sync::mpsc::channel(capacity);
-        let filters: Vec<String> = filters.iter().map(|f| to_client(f).into_owned()).collect();
         let session = self
             .shared
             .hub
-            .attach_link(&filters, inbox_tx)
+            .attach_link(filters, inbox_tx)
             .map_err(|e| Error::Link {
                 client_id: format!("{RESERVED_CLIENT_PREFIX}{name}"),
                 reason: format!("{e:?}"),

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use edgemeta_broker::{Message, Publisher, INTERNAL_PREFIX};
+use edgemeta_broker::{is_carried, Message, Publisher};
 use tokio::sync::{mpsc, Notify};
 use tokio_util::sync::CancellationToken;
 use tracing::error;
@@ -178,12 +178,12 @@ pub async fn run(
     }
 }
 
-/// A device message (`$hw`/`$ke`, carried as `edgemeta$...`) no client subscribes to: it is
+/// A device message (`$hw`/`$ke`) no client subscribes to: it is
 /// dropped instead of published. Only the MetaManager's own link would get it, and it drops
 /// its own results unread; on the way the router would append it to that link's log and wake
 /// it (a `…/document` per twin report, which mappers seldom subscribe to).
 pub(crate) fn unheard(publisher: &Publisher, message: &Message) -> bool {
-    message.topic.starts_with(INTERNAL_PREFIX) && !publisher.reaches_anyone(&message.topic)
+    is_carried(message.topic.as_bytes()) && !publisher.reaches_anyone(&message.topic)
 }
 
 /// Publishes one hand-on once its subscribers have room; `false` when the node is stopping.

@@ -5,7 +5,7 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use edgemeta_broker::{to_client, INTERNAL_PREFIX};
+use edgemeta_broker::is_carried;
 use edgemeta_broker::{Message, Publisher};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -140,12 +140,12 @@ fn device_event(
     config: &IntakeConfig,
     message: &Message,
 ) -> Option<Result<Event, Option<Message>>> {
-    let topic = to_client(&message.topic);
-    if let Some((family, id)) = handlers::classify(&topic) {
+    let topic = &message.topic;
+    if let Some((family, id)) = handlers::classify(topic) {
         let event = Event {
             family,
             id,
-            topic: topic.into_owned(),
+            topic: topic.clone(),
             payload: message.payload.clone(),
             ack: None,
         };
@@ -164,9 +164,8 @@ fn device_event(
         }
         return Some(Ok(event));
     }
-    if message.topic.starts_with(INTERNAL_PREFIX) {
-        // Our own results and deltas, back through the link's broad `$hw/events/#` filter, and
-        // `$hw/...`, `$ke/...` topics with a second level `user` (through `+/user/#`).
+    if is_carried(message.topic.as_bytes()) {
+        // Our own results and deltas, back through the link's broad `$hw/events/#` filter.
         return Some(Err(None));
     }
     let inbound = InboundTopic::parse(&config.root, &message.topic).ok()?;

@@ -295,9 +295,7 @@ impl<'a> Context<'a> {
     /// Whether a client subscribes to the device topic `topic` (`$hw/...`) now: what nobody
     /// hears is dropped at the commit ([`crate::handon::unheard`]), so it need not be built.
     pub(crate) fn heard(&self, topic: &str) -> bool {
-        self.settings
-            .broker
-            .reaches_anyone(&edgemeta_broker::to_broker(topic))
+        self.settings.broker.reaches_anyone(topic)
     }
 
     /// Publishes `message` after the commit.

@@ -236,7 +236,7 @@ async fn check_login(
 /// its connection.
 fn will_of(w: LastWill, grants: &Grants, client_id: &str, shared: &Shared) -> Option<Will> {
     let topic = String::from_utf8_lossy(&w.topic).into_owned();
-    if publishable(grants, &topic).is_none() {
+    if !publishable(grants, &topic) {
         shared.policy.count_denied_publish();
         warn!(error_code = "EM-ACL-WILL-DENIED", %client_id, %topic, "will topic not permitted; the will goes nowhere");
         return None;

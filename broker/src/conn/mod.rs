@@ -29,7 +29,6 @@ use tracing::{debug, warn};
 
 use crate::ack::{Ack, AckKind, Acks};
 use crate::direct::{drain, publish_of, Direct, SharedTcp};
-use crate::dollar::to_broker;
 use crate::events::ClientEvents;
 use crate::hub::{hand_to_links, Behind, ForLinks, Hub, Mailroom};
 use crate::index::{valid_topic, Options, RetainHandling, SessionId, TopicBounds};

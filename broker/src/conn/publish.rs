@@ -20,7 +20,7 @@ impl Conn {
             }
             return None;
         }
-        if publishable(&self.grants, &topic).is_none() {
+        if !publishable(&self.grants, &topic) {
             self.refuse_publish(&topic, qos, publish.pkid, &shared.policy);
             return None;
         }

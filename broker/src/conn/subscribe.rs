@@ -2,6 +2,7 @@
 //! index and the retained messages a new subscription gets.
 
 use super::*;
+use crate::index::split_shared;
 
 impl Conn {
     /// A SUBSCRIBE: each filter granted or refused with its reason code, then the retained
@@ -60,7 +61,7 @@ impl Conn {
                         RetainHandling::Never => false,
                     };
                     // §3.3.1.3: no retained messages for a shared subscription.
-                    if send && !filter.path.starts_with("$share/") {
+                    if send && split_shared(&filter.path).0.is_none() {
                         for message in hub.retained_for(&filter.path) {
                             retained.push((message, options.clone()));
                         }
@@ -126,11 +127,8 @@ impl Conn {
     /// Why a SUBSCRIBE to `path` is refused: the ACL, a `$` filter that is the broker's own,
     /// or the subscription limit.
     fn may_subscribe(&self, path: &str, policy: &Policy) -> Option<&'static str> {
-        let filter = path
-            .strip_prefix("$share/")
-            .and_then(|rest| rest.split_once('/').map(|(_, f)| f))
-            .unwrap_or(path);
-        if reserved(filter) || !self.grants.may_subscribe(&to_broker(filter)) {
+        let (_, filter) = split_shared(path);
+        if reserved(filter) || !self.grants.may_subscribe(filter) {
             return Some("not allowed by the ACL");
         }
         let held = self.subscriptions.contains(path);

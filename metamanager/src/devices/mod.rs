@@ -7,7 +7,6 @@ pub mod twin;
 pub mod wire;
 
 use bytes::Bytes;
-use edgemeta_broker::to_broker;
 use edgemeta_broker::Message;
 use serde::Serialize;
 use serde_json::value::RawValue;
@@ -61,11 +60,11 @@ pub struct Event {
     pub ack: Option<(String, String)>,
 }
 
-/// The filters the MetaManager's link takes device messages and uploads on, in the broker's
-/// form: four broad filters rather than one per topic shape. The link never gets back what the
-/// MetaManager publishes itself (No Local); intake drops the node's results if one comes from
-/// another module. No topic may match two of them (each copy would be acknowledged to its
-/// publisher): `+/user/#` also matches `edgemeta$hw/user/...`, hence `$hw/events/#`.
+/// The filters the MetaManager's link takes device messages and uploads on: four broad filters
+/// rather than one per topic shape. The link never gets back what the MetaManager publishes
+/// itself (No Local); intake drops the node's results if one comes from another module. No
+/// topic may match two of them (each copy would be acknowledged to its publisher): `+/user/#`
+/// gets no `$hw/...` or `$ke/...` topic (MQTT §4.7.2).
 pub fn filters() -> Vec<String> {
     [
         "$hw/events/#",
@@ -74,7 +73,7 @@ pub fn filters() -> Vec<String> {
         USER_FILTER,
     ]
     .iter()
-    .map(|f| to_broker(f).into_owned())
+    .map(|f| (*f).to_owned())
     .collect()
 }
 
@@ -148,7 +147,7 @@ pub fn error_result(event_id: &str, code: u16, reason: &str) -> ErrorResult {
 /// A message for a device topic (clients' form), published after the commit. Topic and payload
 /// are trimmed to size: a reader's queue may keep them a while.
 pub fn local(topic: &str, body: &impl Serialize) -> Message {
-    let mut topic = to_broker(topic).into_owned();
+    let mut topic = topic.to_owned();
     topic.shrink_to_fit();
     let mut payload = to_json(body);
     payload.shrink_to_fit();
@@ -202,27 +201,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn filters_are_in_the_brokers_form() {
+    fn filters_name_dollar_topics_as_clients_do() {
         assert_eq!(
             filters(),
             [
-                "edgemeta$hw/events/#",
-                "edgemeta$ke/events/#",
+                "$hw/events/#",
+                "$ke/events/#",
                 "SYS/dis/upload_records",
                 "+/user/#"
             ]
         );
-        // No topic reaches the link twice.
-        for topic in [
-            "edgemeta$hw/user/x",
-            "edgemeta$hw/events/user/x",
-            "a/user/b",
-        ] {
+        // No topic reaches the link twice; a `$hw` user topic not at all.
+        for (topic, times) in [("$hw/user/x", 0), ("$hw/events/user/x", 1), ("a/user/b", 1)] {
             let matching = filters()
                 .iter()
                 .filter(|f| edgemeta_broker::matches(topic, f))
                 .count();
-            assert_eq!(matching, 1, "{topic}");
+            assert_eq!(matching, times, "{topic}");
         }
     }
 

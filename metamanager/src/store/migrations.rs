@@ -86,6 +86,13 @@ pub const MIGRATIONS: &[(i64, &str)] = &[
          CREATE INDEX IF NOT EXISTS cloud_applied_tombstones ON cloud_applied(at_ms)
              WHERE deleted = 1;",
     ),
+    (
+        7,
+        // `$hw/...` and `$ke/...` hand-ons are stored under the name clients use; rows an
+        // earlier build stored as `edgemeta$hw/...` are renamed (8 = len("edgemeta")).
+        "UPDATE handon SET topic = substr(topic, 9)
+             WHERE topic LIKE 'edgemeta$hw/%' OR topic LIKE 'edgemeta$ke/%';",
+    ),
 ];
 
 /// The schema version this build writes.

@@ -789,6 +789,43 @@ mod tests {
         );
     }
 
+    /// Hand-ons an earlier build stored under `edgemeta$hw/...` are published as `$hw/...`
+    /// once the file is migrated; other topics keep their names.
+    #[tokio::test]
+    async fn stored_hand_ons_get_the_dollar_name_clients_use() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = StoreConfig {
+            path: dir.path().join("meta.db"),
+            ..StoreConfig::default()
+        };
+        let db = Db::open(&config).await.expect("open");
+        for topic in [
+            "edgemeta$hw/events/device/d1/twin/update/result",
+            "edgemeta$ke/x",
+            "a/b",
+        ] {
+            db.handon_push(&Message::new(topic.to_owned(), "x"))
+                .await
+                .expect("push");
+        }
+        db.control("PRAGMA user_version=6")
+            .await
+            .expect("version 6");
+        drop(db);
+        let db = Db::open(&config).await.expect("reopen");
+        let topics: Vec<String> = db
+            .handon_peek(0, 10)
+            .await
+            .expect("peek")
+            .into_iter()
+            .map(|(_, m)| m.topic)
+            .collect();
+        assert_eq!(
+            topics,
+            ["$hw/events/device/d1/twin/update/result", "$ke/x", "a/b"]
+        );
+    }
+
     /// Early hand-on: no commit fsyncs (the worker's syncer does, after it).
     #[tokio::test]
     async fn with_early_hand_on_no_commit_syncs() {
