@@ -15,6 +15,7 @@ mod auth_storm;
 mod burst;
 mod connections;
 mod devices;
+mod devices_dmi;
 mod metaserver;
 mod readers;
 
