@@ -77,7 +77,7 @@ struct Outcome {
 }
 
 /// Seconds of the run left out of the steady-state p99.
-const WARM_UP: u64 = 5;
+pub(crate) const WARM_UP: u64 = 5;
 
 /// A result later than this is counted per second on stderr, to show when stalls happen.
 const SLOW: Duration = Duration::from_millis(10);
@@ -173,6 +173,42 @@ pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         );
     }
 
+    // The same devices and reports through one gRPC mapper on a fresh node's DMI socket.
+    let dmi_dir = dir.path().join("dmi");
+    std::fs::create_dir(&dmi_dir)?;
+    let (socket, yaml) = super::devices_dmi::socket_config(&dmi_dir);
+    let node = Server::edgemeta_with(&args.edgemeta, &dmi_dir, &yaml).await?;
+    add_devices(node.port, &ids).await?;
+    let before = node.cpu()?;
+    let dmi_rss_before = node.rss_kib()?;
+    let commits_before = commits(&node).await;
+    let dmi = super::devices_dmi::run_load(&socket, &ids, load.seconds).await?;
+    let commits_after = commits(&node).await;
+    let dmi_cpu = (node.cpu()? - before).as_secs_f64() * 1e6 / dmi.sent as f64;
+    let dmi_rss = node.rss_kib()?;
+    let stored = super::devices_dmi::stored(node.port, &ids, load.seconds).await?;
+    drop(node);
+    let (p50, p99, max) = percentiles(&dmi.samples);
+    let (_, steady_p99, _) = percentiles(&dmi.steady);
+    eprintln!(
+        "devices through DMI: {} reports sent, {} acknowledged, errors {:?}, {} lost; p50 / p99 / max {p50} / {p99} / {max} µs (p99 from {WARM_UP} s on: {steady_p99} µs), {:.0} OKs/s; the mapper was at most {} µs behind its schedule; {stored} of {} twins hold their last report",
+        dmi.sent,
+        dmi.acknowledged,
+        dmi.errors,
+        dmi.lost,
+        dmi.rate,
+        dmi.late_max,
+        ids.len()
+    );
+    if let (Some(before), Some(after)) = (commits_before, commits_after) {
+        eprintln!(
+            "devices through DMI: {:.0} store commits during the load; outbox {:.0} → {:.0} entries (no cloud configured)",
+            after[0] - before[0],
+            before[3],
+            after[3]
+        );
+    }
+
     let stats = |o: &Outcome| {
         let (p50, p99, max) = o.percentiles();
         format!("{p50} / {p99} / {max}; {:.0}; {}", o.rate, o.lost)
@@ -201,6 +237,32 @@ pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             mq.percentiles().1 as f64 / 1e3
         ),
     });
+    let dmi_errors: usize = dmi.errors.values().sum();
+    rows.push(Row {
+        name: format!(
+            "devices through DMI: the same {} devices × 1 ReportDeviceStatus/s for {} s through one gRPC mapper (one unix-socket connection): call → OK p50 / p99 / max (µs); OKs/s; lost; CPU µs per report; twins holding their last report",
+            load.devices, load.seconds
+        ),
+        edgemeta: format!(
+            "{p50} / {p99} / {max}; {:.0}; {}{}; {dmi_cpu:.0}; {stored} of {}",
+            dmi.rate,
+            dmi.lost,
+            if dmi_errors > 0 {
+                format!(" ({dmi_errors} errors: {:?})", dmi.errors)
+            } else {
+                String::new()
+            },
+            ids.len()
+        ),
+        mosquitto: "— (no DMI)".into(),
+        target: "every report acknowledged and stored".into(),
+        verdict: format!(
+            "{}; p99 {:.1} ms vs {:.1} ms over MQTT, CPU {dmi_cpu:.0} vs {em_cpu:.0} µs per report",
+            super::verdict(dmi.lost == 0 && dmi_errors == 0 && stored == ids.len(), ""),
+            p99 as f64 / 1e3,
+            em.percentiles().1 as f64 / 1e3
+        ),
+    });
     let mb = |kib: u64| kib as f64 / 1024.0;
     rows.push(Row {
         name: format!(
@@ -212,6 +274,16 @@ pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         target: "(diagnostic)".into(),
         verdict: "—".into(),
     });
+    rows.push(Row {
+        name: format!(
+            "devices through DMI: RSS before the {} devices report / right after their load",
+            load.devices
+        ),
+        edgemeta: format!("{:.1} MB / {:.1} MB", mb(dmi_rss_before), mb(dmi_rss)),
+        mosquitto: "—".into(),
+        target: "(diagnostic)".into(),
+        verdict: "—".into(),
+    });
     if let Some(path) = &args.devices_csv {
         let mut csv = String::from(
             "system,t_s,rss_mb,cpu_us_per_report,responder_cpu_us_per_report,p50_us,p99_us\n",
@@ -219,6 +291,13 @@ pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         course_csv(&mut csv, "edgemeta", &em, load.devices);
         course_csv(&mut csv, "mosquitto", &mq, load.devices);
         std::fs::write(path, csv)?;
+    }
+    if dmi_errors > 0 || stored < ids.len() {
+        bail!(
+            "through DMI: {dmi_errors} reports refused ({:?}); {stored} of {} twins hold their last report",
+            dmi.errors,
+            ids.len()
+        );
     }
     if em.errors > 0 {
         bail!(
@@ -775,11 +854,16 @@ fn report(event_id: &str, n: usize) -> String {
         "event_id": event_id,
         "timestamp": now_ms(),
         "twin": {"temperature": {
-            "actual": {"value": (15 + n % 20).to_string()},
+            "actual": {"value": report_value(n)},
             "metadata": {"type": "int"},
         }},
     })
     .to_string()
+}
+
+/// The temperature device `j` reports in second `k` of a run, for `n = j + k`.
+pub(crate) fn report_value(n: usize) -> String {
+    (15 + n % 20).to_string()
 }
 
 fn now_ms() -> u64 {

@@ -15,6 +15,7 @@ mod auth_storm;
 mod burst;
 mod connections;
 mod devices;
+mod devices_dmi;
 mod metaserver;
 mod readers;
 
@@ -75,7 +76,8 @@ struct Args {
     #[arg(long)]
     edged: bool,
     /// Only the devices row: simulated mappers' twin reports, 1,000 devices once a second for
-    /// 60 s (100 for 5 s with --quick), edgemeta against mosquitto with a pass-through responder.
+    /// 60 s (100 for 5 s with --quick), edgemeta against mosquitto with a pass-through responder,
+    /// then the same devices and reports through one gRPC mapper on the node's DMI socket.
     #[arg(long)]
     devices: bool,
     /// With the devices row: this many devices instead.
