@@ -12,6 +12,7 @@ use rumqttc::{AsyncClient, QoS};
 use serde_json::json;
 use tokio::io::AsyncBufReadExt as _;
 
+use super::schedule::{report_value, WARM_UP};
 use super::{client, cpu_of, rss_of, subscribe, Args, Inbox, Row, Server, PUBACK, SUBACK};
 
 /// How many devices report, for how long, over how many MQTT connections.
@@ -75,9 +76,6 @@ struct Outcome {
     /// The broker's course over the run, one entry per [`Course::interval`].
     course: Course,
 }
-
-/// Seconds of the run left out of the steady-state p99.
-pub(crate) const WARM_UP: u64 = 5;
 
 /// A result later than this is counted per second on stderr, to show when stalls happen.
 const SLOW: Duration = Duration::from_millis(10);
@@ -859,11 +857,6 @@ fn report(event_id: &str, n: usize) -> String {
         }},
     })
     .to_string()
-}
-
-/// The temperature device `j` reports in second `k` of a run, for `n = j + k`.
-pub(crate) fn report_value(n: usize) -> String {
-    (15 + n % 20).to_string()
 }
 
 fn now_ms() -> u64 {

@@ -16,7 +16,7 @@ use serde_json::json;
 use tokio::task::JoinSet;
 use tonic::transport::{Channel, Endpoint, Uri};
 
-use super::devices::{report_value, WARM_UP};
+use super::schedule::{report_value, WARM_UP};
 use super::{client, subscribe, PUBACK, SUBACK};
 
 /// How long one call may take before it counts as lost.

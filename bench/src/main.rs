@@ -18,6 +18,7 @@ mod devices;
 mod devices_dmi;
 mod metaserver;
 mod readers;
+mod schedule;
 
 #[derive(Parser)]
 #[command(about = "edgemeta against mosquitto, same load, same run")]

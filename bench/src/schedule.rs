@@ -1,0 +1,10 @@
+//! The devices load's schedule, shared by its MQTT and DMI halves: what each device reports
+//! and when the steady part of a run begins.
+
+/// Seconds of the run left out of the steady-state p99.
+pub(crate) const WARM_UP: u64 = 5;
+
+/// The temperature device `j` reports in second `k` of a run, for `n = j + k`.
+pub(crate) fn report_value(n: usize) -> String {
+    (15 + n % 20).to_string()
+}
