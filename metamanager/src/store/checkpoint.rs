@@ -307,26 +307,28 @@ mod tests {
     /// A commit a millisecond overtakes nearly every pass; the passes that follow at once still
     /// complete one now and then, so the WAL restarts from its beginning long before the
     /// backstop, where the store thread would complete one itself, with its fsyncs inline.
+    /// Only restarts from below half the backstop count, so a starved checkpoint thread makes
+    /// the test longer (up to its deadline), not wrong.
     #[tokio::test]
     async fn steady_commits_still_let_the_wal_restart() {
         let (_dir, config, db) = fresh_store().await;
         let checkpointer = Checkpointer::start(&config.path).expect("start");
         let mut index = WalIndex::new(&config.path);
-        let (mut restarts, mut longest, mut previous) = (0, 0, 0);
-        for i in 0..2_000 {
-            insert_pods(&db, i..i + 1).await;
+        let (mut early_restarts, mut commits, mut previous) = (0, 0, 0);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while early_restarts < 3 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the WAL restarted below half the backstop {early_restarts} times in {commits} commits"
+            );
+            insert_pods(&db, commits..commits + 1).await;
+            commits += 1;
             checkpointer.committed();
             if let Some((frames, _)) = index.frames() {
-                restarts += usize::from(frames < previous);
-                longest = longest.max(frames);
+                early_restarts += usize::from(frames < previous && previous < BACKSTOP_PAGES / 2);
                 previous = frames;
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        assert!(restarts >= 3, "the WAL restarted {restarts} times");
-        assert!(
-            longest < BACKSTOP_PAGES / 2,
-            "the WAL reached {longest} frames (backstop {BACKSTOP_PAGES})"
-        );
     }
 }
