@@ -129,6 +129,9 @@ fn main() -> anyhow::Result<()> {
             };
             telemetry::init(&settings.log, registry.as_ref().map(|r| r.error_layer()));
             limits::fit(&mut settings.broker.max_connections)?;
+            if settings.observe.stage_clocks {
+                edgemeta_broker::stages::switch_on();
+            }
             let served = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .worker_threads(settings.workers())

@@ -13,6 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
 use edgemeta_bridges::CloudStatus;
+use edgemeta_broker::stages::Stage;
 use edgemeta_broker::BrokerStats;
 use edgemeta_metamanager::{Meters, OutboxHandle, OutboxStats};
 use metrics::{counter, gauge, Counter, Gauge};
@@ -227,6 +228,8 @@ struct Scraped {
     publisher_pauses: Counter,
     handon_waiting: Gauge,
     listeners_up: Gauge,
+    /// Time spent per stage of the message path (`edgemeta_broker::stages`), one per stage.
+    stages: Vec<(Stage, Counter)>,
 }
 
 impl Scraped {
@@ -248,6 +251,14 @@ impl Scraped {
             publisher_pauses: counter!("edgemeta_broker_publisher_pauses_total"),
             handon_waiting: gauge!("edgemeta_handon_waiting"),
             listeners_up: gauge!("edgemeta_listeners_up"),
+            stages: Stage::ALL
+                .iter()
+                .map(|&stage| {
+                    let counter =
+                        counter!("edgemeta_stage_nanoseconds_total", "stage" => stage.name());
+                    (stage, counter)
+                })
+                .collect(),
         }
     }
 }
@@ -381,6 +392,9 @@ async fn metrics(State(node): State<Arc<Node>>) -> Response {
     s.paused_publishers.set(paused as f64);
     s.publisher_pauses.absolute(pauses);
     s.handon_waiting.set(src.handons.waiting() as f64);
+    for (stage, counter) in &s.stages {
+        counter.absolute(stage.nanos());
+    }
     s.listeners_up.set(f64::from(u8::from(
         src.listeners_up.load(Ordering::Relaxed),
     )));

@@ -103,7 +103,7 @@ fn percentiles(samples: &[u64]) -> (u64, u64, u64) {
 /// node and against mosquitto with the pass-through responder.
 pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     let load = DeviceLoad::new(args);
-    let ids: Vec<String> = (1..=load.devices).map(|i| format!("dev-{i:04}")).collect();
+    let ids = ids(load);
 
     let dir = tempfile::tempdir()?;
     // The reference first: the devices and schedule edgemeta gets below, each report answered
@@ -315,7 +315,7 @@ pub async fn compare(
     rows: &mut Vec<Row>,
 ) -> anyhow::Result<()> {
     let load = DeviceLoad::new(args);
-    let ids: Vec<String> = (1..=load.devices).map(|i| format!("dev-{i:04}")).collect();
+    let ids = ids(load);
     let builds = [args.edgemeta.as_path(), baseline];
     // Per build: (p50, p99, CPU µs per report) of each round.
     let mut figures: [Vec<(u64, u64, f64)>; 2] = [Vec::new(), Vec::new()];
@@ -476,7 +476,24 @@ fn progress(side: &str, o: &Outcome) {
 /// Adds `ids` to the node as the cloud's devicecontroller would (membership updates on the
 /// local `ke/meta/...` topic, `MEMBERSHIP_CHUNK` devices each), then waits until a membership
 /// get lists them all.
-async fn add_devices(port: u16, ids: &[String]) -> anyhow::Result<()> {
+/// The devices' ids, `dev-0001` on.
+pub fn ids(load: DeviceLoad) -> Vec<String> {
+    (1..=load.devices).map(|i| format!("dev-{i:04}")).collect()
+}
+
+/// For the stage budget: `load` offered to a node that already knows `ids`; the reports sent,
+/// or an error if any went unanswered.
+pub async fn offer(node: &Server, ids: &[String], load: DeviceLoad) -> anyhow::Result<usize> {
+    let watched = Watched {
+        broker: node.pid(),
+        helper: None,
+    };
+    let outcome = run_load(node.port, ids, load, "edgemeta", watched).await?;
+    anyhow::ensure!(outcome.lost == 0, "{} reports unanswered", outcome.lost);
+    Ok(outcome.sent)
+}
+
+pub async fn add_devices(port: u16, ids: &[String]) -> anyhow::Result<()> {
     let (c, mut rx) = client(port, "devicecontroller").await?;
     let result = format!("$hw/events/node/{NODE}/membership/get/result");
     subscribe(&c, &mut rx, &result).await?;

@@ -19,6 +19,7 @@ mod devices_dmi;
 mod metaserver;
 mod readers;
 mod schedule;
+mod stages;
 
 #[derive(Parser)]
 #[command(about = "edgemeta against mosquitto, same load, same run")]
@@ -111,6 +112,10 @@ struct Args {
     /// in again and again: RSS rise and the honest CONNACK latency, mosquitto beside it.
     #[arg(long)]
     auth_storm: bool,
+    /// Only the per-stage budget: µs per message in each stage of the node's path (the node's
+    /// own stage clocks) for `--rounds` P1 runs and for the devices row's twin reports.
+    #[arg(long)]
+    stages: bool,
     /// Only the readers rows: what a reader that reads 10 messages a second costs two that
     /// keep up with 10,000 a second, and RSS with 10,000 sessions away, each sent more than
     /// its queue holds.
@@ -253,6 +258,9 @@ async fn main() -> anyhow::Result<()> {
     if args.metaserver {
         metaserver::metaserver(&args, &mut rows).await?;
         return print_rows(rows);
+    }
+    if args.stages {
+        return stages::stages(&args, &sizes).await;
     }
     if args.auth_storm {
         auth_storm::auth_storm(&args, &mut rows).await?;

@@ -232,6 +232,7 @@ impl Direct {
     /// Writes `out` without waiting; what a full socket does not take is left for the task.
     /// Whether all of it went.
     fn write(&self, state: &mut State, mut out: BytesMut) -> bool {
+        let _write = crate::stages::enter(crate::stages::Stage::Write);
         let mut written = 0;
         while written < out.len() {
             match self.socket.try_write(&out[written..]) {
@@ -275,6 +276,7 @@ impl Direct {
 
 /// Encodes into `out` every PUBLISH the session may be sent now; whether it took any.
 pub fn drain(mailbox: &mut Mailbox, wire: Wire, max_out: Option<u32>, out: &mut BytesMut) -> bool {
+    let _encode = crate::stages::enter(crate::stages::Stage::Encode);
     let mut took = false;
     while let Some(next) = mailbox.next(Instant::now(), |o| {
         let mut probe = BytesMut::new();

@@ -480,6 +480,7 @@ impl Hub {
         qos: u8,
         pacing: Pacing<'_>,
     ) -> Routed {
+        let _route = crate::stages::enter(crate::stages::Stage::Route);
         let (retain, ack, reserved) = match pacing {
             Pacing::Asked { retain, ack } => (retain, ack, false),
             Pacing::Promised => (false, None, true),

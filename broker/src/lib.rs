@@ -40,6 +40,7 @@ mod registry;
 mod retained;
 mod security;
 mod server;
+pub mod stages;
 mod tls;
 mod wire;
 

@@ -6,6 +6,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 use edgemeta_broker::is_carried;
+use edgemeta_broker::stages::{self, Stage};
 use edgemeta_broker::{Message, Publisher};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -88,7 +89,11 @@ async fn intake(
     jobs: &mpsc::Sender<Job>,
     publisher: &Publisher,
 ) -> bool {
-    match device_event(config, &message) {
+    let event = {
+        let _intake = stages::enter(Stage::Intake);
+        device_event(config, &message)
+    };
+    match event {
         Some(Ok(event)) => {
             let work = Work::Device(Box::new(event));
             return jobs.send(Job::Apply(work, done)).await.is_ok();
@@ -106,7 +111,11 @@ async fn intake(
         }
         None => {}
     }
-    match parse(config, &message) {
+    let parsed = {
+        let _intake = stages::enter(Stage::Intake);
+        parse(config, &message)
+    };
+    match parsed {
         Ok(Some(request)) => jobs
             .send(Job::Apply(Work::Request(Box::new(request)), done))
             .await

@@ -8,6 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use edgemeta_broker::stages::{self, Stage};
 use edgemeta_broker::{Message, Publisher};
 use tokio::sync::{broadcast, mpsc, oneshot, Notify};
 use tokio::time::{interval_at, Instant, MissedTickBehavior};
@@ -269,6 +270,8 @@ impl Worker {
         writes: Vec<Write>,
         jobs: &mpsc::Receiver<Job>,
     ) {
+        // This thread runs only this future: a stage may span its awaits.
+        let store = stages::enter(Stage::Store);
         let durable = outbox::needs_fsync(steps.len(), &writes);
         let outbox_before = *self.state.outbox();
         let tx = match self.db.begin(durable).await {
@@ -359,10 +362,12 @@ impl Worker {
         // What the batch hands on is committed with it, and leaves at its subscribers' pace.
         // If the store cannot take it (a full disk), it is published at once instead: replies
         // to queries must not depend on room to write.
+        let hand_on = stages::enter(Stage::HandOn);
         let stored = match aborted {
             Some(error) => Err(error),
             None => self.store_handons(&tx, local).await,
         };
+        drop(hand_on);
         let (handons, direct) = match stored {
             Ok(split) => split,
             Err(error) => {
@@ -387,8 +392,12 @@ impl Worker {
             outbox_written |= appended;
             replies.push((reply, result));
         }
+        drop(store);
+        let commit = stages::enter(Stage::Commit);
         let committing = std::time::Instant::now();
         let committed = tx.commit().await;
+        drop(commit);
+        let _hand_on = stages::enter(Stage::HandOn);
         self.meters
             .committed(committed.is_ok().then(|| committing.elapsed()));
         if committed.is_ok() {

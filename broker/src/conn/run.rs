@@ -50,11 +50,15 @@ impl Conn {
             if !self.out.is_empty() {
                 // A reader that stopped takes nothing: its writers wait, and the hub cuts it
                 // off through `token` while this write waits (protocol §6.10).
+                let writing = crate::stages::on().then(Instant::now);
                 tokio::select! {
                     written = stream.write_all(&self.out) => if written.is_err() {
                         return End::Lost;
                     },
                     _ = token.cancelled() => return Box::pin(self.cut(stream, node)).await,
+                }
+                if let Some(writing) = writing {
+                    crate::stages::Stage::Write.add(writing);
                 }
                 self.out.clear();
                 if self.out.capacity() > KEEP_BUFFER {
@@ -120,7 +124,11 @@ impl Conn {
         node: &CancellationToken,
     ) -> Option<End> {
         loop {
-            let packet = match self.wire.read(buf, shared.max_packet) {
+            let decoded = {
+                let _decode = crate::stages::enter(crate::stages::Stage::Decode);
+                self.wire.read(buf, shared.max_packet)
+            };
+            let packet = match decoded {
                 Ok(None) if filled => {
                     // More is likely waiting. It is taken in larger reads, many packets a call,
                     // without waiting for it; an idle connection keeps only the small buffer.
