@@ -46,12 +46,12 @@ async fn run_rule(rule: &Rule, request: &Request, cx: &mut Context<'_>) -> Resul
     let content = &request.envelope.content;
     let cloud_change = cloud_change(rule, request);
     if let Some(change) = &cloud_change {
-        let applied = cx
+        let new = cx
             .db()
-            .cloud_applied(resource.key())
+            .claim_cloud_change(resource.key(), change)
             .await
-            .map_err(Error::store("query cloud_applied"))?;
-        if applied.is_some_and(|a| a.covers(&change.msg_id, change.rv, change.deleted)) {
+            .map_err(Error::store("write cloud_applied"))?;
+        if !new {
             // Delivered again (a new session, a resend) or overtaken by a newer version:
             // acknowledged again, neither stored nor handed on again (protocol §6.4).
             debug!(resource = %resource, msg_id = %change.msg_id, "cloud change already applied");
@@ -78,19 +78,12 @@ async fn run_rule(rule: &Rule, request: &Request, cx: &mut Context<'_>) -> Resul
                 .map_err(Error::store("delete meta"))?;
         }
     }
-    match (&cloud_change, rule.store) {
-        (Some(change), _) => cx
-            .db()
-            .set_cloud_applied(resource.key(), change)
-            .await
-            .map_err(Error::store("write cloud_applied"))?,
+    if let (None, Store::Delete) = (&cloud_change, rule.store) {
         // edged removed it on its own: the cloud's next copy of that version is news again.
-        (None, Store::Delete) => cx
-            .db()
+        cx.db()
             .forget_cloud_applied(resource.key())
             .await
-            .map_err(Error::store("write cloud_applied"))?,
-        (None, _) => {}
+            .map_err(Error::store("write cloud_applied"))?;
     }
     if let Some(forward) = rule.forward {
         cx.send(forward.module(), &request.requester.from, &request.envelope)

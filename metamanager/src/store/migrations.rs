@@ -93,6 +93,23 @@ pub const MIGRATIONS: &[(i64, &str)] = &[
         "UPDATE handon SET topic = substr(topic, 9)
              WHERE topic LIKE 'edgemeta$hw/%' OR topic LIKE 'edgemeta$ke/%';",
     ),
+    (
+        8,
+        // `cloud_applied` keyed by `key` alone (WITHOUT ROWID): each cloud change writes one
+        // b-tree for it instead of two (the table and its key's index).
+        "CREATE TABLE cloud_applied_by_key (
+             key TEXT PRIMARY KEY,
+             rv INTEGER,
+             msg_id TEXT NOT NULL,
+             deleted INTEGER NOT NULL,
+             at_ms INTEGER NOT NULL
+         ) WITHOUT ROWID;
+         INSERT INTO cloud_applied_by_key SELECT key, rv, msg_id, deleted, at_ms FROM cloud_applied;
+         DROP TABLE cloud_applied;
+         ALTER TABLE cloud_applied_by_key RENAME TO cloud_applied;
+         CREATE INDEX IF NOT EXISTS cloud_applied_tombstones ON cloud_applied(at_ms)
+             WHERE deleted = 1;",
+    ),
 ];
 
 /// The schema version this build writes.
