@@ -233,6 +233,9 @@ pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             after[3]
         );
     }
+    for (code, message) in &dmi.first_errors {
+        eprintln!("devices through DMI: the first {code}: {message}");
+    }
     if in_status < ids.len() {
         let log = controller_log.lines().rev().take(20).collect::<Vec<_>>();
         eprintln!(

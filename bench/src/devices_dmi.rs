@@ -45,6 +45,8 @@ pub struct DmiOutcome {
     pub acknowledged: usize,
     /// Calls answered with an error status, by gRPC code.
     pub errors: BTreeMap<String, usize>,
+    /// The first message of each error code, to tell what refused the call.
+    pub first_errors: BTreeMap<String, String>,
     /// Calls not answered within `GRACE`.
     pub lost: usize,
     /// OKs per second, first scheduled report → last answer.
@@ -125,12 +127,13 @@ pub async fn run_load(socket: &Path, ids: &[String], seconds: u64) -> anyhow::Re
         sent: 0,
         acknowledged: 0,
         errors: BTreeMap::new(),
+        first_errors: BTreeMap::new(),
         lost: 0,
         rate: 0.0,
         late_max: 0,
     };
     let mut tally =
-        |(second, took, answer): (u64, Duration, Option<Result<(), tonic::Code>>)| match answer {
+        |(second, took, answer): (u64, Duration, Option<Result<(), tonic::Status>>)| match answer {
             Some(Ok(())) => {
                 out.acknowledged += 1;
                 out.samples.push(took.as_micros() as u64);
@@ -138,7 +141,13 @@ pub async fn run_load(socket: &Path, ids: &[String], seconds: u64) -> anyhow::Re
                     out.steady.push(took.as_micros() as u64);
                 }
             }
-            Some(Err(code)) => *out.errors.entry(format!("{code:?}")).or_default() += 1,
+            Some(Err(status)) => {
+                let code = format!("{:?}", status.code());
+                *out.errors.entry(code.clone()).or_default() += 1;
+                out.first_errors
+                    .entry(code)
+                    .or_insert_with(|| status.message().to_owned());
+            }
             None => out.lost += 1,
         };
     let start = tokio::time::Instant::now() + Duration::from_millis(100);
@@ -157,7 +166,7 @@ pub async fn run_load(socket: &Path, ids: &[String], seconds: u64) -> anyhow::Re
                 let sent = Instant::now();
                 let answer = tokio::time::timeout(GRACE, c.report_device_status(req)).await;
                 let took = sent.elapsed();
-                let answer = answer.ok().map(|r| r.map(|_| ()).map_err(|s| s.code()));
+                let answer = answer.ok().map(|r| r.map(|_| ()));
                 (k, took, answer)
             });
             sent += 1;
