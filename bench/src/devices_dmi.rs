@@ -31,6 +31,9 @@ const MODEL: &str = "bench-thermometer";
 /// KubeEdge's device API in `NAMESPACE`.
 const DEVICES_API: &str = "/apis/devices.kubeedge.io/v1beta1/namespaces/default";
 
+/// A call's answer: OK, or its status code and message.
+type Answer = Result<(), (tonic::Code, String)>;
+
 /// How long one call may take before it counts as lost.
 const GRACE: Duration = Duration::from_secs(5);
 
@@ -132,24 +135,21 @@ pub async fn run_load(socket: &Path, ids: &[String], seconds: u64) -> anyhow::Re
         rate: 0.0,
         late_max: 0,
     };
-    let mut tally =
-        |(second, took, answer): (u64, Duration, Option<Result<(), tonic::Status>>)| match answer {
-            Some(Ok(())) => {
-                out.acknowledged += 1;
-                out.samples.push(took.as_micros() as u64);
-                if second >= WARM_UP {
-                    out.steady.push(took.as_micros() as u64);
-                }
+    let mut tally = |(second, took, answer): (u64, Duration, Option<Answer>)| match answer {
+        Some(Ok(())) => {
+            out.acknowledged += 1;
+            out.samples.push(took.as_micros() as u64);
+            if second >= WARM_UP {
+                out.steady.push(took.as_micros() as u64);
             }
-            Some(Err(status)) => {
-                let code = format!("{:?}", status.code());
-                *out.errors.entry(code.clone()).or_default() += 1;
-                out.first_errors
-                    .entry(code)
-                    .or_insert_with(|| status.message().to_owned());
-            }
-            None => out.lost += 1,
-        };
+        }
+        Some(Err((code, message))) => {
+            let code = format!("{code:?}");
+            *out.errors.entry(code.clone()).or_default() += 1;
+            out.first_errors.entry(code).or_insert(message);
+        }
+        None => out.lost += 1,
+    };
     let start = tokio::time::Instant::now() + Duration::from_millis(100);
     let mut calls = JoinSet::new();
     let (mut sent, mut late_max) = (0, 0);
@@ -166,7 +166,10 @@ pub async fn run_load(socket: &Path, ids: &[String], seconds: u64) -> anyhow::Re
                 let sent = Instant::now();
                 let answer = tokio::time::timeout(GRACE, c.report_device_status(req)).await;
                 let took = sent.elapsed();
-                let answer = answer.ok().map(|r| r.map(|_| ()));
+                let answer = answer.ok().map(|r| {
+                    r.map(|_| ())
+                        .map_err(|s| (s.code(), s.message().to_owned()))
+                });
                 (k, took, answer)
             });
             sent += 1;
