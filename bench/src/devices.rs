@@ -12,6 +12,8 @@ use rumqttc::{AsyncClient, QoS};
 use serde_json::json;
 use tokio::io::AsyncBufReadExt as _;
 
+use super::cloud::Cloud;
+use super::devices_dmi;
 use super::schedule::{report_value, WARM_UP};
 use super::{client, cpu_of, rss_of, subscribe, Args, Inbox, Row, Server, PUBACK, SUBACK};
 
@@ -171,39 +173,74 @@ pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         );
     }
 
-    // The same devices and reports through one gRPC mapper on a fresh node's DMI socket.
+    // The same devices as Device objects in Kubernetes, which the controller brings through a
+    // cloud broker to a fresh node serving DMI; one gRPC mapper registers and reports them.
     let dmi_dir = dir.path().join("dmi");
     std::fs::create_dir(&dmi_dir)?;
-    let (socket, yaml) = super::devices_dmi::socket_config(&dmi_dir);
+    let cloud = Cloud::start(args, &dmi_dir).await?;
+    let (socket, yaml) = devices_dmi::socket_config(&dmi_dir);
+    let yaml = format!("{yaml}{}", cloud.node_config(NODE));
     let node = Server::edgemeta_with(&args.edgemeta, &dmi_dir, &yaml).await?;
-    add_devices(node.port, &ids).await?;
+    let synced = Instant::now();
+    devices_dmi::create_devices(&cloud, NODE, &ids).await?;
+    await_devices(node.port, ids.len()).await?;
+    devices_dmi::register(&socket, &dmi_dir.join("mapper.sock"), ids.len()).await?;
+    eprintln!(
+        "devices through DMI: {} Devices created and on the node, and the mapper registered with them, in {:.1} s",
+        ids.len(),
+        synced.elapsed().as_secs_f64()
+    );
     let before = node.cpu()?;
+    let cloud_before = cloud.cpu()?;
     let dmi_rss_before = node.rss_kib()?;
     let commits_before = commits(&node).await;
-    let dmi = super::devices_dmi::run_load(&socket, &ids, load.seconds).await?;
+    let dmi = devices_dmi::run_load(&socket, &ids, load.seconds).await?;
     let commits_after = commits(&node).await;
     let dmi_cpu = (node.cpu()? - before).as_secs_f64() * 1e6 / dmi.sent as f64;
     let dmi_rss = node.rss_kib()?;
-    let stored = super::devices_dmi::stored(node.port, &ids, load.seconds).await?;
+    let (in_status, status_lag) =
+        devices_dmi::in_device_status(&cloud, &ids, load.seconds, Duration::from_secs(60)).await?;
+    let cloud_cpu = cloud.cpu()?;
+    let stored = devices_dmi::stored(node.port, &ids, load.seconds).await?;
     drop(node);
+    let controller_log = cloud.controller_log();
+    drop(cloud);
     let (p50, p99, max) = percentiles(&dmi.samples);
     let (_, steady_p99, _) = percentiles(&dmi.steady);
     eprintln!(
-        "devices through DMI: {} reports sent, {} acknowledged, errors {:?}, {} lost; p50 / p99 / max {p50} / {p99} / {max} µs (p99 from {WARM_UP} s on: {steady_p99} µs), {:.0} OKs/s; the mapper was at most {} µs behind its schedule; {stored} of {} twins hold their last report",
+        "devices through DMI: {} reports sent, {} acknowledged, errors {:?}, {} lost; p50 / p99 / max {p50} / {p99} / {max} µs (p99 from {WARM_UP} s on: {steady_p99} µs), {:.0} OKs/s; the mapper was at most {} µs behind its schedule; {stored} of {} twins on the node and {in_status} DeviceStatuses hold their last report, the DeviceStatuses {:.1} s after the last OK",
         dmi.sent,
         dmi.acknowledged,
         dmi.errors,
         dmi.lost,
         dmi.rate,
         dmi.late_max,
-        ids.len()
+        ids.len(),
+        status_lag.as_secs_f64()
+    );
+    let per_report = |d: Duration| d.as_secs_f64() * 1e6 / dmi.sent as f64;
+    eprintln!(
+        "devices through DMI: CPU µs per report until the DeviceStatuses held the last: controller {:.0}, fake API server {:.0}, cloud broker {:.0}",
+        per_report(cloud_cpu.controller - cloud_before.controller),
+        per_report(cloud_cpu.api - cloud_before.api),
+        per_report(cloud_cpu.broker - cloud_before.broker)
     );
     if let (Some(before), Some(after)) = (commits_before, commits_after) {
         eprintln!(
-            "devices through DMI: {:.0} store commits during the load; outbox {:.0} → {:.0} entries (no cloud configured)",
+            "devices through DMI: {:.0} store commits during the load; outbox {:.0} → {:.0} entries",
             after[0] - before[0],
             before[3],
             after[3]
+        );
+    }
+    for (code, message) in &dmi.first_errors {
+        eprintln!("devices through DMI: the first {code}: {message}");
+    }
+    if in_status < ids.len() {
+        let log = controller_log.lines().rev().take(20).collect::<Vec<_>>();
+        eprintln!(
+            "the controller's last log lines, newest first:\n{}",
+            log.join("\n")
         );
     }
 
@@ -238,11 +275,11 @@ pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     let dmi_errors: usize = dmi.errors.values().sum();
     rows.push(Row {
         name: format!(
-            "devices through DMI: the same {} devices × 1 ReportDeviceStatus/s for {} s through one gRPC mapper (one unix-socket connection): call → OK p50 / p99 / max (µs); OKs/s; lost; CPU µs per report; twins holding their last report",
+            "devices through DMI: the same {} devices as Device objects (fake API server → controller → cloud broker → node) × 1 ReportDeviceStatus/s for {} s through one gRPC mapper (one unix-socket connection): call → OK p50 / p99 / max (µs); OKs/s; lost; node CPU µs per report; twins on the node and DeviceStatuses holding their last report (the DeviceStatuses how long after the last OK)",
             load.devices, load.seconds
         ),
         edgemeta: format!(
-            "{p50} / {p99} / {max}; {:.0}; {}{}; {dmi_cpu:.0}; {stored} of {}",
+            "{p50} / {p99} / {max}; {:.0}; {}{}; {dmi_cpu:.0}; {stored} and {in_status} of {} ({:.1} s)",
             dmi.rate,
             dmi.lost,
             if dmi_errors > 0 {
@@ -250,13 +287,20 @@ pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             } else {
                 String::new()
             },
-            ids.len()
+            ids.len(),
+            status_lag.as_secs_f64()
         ),
         mosquitto: "— (no DMI)".into(),
-        target: "every report acknowledged and stored".into(),
+        target: "every report acknowledged, on the node and in its DeviceStatus".into(),
         verdict: format!(
             "{}; p99 {:.1} ms vs {:.1} ms over MQTT, CPU {dmi_cpu:.0} vs {em_cpu:.0} µs per report",
-            super::verdict(dmi.lost == 0 && dmi_errors == 0 && stored == ids.len(), ""),
+            super::verdict(
+                dmi.lost == 0
+                    && dmi_errors == 0
+                    && stored == ids.len()
+                    && in_status == ids.len(),
+                ""
+            ),
             p99 as f64 / 1e3,
             em.percentiles().1 as f64 / 1e3
         ),
@@ -290,10 +334,11 @@ pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         course_csv(&mut csv, "mosquitto", &mq, load.devices);
         std::fs::write(path, csv)?;
     }
-    if dmi_errors > 0 || stored < ids.len() {
+    if dmi_errors > 0 || dmi.lost > 0 || stored < ids.len() || in_status < ids.len() {
         bail!(
-            "through DMI: {dmi_errors} reports refused ({:?}); {stored} of {} twins hold their last report",
+            "through DMI: {dmi_errors} reports refused ({:?}), {} lost; {stored} of {} twins and {in_status} DeviceStatuses hold their last report",
             dmi.errors,
+            dmi.lost,
             ids.len()
         );
     }
@@ -473,9 +518,6 @@ fn progress(side: &str, o: &Outcome) {
     }
 }
 
-/// Adds `ids` to the node as the cloud's devicecontroller would (membership updates on the
-/// local `ke/meta/...` topic, `MEMBERSHIP_CHUNK` devices each), then waits until a membership
-/// get lists them all.
 /// The devices' ids, `dev-0001` on.
 pub fn ids(load: DeviceLoad) -> Vec<String> {
     (1..=load.devices).map(|i| format!("dev-{i:04}")).collect()
@@ -493,10 +535,11 @@ pub async fn offer(node: &Server, ids: &[String], load: DeviceLoad) -> anyhow::R
     Ok(outcome.sent)
 }
 
+/// Adds `ids` to the node as the cloud's devicecontroller would (membership updates on the
+/// local `ke/meta/...` topic, `MEMBERSHIP_CHUNK` devices each), then waits until a membership
+/// get lists them all.
 pub async fn add_devices(port: u16, ids: &[String]) -> anyhow::Result<()> {
-    let (c, mut rx) = client(port, "devicecontroller").await?;
-    let result = format!("$hw/events/node/{NODE}/membership/get/result");
-    subscribe(&c, &mut rx, &result).await?;
+    let (c, _) = client(port, "devicecontroller").await?;
     for chunk in ids.chunks(MEMBERSHIP_CHUNK) {
         let added: Vec<_> = chunk
             .iter()
@@ -531,6 +574,18 @@ pub async fn add_devices(port: u16, ids: &[String]) -> anyhow::Result<()> {
         )
         .await?;
     }
+    // The publisher stays connected until the node lists them all (its publishes are sent).
+    let listed = await_devices(port, ids.len()).await;
+    let _ = c.disconnect().await;
+    listed
+}
+
+/// Waits until a membership get on the node at `port` (as `NODE`) lists `count` devices; gives
+/// up after 60 s.
+pub(super) async fn await_devices(port: u16, count: usize) -> anyhow::Result<()> {
+    let (c, mut rx) = client(port, "membership").await?;
+    let result = format!("$hw/events/node/{NODE}/membership/get/result");
+    subscribe(&c, &mut rx, &result).await?;
     let started = Instant::now();
     let mut listed = 0;
     loop {
@@ -558,14 +613,12 @@ pub async fn add_devices(port: u16, ids: &[String]) -> anyhow::Result<()> {
                 break;
             }
         }
-        if listed >= ids.len() {
+        if listed >= count {
+            let _ = c.disconnect().await;
             return Ok(());
         }
         if started.elapsed() > Duration::from_secs(60) {
-            bail!(
-                "membership get on the node lists {listed} of {} devices after 60 s (is the devices part merged?)",
-                ids.len()
-            );
+            bail!("membership get on the node lists {listed} of {count} devices after 60 s");
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }

@@ -1,7 +1,9 @@
-//! The devices row's DMI half: the same devices report the same twin once a second each through
-//! one gRPC mapper on the node's DMI socket (KubeEdge's `ReportDeviceStatus`, docs/devices.md
-//! "Mappers over DMI"), each call timed to its OK; then every device's twin is read back with
-//! `twin/get` to check that it holds the device's last report.
+//! The devices row's DMI half: the devices are Device objects in the fake API server, which the
+//! controller brings through the cloud broker to a node serving DMI; one gRPC mapper registers
+//! (KubeEdge's `MapperRegister`) and reports each device's twin once a second
+//! (`ReportDeviceStatus`, docs/devices.md "Mappers over DMI"), each call timed to its OK. Then
+//! every device's twin is read back from the node with `twin/get`, and its DeviceStatus from
+//! the API, to check that both hold the device's last report.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -16,8 +18,21 @@ use serde_json::json;
 use tokio::task::JoinSet;
 use tonic::transport::{Channel, Endpoint, Uri};
 
+use super::cloud::Cloud;
 use super::schedule::{report_value, WARM_UP};
 use super::{client, subscribe, PUBACK, SUBACK};
+
+/// Where the devices are, in Kubernetes and in a report.
+const NAMESPACE: &str = "default";
+/// The devices' protocol: the one mapper's.
+const PROTOCOL: &str = "modbus";
+/// The devices' DeviceModel.
+const MODEL: &str = "bench-thermometer";
+/// KubeEdge's device API in `NAMESPACE`.
+const DEVICES_API: &str = "/apis/devices.kubeedge.io/v1beta1/namespaces/default";
+
+/// A call's answer: OK, or its status code and message.
+type Answer = Result<(), (tonic::Code, String)>;
 
 /// How long one call may take before it counts as lost.
 const GRACE: Duration = Duration::from_secs(5);
@@ -33,6 +48,8 @@ pub struct DmiOutcome {
     pub acknowledged: usize,
     /// Calls answered with an error status, by gRPC code.
     pub errors: BTreeMap<String, usize>,
+    /// The first message of each error code, to tell what refused the call.
+    pub first_errors: BTreeMap<String, String>,
     /// Calls not answered within `GRACE`.
     pub lost: usize,
     /// OKs per second, first scheduled report → last answer.
@@ -74,11 +91,12 @@ async fn channel(socket: &Path) -> anyhow::Result<Channel> {
     }
 }
 
-/// A mapper's `ReportDeviceStatus` of `id`'s temperature (the MQTT half's twin, typed int).
+/// A mapper's `ReportDeviceStatus` of device `id`'s temperature (the MQTT half's twin, typed
+/// int).
 fn request(id: &str, value: String) -> pb::ReportDeviceStatusRequest {
     pb::ReportDeviceStatusRequest {
         device_name: id.to_owned(),
-        device_namespace: String::new(),
+        device_namespace: NAMESPACE.to_owned(),
         reported_device: Some(pb::DeviceStatus {
             twins: vec![pb::Twin {
                 property_name: "temperature".into(),
@@ -112,22 +130,26 @@ pub async fn run_load(socket: &Path, ids: &[String], seconds: u64) -> anyhow::Re
         sent: 0,
         acknowledged: 0,
         errors: BTreeMap::new(),
+        first_errors: BTreeMap::new(),
         lost: 0,
         rate: 0.0,
         late_max: 0,
     };
-    let mut tally =
-        |(second, took, answer): (u64, Duration, Option<Result<(), tonic::Code>>)| match answer {
-            Some(Ok(())) => {
-                out.acknowledged += 1;
-                out.samples.push(took.as_micros() as u64);
-                if second >= WARM_UP {
-                    out.steady.push(took.as_micros() as u64);
-                }
+    let mut tally = |(second, took, answer): (u64, Duration, Option<Answer>)| match answer {
+        Some(Ok(())) => {
+            out.acknowledged += 1;
+            out.samples.push(took.as_micros() as u64);
+            if second >= WARM_UP {
+                out.steady.push(took.as_micros() as u64);
             }
-            Some(Err(code)) => *out.errors.entry(format!("{code:?}")).or_default() += 1,
-            None => out.lost += 1,
-        };
+        }
+        Some(Err((code, message))) => {
+            let code = format!("{code:?}");
+            *out.errors.entry(code.clone()).or_default() += 1;
+            out.first_errors.entry(code).or_insert(message);
+        }
+        None => out.lost += 1,
+    };
     let start = tokio::time::Instant::now() + Duration::from_millis(100);
     let mut calls = JoinSet::new();
     let (mut sent, mut late_max) = (0, 0);
@@ -144,7 +166,10 @@ pub async fn run_load(socket: &Path, ids: &[String], seconds: u64) -> anyhow::Re
                 let sent = Instant::now();
                 let answer = tokio::time::timeout(GRACE, c.report_device_status(req)).await;
                 let took = sent.elapsed();
-                let answer = answer.ok().map(|r| r.map(|_| ()).map_err(|s| s.code()));
+                let answer = answer.ok().map(|r| {
+                    r.map(|_| ())
+                        .map_err(|s| (s.code(), s.message().to_owned()))
+                });
                 (k, took, answer)
             });
             sent += 1;
@@ -167,10 +192,10 @@ pub async fn run_load(socket: &Path, ids: &[String], seconds: u64) -> anyhow::Re
 /// their last report of a `seconds`-long run.
 pub async fn stored(port: u16, ids: &[String], seconds: u64) -> anyhow::Result<usize> {
     let (c, mut rx) = client(port, "twin-check").await?;
-    subscribe(&c, &mut rx, "$hw/events/device/+/twin/get/result").await?;
+    subscribe(&c, &mut rx, "$hw/events/device/+/+/twin/get/result").await?;
     for id in ids {
         c.publish(
-            format!("$hw/events/device/{id}/twin/get"),
+            format!("$hw/events/device/{NAMESPACE}/{id}/twin/get"),
             QoS::AtLeastOnce,
             false,
             json!({"event_id": id, "timestamp": 0}).to_string(),
@@ -207,4 +232,119 @@ pub async fn stored(port: u16, ids: &[String], seconds: u64) -> anyhow::Result<u
     }
     let _ = c.disconnect().await;
     Ok(matching)
+}
+
+/// KubeEdge's device CRDs as they are (`conf/kube/crds`, with `kubectl`), then a DeviceModel
+/// with the twin's property (`temperature`, INT) and a Device bound to `node` for each of
+/// `ids`, posted to the API as a user's tooling would.
+pub async fn create_devices(cloud: &Cloud, node: &str, ids: &[String]) -> anyhow::Result<()> {
+    let crds = concat!(env!("CARGO_MANIFEST_DIR"), "/../conf/kube/crds");
+    cloud.kubectl_apply(Path::new(crds))?;
+    // The CRDs are served once stored; the first POST may come just before.
+    let model = json!({"apiVersion": "devices.kubeedge.io/v1beta1", "kind": "DeviceModel",
+        "metadata": {"name": MODEL, "namespace": NAMESPACE},
+        "spec": {"properties": [{"name": "temperature", "type": "INT", "accessMode": "ReadWrite",
+                                 "minimum": "-40", "maximum": "125", "unit": "Celsius"}],
+                 "protocol": PROTOCOL}});
+    let started = Instant::now();
+    while let Err(e) = cloud
+        .create(&format!("{DEVICES_API}/devicemodels"), &model)
+        .await
+    {
+        if started.elapsed() > Duration::from_secs(10) {
+            return Err(e.context("the DeviceModel"));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for (j, id) in ids.iter().enumerate() {
+        let device = json!({"apiVersion": "devices.kubeedge.io/v1beta1", "kind": "Device",
+            "metadata": {"name": id, "namespace": NAMESPACE},
+            "spec": {"deviceModelRef": {"name": MODEL}, "nodeName": node,
+                     "properties": [{"name": "temperature", "desired": {"value": "20"},
+                                     "collectCycle": 1000, "reportCycle": 1000,
+                                     "reportToCloud": true,
+                                     "visitors": {"protocolName": PROTOCOL, "configData":
+                                         {"register": "HoldingRegister", "offset": j, "limit": 1}}}],
+                     "protocol": {"protocolName": PROTOCOL,
+                                  "configData": {"ip": "127.0.0.1", "port": 502}}}});
+        cloud
+            .create(&format!("{DEVICES_API}/devices"), &device)
+            .await
+            .with_context(|| format!("Device {id}"))?;
+    }
+    Ok(())
+}
+
+/// The mapper registers as mapper-framework's do on start (`withData`), naming `address` as its
+/// own socket, until the node's answer lists all `count` devices (their models may reach the
+/// node after the last device does); gives up after 30 s.
+pub async fn register(socket: &Path, address: &Path, count: usize) -> anyhow::Result<()> {
+    let mut client = DeviceManagerServiceClient::new(channel(socket).await?);
+    let started = Instant::now();
+    loop {
+        let answer = client
+            .mapper_register(pb::MapperRegisterRequest {
+                with_data: true,
+                mapper: Some(pb::MapperInfo {
+                    name: "bench-mapper".into(),
+                    version: "v1.0".into(),
+                    api_version: "v1beta1".into(),
+                    protocol: PROTOCOL.into(),
+                    address: address.as_os_str().as_encoded_bytes().to_vec(),
+                    state: "ok".into(),
+                }),
+            })
+            .await
+            .context("MapperRegister")?
+            .into_inner();
+        if answer.device_list.len() >= count {
+            return Ok(());
+        }
+        if started.elapsed() > Duration::from_secs(30) {
+            bail!(
+                "MapperRegister lists {} of {count} devices after 30 s",
+                answer.device_list.len()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Polls the DeviceStatuses until every one of `ids` holds the value of its last report of a
+/// `seconds`-long run, or `within` has passed: how many hold it, and when the last one did
+/// (from the call).
+pub async fn in_device_status(
+    cloud: &Cloud,
+    ids: &[String],
+    seconds: u64,
+    within: Duration,
+) -> anyhow::Result<(usize, Duration)> {
+    let expected: HashMap<&str, String> = ids
+        .iter()
+        .enumerate()
+        .map(|(j, id)| (id.as_str(), report_value(j + seconds as usize - 1)))
+        .collect();
+    let started = Instant::now();
+    loop {
+        let statuses = cloud.list(&format!("{DEVICES_API}/devicestatuses")).await?;
+        let holding = statuses
+            .iter()
+            .filter(|s| {
+                let Some(want) = s["metadata"]["name"].as_str().and_then(|n| expected.get(n))
+                else {
+                    return false;
+                };
+                s["status"]["twins"].as_array().is_some_and(|twins| {
+                    twins.iter().any(|t| {
+                        t["propertyName"] == "temperature"
+                            && t["reported"]["value"].as_str() == Some(want.as_str())
+                    })
+                })
+            })
+            .count();
+        if holding == ids.len() || started.elapsed() > within {
+            return Ok((holding, started.elapsed()));
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 }

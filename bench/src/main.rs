@@ -13,9 +13,11 @@ use tokio::sync::mpsc;
 
 mod auth_storm;
 mod burst;
+mod cloud;
 mod connections;
 mod devices;
 mod devices_dmi;
+mod http;
 mod metaserver;
 mod readers;
 mod schedule;
@@ -33,6 +35,14 @@ struct Args {
     /// The mosquitto broker to compare with.
     #[arg(long, default_value = "/usr/sbin/mosquitto")]
     mosquitto: PathBuf,
+    /// The controller the devices row's DMI half runs as its cloud (default: the
+    /// `edgemeta-edgecontroller` beside `--edgemeta`).
+    #[arg(long)]
+    controller: Option<PathBuf>,
+    /// The fake API server the devices row's DMI half runs as its cloud's Kubernetes (default:
+    /// the `edgemeta-fakeapi` beside `--edgemeta`).
+    #[arg(long)]
+    fakeapi: Option<PathBuf>,
     /// Also write the P2 latency figures as CSV here (for the plot).
     #[arg(long)]
     csv: Option<PathBuf>,
@@ -79,7 +89,9 @@ struct Args {
     edged: bool,
     /// Only the devices row: simulated mappers' twin reports, 1,000 devices once a second for
     /// 60 s (100 for 5 s with --quick), edgemeta against mosquitto with a pass-through responder,
-    /// then the same devices and reports through one gRPC mapper on the node's DMI socket.
+    /// then the same devices as Device objects in the fake API server, brought to a node by the
+    /// controller through a cloud broker, reporting through one gRPC mapper on the node's DMI
+    /// socket until their DeviceStatuses hold the last report.
     #[arg(long)]
     devices: bool,
     /// With the devices row: this many devices instead.
@@ -492,7 +504,7 @@ async fn edged_start(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         let conf = dir.path().join("edge.yaml");
         let (c, mut rx) = client(node.port, "edged-bench").await?;
         subscribe(&c, &mut rx, "ke/meta/edged/update/default/podstatus").await?;
-        let edged = EdgedProcess(
+        let edged = Process(
             Command::new(&args.edgemeta)
                 .arg("edged")
                 .arg("--config")
@@ -541,10 +553,11 @@ async fn edged_start(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `edgemeta edged`, stopped with SIGTERM (it stops its pods) when dropped.
-struct EdgedProcess(Child);
+/// A process the bench started (`edgemeta edged`, the fake API server, the controller), stopped
+/// with SIGTERM when dropped (edged stops its pods then) and waited for.
+struct Process(Child);
 
-impl Drop for EdgedProcess {
+impl Drop for Process {
     fn drop(&mut self) {
         let _ = Command::new("kill")
             .arg("-TERM")

@@ -11,36 +11,16 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
+use super::http::get;
 use super::{
     client, fill, median, paced_inserts, percentiles, rss_of, subscribe, verdict, Args, Row, Server,
 };
 
 const WATCHERS: usize = 10;
-
-/// `GET path` with `Connection: close`; the body.
-async fn get(port: u16, path: &str) -> anyhow::Result<Vec<u8>> {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).await?;
-    stream
-        .write_all(format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: application/json\r\nConnection: close\r\n\r\n").as_bytes())
-        .await?;
-    let mut response = Vec::new();
-    stream.read_to_end(&mut response).await?;
-    let head_end = response
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .context("no HTTP head")?;
-    if !response.starts_with(b"HTTP/1.1 200") {
-        bail!(
-            "GET {path}: {}",
-            String::from_utf8_lossy(&response[..head_end])
-        );
-    }
-    Ok(response.split_off(head_end + 4))
-}
 
 /// One watch: every event's publish → read latency (µs) goes to `samples`.
 async fn watch(

@@ -4,6 +4,11 @@
 //! device replaces an older one still waiting (the latest wins); a failed call is retried with
 //! back-off, per device, while the others go on. A model goes before the first device using it
 //! (mapper-framework refuses a device whose model it lacks).
+//!
+//! When the mapper registers again, the dispatcher before hands over: it makes no new call, and
+//! the one it has running is answered (or times out) before the new registration's lists go to
+//! the mapper, so that a call sent earlier cannot land on top of them. One that timed out may
+//! still be applied: its object is sent again.
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -12,12 +17,12 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint, Uri};
-use tonic::Status;
+use tonic::{Code, Status};
 use tracing::{debug, warn};
 
 use crate::pb;
@@ -36,6 +41,21 @@ pub(crate) enum Op {
     Device(Key, Option<Box<Wanted>>),
     /// A model changed (`Some`) or is gone from the node.
     Model(Key, Option<pb::DeviceModel>),
+}
+
+/// The object of a call that timed out while its dispatcher handed over: the mapper may apply
+/// it still, so what it holds of that object is not known.
+pub(crate) struct Unsettled(Target);
+
+/// A new registration's start: the dispatcher before it (if the mapper registered already),
+/// and the answer to the registration, sent once that one has ended.
+pub(crate) struct Handover {
+    /// The dispatcher before, its channel closed: it ends once its running call is answered.
+    pub previous: Option<JoinHandle<Option<Unsettled>>>,
+    /// Each listed device with its model, as the answer lists them.
+    pub listed: HashMap<Key, Wanted>,
+    pub reply: oneshot::Sender<Result<pb::MapperRegisterResponse, Status>>,
+    pub response: pb::MapperRegisterResponse,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -68,6 +88,18 @@ impl Call {
             Call::Register(..) => "RegisterDevice",
             Call::Update(..) => "UpdateDevice",
             Call::Remove(..) => "RemoveDevice",
+        }
+    }
+
+    /// The device or model the call changes.
+    fn object(&self) -> Target {
+        match self {
+            Call::CreateModel(k, _) | Call::UpdateModel(k, _) | Call::RemoveModel(k) => {
+                Target::Model(k.clone())
+            }
+            Call::Register(k, _) | Call::Update(k, _) | Call::Remove(k) => {
+                Target::Device(k.clone())
+            }
         }
     }
 
@@ -119,15 +151,22 @@ fn channel(address: PathBuf) -> Channel {
 }
 
 /// Starts the dispatcher of the mapper of `protocol` at `address`, which holds what its
-/// registration answered.
+/// registration answered; with a `handover`, it answers the registration once the dispatcher
+/// before has ended, then calls. Closing the returned channel hands over; cancelling stops at
+/// once.
 pub(crate) fn spawn(
     protocol: String,
     address: PathBuf,
     held_devices: HashMap<Key, pb::Device>,
     held_models: HashMap<Key, pb::DeviceModel>,
+    handover: Option<Handover>,
     config: &DmiConfig,
     cancel: CancellationToken,
-) -> (mpsc::Sender<Op>, JoinHandle<()>, CancellationToken) {
+) -> (
+    mpsc::Sender<Op>,
+    JoinHandle<Option<Unsettled>>,
+    CancellationToken,
+) {
     let (tx, rx) = mpsc::channel(1024);
     let dispatcher = Dispatcher {
         protocol,
@@ -140,22 +179,41 @@ pub(crate) fn spawn(
         timeout: Duration::from_millis(config.call_timeout_ms.max(1)),
         retry_max: Duration::from_millis(config.retry_max_ms.max(10)),
     };
-    let task = tokio::spawn(dispatcher.run(rx, cancel.clone()));
+    let task = tokio::spawn(dispatcher.run(rx, handover, cancel.clone()));
     (tx, task, cancel)
 }
 
 impl Dispatcher {
-    async fn run(mut self, mut ops: mpsc::Receiver<Op>, cancel: CancellationToken) {
+    async fn run(
+        mut self,
+        mut ops: mpsc::Receiver<Op>,
+        handover: Option<Handover>,
+        cancel: CancellationToken,
+    ) -> Option<Unsettled> {
+        if let Some(handover) = handover {
+            let unsettled = match handover.previous {
+                Some(previous) => tokio::select! {
+                    _ = cancel.cancelled() => return None,
+                    ended = previous => ended.ok().flatten(),
+                },
+                None => None,
+            };
+            if let Some(Unsettled(target)) = unsettled {
+                self.unsettle(target, &handover.listed);
+            }
+            let _ = handover.reply.send(Ok(handover.response));
+        }
         let mut running: Option<Running> = None;
         loop {
-            if running.is_none() {
+            // Handing over (the channel closed): no new call.
+            if running.is_none() && !ops.is_closed() {
                 if let Some((target, call)) = self.pick(Instant::now()) {
                     running = Some(Box::pin(self.call(target, call)));
                 }
             }
             let wake = running.is_none().then(|| self.next_retry()).flatten();
             tokio::select! {
-                _ = cancel.cancelled() => break,
+                _ = cancel.cancelled() => return None,
                 op = ops.recv() => match op {
                     Some(op) => self.merge(op),
                     None => break,
@@ -166,6 +224,46 @@ impl Dispatcher {
                 }
                 _ = tokio::time::sleep_until(wake.unwrap_or_else(Instant::now)), if wake.is_some() => {}
             }
+        }
+        // Handing over: the running call's answer (bounded by the call timeout) comes first.
+        let running = running?;
+        let (_, call, result) = tokio::select! {
+            _ = cancel.cancelled() => return None,
+            done = running => done,
+        };
+        match result {
+            Err(status) if status.code() == Code::DeadlineExceeded => {
+                warn!(error_code = "EM-DMI-CALL", protocol = %self.protocol, call = call.name(), key = ?call.key(), "a call to the mapper timed out as it registered again; its object goes again");
+                Some(Unsettled(call.object()))
+            }
+            _ => None,
+        }
+    }
+
+    /// `target`'s state at the mapper is unknown (a call of the dispatcher before may still
+    /// land): held as "something", it gets the call that brings it to what the registration
+    /// listed, or its removal. A model no listed device uses is left as it may be.
+    fn unsettle(&mut self, target: Target, listed: &HashMap<Key, Wanted>) {
+        let want = match &target {
+            Target::Device(key) => {
+                self.held_devices.insert(key.clone(), pb::Device::default());
+                Want::Device(listed.get(key).cloned().map(Box::new))
+            }
+            Target::Model(key) => {
+                let Some(model) = listed
+                    .values()
+                    .find(|(_, (k, _))| k == key)
+                    .map(|(_, (_, m))| m.clone())
+                else {
+                    return;
+                };
+                self.held_models
+                    .insert(key.clone(), pb::DeviceModel::default());
+                Want::Model(Some(model))
+            }
+        };
+        if self.wants.insert(target.clone(), want).is_none() {
+            self.queue.push_back(target);
         }
     }
 
@@ -307,6 +405,15 @@ impl Dispatcher {
     }
 
     fn finished(&mut self, target: Target, call: Call, result: Result<(), Status>) {
+        // A removal the mapper answers NOT_FOUND has what it was for: the mapper lacks it.
+        let result = match (result, &call) {
+            (Err(status), Call::Remove(_) | Call::RemoveModel(_))
+                if status.code() == Code::NotFound =>
+            {
+                Ok(())
+            }
+            (result, _) => result,
+        };
         match result {
             Ok(()) => {
                 debug!(protocol = %self.protocol, call = call.name(), key = ?call.key(), "mapper call done");

@@ -17,7 +17,7 @@ use tonic::Status;
 use tracing::{info, warn};
 
 use crate::convert;
-use crate::dispatch::{self, Key, Op};
+use crate::dispatch::{self, Handover, Key, Op, Unsettled};
 use crate::pb;
 use crate::DmiConfig;
 
@@ -59,9 +59,10 @@ impl Bucket {
 
 struct Mapper {
     name: String,
+    /// Closed to hand over to a new registration's dispatcher.
     ops: mpsc::Sender<Op>,
     cancel: CancellationToken,
-    task: JoinHandle<()>,
+    task: JoinHandle<Option<Unsettled>>,
 }
 
 struct Registry {
@@ -151,10 +152,7 @@ impl Registry {
                 address,
                 with_data,
                 reply,
-            } => {
-                let answer = self.register(mapper, address, with_data).await;
-                let _ = reply.send(answer);
-            }
+            } => self.register(mapper, address, with_data, reply).await,
         }
     }
 
@@ -188,48 +186,46 @@ impl Registry {
         }
     }
 
+    /// Registers the mapper: its dispatcher answers `reply` once the one before (if the
+    /// protocol was registered already) has ended.
     async fn register(
         &mut self,
         mapper: pb::MapperInfo,
         address: PathBuf,
         with_data: bool,
-    ) -> Result<pb::MapperRegisterResponse, Status> {
+        reply: oneshot::Sender<Result<pb::MapperRegisterResponse, Status>>,
+    ) {
         let protocol = mapper.protocol.clone();
         if !self.mappers.contains_key(&protocol) && self.mappers.len() >= self.config.max_mappers {
-            return Err(Status::resource_exhausted(format!(
+            let _ = reply.send(Err(Status::resource_exhausted(format!(
                 "EM-DMI-LIMIT: {} mappers registered already",
                 self.mappers.len()
-            )));
+            ))));
+            return;
         }
         // KubeEdge's two parallel lists: each device with its model (models repeat).
         let mut response = pb::MapperRegisterResponse::default();
         let mut held_devices = HashMap::new();
         let mut held_models = HashMap::new();
+        let mut listed = HashMap::new();
         let mut keys: Vec<&Key> = self.devices.keys().collect();
         keys.sort();
         for key in keys {
             let Some((device, model)) = self.converted(key, &protocol) else {
                 continue;
             };
-            let (model_key, model) = model;
             held_devices.insert(key.clone(), device.clone());
-            held_models.insert(model_key, model.clone());
-            response.device_list.push(device);
-            response.model_list.push(model);
+            held_models.insert(model.0.clone(), model.1.clone());
+            response.device_list.push(device.clone());
+            response.model_list.push(model.1.clone());
+            listed.insert(key.clone(), (device, model));
         }
-        if let Some(old) = self.mappers.remove(&protocol) {
-            old.cancel.cancel();
-            let _ = old.task.await;
+        // The dispatcher before, its channel closed (dropped with `old`): it ends once its
+        // running call is answered, and the new one waits for that before answering.
+        let previous = self.mappers.remove(&protocol).map(|old| {
             info!(%protocol, old = %old.name, new = %mapper.name, "mapper registered again; it gets the node's devices afresh");
-        }
-        let (ops, task, cancel) = dispatch::spawn(
-            protocol.clone(),
-            address.clone(),
-            held_devices,
-            held_models,
-            &self.config,
-            self.cancel.child_token(),
-        );
+            old.task
+        });
         info!(%protocol, mapper = %mapper.name, address = %address.display(), devices = response.device_list.len(), with_data, "mapper registered");
         let info = serde_json::json!({
             "name": mapper.name, "version": mapper.version, "api_version": mapper.api_version,
@@ -242,6 +238,24 @@ impl Registry {
         if stored != Verdict::Stored {
             warn!(error_code = "EM-DMI-STORE", %protocol, ?stored, "mapper not stored: after a node restart it gets calls only once it registers again");
         }
+        if !with_data {
+            response = pb::MapperRegisterResponse::default();
+        }
+        let handover = Handover {
+            previous,
+            listed,
+            reply,
+            response,
+        };
+        let (ops, task, cancel) = dispatch::spawn(
+            protocol.clone(),
+            address,
+            held_devices,
+            held_models,
+            Some(handover),
+            &self.config,
+            self.cancel.child_token(),
+        );
         self.mappers.insert(
             protocol,
             Mapper {
@@ -251,10 +265,6 @@ impl Registry {
                 task,
             },
         );
-        if !with_data {
-            response = pb::MapperRegisterResponse::default();
-        }
-        Ok(response)
     }
 
     /// The device at `key` and its model, converted, if it is for `protocol` and its model is
@@ -302,6 +312,7 @@ impl Registry {
             PathBuf::from(address),
             held_devices,
             held_models,
+            None,
             &self.config,
             self.cancel.child_token(),
         );

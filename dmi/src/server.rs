@@ -28,6 +28,14 @@ use crate::DmiConfig;
 const MAX_ADDRESS: usize = 108;
 /// Longest name, namespace, protocol or state a request may carry.
 const MAX_NAME: usize = 253;
+/// Requests a mapper may have open at once on one connection (HTTP/2
+/// `SETTINGS_MAX_CONCURRENT_STREAMS`); past it the mapper's client waits. tonic leaves this
+/// unlimited, and h2 (0.4.20, `proto/streams/streams.rs` `recv_data`, `Counts::
+/// record_data_frame`) closes a connection with `ENHANCE_YOUR_CALM` ("too_many_data_frames")
+/// once the small DATA frames it holds unread pass a budget: a mapper of 1,000 devices whose
+/// node stalled for 4 s had about 4,000 reports waiting and lost them all with the connection.
+/// Four times the requests served at once per connection (64).
+const MAX_STREAMS: u32 = 256;
 
 /// Binds `path`: its directory made (0750, as KubeEdge's `CreateListener`), a stale socket
 /// removed, the socket itself 0660 (the node's user and group).
@@ -74,6 +82,7 @@ pub(crate) async fn serve(
     info!(socket = %path.display(), "DMI server listening");
     let served = tonic::transport::Server::builder()
         .concurrency_limit_per_connection(64)
+        .max_concurrent_streams(MAX_STREAMS)
         .add_service(service)
         .serve_with_incoming_shutdown(UnixListenerStream::new(listener), cancel.cancelled_owned())
         .await;

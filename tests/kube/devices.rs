@@ -15,7 +15,7 @@ use super::common::{assert_quiet_for, wait_until, Client, CloudBroker, CloudOpti
 use super::{Cluster, Controller};
 
 pub(super) const DEVICE: &str = "beta1-device";
-const ID: &str = "default/beta1-device";
+pub(super) const ID: &str = "default/beta1-device";
 const WAIT: Duration = Duration::from_secs(20);
 
 pub(super) fn conf(file: &str) -> String {
@@ -128,7 +128,7 @@ async fn delta_of(mapper: &mut Client, value: &str) {
 }
 
 /// The mapper's `twin/get`: the expected value the node holds, or the error code.
-async fn twin_get(mapper: &mut Client) -> Result<String, i64> {
+pub(super) async fn twin_get(mapper: &mut Client) -> Result<String, i64> {
     let event = super::common::unique_id("get");
     mapper
         .publish(

@@ -3,10 +3,12 @@
 //! and a mapper built in Python grpcio from the same `api.proto` (`dmi_mapper.py`), speaking
 //! gRPC as mapper-framework's template does.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams};
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, ChildStdin, Command};
@@ -14,7 +16,9 @@ use tokio::sync::mpsc;
 
 use super::common::cloud::bridged_with;
 use super::common::{wait_until, Options};
-use super::devices::{apply_device, kubectl_apply, kubectl_patch_json, status, DEVICE};
+use super::devices::{
+    api, apply_device, kubectl_apply, kubectl_patch_json, status, twin_get, DEVICE, ID,
+};
 use super::{CloudBroker, Cluster, Controller};
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -93,12 +97,17 @@ impl PyMapper {
         }
     }
 
-    /// Sends a command and returns its answer line.
-    async fn ask(&mut self, command: &str) -> Value {
+    /// Sends a command without waiting for anything.
+    async fn tell(&mut self, command: &str) {
         self.stdin
             .write_all(format!("{command}\n").as_bytes())
             .await
             .expect("mapper stdin");
+    }
+
+    /// Sends a command and returns its answer line.
+    async fn ask(&mut self, command: &str) -> Value {
+        self.tell(command).await;
         let word = command.split(' ').next().unwrap_or_default().to_owned();
         self.next(command, |e| e["answer"] == word.as_str()).await
     }
@@ -302,6 +311,163 @@ async fn a_grpc_mapper_gets_its_kubectl_device_and_edits_and_its_reports_reach_t
         },
     )
     .await;
+}
+
+/// Sets device `name`'s desired `temp` (its properties list replaced whole, as a merge patch
+/// does).
+async fn set_desired_of(devices: &Api<DynamicObject>, name: &str, value: &str) {
+    let patch = json!({"spec": {"properties": [{"name": "temp", "desired": {"value": value}}]}});
+    devices
+        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap_or_else(|e| panic!("patch {name}: {e}"));
+}
+
+/// What the mapper's `held` answers when it holds `desired` (device name → its desired temp).
+fn held_as(desired: &BTreeMap<String, String>) -> Value {
+    desired
+        .iter()
+        .map(|(name, value)| (format!("default/{name}"), json!({"temp": value})))
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+}
+
+/// Waits until the mapper holds exactly `desired`.
+async fn await_held(mapper: &mut PyMapper, desired: &BTreeMap<String, String>, what: &str) {
+    let want = held_as(desired);
+    wait_until(what, WAIT, async || {
+        let held = mapper.ask("held").await;
+        if held["desired"] == want {
+            Ok(())
+        } else {
+            Err(format!("held {}\nwanted {want}", held["desired"]))
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mapper_killed_while_twenty_devices_change_holds_exactly_the_nodes_twenty_again() {
+    let cluster = Cluster::start().await;
+    let cloud = CloudBroker::start().await;
+    let _controller = Controller::start(&cluster, &cloud);
+    let dir = tempfile::tempdir().expect("dir");
+    let (_node, bridge, socket) = dmi_node(&cloud, dir.path()).await;
+    let mut mapper = PyMapper::start(&socket, dir.path()).await;
+    // The docs' device and 19 more of the same model, in one `kubectl apply`.
+    apply_device(&cluster, &bridge.node_id);
+    let manifest = std::fs::read_to_string(super::devices::conf("demo-device.yaml"))
+        .expect("device manifest")
+        .replace("nodeName: edge-1", &format!("nodeName: {}", bridge.node_id));
+    let named = |name: &str| manifest.replace("name: beta1-device", &format!("name: {name}"));
+    let more: Vec<String> = (1..20).map(|i| named(&format!("dev-{i:02}"))).collect();
+    kubectl_apply(&cluster, &["-f", "-"], Some(&more.join("\n---\n")));
+    let mut desired: BTreeMap<String, String> = (1..20)
+        .map(|i| (format!("dev-{i:02}"), "30".to_owned()))
+        .chain([(DEVICE.to_owned(), "30".to_owned())])
+        .collect();
+    await_held(&mut mapper, &desired, "the mapper holding the 20 devices").await;
+
+    // While it is down, every device's desired value changes, one device goes and one comes.
+    mapper.kill().await;
+    let devices = api(&cluster, "Device", "devices");
+    for (i, (name, value)) in desired.iter_mut().enumerate() {
+        *value = (100 + i).to_string();
+        set_desired_of(&devices, name, value).await;
+    }
+    devices
+        .delete("dev-19", &DeleteParams::default())
+        .await
+        .expect("delete dev-19");
+    desired.remove("dev-19");
+    kubectl_apply(&cluster, &["-f", "-"], Some(&named("dev-20")));
+    desired.insert("dev-20".to_owned(), "30".to_owned());
+
+    // It starts again and registers while every value changes once more.
+    let last: BTreeMap<String, String> = desired
+        .keys()
+        .enumerate()
+        .map(|(i, name)| (name.clone(), (200 + i).to_string()))
+        .collect();
+    let edits = {
+        let (devices, last) = (devices.clone(), last.clone());
+        tokio::spawn(async move {
+            for (name, value) in &last {
+                set_desired_of(&devices, name, value).await;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    let mut mapper = PyMapper::start(&socket, dir.path()).await;
+    tokio::time::timeout(WAIT, edits)
+        .await
+        .expect("the edits within the wait")
+        .expect("the edits");
+    await_held(
+        &mut mapper,
+        &last,
+        "the restarted mapper holding exactly the node's 20 devices at their latest spec",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_in_flight_when_the_mapper_registers_again_lands_before_the_new_list() {
+    let cluster = Cluster::start().await;
+    let cloud = CloudBroker::start().await;
+    let _controller = Controller::start(&cluster, &cloud);
+    let dir = tempfile::tempdir().expect("dir");
+    let (node, bridge, socket) = dmi_node(&cloud, dir.path()).await;
+    let mut mapper = PyMapper::start(&socket, dir.path()).await;
+    apply_device(&cluster, &bridge.node_id);
+    mapper
+        .next("RegisterDevice", |e| {
+            e["call"] == "RegisterDevice" && e["name"] == DEVICE
+        })
+        .await;
+    let mut reader = node.client().await;
+    reader
+        .subscribe(&format!("$hw/events/device/{ID}/twin/get/result"))
+        .await;
+
+    // The mapper takes 2 s over UpdateDevice(61); meanwhile the value becomes 62 on the node
+    // and the mapper registers again, its server still running.
+    let slow = mapper.ask("slow 2").await;
+    assert_eq!(slow["ok"], true, "{slow}");
+    let set = |value: &str| json!([{"op": "replace", "path": "/spec/properties/0/desired/value", "value": value}]);
+    kubectl_patch_json(&cluster, DEVICE, &set("61"));
+    mapper
+        .next("UpdateDevice(61) under way", |e| {
+            e["event"] == "slow" && e["desired"]["temp"] == "61"
+        })
+        .await;
+    kubectl_patch_json(&cluster, DEVICE, &set("62"));
+    wait_until("62 on the node", WAIT, async || {
+        match twin_get(&mut reader).await {
+            Ok(v) if v == "62" => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    mapper.tell("register").await;
+    let again = mapper
+        .next("MapperRegister listing the device", |e| {
+            e["call"] == "MapperRegister" && e["devices"][0]["name"] == DEVICE
+        })
+        .await;
+    assert_eq!(again["devices"][0]["desired"]["temp"], "62", "{again}");
+    // The call under way was answered before the registration was: it cannot land on top of
+    // the new list, and the mapper ends with the node's latest value.
+    assert!(
+        mapper
+            .seen
+            .iter()
+            .any(|e| e["call"] == "UpdateDevice" && e["desired"]["temp"] == "61"),
+        "UpdateDevice(61) applied only after the new registration; saw {:#?}",
+        mapper.seen
+    );
+    let want: BTreeMap<String, String> = [(DEVICE.to_owned(), "62".to_owned())].into();
+    await_held(&mut mapper, &want, "the mapper holding 62").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

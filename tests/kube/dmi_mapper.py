@@ -12,6 +12,8 @@ per stdin line:
     raw <hex>                             ReportDeviceStatus with these bytes as the body
     big <ns> <name> <bytes>               ReportDeviceStatus with a value this long
     held                                  the devices it holds, with their desired values
+    slow <seconds>                        the next UpdateDevice takes that long before it is
+                                          applied (it says "slow" when it starts waiting)
     burst <ns> <name> <count>             that many reports at once: how many were taken
     twins <ns> <name> <count>             one report with that many twins
 """
@@ -48,6 +50,8 @@ import api_pb2_grpc  # noqa: E402
 lock = threading.Lock()
 devices = {}
 models = {}
+# Seconds the next UpdateDevice waits before it is applied (the `slow` command).
+slow = [0.0]
 
 
 def say(**event):
@@ -94,6 +98,11 @@ class Mapper(api_pb2_grpc.DeviceMapperServiceServicer):
 
     def UpdateDevice(self, request, context):
         d = request.device
+        with lock:
+            wait, slow[0] = slow[0], 0.0
+        if wait:
+            say(event="slow", seconds=wait, **describe(d))
+            time.sleep(wait)
         devices[f"{d.namespace}/{d.name}"] = d
         say(call="UpdateDevice", at=time.time(), **describe(d))
         return api_pb2.UpdateDeviceResponse()
@@ -217,6 +226,10 @@ def main():
                     deviceName=name, deviceNamespace=ns,
                     reportedDevice=api_pb2.DeviceStatus(twins=twins)), timeout=20)
                 say(answer="twins", ok=True)
+            elif words[0] == "slow":
+                with lock:
+                    slow[0] = float(words[1])
+                say(answer="slow", ok=True)
             elif words[0] == "held":
                 say(answer="held", devices=sorted(devices),
                     desired={k: describe(d)["desired"] for k, d in devices.items()})
