@@ -285,7 +285,8 @@ async fn run_on_terminal(
                 match Pty::read(&mut ready, &mut buf) {
                     Some(Ok(0)) | Some(Err(_)) => output_open = false,
                     Some(Ok(n)) => {
-                        if sink.send(framed(STDOUT, &buf[..n])).await.is_err() {
+                        let sent = sink.send(framed(STDOUT, &buf[..n])).await;
+                        if sent.is_err() {
                             break None;
                         }
                     }
