@@ -163,6 +163,10 @@ impl Controller {
     fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
+
+    fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
 }
 
 impl Drop for Controller {

@@ -28,6 +28,7 @@ mod node;
 mod plan;
 mod pod;
 mod probe;
+mod pty;
 mod runtime;
 mod session;
 mod spec;

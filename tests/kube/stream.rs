@@ -588,3 +588,224 @@ async fn kubectl_exec_runs_in_the_pods_environment_with_stdin_and_exit_codes() {
     let (code, _, err) = kubectl_exec(&rig, &["web", "--", "/no/such/program"], "");
     assert_ne!(code, 0, "{err}");
 }
+
+/// A tmux server of the test's own (its socket in a temporary directory), killed on drop.
+struct Tmux {
+    dir: tempfile::TempDir,
+}
+
+impl Tmux {
+    fn new() -> Tmux {
+        Tmux {
+            dir: tempfile::tempdir().expect("dir"),
+        }
+    }
+
+    /// Starts a detached 120×40 session running the shell script `script`.
+    fn run(&self, script: &str) {
+        let path = self.path("session.sh");
+        std::fs::write(&path, script).expect("script");
+        let status = self
+            .command()
+            .args(["new-session", "-d", "-x", "120", "-y", "40", "sh"])
+            .arg(&path)
+            .status()
+            .expect("tmux is installed");
+        assert!(status.success(), "tmux new-session");
+    }
+
+    fn command(&self) -> Command {
+        let mut command = Command::new("tmux");
+        command
+            .arg("-S")
+            .arg(self.path("socket"))
+            .args(["-f", "/dev/null"]);
+        command
+    }
+
+    /// Types `keys`, then Enter, into the pane.
+    fn type_line(&self, keys: &str) {
+        for args in [["-l", keys], ["Enter", ""]] {
+            let status = self
+                .command()
+                .args(["send-keys", "-t", "0"])
+                .args(args.iter().filter(|a| !a.is_empty()))
+                .status()
+                .expect("tmux");
+            assert!(status.success(), "tmux send-keys {args:?}");
+        }
+    }
+
+    /// What the pane shows.
+    fn screen(&self) -> String {
+        let out = self
+            .command()
+            .args(["capture-pane", "-p", "-t", "0"])
+            .output()
+            .expect("tmux");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn path(&self, name: &str) -> std::path::PathBuf {
+        self.dir.path().join(name)
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = self
+            .command()
+            .arg("kill-server")
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubectl_exec_it_is_an_interactive_shell_on_a_terminal() {
+    let rig = StreamRig::start(true).await;
+    rig.web(
+        SCRIPT,
+        json!({"env": [{"name": "GREETING", "value": "hello from the pod"}]}),
+    )
+    .await;
+    // kubectl in a terminal, as an operator types it; its exit code goes to a file.
+    let tmux = Tmux::new();
+    let exit_file = tmux.path("exit-code");
+    tmux.run(&format!(
+        "kubectl --kubeconfig '{config}' exec -it web -- sh\n\
+         echo $? > '{exit}.tmp'; mv '{exit}.tmp' '{exit}'\n\
+         sleep 60\n",
+        config = rig.cluster.kubeconfig().display(),
+        exit = exit_file.display(),
+    ));
+    let screen_shows = async |what: &str, wanted: &dyn Fn(&str) -> bool| {
+        wait_until(what, RUN_WAIT, async || {
+            let screen = tmux.screen();
+            if wanted(&screen) {
+                Ok(())
+            } else {
+                Err(format!("screen:\n{screen}\n{}", rig.logs()))
+            }
+        })
+        .await;
+    };
+    let has_line = |text: &str| {
+        let text = text.to_owned();
+        move |screen: &str| screen.lines().any(|l| l == text)
+    };
+    screen_shows("the shell's prompt", &|screen| {
+        screen.lines().any(|l| l == "$" || l == "#")
+    })
+    .await;
+    // Two commands: the pod's environment, and the terminal's size as the shell sees it (the
+    // pane's, sent by kubectl on the resize channel).
+    tmux.type_line("echo \"[$GREETING]\"");
+    screen_shows(
+        "the first command's output",
+        &has_line("[hello from the pod]"),
+    )
+    .await;
+    let pane = tmux
+        .command()
+        .args([
+            "display-message",
+            "-p",
+            "-t",
+            "0",
+            "#{pane_height} #{pane_width}",
+        ])
+        .output()
+        .expect("tmux");
+    let pane = String::from_utf8_lossy(&pane.stdout).trim().to_owned();
+    tmux.type_line("stty size; tty");
+    screen_shows("the second command's output", &has_line(&pane)).await;
+    tmux.type_line("exit");
+    let code = wait_until("kubectl exec -it exits", RUN_WAIT, async || {
+        std::fs::read_to_string(&exit_file).map_err(|_| format!("screen:\n{}", tmux.screen()))
+    })
+    .await;
+    let screen = tmux.screen();
+    assert_eq!(code.trim(), "0", "{screen}");
+    assert!(screen.contains("/dev/pts/"), "{screen}");
+}
+
+/// Established TCP connections of process `pid` whose local port is `port`.
+fn established(pid: u32, port: u16) -> usize {
+    let out = Command::new("ss").args(["-tnpH"]).output().expect("ss");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.starts_with("ESTAB") && l.contains(&format!("pid={pid},")))
+        .filter(|l| {
+            l.split_whitespace()
+                .nth(3)
+                .and_then(|local| local.rsplit_once(':'))
+                .is_some_and(|(_, p)| p == port.to_string())
+        })
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_ends_at_both_ends_when_its_client_goes() {
+    let rig = StreamRig::start(true).await;
+    rig.web(SCRIPT, json!({})).await;
+    // edged's kubelet API: the one port it listens on.
+    let listening = String::from_utf8_lossy(
+        &Command::new("ss")
+            .args(["-ltnpH"])
+            .output()
+            .expect("ss")
+            .stdout,
+    )
+    .into_owned();
+    let kubelet_port: u16 = listening
+        .lines()
+        .find(|l| l.contains(&format!("pid={},", rig.edged.pid())))
+        .and_then(|l| l.split_whitespace().nth(3))
+        .and_then(|local| local.rsplit_once(':'))
+        .and_then(|(_, port)| port.parse().ok())
+        .unwrap_or_else(|| panic!("edged listens nowhere:\n{listening}"));
+    let controller = rig.controller.pid();
+    // Followers of a pod that writes nothing more: only their clients' going can end them.
+    const FOLLOWERS: usize = 10;
+    let mut followers: Vec<_> = (0..FOLLOWERS)
+        .map(|_| follow_with_curl(&rig, "web"))
+        .collect();
+    wait_until("every follow open at both ends", RUN_WAIT, async || {
+        let (at_edged, at_controller) = (
+            established(rig.edged.pid(), kubelet_port),
+            established(controller, rig.stream_port),
+        );
+        if at_edged == FOLLOWERS && at_controller == FOLLOWERS {
+            Ok(())
+        } else {
+            Err(format!(
+                "edged {at_edged}, controller {at_controller}\n{}",
+                rig.logs()
+            ))
+        }
+    })
+    .await;
+    for follower in &mut followers {
+        follower.kill().await.expect("kill curl");
+    }
+    wait_until(
+        "every stream ended at the controller and at edged",
+        Duration::from_secs(10),
+        async || {
+            let (at_edged, at_controller) = (
+                established(rig.edged.pid(), kubelet_port),
+                established(controller, rig.stream_port),
+            );
+            if at_edged == 0 && at_controller == 0 {
+                Ok(())
+            } else {
+                Err(format!("edged {at_edged}, controller {at_controller}"))
+            }
+        },
+    )
+    .await;
+    // The pod's log is still served afterwards.
+    let (code, body) = rig.curl("GET", "/containerLogs/default/web/main", true);
+    assert_eq!((code, body.as_str()), (200, "first\nsecond\n"));
+}
