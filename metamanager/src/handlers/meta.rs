@@ -46,11 +46,19 @@ async fn run_rule(rule: &Rule, request: &Request, cx: &mut Context<'_>) -> Resul
     let content = &request.envelope.content;
     let cloud_change = cloud_change(rule, request);
     if let Some(change) = &cloud_change {
-        let new = cx
-            .db()
-            .claim_cloud_change(resource.key(), change)
-            .await
-            .map_err(Error::store("write cloud_applied"))?;
+        // A stored object's change is remembered by the upsert that stores it; a delete's or
+        // a list's in `cloud_applied`.
+        let new = if rule.store == Store::Upsert {
+            cx.db()
+                .upsert_cloud_change(resource.key(), resource.res_type(), content.get(), change)
+                .await
+                .map_err(Error::store("insert or update meta"))?
+        } else {
+            cx.db()
+                .claim_cloud_change(resource.key(), change)
+                .await
+                .map_err(Error::store("write cloud_applied"))?
+        };
         if !new {
             // Delivered again (a new session, a resend) or overtaken by a newer version:
             // acknowledged again, neither stored nor handed on again (protocol §6.4).
@@ -60,6 +68,7 @@ async fn run_rule(rule: &Rule, request: &Request, cx: &mut Context<'_>) -> Resul
     }
     match rule.store {
         Store::Nothing => {}
+        Store::Upsert if cloud_change.is_some() => {}
         Store::Upsert => upsert(cx.db(), resource, content.get()).await?,
         Store::UpsertUnlessAck => {
             if request.envelope.content_str().as_deref() != Some("OK") {

@@ -1,10 +1,13 @@
 //! The cloud change last applied to each object (docs/protocol.md §6.4): the node recognises a
 //! change the cloud broker delivers again, or an older version arriving after a newer one, by
-//! what is kept here, written in the same savepoint as the change itself.
+//! what is kept, written in the same savepoint as the change itself. An object the cloud stored
+//! keeps it on its own `meta` row (`applied_rv`, `applied_msg_id`), written by the same upsert;
+//! `cloud_applied` keeps deletes (for an hour), lists, and what was applied before schema 9.
 
-use libsql::params;
+use libsql::{params, Row, Value};
 
-use super::Db;
+use super::versions::{versioned, Event};
+use super::{text, Db};
 
 /// How long a delete is remembered after it was applied: redeliveries come within one outage
 /// and its reconnect, and the tombstones of a busy cluster must not pile up for ever.
@@ -23,8 +26,7 @@ impl Applied {
     /// Whether a cloud change (`msg_id`, `rv`, a delete or not) is one already applied or older
     /// than it: the same message again, or a version not newer than this one. A delete of the
     /// version applied last is new (the controller's delete carries the last version it knew).
-    /// [`Db::claim_cloud_change`] decides the same in its statement; this is its reference.
-    #[cfg(test)]
+    /// [`Db::claim_cloud_change`] decides the same in its statement.
     pub fn covers(&self, msg_id: &str, rv: Option<u64>, delete: bool) -> bool {
         if self.msg_id == msg_id {
             return true;
@@ -37,24 +39,30 @@ impl Applied {
     }
 }
 
+/// The change columns `rv, msg_id, deleted` from `at` on; None when no message id is kept.
+fn applied_at(row: &Row, at: i32) -> Result<Option<Applied>, libsql::Error> {
+    let Some(msg_id) = text(row, at + 1)? else {
+        return Ok(None);
+    };
+    Ok(Some(Applied {
+        rv: match row.get_value(at)? {
+            Value::Integer(rv) => u64::try_from(rv).ok(),
+            _ => None,
+        },
+        msg_id,
+        deleted: matches!(row.get_value(at + 2)?, Value::Integer(d) if d != 0),
+    }))
+}
+
 impl Db {
-    /// The cloud change last applied to `key`, if one is remembered.
+    /// The cloud change last applied to `key` as `cloud_applied` keeps it, if it does.
     #[cfg(test)]
     pub async fn cloud_applied(&self, key: &str) -> Result<Option<Applied>, libsql::Error> {
-        use super::text;
-        use libsql::Value;
         const SQL: &str = "SELECT rv, msg_id, deleted FROM cloud_applied WHERE key = ?1";
         let statement = self.statement(SQL).await?;
         let mut rows = statement.query([key]).await?;
         let applied = match rows.next().await? {
-            Some(row) => Some(Applied {
-                rv: match row.get_value(0)? {
-                    Value::Integer(rv) => u64::try_from(rv).ok(),
-                    _ => None,
-                },
-                msg_id: text(&row, 1)?.unwrap_or_default(),
-                deleted: matches!(row.get_value(2)?, Value::Integer(d) if d != 0),
-            }),
+            Some(row) => applied_at(&row, 0)?,
             None => None,
         };
         drop(rows);
@@ -62,15 +70,105 @@ impl Db {
         Ok(applied)
     }
 
-    /// Records `change` as the last cloud change of `key` unless the one remembered covers it
-    /// (the same message, or a version not older; [`Applied::covers`]): whether it is new and
-    /// must be applied. One statement for the test and the write, in the change's savepoint;
-    /// a new delete also forgets deletes older than [`TOMBSTONE_TTL_MS`].
+    /// The cloud change last applied to `key` as its `meta` row keeps it, if it does.
+    async fn applied_on_row(&self, key: &str) -> Result<Option<Applied>, libsql::Error> {
+        const SQL: &str = "SELECT applied_rv, applied_msg_id, 0 FROM meta WHERE key = ?1";
+        let statement = self.statement(SQL).await?;
+        let mut rows = statement.query([key]).await?;
+        let applied = match rows.next().await? {
+            Some(row) => applied_at(&row, 0)?,
+            None => None,
+        };
+        drop(rows);
+        self.keep(SQL, statement);
+        Ok(applied)
+    }
+
+    /// Stores `value` under `key` as the cloud change `change` unless the change remembered
+    /// covers it ([`Applied::covers`]): whether it was new and stored. The change is kept on the
+    /// row by the upsert that writes it; one read finds the stored value and what was applied,
+    /// on the row or, for an object without one there, in `cloud_applied`.
+    pub async fn upsert_cloud_change(
+        &self,
+        key: &str,
+        res_type: &str,
+        value: &str,
+        change: &Applied,
+    ) -> Result<bool, libsql::Error> {
+        const READ: &str = "SELECT 1, value, applied_rv, applied_msg_id, 0 FROM meta WHERE key = ?1
+             UNION ALL SELECT 2, NULL, rv, msg_id, deleted FROM cloud_applied WHERE key = ?1";
+        let statement = self.statement(READ).await?;
+        let mut rows = statement.query([key]).await?;
+        let (mut stored, mut on_row, mut kept) = (None, None, None);
+        while let Some(row) = rows.next().await? {
+            if matches!(row.get_value(0)?, Value::Integer(1)) {
+                stored = Some(text(&row, 1)?);
+                on_row = applied_at(&row, 2)?;
+            } else {
+                kept = applied_at(&row, 2)?;
+            }
+        }
+        drop(rows);
+        self.keep(READ, statement);
+        if on_row
+            .or(kept)
+            .is_some_and(|done| done.covers(&change.msg_id, change.rv, false))
+        {
+            return Ok(false);
+        }
+        let rv = change.rv.and_then(|rv| i64::try_from(rv).ok());
+        let msg_id = change.msg_id.as_str();
+        if !versioned(res_type) {
+            self.exec(
+                "INSERT INTO meta (key, type, value, applied_rv, applied_msg_id)
+                 VALUES (?1, ?2, ?3, ?4, ?5)
+                 ON CONFLICT(key) DO UPDATE SET value = excluded.value,
+                     applied_rv = excluded.applied_rv, applied_msg_id = excluded.applied_msg_id",
+                params![key, res_type, value, rv, msg_id],
+            )
+            .await?;
+            return Ok(true);
+        }
+        let event = match stored.flatten() {
+            None => Event::Added,
+            Some(old) if old == value => {
+                // Nothing changed for a watcher: no version, only the change remembered.
+                self.exec(
+                    "UPDATE meta SET applied_rv = ?2, applied_msg_id = ?3 WHERE key = ?1",
+                    params![key, rv, msg_id],
+                )
+                .await?;
+                return Ok(true);
+            }
+            Some(_) => Event::Modified,
+        };
+        let version = self.record(res_type, key, event, value).await?;
+        self.exec(
+            "INSERT INTO meta (key, type, value, rv, applied_rv, applied_msg_id)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+             ON CONFLICT(key) DO UPDATE SET value = excluded.value, rv = excluded.rv,
+                 applied_rv = excluded.applied_rv, applied_msg_id = excluded.applied_msg_id",
+            params![key, res_type, value, version as i64, rv, msg_id],
+        )
+        .await?;
+        Ok(true)
+    }
+
+    /// Records `change` (a delete, or a list's) as the last cloud change of `key` unless the one
+    /// remembered covers it (the same message, or a version not older; [`Applied::covers`]):
+    /// whether it is new and must be applied. What the object's row keeps is looked at first;
+    /// then one statement tests and writes `cloud_applied`, in the change's savepoint. A new
+    /// delete also forgets deletes older than [`TOMBSTONE_TTL_MS`].
     pub async fn claim_cloud_change(
         &self,
         key: &str,
         change: &Applied,
     ) -> Result<bool, libsql::Error> {
+        if let Some(done) = self.applied_on_row(key).await? {
+            if done.covers(&change.msg_id, change.rv, change.deleted) {
+                return Ok(false);
+            }
+        }
         const SQL: &str = "INSERT INTO cloud_applied (key, rv, msg_id, deleted, at_ms)
              VALUES (?1, ?2, ?3, ?4, ?5)
              ON CONFLICT(key) DO UPDATE SET rv = excluded.rv, msg_id = excluded.msg_id,
@@ -200,6 +298,88 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// A stored object's change is remembered on its own row, served type or not: the same
+    /// message or an older version again is neither stored nor recorded, a delete older than
+    /// what was stored is refused, and after a delete only a newer version comes back.
+    #[tokio::test]
+    async fn a_stored_objects_change_is_remembered_on_its_row() {
+        let dir = tempfile::tempdir().expect("dir");
+        let config = crate::store::StoreConfig {
+            path: dir.path().join("row.db"),
+            ..crate::store::StoreConfig::default()
+        };
+        let db = Db::open(&config).await.expect("open");
+        let change = |msg_id: &str, rv: u64, deleted: bool| Applied {
+            rv: Some(rv),
+            msg_id: msg_id.into(),
+            deleted,
+        };
+        for res_type in ["pod", "configmap", "device"] {
+            let key = format!("default/{res_type}/a");
+            let store = |value: &'static str, applied: Applied| {
+                let (db, key) = (&db, key.clone());
+                async move {
+                    db.upsert_cloud_change(&key, res_type, value, &applied)
+                        .await
+                        .expect("upsert")
+                }
+            };
+            assert!(store("v5", change("m5", 5, false)).await, "{res_type}: new");
+            assert!(
+                !store("v5b", change("m5", 5, false)).await,
+                "the same message"
+            );
+            assert!(
+                !store("v4", change("m4", 4, false)).await,
+                "an older version"
+            );
+            assert!(store("v5", change("m6", 6, false)).await, "unchanged value");
+            assert!(
+                !store("v5", change("m6", 6, false)).await,
+                "recorded all the same"
+            );
+            assert_eq!(db.get(&key).await.expect("get").as_deref(), Some("v5"));
+            assert_eq!(db.cloud_applied(&key).await.expect("read"), None);
+            let claim = |applied: Applied| {
+                let (db, key) = (&db, key.clone());
+                async move { db.claim_cloud_change(&key, &applied).await.expect("claim") }
+            };
+            assert!(
+                !claim(change("d5", 5, true)).await,
+                "a delete older than v6"
+            );
+            assert!(claim(change("d6", 6, true)).await, "the delete of v6");
+            db.delete(&key).await.expect("delete");
+            assert!(
+                !store("v6", change("m6b", 6, false)).await,
+                "not newer than the delete"
+            );
+            assert!(
+                store("v7", change("m7", 7, false)).await,
+                "a new incarnation"
+            );
+            assert_eq!(db.get(&key).await.expect("get").as_deref(), Some("v7"));
+        }
+        // What an earlier schema kept in `cloud_applied` for a stored object still counts.
+        assert!(db
+            .claim_cloud_change("default/pod/old", &change("m7", 7, false))
+            .await
+            .expect("claim"));
+        db.upsert("default/pod/old", "pod", "v7")
+            .await
+            .expect("upsert");
+        for (applied, new) in [
+            (change("m6", 6, false), false),
+            (change("m8", 8, false), true),
+        ] {
+            let stored = db
+                .upsert_cloud_change("default/pod/old", "pod", "v", &applied)
+                .await
+                .expect("upsert");
+            assert_eq!(stored, new, "{applied:?}");
         }
     }
 

@@ -110,6 +110,13 @@ pub const MIGRATIONS: &[(i64, &str)] = &[
          CREATE INDEX IF NOT EXISTS cloud_applied_tombstones ON cloud_applied(at_ms)
              WHERE deleted = 1;",
     ),
+    (
+        9,
+        // A cloud insert or update remembers what it applied on the object's own row, written
+        // by the upsert that stores it: no `cloud_applied` row of its own (cloud_applied.rs).
+        "ALTER TABLE meta ADD COLUMN applied_rv INTEGER;
+         ALTER TABLE meta ADD COLUMN applied_msg_id TEXT;",
+    ),
 ];
 
 /// The schema version this build writes.

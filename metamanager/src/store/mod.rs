@@ -175,13 +175,35 @@ pub(crate) fn thread_runtime() -> Result<tokio::runtime::Runtime, StoreError> {
         .map_err(StoreError::Thread)
 }
 
+/// A statement's SQL as the cache keys it: by where its text lives, not by the text. Every SQL
+/// here is a `&'static str` constant, and hashing hundreds of bytes twice a statement was the
+/// store thread's largest single cost after SQLite (docs/benchmarks.md).
+#[derive(Clone, Copy, Debug)]
+struct Sql(&'static str);
+
+impl PartialEq for Sql {
+    fn eq(&self, other: &Sql) -> bool {
+        // Address and length: the same constant. Two constants with the same text are two
+        // entries, which costs one more prepared statement, never a wrong one.
+        std::ptr::eq(self.0, other.0)
+    }
+}
+
+impl Eq for Sql {}
+
+impl std::hash::Hash for Sql {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        state.write_usize(self.0.as_ptr() as usize);
+    }
+}
+
 /// A typed view of one SQLite connection.
 pub struct Db {
     conn: Connection,
-    /// Prepared statements by SQL text: preparing costs more than running the small statements
+    /// Prepared statements by their SQL: preparing costs more than running the small statements
     /// of the write path. A statement is taken out while in use (no lock across an await) and
     /// reset before it goes back: libsql silently reuses old values otherwise.
-    statements: Mutex<HashMap<&'static str, Statement>>,
+    statements: Mutex<HashMap<Sql, Statement>>,
     /// The configured `synchronous` level, and whether the connection runs below it right now.
     synchronous: Synchronous,
     relaxed: AtomicBool,
@@ -285,7 +307,7 @@ impl Db {
             .statements
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .remove(sql);
+            .remove(&Sql(sql));
         match cached {
             Some(statement) => Ok(statement),
             None => self.conn.prepare(sql).await,
@@ -299,7 +321,7 @@ impl Db {
         self.statements
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(sql, statement);
+            .insert(Sql(sql), statement);
     }
 
     /// Executes `sql` through the cache; the number of rows changed.

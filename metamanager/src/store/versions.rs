@@ -120,7 +120,7 @@ impl Db {
 
     /// Takes the next version for a change: its history row and the pending change (the
     /// prune waits for the commit, [`Db::prune_history`]).
-    async fn record(
+    pub(super) async fn record(
         &self,
         res_type: &str,
         key: &str,
