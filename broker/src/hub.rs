@@ -630,7 +630,8 @@ fn for_link(message: &Published, ack: Option<&Ack>) -> Message {
         (p.response_topic.clone(), p.correlation_data.clone())
     });
     Message {
-        topic: message.topic.to_string(),
+        // Not `to_string()`: that goes through the formatting machinery on every hand-on.
+        topic: String::from(&*message.topic),
         payload: message.payload.clone(),
         response_topic,
         correlation,

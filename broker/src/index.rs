@@ -5,6 +5,7 @@
 
 // Topic levels are hashed on every publish; foldhash is several times faster than SipHash.
 use foldhash::HashMap;
+use smallvec::SmallVec;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use thiserror::Error;
@@ -322,7 +323,9 @@ impl Index {
         qos: u8,
         retain: bool,
     ) -> Vec<Delivery> {
-        let mut matched: Vec<&Holders> = Vec::new();
+        // Inline room for the usual few matches and trie branches: a route allocates only
+        // what it returns (a deep or wide match spills to the heap).
+        let mut matched: SmallVec<[&Holders; 8]> = SmallVec::new();
         if let Some(holders) = self.exact.get(topic) {
             matched.push(holders);
         }
@@ -330,24 +333,9 @@ impl Index {
             collect(&self.wild, topic, &mut matched);
         }
 
-        let mut out: Vec<Delivery> = Vec::new();
-        // Each holder lists a session once; only several holders can name it again.
-        let mut plain: Vec<Delivery> = Vec::new();
-        let mut holders_with_plain = 0;
+        let mut out: Vec<Delivery> =
+            Vec::with_capacity(matched.iter().map(|h| h.plain.len() + h.groups.len()).sum());
         for holders in &matched {
-            holders_with_plain += usize::from(!holders.plain.is_empty());
-            for (session, options) in &holders.plain {
-                // §3.8.3.1: No Local keeps a session's own messages from it.
-                if options.no_local && publisher == Some(*session) {
-                    continue;
-                }
-                plain.push(Delivery {
-                    session: *session,
-                    qos: options.qos,
-                    retain: options.retain_as_published && retain,
-                    subscription_ids: options.id.into_iter().collect(),
-                });
-            }
             for group in &holders.groups {
                 if group.members.is_empty() {
                     continue;
@@ -362,23 +350,46 @@ impl Index {
                 });
             }
         }
+        let shared = out.len();
+        // Each holder lists a session once; only several holders can name it again.
+        let mut holders_with_plain = 0;
+        for holders in &matched {
+            holders_with_plain += usize::from(!holders.plain.is_empty());
+            for (session, options) in &holders.plain {
+                // §3.8.3.1: No Local keeps a session's own messages from it.
+                if options.no_local && publisher == Some(*session) {
+                    continue;
+                }
+                out.push(Delivery {
+                    session: *session,
+                    qos: options.qos,
+                    retain: options.retain_as_published && retain,
+                    subscription_ids: options.id.into_iter().collect(),
+                });
+            }
+        }
         if holders_with_plain > 1 {
             // §3.3.4: one copy per session, at the highest granted QoS, with every identifier.
-            plain.sort_by_key(|d| d.session);
-            plain.dedup_by(|later, kept| {
-                if later.session != kept.session {
-                    return false;
+            out[shared..].sort_by_key(|d| d.session);
+            let mut kept = shared;
+            for at in shared..out.len() {
+                if kept > shared && out[kept - 1].session == out[at].session {
+                    let later = std::mem::take(&mut out[at].subscription_ids);
+                    let (qos_later, retain_later) = (out[at].qos, out[at].retain);
+                    let held = &mut out[kept - 1];
+                    held.qos = held.qos.max(qos_later);
+                    held.retain |= retain_later;
+                    held.subscription_ids.extend(later);
+                } else {
+                    out.swap(kept, at);
+                    kept += 1;
                 }
-                kept.qos = kept.qos.max(later.qos);
-                kept.retain |= later.retain;
-                kept.subscription_ids.append(&mut later.subscription_ids);
-                true
-            });
+            }
+            out.truncate(kept);
         }
-        out.extend(plain.into_iter().map(|d| Delivery {
-            qos: qos.min(d.qos),
-            ..d
-        }));
+        for delivery in &mut out[shared..] {
+            delivery.qos = qos.min(delivery.qos);
+        }
         out
     }
 
@@ -397,11 +408,12 @@ impl Index {
 /// Adds the holders of every wildcard filter in the trie under `root` that matches `topic`.
 /// Walked with a stack, not recursion: the depth is the topic's, which a client chooses. Each
 /// trie node is visited at most once (its path is one prefix of the topic's levels).
-fn collect<'a>(root: &'a Node, topic: &str, out: &mut Vec<&'a Holders>) {
+fn collect<'a>(root: &'a Node, topic: &str, out: &mut SmallVec<[&'a Holders; 8]>) {
     // §4.7.2: a topic starting with '$' is not matched by a filter starting with a wildcard.
     let dollar = topic.starts_with('$');
     // A node and the levels the topic has left below it (None: the topic ended at it).
-    let mut stack: Vec<(&'a Node, Option<&str>, bool)> = vec![(root, Some(topic), true)];
+    let mut stack: SmallVec<[(&'a Node, Option<&str>, bool); 8]> = SmallVec::new();
+    stack.push((root, Some(topic), true));
     while let Some((node, rest, first)) = stack.pop() {
         let wildcards_allowed = !(dollar && first);
         if wildcards_allowed {
