@@ -397,6 +397,13 @@ mod tests {
             .claim_cloud_change("default/pod/a", &change)
             .await
             .expect("claim"));
+        // As a store of schema 7 was: without what schema 9 adds to `meta`.
+        for drop in [
+            "ALTER TABLE meta DROP COLUMN applied_rv",
+            "ALTER TABLE meta DROP COLUMN applied_msg_id",
+        ] {
+            db.control(drop).await.expect("drop a later column");
+        }
         db.control("PRAGMA user_version=7")
             .await
             .expect("version 7");

@@ -830,6 +830,13 @@ mod tests {
                 .await
                 .expect("push");
         }
+        // As a store of schema 6 was: without what schema 9 adds to `meta`.
+        for drop in [
+            "ALTER TABLE meta DROP COLUMN applied_rv",
+            "ALTER TABLE meta DROP COLUMN applied_msg_id",
+        ] {
+            db.control(drop).await.expect("drop a later column");
+        }
         db.control("PRAGMA user_version=6")
             .await
             .expect("version 6");
