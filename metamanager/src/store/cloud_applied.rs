@@ -58,29 +58,36 @@ impl Db {
     /// The cloud change last applied to `key` as `cloud_applied` keeps it, if it does.
     #[cfg(test)]
     pub async fn cloud_applied(&self, key: &str) -> Result<Option<Applied>, libsql::Error> {
-        const SQL: &str = "SELECT rv, msg_id, deleted FROM cloud_applied WHERE key = ?1";
-        let statement = self.statement(SQL).await?;
-        let mut rows = statement.query([key]).await?;
-        let applied = match rows.next().await? {
-            Some(row) => applied_at(&row, 0)?,
-            None => None,
-        };
-        drop(rows);
-        self.keep(SQL, statement);
-        Ok(applied)
+        self.applied_by(
+            "SELECT rv, msg_id, deleted FROM cloud_applied WHERE key = ?1",
+            key,
+        )
+        .await
     }
 
     /// The cloud change last applied to `key` as its `meta` row keeps it, if it does.
     async fn applied_on_row(&self, key: &str) -> Result<Option<Applied>, libsql::Error> {
-        const SQL: &str = "SELECT applied_rv, applied_msg_id, 0 FROM meta WHERE key = ?1";
-        let statement = self.statement(SQL).await?;
+        self.applied_by(
+            "SELECT applied_rv, applied_msg_id, 0 FROM meta WHERE key = ?1",
+            key,
+        )
+        .await
+    }
+
+    /// The change `sql` reads for `key` (columns `rv, msg_id, deleted`), if any.
+    async fn applied_by(
+        &self,
+        sql: &'static str,
+        key: &str,
+    ) -> Result<Option<Applied>, libsql::Error> {
+        let statement = self.statement(sql).await?;
         let mut rows = statement.query([key]).await?;
         let applied = match rows.next().await? {
             Some(row) => applied_at(&row, 0)?,
             None => None,
         };
         drop(rows);
-        self.keep(SQL, statement);
+        self.keep(sql, statement);
         Ok(applied)
     }
 
