@@ -20,7 +20,7 @@ use crate::request::{Request, Requester};
 use crate::store::{Db, OutboxStats};
 use edgemeta_protocol::Envelope;
 use edgemeta_protocol::Operation;
-use edgemeta_protocol::{outbound, CLOUD, META};
+use edgemeta_protocol::{outbound, CLOUD};
 
 /// Fired once a message has been dealt with: committed, or answered with an error.
 #[derive(Debug)]
@@ -324,13 +324,14 @@ impl<'a> Context<'a> {
             &envelope.route.operation,
             &envelope.route.resource,
         );
-        let payload = envelope.to_bytes();
-        if module == CLOUD {
-            self.queue_for_cloud(&topic, &payload).await
-        } else {
-            self.local.push(Message::new(topic, payload));
-            Ok(())
+        if module != CLOUD {
+            self.local.push(Message::new(topic, envelope.to_bytes()));
+            return Ok(());
         }
+        if !self.cloud_hears(&topic) {
+            return Ok(());
+        }
+        self.append_for_cloud(&topic, &envelope.to_bytes()).await
     }
 
     /// Appends to the outbox in this message's savepoint (see [`outbox::append`]).
@@ -339,11 +340,20 @@ impl<'a> Context<'a> {
         topic: &str,
         payload: &[u8],
     ) -> Result<(), Error> {
-        // Standalone, a row is relayed to whoever subscribes to its topic when it goes out, and
-        // deleted: one nobody subscribes to now would only cost a write, a read and a delete.
-        if self.settings.relay && !self.settings.broker.reaches_anyone(topic) {
+        if !self.cloud_hears(topic) {
             return Ok(());
         }
+        self.append_for_cloud(topic, payload).await
+    }
+
+    /// Whether an outbox row for `topic` reaches anyone. Standalone, a row is relayed to
+    /// whoever subscribes to its topic when it goes out, and deleted: one nobody subscribes to
+    /// now would only cost a write, a read and a delete, so it is neither built nor written.
+    fn cloud_hears(&self, topic: &str) -> bool {
+        !self.settings.relay || self.settings.broker.reaches_anyone(topic)
+    }
+
+    async fn append_for_cloud(&mut self, topic: &str, payload: &[u8]) -> Result<(), Error> {
         outbox::append(
             self.db,
             &mut self.state.outbox,
@@ -356,18 +366,32 @@ impl<'a> Context<'a> {
         Ok(())
     }
 
-    /// Answers `requester` (and its v5 Response Topic) with `operation` and `content`.
+    /// Answers `requester` (and its v5 Response Topic) with `operation` and `content`; an
+    /// answer nobody would get is not built.
     pub(crate) async fn reply(
         &mut self,
         requester: &Requester,
         operation: Operation,
         content: Box<RawValue>,
     ) -> Result<(), Error> {
-        let envelope = requester.envelope(operation, content);
-        if let Some(copy) = requester.v5_copy(&Bytes::from(envelope.to_bytes())) {
+        let module = requester.module();
+        let topic = requester.topic(self.settings.root, operation);
+        let to_module = module != CLOUD || self.cloud_hears(&topic);
+        if !to_module && requester.response_topic.is_none() {
+            return Ok(());
+        }
+        let payload = Bytes::from(requester.envelope(operation, content).to_bytes());
+        if let Some(copy) = requester.v5_copy(&payload) {
             self.local.push(copy);
         }
-        self.send(requester.module(), META, &envelope).await
+        match (to_module, module == CLOUD) {
+            (false, _) => Ok(()),
+            (true, true) => self.append_for_cloud(&topic, &payload).await,
+            (true, false) => {
+                self.local.push(Message::new(topic, payload));
+                Ok(())
+            }
+        }
     }
 
     /// Waits for the answer carrying `id` as its parent, at most `timeout`.
