@@ -726,10 +726,12 @@ fn count(n: usize) -> String {
     }
 }
 
-/// P5: P1 and P3 on a fresh node that already stores each of `sizes.preloads` resources, plus
-/// memory and start-up time with the largest.
+/// P5: P1 and P3 on a node restarted on a store that already holds each of `sizes.preloads`
+/// resources, plus memory and start-up time with the largest. Each store is loaded once; every
+/// round then measures a fresh copy of each, in rotated order, so the sizes are compared as
+/// medians of runs taken in the same minutes, each on exactly its preload.
 async fn scaling(args: &Args, sizes: &Sizes, rows: &mut Vec<Row>) -> anyhow::Result<()> {
-    let mut figures = Vec::new();
+    let mut loaded = Vec::new();
     for &preload in &sizes.preloads {
         let dir = tempfile::tempdir()?;
         let node = Server::edgemeta(&args.edgemeta, dir.path()).await?;
@@ -740,26 +742,45 @@ async fn scaling(args: &Args, sizes: &Sizes, rows: &mut Vec<Row>) -> anyhow::Res
         let rate_loaded = throughput(node.port, "ke/edged/#", sizes, "loaded").await?;
         let rss = node.rss_kib()?;
         drop(node);
-        // Restarted, the node holds only what is stored: that is what P5 compares.
-        let started = Instant::now();
-        let node = Server::edgemeta(&args.edgemeta, dir.path()).await?;
-        query_latency(node.port, "pre/pod/q0", 1, QoS::AtLeastOnce).await?;
-        let ready = started.elapsed();
-        let rss_restarted = node.rss_kib()?;
-        let query = query_latency(node.port, "pre/pod/q0", sizes.queries, QoS::AtLeastOnce).await?;
-        // The median of three P1 runs: one run moves by a fifth between identical nodes here.
-        let mut rates = Vec::new();
-        for run in 0..3 {
-            rates.push(throughput(node.port, "ke/edged/#", sizes, &format!("tp{run}")).await?);
+        loaded.push((preload, dir, rate_loaded, rss));
+    }
+    // Per store, per round: P1 msg/s, P3 by key, start to first answer, RSS restarted.
+    let mut runs: Vec<Vec<(f64, Percentiles, Duration, u64)>> =
+        loaded.iter().map(|_| Vec::new()).collect();
+    for round in 0..P5_ROUNDS {
+        for k in 0..loaded.len() {
+            let i = (k + round) % loaded.len();
+            let copy = tempfile::tempdir()?;
+            copy_store(loaded[i].1.path(), copy.path())?;
+            // Restarted, the node holds only what is stored: that is what P5 compares.
+            let started = Instant::now();
+            let node = Server::edgemeta(&args.edgemeta, copy.path()).await?;
+            query_latency(node.port, "pre/pod/q0", 1, QoS::AtLeastOnce).await?;
+            let ready = started.elapsed();
+            let rss_restarted = node.rss_kib()?;
+            let query =
+                query_latency(node.port, "pre/pod/q0", sizes.queries, QoS::AtLeastOnce).await?;
+            let rate = throughput(node.port, "ke/edged/#", sizes, "tp").await?;
+            runs[i].push((rate, query, ready, rss_restarted));
         }
-        let rate = median(rates);
+    }
+    let mut figures = Vec::new();
+    for ((preload, _, rate_loaded, rss), runs) in loaded.iter().zip(&runs) {
+        let middle = |f: &dyn Fn(&(f64, Percentiles, Duration, u64)) -> f64| {
+            median(runs.iter().map(f).collect())
+        };
+        let query = Percentiles {
+            p50: middle(&|r| r.1.p50 as f64) as u64,
+            p99: middle(&|r| r.1.p99 as f64) as u64,
+            p999: middle(&|r| r.1.p999 as f64) as u64,
+        };
         figures.push((
-            preload,
-            rate,
+            *preload,
+            middle(&|r| r.0),
             query,
-            (rss, rss_restarted),
-            ready,
-            rate_loaded,
+            (*rss, middle(&|r| r.3 as f64) as u64),
+            Duration::from_secs_f64(middle(&|r| r.2.as_secs_f64())),
+            *rate_loaded,
         ));
     }
     let (Some(first), Some(last)) = (figures.first(), figures.last()) else {
@@ -773,7 +794,7 @@ async fn scaling(args: &Args, sizes: &Sizes, rows: &mut Vec<Row>) -> anyhow::Res
         let flat = rate_change.abs() <= 0.2 && query_change.abs() <= 0.2;
         rows.push(Row {
             name: format!(
-                "P5 with {preload} stored (restarted): P1 msg/s ({} × {}, median of 3) / P3 by key p50, p99 µs",
+                "P5 with {preload} stored (restarted): P1 msg/s ({} × {}) / P3 by key p50, p99 µs, medians of {P5_ROUNDS} rounds alternated over the sizes",
                 sizes.publishers, sizes.per_publisher
             ),
             edgemeta: format!("{rate:.0} / {}, {}", query.p50, query.p99),
@@ -826,6 +847,21 @@ async fn scaling(args: &Args, sizes: &Sizes, rows: &mut Vec<Row>) -> anyhow::Res
         target: "≤ 300 ms".into(),
         verdict: verdict(ready <= Duration::from_millis(300), ""),
     });
+    Ok(())
+}
+
+/// Rounds of P5: each measures every store once.
+const P5_ROUNDS: usize = 3;
+
+/// Copies a stopped node's store (the database and its WAL) from `from` to `to`.
+fn copy_store(from: &Path, to: &Path) -> anyhow::Result<()> {
+    for name in ["bench.db", "bench.db-wal"] {
+        let source = from.join(name);
+        if source.exists() {
+            std::fs::copy(&source, to.join(name))
+                .with_context(|| format!("copy {}", source.display()))?;
+        }
+    }
     Ok(())
 }
 
