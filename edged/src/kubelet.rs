@@ -16,7 +16,7 @@ use axum::routing::{any, get};
 use axum::Router;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::plan::{ContainerPlan, PodPlan};
 use crate::Error;
@@ -74,6 +74,10 @@ impl Registry {
 pub struct Kubelet {
     pub pods: watch::Receiver<Pods>,
     pub exec: bool,
+    /// The followed logs' shared watches.
+    pub logs: crate::logwatch::LogWatcher,
+    /// Ends the log followers when edged stops.
+    pub cancel: CancellationToken,
 }
 
 impl Kubelet {
@@ -194,13 +198,20 @@ async fn container_logs(
     let watch = crate::logs::RunWatch {
         pid_file: plan.pid_path.clone(),
         pod_alive: Box::new(move || pods.borrow().get(&key).is_some_and(|p| p.uid == uid)),
+        watcher: kubelet.logs.clone(),
+        cancel: kubelet.cancel.child_token(),
     };
-    tokio::spawn(crate::logs::stream(
-        plan.log_path.clone(),
-        options,
-        watch,
-        tx,
-    ));
+    let logs = kubelet.logs.clone();
+    let log = plan.log_path.clone();
+    tokio::spawn(async move {
+        crate::logs::stream(log, options, watch, tx).await;
+        let held = logs.stats();
+        debug!(
+            watches = held.watches,
+            subscriptions = held.subscriptions,
+            "log stream ended"
+        );
+    });
     let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
     ([(header::CONTENT_TYPE, "text/plain")], body).into_response()
 }

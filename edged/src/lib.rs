@@ -22,6 +22,7 @@ mod error;
 mod exec;
 mod kubelet;
 mod logs;
+mod logwatch;
 mod message;
 mod metrics;
 mod node;
@@ -131,6 +132,8 @@ pub async fn run(config: EdgedConfig, root: &str, cancel: CancellationToken) -> 
         let api = kubelet::Kubelet {
             pods: registry.reader(),
             exec: config.kubelet.exec,
+            logs: logwatch::LogWatcher::start(kubelet_cancel.child_token()),
+            cancel: kubelet_cancel.clone(),
         };
         let (address, task) =
             kubelet::serve(api, config.kubelet.port, kubelet_cancel.clone()).await?;

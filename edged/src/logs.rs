@@ -12,9 +12,15 @@ use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
 use tokio::io::{AsyncBufReadExt as _, AsyncRead, BufReader};
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 
-/// How often a followed log is looked at for new lines (well under kubectl's 1 s expectation).
-const FOLLOW_POLL: Duration = Duration::from_millis(100);
+use crate::logwatch::{LogWatcher, Wake};
+
+/// A followed log wakes on change (`logwatch.rs`); it is also looked at this often, for what
+/// inotify does not report (a network filesystem, a file replaced behind its directory's back).
+const RECHECK: Duration = Duration::from_secs(1);
+/// How often a followed log is looked at when its directory cannot be watched.
+const UNWATCHED_POLL: Duration = Duration::from_millis(100);
 /// How long after the container exited its last lines may still arrive (`runtime::LOG_DRAIN`).
 const EXIT_DRAIN: Duration = Duration::from_millis(300);
 /// Output is handed to the response in chunks of about this size.
@@ -238,6 +244,10 @@ pub struct RunWatch {
     pub pid_file: PathBuf,
     /// Whether the pod is still on the node.
     pub pod_alive: Box<dyn Fn() -> bool + Send>,
+    /// Wakes the follower when the log or the pid file changes.
+    pub watcher: LogWatcher,
+    /// Ends the follow when edged stops.
+    pub cancel: CancellationToken,
 }
 
 /// Streams the log at `log` per `options` into `tx` until done, the reader goes, or (when
@@ -258,6 +268,12 @@ pub async fn stream(
         done: false,
     };
     let previous = emit.options.previous;
+    // Subscribed before the first read, so a line written meanwhile wakes the follower.
+    let wake = if follow {
+        Some(watch.watcher.subscribe(&[&log, &watch.pid_file]).await)
+    } else {
+        None
+    };
     // The live file is opened first, so a rotation while the older files are read does not
     // lose it.
     let current = if previous {
@@ -316,10 +332,10 @@ pub async fn stream(
     }
     drain_kept(&mut kept, &mut emit).await;
     emit.flush().await;
-    if !follow {
+    let Some(wake) = wake else {
         return;
-    }
-    follow_file(log, reader, current_ino, emit, watch, line).await;
+    };
+    follow_file(log, reader, current_ino, emit, (watch, wake), line).await;
 }
 
 /// Follows the live file past its end until the run ends, moving to the new file on rotation
@@ -329,9 +345,14 @@ async fn follow_file(
     mut reader: BufReader<tokio::fs::File>,
     mut ino: Option<u64>,
     mut emit: Emitter,
-    watch: RunWatch,
+    (watch, mut wake): (RunWatch, Wake),
     mut line: Vec<u8>,
 ) {
+    let recheck = if wake.watched() {
+        RECHECK
+    } else {
+        UNWATCHED_POLL
+    };
     let mut exited_at: Option<tokio::time::Instant> = None;
     loop {
         if emit.done {
@@ -371,14 +392,19 @@ async fn follow_file(
         if !(watch.pod_alive)() {
             return;
         }
+        let mut wait = recheck;
         if tokio::fs::metadata(&watch.pid_file).await.is_err() {
-            match exited_at {
-                Some(at) if at.elapsed() >= EXIT_DRAIN => return,
-                Some(_) => {}
-                None => exited_at = Some(tokio::time::Instant::now()),
+            let at = *exited_at.get_or_insert_with(tokio::time::Instant::now);
+            if at.elapsed() >= EXIT_DRAIN {
+                return;
             }
+            wait = EXIT_DRAIN.saturating_sub(at.elapsed());
         }
-        tokio::time::sleep(FOLLOW_POLL).await;
+        tokio::select! {
+            _ = watch.cancel.cancelled() => return,
+            _ = emit.tx.closed() => return,
+            _ = wake.changed(wait) => {}
+        }
     }
 }
 
@@ -464,6 +490,8 @@ mod tests {
         let watch = RunWatch {
             pid_file: log.with_extension("pid"),
             pod_alive: Box::new(|| true),
+            watcher: LogWatcher::start(CancellationToken::new()),
+            cancel: CancellationToken::new(),
         };
         tokio::spawn(stream(log.to_path_buf(), options, watch, tx));
         let mut out = Vec::new();
@@ -529,6 +557,114 @@ mod tests {
             ..LogOptions::default()
         };
         assert_eq!(read_all(&log, previous).await, "before\n");
+    }
+
+    fn append(path: &Path, text: &str) {
+        use std::io::Write as _;
+        std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(path)
+            .and_then(|mut f| {
+                f.write_all(format!("2026-01-01T00:00:09.000000000Z stdout F {text}\n").as_bytes())
+            })
+            .expect("append");
+    }
+
+    /// A follow of `log` (pid file `<dir>/c.pid`) with its own watcher.
+    fn follow(
+        log: &Path,
+    ) -> (
+        LogWatcher,
+        mpsc::Receiver<Result<Bytes, std::io::Error>>,
+        tokio::task::JoinHandle<()>,
+    ) {
+        let watcher = LogWatcher::start(CancellationToken::new());
+        let (tx, rx) = mpsc::channel(4);
+        let watch = RunWatch {
+            pid_file: log.parent().expect("dir").join("c.pid"),
+            pod_alive: Box::new(|| true),
+            watcher: watcher.clone(),
+            cancel: CancellationToken::new(),
+        };
+        let options = LogOptions {
+            follow: true,
+            ..LogOptions::default()
+        };
+        let task = tokio::spawn(stream(log.to_path_buf(), options, watch, tx));
+        (watcher, rx, task)
+    }
+
+    async fn next(rx: &mut mpsc::Receiver<Result<Bytes, std::io::Error>>) -> Option<String> {
+        let chunk = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .expect("the follower answers within 5 s")?;
+        Some(String::from_utf8(chunk.expect("chunk").to_vec()).expect("utf-8"))
+    }
+
+    async fn ends(task: tokio::task::JoinHandle<()>, watcher: &LogWatcher) {
+        tokio::time::timeout(Duration::from_secs(5), task)
+            .await
+            .expect("the follower ends")
+            .expect("no panic");
+        let gone = async {
+            while watcher.stats() != crate::logwatch::Stats::default() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), gone)
+            .await
+            .unwrap_or_else(|_| panic!("watches left behind: {:?}", watcher.stats()));
+    }
+
+    #[tokio::test]
+    async fn a_follower_sees_new_lines_across_a_rotation_and_ends_when_the_run_moves_to_previous() {
+        let dir = tempfile::tempdir().expect("dir");
+        std::fs::create_dir(dir.path().join("logs")).expect("dir");
+        std::fs::write(dir.path().join("c.pid"), "1 1\n").expect("pid");
+        let log = dir.path().join("logs/c.log");
+        append(&log, "one");
+        let (watcher, mut rx, task) = follow(&log);
+        assert_eq!(next(&mut rx).await.as_deref(), Some("one\n"));
+        append(&log, "two");
+        assert_eq!(next(&mut rx).await.as_deref(), Some("two\n"));
+        // Rotation, as the runtime does it: the file becomes `.1`, a new one takes its name.
+        std::fs::rename(&log, dir.path().join("logs/c.log.1")).expect("rotate");
+        append(&log, "three");
+        assert_eq!(next(&mut rx).await.as_deref(), Some("three\n"));
+        // A new run: this run's file moves to `previous/`, and the follow ends.
+        std::fs::create_dir(dir.path().join("logs/previous")).expect("dir");
+        std::fs::rename(&log, dir.path().join("logs/previous/c.log")).expect("previous");
+        append(&log, "next run");
+        assert_eq!(next(&mut rx).await, None);
+        ends(task, &watcher).await;
+    }
+
+    #[tokio::test]
+    async fn a_follower_ends_with_the_process_and_when_its_client_goes() {
+        let dir = tempfile::tempdir().expect("dir");
+        std::fs::create_dir(dir.path().join("logs")).expect("dir");
+        let pid = dir.path().join("c.pid");
+        std::fs::write(&pid, "1 1\n").expect("pid");
+        let log = dir.path().join("logs/c.log");
+        append(&log, "one");
+
+        // The process exits: what it wrote last still comes, then the follow ends.
+        let (watcher, mut rx, task) = follow(&log);
+        assert_eq!(next(&mut rx).await.as_deref(), Some("one\n"));
+        std::fs::remove_file(&pid).expect("exit");
+        append(&log, "last words");
+        assert_eq!(next(&mut rx).await.as_deref(), Some("last words\n"));
+        assert_eq!(next(&mut rx).await, None);
+        ends(task, &watcher).await;
+
+        // A client that goes while nothing is written: its follower and watch go too.
+        std::fs::write(&pid, "1 1\n").expect("pid");
+        let (watcher, mut rx, task) = follow(&log);
+        assert_eq!(next(&mut rx).await.as_deref(), Some("one\nlast words\n"));
+        assert_ne!(watcher.stats(), crate::logwatch::Stats::default());
+        drop(rx);
+        ends(task, &watcher).await;
     }
 
     #[test]

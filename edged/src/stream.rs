@@ -12,6 +12,7 @@ use std::time::Duration;
 use edgemeta_protocol::stream::{self as wire, Frame, Incoming};
 use rumqttc::{AsyncClient, Event, LastWill, MqttOptions, Packet, QoS};
 use tokio::sync::mpsc;
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -116,10 +117,22 @@ pub async fn run(settings: Settings, kubelet: SocketAddr, cancel: CancellationTo
     let down_filter = format!("{}/{}/stream/down/+", settings.root, settings.node);
     let controllers_filter = wire::controller_state_topic(&settings.root, "+");
     let mut streams: HashMap<String, Open> = HashMap::new();
+    // Each stream's task, returning its id: an ended stream leaves the table at the next event
+    // (a frame sent, a ping at the latest), and every task is aborted when the link stops.
+    let mut tasks: JoinSet<String> = JoinSet::new();
     let mut backoff =
         edgemeta_protocol::Backoff::new(settings.reconnect_min, settings.reconnect_max);
     let mut session = CancellationToken::new();
     loop {
+        while let Some(ended) = tasks.try_join_next() {
+            if let Ok(id) = ended {
+                // Not a newer stream that reused the id while this one was ending.
+                if streams.get(&id).is_some_and(|open| open.tx.is_closed()) {
+                    streams.remove(&id);
+                }
+            }
+        }
+        // `poll` is not cancel-safe: nothing but the link's own end may interrupt it.
         let event = tokio::select! {
             _ = cancel.cancelled() => break,
             event = eventloop.poll() => event,
@@ -133,7 +146,6 @@ pub async fn run(settings: Settings, kubelet: SocketAddr, cancel: CancellationTo
                 let _ = client.try_publish(state.clone(), QoS::AtLeastOnce, true, "online");
             }
             Ok(Event::Incoming(Packet::Publish(publish))) => {
-                streams.retain(|_, open| !open.tx.is_closed());
                 if let Some(id) = wire::parse_down(&settings.root, &settings.node, &publish.topic) {
                     let frame = match Frame::decode(&publish.payload) {
                         Ok(frame) => frame,
@@ -178,7 +190,7 @@ pub async fn run(settings: Settings, kubelet: SocketAddr, cancel: CancellationTo
                                     controller: controller.to_owned(),
                                 },
                             );
-                            tokio::spawn(serve_stream(
+                            tasks.spawn(serve_stream(
                                 id,
                                 up,
                                 rx,
@@ -234,6 +246,7 @@ pub async fn run(settings: Settings, kubelet: SocketAddr, cancel: CancellationTo
         }
     }
     session.cancel();
+    tasks.abort_all();
     let _ = client.try_publish(state, QoS::AtLeastOnce, true, "offline");
     let _ = client.try_disconnect();
     let _ = tokio::time::timeout(Duration::from_millis(300), async {
@@ -250,7 +263,7 @@ async fn serve_stream(
     kubelet: SocketAddr,
     window: u32,
     session: CancellationToken,
-) {
+) -> String {
     use wire::Publisher as _;
     let socket = match tokio::time::timeout(
         CONNECT_TIMEOUT,
@@ -263,18 +276,18 @@ async fn serve_stream(
             let _ = up
                 .publish(Frame::Close(&format!("kubelet API unreachable: {e}")).encode())
                 .await;
-            return;
+            return id;
         }
         Err(_) => {
             let _ = up
                 .publish(Frame::Close("kubelet API unreachable: timed out").encode())
                 .await;
-            return;
+            return id;
         }
     };
     // The controller waits for this before it sends the request: the stream is up.
     if !up.publish(Frame::Credit(0).encode()).await {
-        return;
+        return id;
     }
     debug!(stream = %id, "stream opened");
     tokio::select! {
@@ -285,4 +298,5 @@ async fn serve_stream(
             }
         }
     }
+    id
 }
