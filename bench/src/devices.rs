@@ -473,6 +473,7 @@ fn node_log_tail(node: &Server) -> String {
 /// the CPU per report of the broker (and responder) and of the load generator, and the RSS.
 pub async fn many(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     let load = DeviceLoad::many(args);
+    super::connections::bench_files(load.connections, "the one-connection-each devices row")?;
     let ids = ids(load);
     let dir = tempfile::tempdir()?;
     let Pair {
