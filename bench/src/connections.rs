@@ -71,7 +71,7 @@ pub async fn connections(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()>
         .connection_count
         .unwrap_or(if args.quick { 200 } else { 10_000 })
         .max(1);
-    bench_files(n)?;
+    bench_files(n, "the connections row")?;
     let asked = n;
     let dir = tempfile::tempdir()?;
     let (side, n, em) = match (&args.connection_target, args.connection_pid) {
@@ -467,8 +467,9 @@ async fn read_packet<R: AsyncRead + Unpin>(
     }
 }
 
-/// Fails unless this process may open a socket for each of `n` clients and some more.
-fn bench_files(n: usize) -> anyhow::Result<()> {
+/// Fails unless this process may open a socket for each of `n` clients and some more; `row`
+/// names who needs them.
+pub(super) fn bench_files(n: usize, row: &str) -> anyhow::Result<()> {
     let limits = std::fs::read_to_string("/proc/self/limits")?;
     let soft = limits
         .lines()
@@ -477,7 +478,7 @@ fn bench_files(n: usize) -> anyhow::Result<()> {
         .context("open-files limit in /proc/self/limits")?;
     let needed = (n + 256) as u64;
     if soft != "unlimited" && soft.parse::<u64>()? < needed {
-        bail!("the connections row opens {n} sockets: raise `ulimit -n` to at least {needed} (it is {soft}; scripts/bench raises it to the hard limit)");
+        bail!("{row} opens {n} sockets: raise `ulimit -n` to at least {needed} (it is {soft}; scripts/bench raises it to the hard limit)");
     }
     Ok(())
 }

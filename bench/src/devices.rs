@@ -4,18 +4,18 @@
 //! mosquitto with a pass-through responder (a separate process) that republishes each update to
 //! its result topic.
 
-use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context as _};
-use rumqttc::{AsyncClient, QoS};
+use rumqttc::QoS;
 use serde_json::json;
 use tokio::io::AsyncBufReadExt as _;
 
 use super::cloud::Cloud;
 use super::devices_dmi;
-use super::schedule::{report_value, WARM_UP};
-use super::{client, cpu_of, rss_of, subscribe, Args, Inbox, Row, Server, PUBACK, SUBACK};
+use super::mappers::{Mapper, MapperOutcome};
+use super::schedule::WARM_UP;
+use super::{client, cpu_of, rss_of, subscribe, Args, Row, Server};
 
 /// How many devices report, for how long, over how many MQTT connections.
 #[derive(Clone, Copy)]
@@ -46,6 +46,38 @@ impl DeviceLoad {
     }
 }
 
+impl DeviceLoad {
+    /// The one-connection-each row: 10,000 devices for 60 s, each on its own connection
+    /// (`--quick`: 50 for 3 s); `--device-count`, `--device-seconds` and
+    /// `--device-connections` apply to it under `--devices-many`.
+    pub fn many(args: &Args) -> DeviceLoad {
+        let (devices, seconds) = if args.quick {
+            (50, 3)
+        } else {
+            (MANY_DEVICES, 60)
+        };
+        let overrides = args.devices_many;
+        let devices = if overrides { args.device_count } else { None }
+            .unwrap_or(devices)
+            .max(1);
+        let connections = if overrides {
+            args.device_connections
+        } else {
+            None
+        };
+        DeviceLoad {
+            devices,
+            seconds: if overrides { args.device_seconds } else { None }
+                .unwrap_or(seconds)
+                .max(1),
+            connections: connections.unwrap_or(devices).clamp(1, devices),
+        }
+    }
+}
+
+/// Devices in the full run's one-connection-each row.
+const MANY_DEVICES: usize = 10_000;
+
 /// The node's id in `$hw/events/node/<node>/...`: `cloud.node_id`'s default.
 const NODE: &str = "edge-node";
 /// Devices per membership message from the (simulated) cloud.
@@ -69,6 +101,12 @@ struct Outcome {
     rate: f64,
     /// Largest delay of a publish behind its schedule (the load generator's own lag), µs.
     late_max: u64,
+    /// CPU used from just before the first report to the last result (the connects and
+    /// subscribes before it left out): the bench process (the load generator), the broker, and
+    /// the helper beside it (the responder), if any.
+    generator_cpu: Duration,
+    broker_cpu: Duration,
+    helper_cpu: Duration,
     /// Per second of the run, the results that took longer than `SLOW`.
     slow: Vec<usize>,
     /// Report → result, µs, by minute of the run (when the report was scheduled).
@@ -86,6 +124,25 @@ impl Outcome {
     /// p50, p99 and max of the latencies, µs.
     fn percentiles(&self) -> (u64, u64, u64) {
         percentiles(&self.samples)
+    }
+
+    /// The broker's CPU µs per report sent, over the load.
+    fn cpu(&self) -> f64 {
+        self.per_report(self.broker_cpu)
+    }
+
+    /// The helper's (responder's) CPU µs per report sent, over the load.
+    fn helper_cpu(&self) -> f64 {
+        self.per_report(self.helper_cpu)
+    }
+
+    /// The load generator's CPU µs per report sent.
+    fn generator_cpu(&self) -> f64 {
+        self.per_report(self.generator_cpu)
+    }
+
+    fn per_report(&self, cpu: Duration) -> f64 {
+        cpu.as_secs_f64() * 1e6 / self.sent.max(1) as f64
     }
 }
 
@@ -108,70 +165,13 @@ pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     let ids = ids(load);
 
     let dir = tempfile::tempdir()?;
-    // The reference first: the devices and schedule edgemeta gets below, each report answered
-    // by the responder with its own payload. mosquitto sets TCP_NODELAY, as edgemeta's accept
-    // loop does: with Nagle on (its default) each result waits for the delayed ACK of the PUBACK
-    // sent just before it on the same connection (p50 ~42 ms here, `--device-nagle`).
-    let nodelay = if args.device_nagle {
-        ""
-    } else {
-        "set_tcp_nodelay true\n"
-    };
-    let mosquitto = Server::mosquitto_with(
-        &args.mosquitto,
-        dir.path(),
-        "mosquitto",
-        super::free_port()?,
-        nodelay,
-    )
-    .await?;
-    let responder = Responder::start(mosquitto.port).await?;
-    let (before, before_responder) = (mosquitto.cpu()?, responder.cpu()?);
-    let mq_rss_before = mosquitto.rss_kib()?;
-    let sampler = rss_sampler(mosquitto.pid(), "mosquitto", !args.quick);
-    let watched = Watched {
-        broker: mosquitto.pid(),
-        helper: Some(responder.pid()?),
-    };
-    let mq = run_load(mosquitto.port, &ids, load, "mosquitto", watched).await?;
-    sampler.abort();
-    let per_report = |d: Duration| d.as_secs_f64() * 1e6 / mq.sent as f64;
-    let mq_cpu = per_report(mosquitto.cpu()? - before);
-    let responder_cpu = per_report(responder.cpu()? - before_responder);
-    let mq_rss = mosquitto.rss_kib()?;
-    drop(responder);
-    drop(mosquitto);
-    progress("mosquitto", &mq);
-
-    // edgemeta: the cloud's membership message adds the devices, then they report.
-    let node = Server::edgemeta(&args.edgemeta, dir.path()).await?;
-    add_devices(node.port, &ids).await?;
-    let before = node.cpu()?;
-    let em_rss_before = node.rss_kib()?;
-    let commits_before = commits(&node).await;
-    let sampler = rss_sampler(node.pid(), "edgemeta", !args.quick);
-    let watched = Watched {
-        broker: node.pid(),
-        helper: None,
-    };
-    let em = run_load(node.port, &ids, load, "edgemeta", watched).await?;
-    sampler.abort();
-    let commits_after = commits(&node).await;
-    let em_cpu = (node.cpu()? - before).as_secs_f64() * 1e6 / em.sent as f64;
-    let em_rss = node.rss_kib()?;
-    drop(node);
-    progress("edgemeta", &em);
-    if let (Some(before), Some(after)) = (commits_before, commits_after) {
-        let d = |i: usize| after[i] - before[i];
-        eprintln!(
-            "devices on edgemeta: {:.0} store commits during the load, {:.0} over 10 ms, {:.0} over 100 ms (edgemeta_store_commit_seconds); outbox {:.0} → {:.0} entries (no cloud configured)",
-            d(0),
-            d(0) - d(1),
-            d(0) - d(2),
-            before[3],
-            after[3]
-        );
-    }
+    let Pair {
+        mq,
+        em,
+        mq_rss: (mq_rss_before, mq_rss),
+        em_rss: (em_rss_before, em_rss),
+    } = pair(args, load, &ids, dir.path()).await?;
+    let (em_cpu, mq_cpu, responder_cpu) = (em.cpu(), mq.cpu(), mq.helper_cpu());
 
     // The same devices as Device objects in Kubernetes, which the controller brings through a
     // cloud broker to a fresh node serving DMI; one gRPC mapper registers and reports them.
@@ -351,6 +351,195 @@ pub async fn devices(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// One device load against both sides, each measured alone: mosquitto with the pass-through
+/// responder, then a fresh node.
+struct Pair {
+    mq: Outcome,
+    em: Outcome,
+    /// VmRSS (KiB) before the devices connect and right after their load.
+    mq_rss: (u64, u64),
+    em_rss: (u64, u64),
+}
+
+/// Connections a node admits beyond the devices': the membership publisher, the readiness
+/// probes and the node's in-process links, which count against `broker.max_connections`
+/// (default 10,000: one connection per device at 10,000 devices needs more).
+const SPARE_CONNECTIONS: usize = 64;
+
+/// A node for `load`: its defaults, but admitting a connection per device and the spare ones.
+async fn device_node(
+    binary: &std::path::Path,
+    dir: &std::path::Path,
+    load: DeviceLoad,
+) -> anyhow::Result<Server> {
+    let admit = (load.connections + SPARE_CONNECTIONS).max(10_000);
+    Server::edgemeta_broker(binary, dir, &format!("  max_connections: {admit}\n"), "").await
+}
+
+/// `load` on `ids` against mosquitto with the responder, then against a node that the
+/// cloud's membership message told of the devices; both sides' progress on stderr.
+async fn pair(
+    args: &Args,
+    load: DeviceLoad,
+    ids: &[String],
+    dir: &std::path::Path,
+) -> anyhow::Result<Pair> {
+    // The reference first: the devices and schedule edgemeta gets below, each report answered
+    // by the responder with its own payload. mosquitto sets TCP_NODELAY, as edgemeta's accept
+    // loop does: with Nagle on (its default) each result waits for the delayed ACK of the PUBACK
+    // sent just before it on the same connection (p50 ~42 ms here, `--device-nagle`).
+    let nodelay = if args.device_nagle {
+        ""
+    } else {
+        "set_tcp_nodelay true\n"
+    };
+    let mosquitto = Server::mosquitto_with(
+        &args.mosquitto,
+        dir,
+        "mosquitto",
+        super::free_port()?,
+        nodelay,
+    )
+    .await?;
+    let responder = Responder::start(mosquitto.port).await?;
+    let mq_rss_before = mosquitto.rss_kib()?;
+    let sampler = rss_sampler(mosquitto.pid(), "mosquitto", !args.quick);
+    let watched = Watched {
+        broker: mosquitto.pid(),
+        helper: Some(responder.pid()?),
+    };
+    let mq = run_load(mosquitto.port, ids, load, "mosquitto", watched).await?;
+    sampler.abort();
+    let mq_rss = mosquitto.rss_kib()?;
+    drop(responder);
+    drop(mosquitto);
+    progress("mosquitto", &mq);
+
+    // edgemeta: the cloud's membership message adds the devices, then they report.
+    let node = device_node(&args.edgemeta, dir, load).await?;
+    add_devices(node.port, ids).await?;
+    let em_rss_before = node.rss_kib()?;
+    let commits_before = commits(&node).await;
+    let sampler = rss_sampler(node.pid(), "edgemeta", !args.quick);
+    let watched = Watched {
+        broker: node.pid(),
+        helper: None,
+    };
+    let em = run_load(node.port, ids, load, "edgemeta", watched).await;
+    sampler.abort();
+    let em = match em {
+        Ok(em) => em,
+        Err(e) => {
+            let tail = node_log_tail(&node);
+            return Err(e.context(format!("the node's last log lines:\n{tail}")));
+        }
+    };
+    let commits_after = commits(&node).await;
+    let em_rss = node.rss_kib()?;
+    drop(node);
+    progress("edgemeta", &em);
+    if let (Some(before), Some(after)) = (commits_before, commits_after) {
+        let d = |i: usize| after[i] - before[i];
+        eprintln!(
+            "devices on edgemeta: {:.0} store commits during the load, {:.0} over 10 ms, {:.0} over 100 ms (edgemeta_store_commit_seconds); outbox {:.0} → {:.0} entries (no cloud configured)",
+            d(0),
+            d(0) - d(1),
+            d(0) - d(2),
+            before[3],
+            after[3]
+        );
+    }
+    Ok(Pair {
+        mq,
+        em,
+        mq_rss: (mq_rss_before, mq_rss),
+        em_rss: (em_rss_before, em_rss),
+    })
+}
+
+/// The last lines of the node's log of this run, newest last.
+fn node_log_tail(node: &Server) -> String {
+    let Some((path, start)) = &node.log else {
+        return String::new();
+    };
+    let log = std::fs::read(path).unwrap_or_default();
+    let ours = String::from_utf8_lossy(log.get(*start as usize..).unwrap_or_default()).into_owned();
+    let lines: Vec<&str> = ours.lines().collect();
+    lines[lines.len().saturating_sub(10)..].join("\n")
+}
+
+/// The one-connection-each row ([`DeviceLoad::many`]): the same MQTT device load as
+/// [`devices`] against a node and against mosquitto with the responder, no DMI half; per side
+/// the CPU per report of the broker (and responder) and of the load generator, and the RSS.
+pub async fn many(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+    let load = DeviceLoad::many(args);
+    super::connections::bench_files(load.connections, "the one-connection-each devices row")?;
+    let ids = ids(load);
+    let dir = tempfile::tempdir()?;
+    let Pair {
+        mq,
+        em,
+        mq_rss,
+        em_rss,
+    } = pair(args, load, &ids, dir.path()).await?;
+    let mb = |kib: u64| kib as f64 / 1024.0;
+    let side = |o: &Outcome, cpu: String, rss: (u64, u64)| {
+        let (p50, p99, max) = o.percentiles();
+        format!(
+            "{p50} / {p99} / {max}; {:.0}; {}; {cpu}; {:.1} → {:.1} MB (load generator {:.0} µs per report)",
+            o.rate,
+            o.lost,
+            mb(rss.0),
+            mb(rss.1),
+            o.generator_cpu()
+        )
+    };
+    let errors = if em.errors > 0 {
+        format!(" ({} error results)", em.errors)
+    } else {
+        String::new()
+    };
+    let (_, p99, _) = em.percentiles();
+    let met = em.cpu() <= 100.0
+        && p99 <= 5_000
+        && em.lost == 0
+        && em.errors == 0
+        && mb(em_rss.1) <= 150.0;
+    rows.push(Row {
+        name: format!(
+            "devices, one connection each: {} devices × 1 twin report/s for {} s ({} connections, QoS 1): report → result p50 / p99 / max (µs); results/s; lost; CPU µs per report over the load; RSS before the devices connect → after their load",
+            load.devices, load.seconds, load.connections
+        ),
+        edgemeta: format!("{}{errors}", side(&em, format!("{:.0}", em.cpu()), em_rss)),
+        mosquitto: side(
+            &mq,
+            format!("{:.0} + {:.0} responder (pass-through)", mq.cpu(), mq.helper_cpu()),
+            mq_rss,
+        ),
+        target: "≤ 100 µs per report (≤ 1 core at 10,000), p99 ≤ 5 ms, RSS ≤ 150 MB, 0 lost".into(),
+        verdict: verdict_many(met, &em, &mq),
+    });
+    if em.errors > 0 {
+        bail!(
+            "edgemeta answered {} device twin reports with an error result",
+            em.errors
+        );
+    }
+    Ok(())
+}
+
+/// The one-connection-each row's verdict: met or not, and the two sides' p99.
+fn verdict_many(met: bool, em: &Outcome, mq: &Outcome) -> String {
+    super::verdict(
+        met,
+        &format!(
+            "p99 {:.1} vs {:.1} ms",
+            em.percentiles().1 as f64 / 1e3,
+            mq.percentiles().1 as f64 / 1e3
+        ),
+    )
+}
+
 /// `--devices --devices-baseline OLD`: the same device load against two edgemeta builds,
 /// alternated round by round in the same minutes; each round's figures on stderr, per build the
 /// medians of p50, p99 and CPU per report, and the median of the rounds' ratios of each.
@@ -368,16 +557,15 @@ pub async fn compare(
         let order = [[0, 1], [1, 0]][round % 2];
         for b in order {
             let dir = tempfile::tempdir()?;
-            let node = Server::edgemeta(builds[b], dir.path()).await?;
+            let node = device_node(builds[b], dir.path(), load).await?;
             add_devices(node.port, &ids).await?;
-            let before = node.cpu()?;
             let watched = Watched {
                 broker: node.pid(),
                 helper: None,
             };
             let side = if b == 0 { "edgemeta" } else { "baseline" };
             let o = run_load(node.port, &ids, load, side, watched).await?;
-            let cpu = (node.cpu()? - before).as_secs_f64() * 1e6 / o.sent as f64;
+            let cpu = o.cpu();
             if o.errors > 0 || o.lost > 0 {
                 bail!("{side}: {} error results, {} lost", o.errors, o.lost);
             }
@@ -483,12 +671,19 @@ fn progress(side: &str, o: &Outcome) {
     let (p50, p99, max) = o.percentiles();
     let (_, steady_p99, _) = percentiles(&o.steady);
     eprintln!(
-        "devices on {side}: {} reports sent, {} answered, {} error results, {} lost; p50 / p99 / max {p50} / {p99} / {max} µs (p99 from {WARM_UP} s on: {steady_p99} µs), {:.0} results/s; the load generator was at most {} µs behind its schedule",
+        "devices on {side}: {} reports sent, {} answered, {} error results, {} lost; p50 / p99 / max {p50} / {p99} / {max} µs (p99 from {WARM_UP} s on: {steady_p99} µs), {:.0} results/s; CPU µs per report: {side} {:.0}{}, the load generator {:.1} (at most {} µs behind its schedule)",
         o.sent,
         o.samples.len(),
         o.errors,
         o.lost,
         o.rate,
+        o.cpu(),
+        if o.helper_cpu.is_zero() {
+            String::new()
+        } else {
+            format!(", the responder {:.0}", o.helper_cpu())
+        },
+        o.generator_cpu(),
         o.late_max
     );
     let slow: Vec<String> = o
@@ -634,77 +829,39 @@ async fn run_load(
     side: &str,
     watched: Watched,
 ) -> anyhow::Result<Outcome> {
-    let mut connections = Vec::new();
-    for c in 0..load.connections {
-        let (client, mut rx) = super::client(port, "mapper").await?;
-        let own: Vec<(usize, String)> = (c..ids.len())
-            .step_by(load.connections)
-            .map(|j| (j, ids[j].clone()))
-            .collect();
-        let filters = own
-            .iter()
-            .map(|(_, id)| rumqttc::SubscribeFilter::new(result_topic(id), QoS::AtLeastOnce));
-        client.subscribe_many(filters).await?;
-        loop {
-            let (topic, _) = tokio::time::timeout(Duration::from_secs(10), rx.recv())
-                .await
-                .context("device SUBACK")?
-                .context("connection gone")?;
-            if topic == SUBACK {
-                break;
-            }
-        }
-        connections.push((client, rx, own));
-    }
-    // One round trip first, outside the measurement: the path works end to end.
-    {
-        let (client, rx, own) = &mut connections[0];
-        let (j, id) = &own[0];
-        let event_id = format!("{id}-probe");
-        client
-            .publish(
-                update_topic(id),
-                QoS::AtLeastOnce,
-                false,
-                report(&event_id, *j),
-            )
-            .await?;
-        let started = Instant::now();
-        loop {
-            let left = Duration::from_secs(10).saturating_sub(started.elapsed());
-            let Ok(got) = tokio::time::timeout(left, rx.recv()).await else {
-                bail!("{side}: no {} within 10 s", result_topic(id));
-            };
-            let (topic, payload) = got.context("connection gone")?;
-            if topic == result_topic(id) {
-                let body: serde_json::Value = serde_json::from_slice(&payload)?;
-                if body.get("code").is_some() {
-                    bail!(
-                        "{side}: the probe report was answered with an error: {}",
-                        String::from_utf8_lossy(&payload)
-                    );
-                }
-                break;
-            }
-        }
-    }
-
+    // The mappers run on a single-threaded runtime of their own, on a thread of its own: no
+    // wake-ups handed between worker threads, and at most one core of the two.
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+    let generator = {
+        let (ids, side) = (ids.to_vec(), side.to_owned());
+        std::thread::Builder::new().name("mappers".into()).spawn(
+            move || -> anyhow::Result<Vec<anyhow::Result<MapperOutcome>>> {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()?
+                    .block_on(mappers(port, ids, load, side, started_tx))
+            },
+        )?
+    };
     let n = ids.len();
-    let start = tokio::time::Instant::now() + Duration::from_millis(100);
+    let Ok(start) = started_rx.await else {
+        let failed = tokio::task::spawn_blocking(move || generator.join())
+            .await?
+            .map_err(|_| anyhow::anyhow!("the mappers' thread panicked"))?;
+        return Err(failed
+            .err()
+            .unwrap_or_else(|| anyhow::anyhow!("the mappers stopped before the load")));
+    };
     let sampler = tokio::spawn(Course::sample(start, load.seconds, watched));
-    let mut tasks = Vec::new();
-    for (client, rx, own) in connections {
-        let mut schedule = Vec::with_capacity(own.len() * load.seconds as usize);
-        for k in 0..load.seconds {
-            for (j, id) in &own {
-                let at = start
-                    + Duration::from_secs(k)
-                    + Duration::from_nanos(*j as u64 * 1_000_000_000 / n as u64);
-                schedule.push((at, *j, id.clone(), k));
-            }
-        }
-        tasks.push(tokio::spawn(connection(client, rx, schedule)));
-    }
+    let helper_cpu = |w: Watched| w.helper.map_or(Ok(Duration::ZERO), cpu_of);
+    let cpu_before = (
+        cpu_of(std::process::id())?,
+        cpu_of(watched.broker)?,
+        helper_cpu(watched)?,
+    );
+    let results = tokio::task::spawn_blocking(move || generator.join())
+        .await?
+        .map_err(|_| anyhow::anyhow!("the mappers' thread panicked"))??;
     let mut outcome = Outcome {
         samples: Vec::with_capacity(n * load.seconds as usize),
         steady: Vec::with_capacity(n * load.seconds as usize),
@@ -713,126 +870,103 @@ async fn run_load(
         errors: 0,
         rate: 0.0,
         late_max: 0,
+        generator_cpu: Duration::ZERO,
+        broker_cpu: Duration::ZERO,
+        helper_cpu: Duration::ZERO,
         slow: vec![0; load.seconds as usize],
         minutes: vec![Vec::new(); load.seconds.div_ceil(60) as usize],
         seconds: vec![Vec::new(); load.seconds as usize],
         course: Course::default(),
     };
     let mut last = start;
-    for task in tasks {
-        let c = task.await??;
-        outcome.samples.extend(c.samples);
-        outcome.steady.extend(c.steady);
+    let mut first_error = None;
+    for result in results {
+        let c = match result {
+            Ok(c) => c,
+            Err(e) => {
+                first_error.get_or_insert(e);
+                continue;
+            }
+        };
         outcome.sent += c.sent;
         outcome.lost += c.lost;
         outcome.errors += c.errors;
         outcome.late_max = outcome.late_max.max(c.late_max);
-        for (second, n) in c.slow {
-            outcome.slow[second as usize] += n;
-        }
-        for (minute, took) in c.minutes {
-            outcome.minutes[minute as usize].extend(took);
-        }
-        for (second, took) in c.seconds {
-            outcome.seconds[second as usize].extend(took);
+        for (second, took) in c.results {
+            outcome.samples.push(took);
+            if second >= WARM_UP {
+                outcome.steady.push(took);
+            }
+            if took > SLOW.as_micros() as u64 {
+                outcome.slow[second as usize] += 1;
+            }
+            outcome.minutes[(second / 60) as usize].push(took);
+            outcome.seconds[second as usize].push(took);
         }
         last = last.max(c.last_result);
+    }
+    outcome.generator_cpu = cpu_of(std::process::id())?.saturating_sub(cpu_before.0);
+    outcome.broker_cpu = cpu_of(watched.broker)?.saturating_sub(cpu_before.1);
+    outcome.helper_cpu = helper_cpu(watched)?.saturating_sub(cpu_before.2);
+    if let Some(e) = first_error {
+        return Err(e.context(format!("{side}: a device connection failed")));
     }
     outcome.course = sampler.await?;
     outcome.rate = outcome.samples.len() as f64 / (last - start).as_secs_f64().max(1e-6);
     Ok(outcome)
 }
 
-/// What one connection saw.
-struct ConnectionOutcome {
-    samples: Vec<u64>,
-    steady: Vec<u64>,
-    sent: usize,
-    lost: usize,
-    errors: usize,
-    late_max: u64,
-    /// (second of the run, results later than `SLOW`).
-    slow: HashMap<u64, usize>,
-    /// (minute of the run, report → result µs).
-    minutes: HashMap<u64, Vec<u64>>,
-    /// (second of the run, report → result µs).
-    seconds: HashMap<u64, Vec<u64>>,
-    last_result: tokio::time::Instant,
-}
-
-/// Publishes `schedule` (time, device index, id, second) on one connection and collects the
-/// results, until all are answered or `GRACE` after the last publish.
-async fn connection(
-    client: AsyncClient,
-    mut rx: Inbox,
-    schedule: Vec<(tokio::time::Instant, usize, String, u64)>,
-) -> anyhow::Result<ConnectionOutcome> {
-    let mut pending: HashMap<String, (Instant, u64)> = HashMap::new();
-    let mut out = ConnectionOutcome {
-        samples: Vec::with_capacity(schedule.len()),
-        steady: Vec::with_capacity(schedule.len()),
-        sent: 0,
-        lost: 0,
-        errors: 0,
-        late_max: 0,
-        slow: HashMap::new(),
-        minutes: HashMap::new(),
-        seconds: HashMap::new(),
-        last_result: tokio::time::Instant::now(),
-    };
-    let mut next = 0;
-    let mut give_up = None;
-    loop {
-        let wake = match schedule.get(next) {
-            Some((at, ..)) => *at,
-            None => *give_up.get_or_insert_with(|| tokio::time::Instant::now() + GRACE),
-        };
-        tokio::select! {
-            biased;
-            got = rx.recv() => {
-                let Some((topic, payload)) = got else { bail!("device connection gone") };
-                if topic == PUBACK || topic == SUBACK {
-                    continue;
-                }
-                let arrived = Instant::now();
-                let body: serde_json::Value = serde_json::from_slice(&payload)?;
-                let Some((sent, second)) = body["event_id"].as_str().and_then(|e| pending.remove(e)) else {
-                    continue; // a duplicate, or the probe's
-                };
-                if body.get("code").is_some() {
-                    out.errors += 1;
-                } else {
-                    let took = arrived - sent;
-                    out.samples.push(took.as_micros() as u64);
-                    if second >= WARM_UP {
-                        out.steady.push(took.as_micros() as u64);
-                    }
-                    if took > SLOW {
-                        *out.slow.entry(second).or_default() += 1;
-                    }
-                    out.minutes.entry(second / 60).or_default().push(took.as_micros() as u64);
-                    out.seconds.entry(second).or_default().push(took.as_micros() as u64);
-                }
-                out.last_result = tokio::time::Instant::now();
-                if next == schedule.len() && pending.is_empty() {
-                    break;
-                }
-            }
-            () = tokio::time::sleep_until(wake) => {
-                let Some((at, j, id, k)) = schedule.get(next) else { break };
-                next += 1;
-                out.late_max = out.late_max.max(at.elapsed().as_micros() as u64);
-                let event_id = format!("{id}-{k}");
-                let payload = report(&event_id, j + *k as usize);
-                pending.insert(event_id, (Instant::now(), *k));
-                client.publish(update_topic(id), QoS::AtLeastOnce, false, payload).await?;
-                out.sent += 1;
-            }
-        }
+/// The mappers of [`run_load`]: connects and subscribes them, one after another, sends the
+/// probe, tells `started` when the load starts and runs it; each connection's outcome.
+async fn mappers(
+    port: u16,
+    ids: Vec<String>,
+    load: DeviceLoad,
+    side: String,
+    started: tokio::sync::oneshot::Sender<tokio::time::Instant>,
+) -> anyhow::Result<Vec<anyhow::Result<MapperOutcome>>> {
+    let connecting = Instant::now();
+    let mut connections = Vec::with_capacity(load.connections);
+    for c in 0..load.connections {
+        let own: Vec<(usize, String)> = (c..ids.len())
+            .step_by(load.connections)
+            .map(|j| (j, ids[j].clone()))
+            .collect();
+        let client_id = format!("mapper-{c}-{}", uuid::Uuid::new_v4().simple());
+        let mapper = Mapper::connect(port, &client_id, own)
+            .await
+            .with_context(|| {
+                format!(
+                    "{side}: device connection {} of {} (after {c} connected)",
+                    c + 1,
+                    load.connections
+                )
+            })?;
+        connections.push(mapper);
     }
-    out.lost = pending.len();
-    let _ = client.disconnect().await;
-    Ok(out)
+    if load.connections >= 1_000 {
+        eprintln!(
+            "devices on {side}: {} connections connected and subscribed in {:.1} s",
+            load.connections,
+            connecting.elapsed().as_secs_f64()
+        );
+    }
+    // One round trip first, outside the measurement: the path works end to end.
+    connections[0]
+        .probe()
+        .await
+        .with_context(|| format!("{side}: the probe report"))?;
+    let start = tokio::time::Instant::now() + Duration::from_millis(100);
+    let _ = started.send(start);
+    let tasks: Vec<_> = connections
+        .into_iter()
+        .map(|mapper| tokio::spawn(mapper.run(start, load.seconds, ids.len(), GRACE)))
+        .collect();
+    let mut outcomes = Vec::with_capacity(tasks.len());
+    for task in tasks {
+        outcomes.push(task.await.map_err(anyhow::Error::from).and_then(|r| r));
+    }
+    Ok(outcomes)
 }
 
 /// The processes a side's course follows: the broker (RSS and CPU) and the pass-through
@@ -908,28 +1042,8 @@ fn course_csv(csv: &mut String, side: &str, o: &Outcome, devices: usize) {
     }
 }
 
-fn update_topic(id: &str) -> String {
-    format!("$hw/events/device/{id}/twin/update")
-}
-
-fn result_topic(id: &str) -> String {
-    format!("$hw/events/device/{id}/twin/update/result")
-}
-
-/// A mapper's twin report: an actual temperature that changes every second.
-fn report(event_id: &str, n: usize) -> String {
-    json!({
-        "event_id": event_id,
-        "timestamp": now_ms(),
-        "twin": {"temperature": {
-            "actual": {"value": report_value(n)},
-            "metadata": {"type": "int"},
-        }},
-    })
-    .to_string()
-}
-
-fn now_ms() -> u64 {
+/// Wall-clock milliseconds, as mappers put in `timestamp`.
+pub(super) fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
@@ -960,28 +1074,7 @@ impl Responder {
         Ok(Responder(child))
     }
 
-    fn cpu(&self) -> anyhow::Result<Duration> {
-        cpu_of(self.pid()?)
-    }
-
     fn pid(&self) -> anyhow::Result<u32> {
         self.0.id().context("responder gone")
     }
-}
-
-/// `--device-responder PORT`: subscribes to every device's twin update and republishes each
-/// payload unchanged on its `/result` topic (mosquitto delivers `$hw/...` to explicit `$hw`
-/// filters); prints `ready` once subscribed.
-pub async fn responder(port: u16) -> anyhow::Result<()> {
-    let (c, mut rx) = client(port, "responder").await?;
-    subscribe(&c, &mut rx, "$hw/events/device/+/twin/update").await?;
-    println!("ready");
-    while let Some((topic, payload)) = rx.recv().await {
-        if topic == PUBACK || topic == SUBACK {
-            continue;
-        }
-        c.publish(format!("{topic}/result"), QoS::AtLeastOnce, false, payload)
-            .await?;
-    }
-    Ok(())
 }
