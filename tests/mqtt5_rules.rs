@@ -233,6 +233,32 @@ async fn an_unsupported_protocol_level_is_answered_then_closed() {
     }
 }
 
+/// §3.1.4 (3.1.1 and 5): a client may send packets right behind its CONNECT, before the
+/// CONNACK; sent in one write with it, they are answered, in order, with nothing else sent.
+#[tokio::test(flavor = "multi_thread")]
+async fn packets_sent_in_the_same_write_as_the_connect_are_answered() {
+    let node = Node::start().await;
+    for v5 in [false, true] {
+        let properties = if v5 { props(&[]) } else { Vec::new() };
+        let mut bytes = connect(v5, &format!("eager{v5}"), &properties);
+        bytes.extend_from_slice(&subscribe(v5, 7, b"eager/#"));
+        bytes.extend_from_slice(&publish(v5, b"eager/t", 0, b"hello"));
+        let mut raw = Raw::open(node.port).await;
+        raw.send(&bytes).await;
+        let connack = raw.next().await.expect("CONNACK");
+        assert_eq!(connack.kind(), 2, "{connack:?}");
+        let suback = raw.next().await.expect("SUBACK");
+        assert_eq!(suback.kind(), 9, "v5 {v5}: {suback:?}");
+        assert_eq!(&suback.body[..2], &[0, 7], "its packet id");
+        let delivered = raw
+            .next()
+            .await
+            .expect("the publish, to its own subscription");
+        assert_eq!(delivered.kind(), 3, "v5 {v5}: {delivered:?}");
+        assert!(delivered.body.ends_with(b"hello"));
+    }
+}
+
 /// Malformed and protocol errors each get the reason code the spec names, then the close.
 #[tokio::test(flavor = "multi_thread")]
 async fn malformed_packets_and_protocol_errors_are_answered_as_the_spec_says() {

@@ -18,7 +18,8 @@ pub struct BrokerConfig {
     /// Largest MQTT packet a client may send (topic and properties included), in bytes.
     #[serde(default = "default_max_packet_bytes")]
     pub max_packet_bytes: usize,
-    /// Most simultaneous client connections, in-process links included.
+    /// Most simultaneous client connections, TCP and TLS, each counted from its accept to its
+    /// close (the node's own modules are in-process links and not counted).
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
     /// Most levels a client's topic name or filter may have (a `$share/<group>/` prefix

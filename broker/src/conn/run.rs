@@ -43,6 +43,17 @@ impl Conn {
         // §3.1.2.10: one and a half keep-alives without a packet ends the connection.
         let grace = keep_alive + keep_alive / 2;
         let mut last_heard = Instant::now();
+        // §3.1.4: a client may send packets right behind its CONNECT, without waiting for the
+        // CONNACK; they may have come in the read that brought the CONNECT, and no read wakes
+        // the loop for them.
+        if !buf.is_empty() {
+            if let Some(end) = self
+                .take_packets(stream, buf, shared, false, token, node)
+                .await
+            {
+                return end;
+            }
+        }
         loop {
             if self.fill() {
                 self.room.taken();
