@@ -451,7 +451,7 @@ impl Client {
 }
 
 /// The next packet from `stream`, with `buf` holding what was read beyond the last one.
-async fn read_packet<R: AsyncRead + Unpin>(
+pub(super) async fn read_packet<R: AsyncRead + Unpin>(
     stream: &mut R,
     buf: &mut BytesMut,
 ) -> anyhow::Result<Packet> {

@@ -755,9 +755,7 @@ async fn scaling(args: &Args, sizes: &Sizes, rows: &mut Vec<Row>) -> anyhow::Res
         drop(node);
         loaded.push((preload, dir, rate_loaded, rss));
     }
-    // Per store, per round: P1 msg/s, P3 by key, start to first answer, RSS restarted.
-    let mut runs: Vec<Vec<(f64, Percentiles, Duration, u64)>> =
-        loaded.iter().map(|_| Vec::new()).collect();
+    let mut runs: Vec<Vec<P5Run>> = loaded.iter().map(|_| Vec::new()).collect();
     for round in 0..P5_ROUNDS {
         for k in 0..loaded.len() {
             let i = (k + round) % loaded.len();
@@ -772,25 +770,28 @@ async fn scaling(args: &Args, sizes: &Sizes, rows: &mut Vec<Row>) -> anyhow::Res
             let query =
                 query_latency(node.port, "pre/pod/q0", sizes.queries, QoS::AtLeastOnce).await?;
             let rate = throughput(node.port, "ke/edged/#", sizes, "tp").await?;
-            runs[i].push((rate, query, ready, rss_restarted));
+            runs[i].push(P5Run {
+                rate,
+                query,
+                ready,
+                rss: rss_restarted,
+            });
         }
     }
     let mut figures = Vec::new();
     for ((preload, _, rate_loaded, rss), runs) in loaded.iter().zip(&runs) {
-        let middle = |f: &dyn Fn(&(f64, Percentiles, Duration, u64)) -> f64| {
-            median(runs.iter().map(f).collect())
-        };
+        let middle = |f: fn(&P5Run) -> f64| median(runs.iter().map(f).collect());
         let query = Percentiles {
-            p50: middle(&|r| r.1.p50 as f64) as u64,
-            p99: middle(&|r| r.1.p99 as f64) as u64,
-            p999: middle(&|r| r.1.p999 as f64) as u64,
+            p50: middle(|r| r.query.p50 as f64) as u64,
+            p99: middle(|r| r.query.p99 as f64) as u64,
+            p999: middle(|r| r.query.p999 as f64) as u64,
         };
         figures.push((
             *preload,
-            middle(&|r| r.0),
+            middle(|r| r.rate),
             query,
-            (*rss, middle(&|r| r.3 as f64) as u64),
-            Duration::from_secs_f64(middle(&|r| r.2.as_secs_f64())),
+            (*rss, middle(|r| r.rss as f64) as u64),
+            Duration::from_secs_f64(middle(|r| r.ready.as_secs_f64())),
             *rate_loaded,
         ));
     }
@@ -863,6 +864,18 @@ async fn scaling(args: &Args, sizes: &Sizes, rows: &mut Vec<Row>) -> anyhow::Res
 
 /// Rounds of P5: each measures every store once.
 const P5_ROUNDS: usize = 3;
+
+/// One P5 measurement of a restarted copy of a store.
+struct P5Run {
+    /// P1 msg/s.
+    rate: f64,
+    /// P3 by key.
+    query: Percentiles,
+    /// Start to the first answer.
+    ready: Duration,
+    /// RSS (KiB) after the first answer.
+    rss: u64,
+}
 
 /// Copies a stopped node's store (the database and its WAL) from `from` to `to`.
 fn copy_store(from: &Path, to: &Path) -> anyhow::Result<()> {

@@ -12,9 +12,10 @@ use rumqttc::mqttbytes::v4::{
     ConnectReturnCode, Packet, PingReq, Subscribe, SubscribeFilter, SubscribeReasonCode,
 };
 use rumqttc::mqttbytes::{Error as CodecError, QoS};
-use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 
+use super::connections::read_packet;
 use super::schedule::report_value;
 
 /// Largest packet a connection accepts; results are a few hundred bytes.
@@ -359,23 +360,6 @@ fn publish(
 /// Where `needle` starts in `haystack`.
 fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     haystack.windows(needle.len()).position(|w| w == needle)
-}
-
-/// The next packet from `stream`, with `buf` holding what was read beyond the last one.
-async fn read_packet<R: AsyncRead + Unpin>(
-    stream: &mut R,
-    buf: &mut BytesMut,
-) -> anyhow::Result<Packet> {
-    loop {
-        match Packet::read(buf, MAX_PACKET) {
-            Ok(packet) => return Ok(packet),
-            Err(CodecError::InsufficientBytes(_)) => {}
-            Err(e) => bail!("malformed packet from the broker: {e}"),
-        }
-        if stream.read_buf(buf).await? == 0 {
-            bail!("the broker closed the connection");
-        }
-    }
 }
 
 /// `--device-responder PORT`: subscribes to every device's twin update and republishes each
