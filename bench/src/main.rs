@@ -315,9 +315,13 @@ async fn main() -> anyhow::Result<()> {
     // Runs alternate between the two and each side reports its median of three, so a burst of
     // noise on this shared machine cannot land on one side only.
     let (mut ems, mut mqs) = (Vec::new(), Vec::new());
+    // Each run starts once both servers are idle: the node checkpoints and prunes for a while
+    // after a run, and that work must not land on mosquitto's.
     for run in 0..3 {
         let ns = format!("tp{run}");
+        settle(&[&edgemeta, &mosquitto]).await?;
         ems.push(throughput(edgemeta.port, "ke/edged/#", &sizes, &ns).await?);
+        settle(&[&edgemeta, &mosquitto]).await?;
         mqs.push(throughput(mosquitto.port, "ke/meta/#", &sizes, &ns).await?);
     }
     let (em, mq) = (median(ems), median(mqs));
@@ -337,9 +341,11 @@ async fn main() -> anyhow::Result<()> {
     let mut csv = String::from("system,offered,delivered,p50_us,p99_us,p999_us,cpu_us_per_msg\n");
     for &rate in &sizes.rates {
         let messages = (rate * sizes.rate_seconds) as f64;
+        settle(&[&edgemeta, &mosquitto]).await?;
         let before = edgemeta.cpu()?;
         let (em, em_rate) = latency(edgemeta.port, "ke/edged/#", rate, sizes.rate_seconds).await?;
         let em_cpu = (edgemeta.cpu()? - before).as_secs_f64() * 1e6 / messages;
+        settle(&[&edgemeta, &mosquitto]).await?;
         let before = mosquitto.cpu()?;
         let (mq, mq_rate) = latency(mosquitto.port, "ke/meta/#", rate, sizes.rate_seconds).await?;
         let mq_cpu = (mosquitto.cpu()? - before).as_secs_f64() * 1e6 / messages;
@@ -859,6 +865,24 @@ async fn scaling(args: &Args, sizes: &Sizes, rows: &mut Vec<Row>) -> anyhow::Res
         target: "≤ 300 ms".into(),
         verdict: verdict(ready <= Duration::from_millis(300), ""),
     });
+    Ok(())
+}
+
+/// Waits (at most 10 s) until every one of `servers` used no CPU tick (10 ms) in 200 ms: what a
+/// server still does after a run (a checkpoint, a queue drained) stays out of the next.
+async fn settle(servers: &[&Server]) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        let before: Vec<Duration> = servers.iter().map(|s| s.cpu()).collect::<Result<_, _>>()?;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let busy = servers.iter().zip(&before).any(|(s, b)| {
+            s.cpu()
+                .map_or(true, |now| now - *b >= Duration::from_millis(2))
+        });
+        if !busy {
+            return Ok(());
+        }
+    }
     Ok(())
 }
 
