@@ -4,7 +4,7 @@
 //! mosquitto with a pass-through responder (a separate process) that republishes each update to
 //! its result topic.
 
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use rumqttc::QoS;
@@ -14,7 +14,7 @@ use tokio::io::AsyncBufReadExt as _;
 use super::cloud::Cloud;
 use super::devices_dmi;
 use super::mappers::{Mapper, MapperOutcome};
-use super::schedule::WARM_UP;
+use super::schedule::{now_ms, WARM_UP};
 use super::{client, cpu_of, rss_of, subscribe, Args, Row, Server};
 
 /// How many devices report, for how long, over how many MQTT connections.
@@ -1040,13 +1040,6 @@ fn course_csv(csv: &mut String, side: &str, o: &Outcome, devices: usize) {
             (helper1 - helper0).as_secs_f64() * 1e6 / reports,
         ));
     }
-}
-
-/// Wall-clock milliseconds, as mappers put in `timestamp`.
-pub(super) fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// The pass-through responder for mosquitto: this binary run as

@@ -297,7 +297,7 @@ impl Mapper {
         write!(
             self.payload,
             r#"{{"event_id":"{event_id}","timestamp":{},"twin":{{"temperature":{{"actual":{{"value":"{}"}},"metadata":{{"type":"int"}}}}}}}}"#,
-            super::devices::now_ms(),
+            super::schedule::now_ms(),
             report_value(value)
         )?;
         self.pkid = self.pkid % u16::MAX + 1;
