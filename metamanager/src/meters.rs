@@ -135,7 +135,7 @@ impl std::fmt::Debug for Meters {
 
 /// Messages of one batch counted on the stack and added to the counters once the batch has
 /// committed: one add per series touched rather than per message.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Tally {
     counts: [[u32; 3]; OPERATIONS],
     devices: [[u32; 3]; KINDS.len()],

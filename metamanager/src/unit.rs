@@ -222,6 +222,8 @@ pub(crate) struct Context<'a> {
     refused: bool,
     /// The last refusal's code and reason, for a sender that waits for it ([`Report`]).
     refusal: Option<(u16, String)>,
+    /// It changed what undoing its store changes would not undo ([`Effects::unrepeatable`]).
+    unrepeatable: bool,
 }
 
 /// What applying one message left behind.
@@ -232,6 +234,9 @@ pub(crate) struct Effects {
     pub(crate) outbox_written: bool,
     /// Whether the message was answered with an error result (bad input, nothing stored).
     pub(crate) refused: bool,
+    /// It changed state outside the store (a wait, the link state, a report's verdict), so it
+    /// must not be applied a second time.
+    pub(crate) unrepeatable: bool,
 }
 
 impl<'a> Context<'a> {
@@ -244,12 +249,18 @@ impl<'a> Context<'a> {
             outbox_written: false,
             refused: false,
             refusal: None,
+            unrepeatable: false,
         }
     }
 
     /// Records why a device message was refused (its error result says the same).
     pub(crate) fn note_refusal(&mut self, code: u16, reason: &str) {
         self.refusal = Some((code, reason.to_owned()));
+    }
+
+    /// Marks the message as having changed something outside the store.
+    pub(crate) fn unrepeatable(&mut self) {
+        self.unrepeatable = true;
     }
 
     /// The refusal noted while applying this message, if any.
@@ -263,6 +274,7 @@ impl<'a> Context<'a> {
             local: self.local,
             outbox_written: self.outbox_written,
             refused: self.refused,
+            unrepeatable: self.unrepeatable,
         }
     }
 
@@ -289,6 +301,7 @@ impl<'a> Context<'a> {
 
     /// Records the cloud link going up or down; says whether it was up.
     pub(crate) fn set_connected(&mut self, connected: bool) -> bool {
+        self.unrepeatable = true;
         std::mem::replace(&mut self.state.connected, connected)
     }
 
@@ -402,6 +415,7 @@ impl<'a> Context<'a> {
         request: &Request,
         timeout: Duration,
     ) {
+        self.unrepeatable = true;
         let expiry = self.state.expiries.insert(id.clone(), timeout);
         let pending = Pending {
             kind,
@@ -414,12 +428,14 @@ impl<'a> Context<'a> {
     /// The request waiting for `id`, no longer waiting.
     pub(crate) fn take_pending(&mut self, id: &str) -> Option<Pending> {
         let pending = self.state.pending.remove(id)?;
+        self.unrepeatable = true;
         self.state.expiries.remove(&pending.expiry);
         Some(pending)
     }
 
     /// The request whose wait for `id` ran out (its timer is gone already).
     pub(crate) fn expired(&mut self, id: &str) -> Option<Pending> {
+        self.unrepeatable = true;
         self.state.pending.remove(id)
     }
 

@@ -5,6 +5,7 @@
 //! applied in one transaction (group commit), each message inside its own savepoint so one
 //! failure rolls back only that message. Nothing is published until the commit succeeded.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,7 +22,7 @@ use crate::handon::Feed;
 use crate::meters::{self, Meters, Tally};
 use crate::outbox::{self, OutboxLimit, Read, Write};
 use crate::store::{Changes, Checkpointer, Db, StoreConfig, StoreError, Synchronous};
-use crate::unit::{Context, Done, Job, Outcome, Settings, State, Step, Waits};
+use crate::unit::{Context, Done, Effects, Job, Outcome, Settings, State, Step, Waits};
 
 /// What the worker needs besides the store.
 pub(crate) struct WorkerConfig {
@@ -285,80 +286,24 @@ impl Worker {
                     .await;
             }
         };
-        let mut local: Vec<Message> = Vec::new();
-        let mut outbox_written = false;
-        let mut applied = Vec::with_capacity(steps.len());
-        let mut aborted = None;
-        let mut tally = Tally::default();
-        for step in steps {
-            if aborted.is_some() {
-                applied.push((step, Outcome::Retry));
-                continue;
-            }
-            let opened = if applied.is_empty() {
-                tx.first_savepoint().await
-            } else {
-                tx.savepoint().await
-            };
-            let savepoint = match opened {
-                Ok(savepoint) => savepoint,
-                Err(e) => {
-                    aborted = Some(Error::Commit(format!("cannot open a savepoint: {e}")));
-                    applied.push((step, Outcome::Retry));
-                    continue;
-                }
-            };
-            let counters = *self.state.outbox();
-            let settings = settings(&self.config, &self.publisher);
-            let mut cx = Context::new(&self.db, settings, &mut self.state);
-            let result = match &step {
-                Step::Apply(work, _) => handlers::apply(work, &mut cx).await,
-                Step::Expired(id) => handlers::expire(id, &mut cx).await,
-                Step::SyncPodStatus => handlers::sync_pod_status(&mut cx).await,
-            };
-            let effects = cx.finish();
-            let (produced, wrote, refused) =
-                (effects.local, effects.outbox_written, effects.refused);
-            let outcome = result.as_ref().err().map_or(Outcome::Final, Outcome::of);
-            let counted = match &result {
-                Ok(()) if refused => meters::Outcome::Refused,
-                Ok(()) => meters::Outcome::Ok,
-                Err(e) if e.is_bad_input() => meters::Outcome::Refused,
-                Err(_) => meters::Outcome::Failed,
-            };
-            if let Step::Apply(work, _) = &step {
-                tally.add(work.counted(), counted);
-            }
-            match result {
-                Ok(()) => match savepoint.release().await {
-                    Ok(()) => {
-                        outbox_written |= wrote;
-                        local.extend(produced);
-                    }
-                    Err(e) => {
-                        aborted = Some(Error::Commit(format!("cannot release a savepoint: {e}")))
-                    }
-                },
-                Err(error) if !tx.is_open() => {
-                    // SQLite gave up the whole transaction: nothing of this batch will commit.
-                    aborted = Some(Error::Commit(format!(
-                        "the store rolled the batch back: {error}"
-                    )));
-                }
-                Err(error) => match savepoint.rollback().await {
-                    Ok(()) => {
-                        *self.state.outbox() = counters;
-                        local.extend(self.error_reply(&step, &error));
-                    }
-                    Err(e) => {
-                        aborted = Some(Error::Commit(format!(
-                            "cannot undo a failed message ({error}): {e}"
-                        )))
-                    }
-                },
-            }
-            applied.push((step, outcome));
-        }
+        let BatchResult {
+            local,
+            outbox_written: steps_wrote,
+            applied,
+            aborted,
+            tally,
+        } = Worker::apply_steps(
+            Parts {
+                db: &self.db,
+                config: &self.config,
+                publisher: &self.publisher,
+                state: &mut self.state,
+            },
+            &tx,
+            steps,
+        )
+        .await;
+        let mut outbox_written = steps_wrote;
         // What the batch hands on is committed with it, and leaves at its subscribers' pace.
         // If the store cannot take it (a full disk), it is published at once instead: replies
         // to queries must not depend on room to write.
@@ -497,6 +442,182 @@ impl Worker {
         }
     }
 
+    /// Applies a batch's steps inside `tx`, each undoable alone. Steps run in segments without a
+    /// savepoint each (SQLite's `SAVEPOINT`/`RELEASE` and its sub-journal copies were an eighth
+    /// of an insert's cost); when one fails, its segment is undone and applied again one
+    /// savepoint per step, the failed one answered with its error. A step that did what applying
+    /// it again would repeat (it changed a wait, the link state, a report's verdict) ends its
+    /// segment, so it is never applied twice.
+    async fn apply_steps(
+        parts: Parts<'_>,
+        tx: &crate::store::Transaction<'_>,
+        steps: Vec<Step>,
+    ) -> BatchResult {
+        let Parts {
+            db,
+            config,
+            publisher,
+            state,
+        } = parts;
+        let mut done = BatchResult {
+            local: Vec::new(),
+            outbox_written: false,
+            applied: Vec::with_capacity(steps.len()),
+            aborted: None,
+            tally: Tally::default(),
+        };
+        let mut queue: VecDeque<Queued> = steps.into_iter().map(Queued::Run).collect();
+        // One savepoint per step from the first failure on: a batch is applied again once at most.
+        let mut careful = false;
+        let mut segment: Option<Segment<'_>> = None;
+        while let Some(next) = queue.pop_front() {
+            let step = match next {
+                Queued::Failed(failed) => {
+                    done.failed(&error_reply(config, &failed.step, &failed.error), failed);
+                    continue;
+                }
+                Queued::Run(step) => step,
+            };
+            if done.aborted.is_some() {
+                done.applied.push((step, Outcome::Retry));
+                continue;
+            }
+            let opened = match (&segment, careful) {
+                (Some(_), false) => Ok(None),
+                // A fresh transaction needs no `SAVEPOINT`: undoing it undoes the transaction.
+                (None, false) if done.applied.is_empty() => tx.first_savepoint().await.map(Some),
+                _ => tx.savepoint().await.map(Some),
+            };
+            let savepoint = match opened {
+                Ok(savepoint) => savepoint,
+                Err(e) => {
+                    done.aborted = Some(Error::Commit(format!("cannot open a savepoint: {e}")));
+                    done.applied.push((step, Outcome::Retry));
+                    continue;
+                }
+            };
+            let counters = *state.outbox();
+            let (step_savepoint, new_segment) = match (savepoint, careful) {
+                (Some(savepoint), true) => (Some(savepoint), None),
+                (Some(savepoint), false) => (
+                    None,
+                    Some(Segment {
+                        savepoint,
+                        restore: Restore {
+                            start: done.applied.len(),
+                            local: done.local.len(),
+                            outbox_written: done.outbox_written,
+                            tally: done.tally.clone(),
+                            counters,
+                        },
+                    }),
+                ),
+                (None, _) => (None, None),
+            };
+            if new_segment.is_some() {
+                segment = new_segment;
+            }
+            let settings = settings(config, publisher);
+            let mut cx = Context::new(db, settings, state);
+            let result = match &step {
+                Step::Apply(work, _) => handlers::apply(work, &mut cx).await,
+                Step::Expired(id) => handlers::expire(id, &mut cx).await,
+                Step::SyncPodStatus => handlers::sync_pod_status(&mut cx).await,
+            };
+            let effects = cx.finish();
+            let outcome = result.as_ref().err().map_or(Outcome::Final, Outcome::of);
+            let counted = match &result {
+                Ok(()) if effects.refused => meters::Outcome::Refused,
+                Ok(()) => meters::Outcome::Ok,
+                Err(e) if e.is_bad_input() => meters::Outcome::Refused,
+                Err(_) => meters::Outcome::Failed,
+            };
+            let error = match result {
+                Ok(()) => {
+                    let closed = match step_savepoint {
+                        Some(savepoint) => savepoint.release().await,
+                        None if effects.unrepeatable => match segment.take() {
+                            Some(segment) => segment.savepoint.release().await,
+                            None => Ok(()),
+                        },
+                        None => Ok(()),
+                    };
+                    if let Err(e) = closed {
+                        done.aborted =
+                            Some(Error::Commit(format!("cannot release a savepoint: {e}")));
+                    }
+                    done.ok(step, effects, counted);
+                    continue;
+                }
+                Err(error) => error,
+            };
+            if !tx.is_open() {
+                // SQLite gave up the whole transaction: nothing of this batch will commit.
+                done.aborted = Some(Error::Commit(format!(
+                    "the store rolled the batch back: {error}"
+                )));
+                done.applied.push((step, outcome));
+                continue;
+            }
+            let failed = Failed {
+                step,
+                outcome,
+                counted,
+                error,
+            };
+            if let Some(savepoint) = step_savepoint {
+                match savepoint.rollback().await {
+                    Ok(()) => {
+                        *state.outbox() = counters;
+                        done.failed(&error_reply(config, &failed.step, &failed.error), failed);
+                    }
+                    Err(e) => {
+                        done.aborted = Some(Error::Commit(format!(
+                            "cannot undo a failed message ({}): {e}",
+                            failed.error
+                        )));
+                        done.applied.push((failed.step, failed.outcome));
+                    }
+                }
+                continue;
+            }
+            // Undo the segment, then apply its steps again, each in a savepoint of its own.
+            let undone = match segment.take() {
+                Some(Segment { savepoint, restore }) => {
+                    savepoint.rollback().await.map(|()| restore)
+                }
+                None => Err(libsql::Error::Misuse("a step ran outside a segment".into())),
+            };
+            let undone = match undone {
+                Ok(undone) => undone,
+                Err(e) => {
+                    done.aborted = Some(Error::Commit(format!(
+                        "cannot undo a failed message ({}): {e}",
+                        failed.error
+                    )));
+                    done.applied.push((failed.step, failed.outcome));
+                    continue;
+                }
+            };
+            *state.outbox() = undone.counters;
+            done.local.truncate(undone.local);
+            done.outbox_written = undone.outbox_written;
+            done.tally = undone.tally;
+            careful = true;
+            queue.push_front(Queued::Failed(failed));
+            for (step, _) in done.applied.drain(undone.start..).rev() {
+                queue.push_front(Queued::Run(step));
+            }
+        }
+        // An aborted transaction is rolled back whole: its segment needs no release.
+        if let (Some(segment), None) = (segment, &done.aborted) {
+            if let Err(e) = segment.savepoint.release().await {
+                done.aborted = Some(Error::Commit(format!("cannot release a savepoint: {e}")));
+            }
+        }
+        done
+    }
+
     /// Writes the batch's local messages to the `handon` table in a savepoint of `tx`: the
     /// stored ones with their seqs, or (the store refused them) none stored and all to publish
     /// at once. An error only when the transaction itself is lost.
@@ -599,21 +720,98 @@ impl Worker {
     }
 
     fn error_reply(&self, step: &Step, error: &Error) -> Vec<Message> {
-        match step {
-            Step::Apply(work, _) => {
-                handlers::log_failure(work, error);
-                handlers::failure_reply(&self.config.root, &self.config.node, work, error)
-            }
-            Step::Expired(id) => {
-                error!(error_code = error.code(), %id, error = %error, "expiring a pending request failed");
-                Vec::new()
-            }
-            Step::SyncPodStatus => {
-                error!(error_code = error.code(), error = %error, "pod status sync failed");
-                Vec::new()
-            }
+        error_reply(&self.config, step, error)
+    }
+}
+
+/// The answer to a message that failed, logged.
+fn error_reply(config: &WorkerConfig, step: &Step, error: &Error) -> Vec<Message> {
+    match step {
+        Step::Apply(work, _) => {
+            handlers::log_failure(work, error);
+            handlers::failure_reply(&config.root, &config.node, work, error)
+        }
+        Step::Expired(id) => {
+            error!(error_code = error.code(), %id, error = %error, "expiring a pending request failed");
+            Vec::new()
+        }
+        Step::SyncPodStatus => {
+            error!(error_code = error.code(), error = %error, "pod status sync failed");
+            Vec::new()
         }
     }
+}
+
+/// The parts of the worker a batch's steps use, borrowed apart from its open transaction.
+struct Parts<'a> {
+    db: &'a Db,
+    config: &'a WorkerConfig,
+    publisher: &'a Publisher,
+    state: &'a mut State,
+}
+
+/// What applying a batch's steps left for its commit.
+struct BatchResult {
+    /// Local messages to publish (or store as hand-ons) once committed.
+    local: Vec<Message>,
+    outbox_written: bool,
+    /// Every step, in order, with how it ended.
+    applied: Vec<(Step, Outcome)>,
+    /// Set when the transaction cannot commit: the steps after it were not applied.
+    aborted: Option<Error>,
+    tally: Tally,
+}
+
+impl BatchResult {
+    fn ok(&mut self, step: Step, effects: Effects, counted: meters::Outcome) {
+        if let Step::Apply(work, _) = &step {
+            self.tally.add(work.counted(), counted);
+        }
+        self.outbox_written |= effects.outbox_written;
+        self.local.extend(effects.local);
+        self.applied.push((step, Outcome::Final));
+    }
+
+    /// A step whose changes were undone: answered with its error.
+    fn failed(&mut self, reply: &[Message], failed: Failed) {
+        if let Step::Apply(work, _) = &failed.step {
+            self.tally.add(work.counted(), failed.counted);
+        }
+        self.local.extend_from_slice(reply);
+        self.applied.push((failed.step, failed.outcome));
+    }
+}
+
+/// A step whose changes were undone, and why.
+struct Failed {
+    step: Step,
+    outcome: Outcome,
+    counted: meters::Outcome,
+    error: Error,
+}
+
+/// A step still to apply in [`Worker::apply_steps`].
+enum Queued {
+    Run(Step),
+    /// Applied once already and failed: only its error is answered.
+    Failed(Failed),
+}
+
+/// Steps applied under one savepoint, and what to restore when it is undone.
+struct Segment<'a> {
+    savepoint: crate::store::Savepoint<'a>,
+    restore: Restore,
+}
+
+/// What a segment's undo restores.
+struct Restore {
+    /// Where its steps begin in [`BatchResult::applied`].
+    start: usize,
+    /// [`BatchResult::local`]'s length when it opened.
+    local: usize,
+    outbox_written: bool,
+    tally: Tally,
+    counters: crate::store::OutboxStats,
 }
 
 /// What one wake-up of the worker collected, sorted by how it is served.
@@ -656,5 +854,185 @@ fn settings<'a>(config: &'a WorkerConfig, broker: &'a Publisher) -> Settings<'a>
         outbox_limit: config.outbox_limit,
         broker,
         relay: config.local_relay,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::intake::{self, IntakeConfig};
+    use crate::unit::{PendingKind, Work};
+
+    /// A store whose writes of `fail/...` keys fail, as a full disk fails one message's write.
+    async fn failing_store(dir: &std::path::Path) -> Db {
+        let config = StoreConfig {
+            path: dir.join("meta.db"),
+            ..StoreConfig::default()
+        };
+        let db = Db::open(&config).await.expect("open");
+        let other = libsql::Builder::new_local(&config.path)
+            .build()
+            .await
+            .expect("second connection");
+        other
+            .connect()
+            .expect("connect")
+            .execute_batch(
+                "CREATE TRIGGER fail_insert BEFORE INSERT ON meta WHEN NEW.key LIKE 'fail/%'
+                   BEGIN SELECT RAISE(ABORT, 'Failed DB Operation'); END;",
+            )
+            .await
+            .expect("trigger");
+        db
+    }
+
+    fn step(topic: &str, payload: &str) -> Step {
+        let config = IntakeConfig {
+            root: "ke".into(),
+            node: "n1".into(),
+            max_payload_bytes: 4096,
+            meters: Arc::new(Meters::noop()),
+        };
+        let message = Message::new(topic, payload.as_bytes().to_vec());
+        let request = intake::parse(&config, &message)
+            .expect("a valid request")
+            .expect("addressed to the MetaManager");
+        Step::Apply(Work::Request(Box::new(request)), None)
+    }
+
+    fn insert(key: &str) -> Step {
+        step(&format!("ke/meta/edgecontroller/insert/{key}"), r#"{"v":1}"#)
+    }
+
+    /// Applies `steps` as one batch of a cloud-connected node and commits it; returns the
+    /// outcomes, the local messages' topics and the worker's state.
+    async fn batch(db: &Db, steps: Vec<Step>) -> (Vec<Outcome>, Vec<String>, State) {
+        let config = WorkerConfig {
+            root: "ke".into(),
+            node: "n1".into(),
+            waits: Waits {
+                remote_query: Duration::from_secs(60),
+                volume: Duration::from_secs(60),
+            },
+            podstatus_sync_interval: Duration::from_secs(60),
+            batch_max: 256,
+            outbox_limit: OutboxLimit {
+                entries: 1000,
+                bytes: 1 << 20,
+            },
+            local_relay: false,
+        };
+        let (publisher, _out) = Publisher::channel(16);
+        let mut state = State::new(crate::store::OutboxStats::default());
+        let tx = db.begin(true).await.expect("begin");
+        let done = Worker::apply_steps(
+            Parts {
+                db,
+                config: &config,
+                publisher: &publisher,
+                state: &mut state,
+            },
+            &tx,
+            steps,
+        )
+        .await;
+        assert!(done.aborted.is_none(), "{:?}", done.aborted);
+        tx.commit().await.expect("commit");
+        let outcomes = done.applied.iter().map(|(_, outcome)| *outcome).collect();
+        let topics = done.local.iter().map(|m| m.topic.to_string()).collect();
+        (outcomes, topics, state)
+    }
+
+    async fn outbox_topics(db: &Db) -> Vec<String> {
+        let entries = db.outbox_peek(0, i64::MAX, 100).await.expect("peek");
+        entries.into_iter().map(|e| e.topic).collect()
+    }
+
+    /// Two failing inserts among six, after the cloud link came up and a query went to the
+    /// cloud: each failure is undone alone, every other message is stored and handed on once,
+    /// and the link change and the query, which a second application would repeat, are not.
+    #[tokio::test]
+    async fn failed_messages_are_undone_alone_and_nothing_is_applied_twice() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let db = failing_store(dir.path()).await;
+        let steps = vec![
+            insert("default/pod/a"),
+            step(
+                "ke/meta/edgehub/connect/node/connection",
+                r#""cloud_connected""#,
+            ),
+            step("ke/meta/edged/query/default/configmap/cm", "null"),
+            insert("default/pod/b"),
+            insert("fail/pod/x"),
+            insert("default/pod/c"),
+            insert("fail/pod/y"),
+            insert("default/pod/d"),
+        ];
+        let (outcomes, local, mut state) = batch(&db, steps).await;
+        assert_eq!(outcomes, vec![Outcome::Final; 8]);
+        for (key, stored) in [
+            ("default/pod/a", true),
+            ("default/pod/b", true),
+            ("fail/pod/x", false),
+            ("default/pod/c", true),
+            ("fail/pod/y", false),
+            ("default/pod/d", true),
+        ] {
+            let value = db.get(key).await.expect("get");
+            assert_eq!(value.is_some(), stored, "{key}");
+        }
+        let sent = |topic: &str| local.iter().filter(|t| *t == topic).count();
+        assert_eq!(sent("ke/edged/edgecontroller/insert/default/pod"), 4, "{local:?}");
+        assert_eq!(sent("ke/cloud/meta/error/fail/pod"), 2, "{local:?}");
+        let changes: Vec<String> = db.take_changes().into_iter().map(|c| c.key).collect();
+        assert_eq!(changes, ["default/pod/a", "default/pod/b", "default/pod/c", "default/pod/d"]);
+        let outbox = outbox_topics(&db).await;
+        let count = |part: &str| outbox.iter().filter(|t| t.contains(part)).count();
+        assert_eq!(count("/query/"), 1, "the query went to the cloud once: {outbox:?}");
+        assert_eq!(count("/response/"), 4, "each stored insert acknowledged once: {outbox:?}");
+        let settings = Settings {
+            root: "ke",
+            node: "n1",
+            waits: Waits {
+                remote_query: Duration::from_secs(60),
+                volume: Duration::from_secs(60),
+            },
+            outbox_limit: OutboxLimit {
+                entries: 1000,
+                bytes: 1 << 20,
+            },
+            broker: &Publisher::channel(1).0,
+            relay: false,
+        };
+        let cx = Context::new(&db, settings, &mut state);
+        assert!(cx.connected());
+        assert_eq!(cx.waiting(PendingKind::RemoteQuery).len(), 1);
+    }
+
+    /// A failure in a batch's first messages, which run with no savepoint at all.
+    #[tokio::test]
+    async fn a_failure_before_any_savepoint_undoes_only_its_message() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let db = failing_store(dir.path()).await;
+        let steps = vec![
+            insert("default/pod/a"),
+            insert("fail/pod/x"),
+            insert("default/pod/b"),
+        ];
+        let (outcomes, local, _) = batch(&db, steps).await;
+        assert_eq!(outcomes, vec![Outcome::Final; 3]);
+        assert!(db.get("default/pod/a").await.expect("get").is_some());
+        assert!(db.get("fail/pod/x").await.expect("get").is_none());
+        assert!(db.get("default/pod/b").await.expect("get").is_some());
+        assert_eq!(
+            local,
+            [
+                "ke/edged/edgecontroller/insert/default/pod",
+                "ke/cloud/meta/error/fail/pod",
+                "ke/edged/edgecontroller/insert/default/pod"
+            ]
+        );
+        let changes: Vec<String> = db.take_changes().into_iter().map(|c| c.key).collect();
+        assert_eq!(changes, ["default/pod/a", "default/pod/b"]);
     }
 }

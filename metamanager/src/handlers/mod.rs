@@ -112,6 +112,7 @@ pub(crate) async fn apply(work: &Work, cx: &mut Context<'_>) -> Result<(), Error
         Work::Report(report) => {
             (DEVICES[report.event.family].apply)(&report.event, cx).await?;
             let _ = report.verdict.set(cx.refusal());
+            cx.unrepeatable();
             Ok(())
         }
     }
