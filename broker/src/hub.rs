@@ -22,7 +22,7 @@ use tracing::warn;
 
 use crate::ack::Ack;
 use crate::direct::{Direct, Flushed, Waiting};
-use crate::index::{Index, SessionId};
+use crate::index::{Delivery, Index, SessionId};
 use crate::mailbox::{Budget, Limits, Mailbox, Owed, Progress, Published};
 use crate::registry::{Connected, Fired, Registry, Will};
 use crate::retained::Retained;
@@ -200,6 +200,11 @@ impl Hub {
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .route(topic, None, 2, false);
+        self.readers_of(&deliveries)
+    }
+
+    /// The connected readers among `deliveries`, as [`Hub::readers`].
+    fn readers_of(&self, deliveries: &[Delivery]) -> Vec<(Arc<Mailroom>, u8)> {
         let rooms = lock(&self.rooms);
         deliveries
             .iter()
@@ -220,11 +225,24 @@ impl Hub {
             .collect()
     }
 
-    /// Promises room for a message of `weight` bytes on `topic` in every connected reader's
-    /// queue if each has it now; false promises nothing. One mailbox is locked at a time: a
-    /// reader without room takes back the promises made before it.
-    pub fn reserve(&self, topic: &str, weight: usize) -> bool {
-        let readers = self.readers(topic);
+    /// Promises room for a message of `weight` bytes that `from` publishes on `topic` at
+    /// `qos` in every connected reader's queue if each has it now; None promises nothing.
+    /// The route it found is the one [`Hub::publish_reserved`] takes, so a message is routed
+    /// once and a shared group's turn taken once. One mailbox is locked at a time: a reader
+    /// without room takes back the promises made before it.
+    pub fn reserve(
+        &self,
+        from: Option<SessionId>,
+        topic: &str,
+        qos: u8,
+        weight: usize,
+    ) -> Option<Reserved> {
+        let deliveries = self
+            .index
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .route(topic, from, qos, false);
+        let readers = self.readers_of(&deliveries);
         for (at, (room, qos)) in readers.iter().enumerate() {
             let mut mailbox = lock(&room.mailbox);
             if !mailbox.has_room(weight, *qos, false) {
@@ -232,11 +250,11 @@ impl Hub {
                 for (promised, _) in &readers[..at] {
                     lock(&promised.mailbox).unreserve(weight);
                 }
-                return false;
+                return None;
             }
             mailbox.reserve(weight);
         }
-        true
+        Some(Reserved(deliveries))
     }
 
     /// Keeps in `behind` the readers a publisher still waits for: those with room now, cut
@@ -331,9 +349,7 @@ impl Hub {
         self.index
             .read()
             .unwrap_or_else(PoisonError::into_inner)
-            .route(topic, None, 0, false)
-            .iter()
-            .any(|d| d.session < FIRST_LINK)
+            .reaches(topic, |session| session < FIRST_LINK)
     }
 
     /// A CONNECT: the session it starts or resumes, with its mailroom; a connection it takes
@@ -469,8 +485,9 @@ impl Hub {
         from: Option<SessionId>,
         message: Arc<Published>,
         qos: u8,
+        reserved: Reserved,
     ) -> Routed {
-        self.route(from, message, qos, Pacing::Promised)
+        self.route(from, message, qos, Pacing::Promised(reserved.0))
     }
 
     fn route(
@@ -481,19 +498,23 @@ impl Hub {
         pacing: Pacing<'_>,
     ) -> Routed {
         let _route = crate::stages::enter(crate::stages::Stage::Route);
-        let (retain, ack, reserved) = match pacing {
-            Pacing::Asked { retain, ack } => (retain, ack, false),
-            Pacing::Promised => (false, None, true),
+        let (retain, ack, promised) = match pacing {
+            Pacing::Asked { retain, ack } => (retain, ack, None),
+            Pacing::Promised(deliveries) => (false, None, Some(deliveries)),
         };
         if retain && lock(&self.retained).set(message.clone(), qos).is_err() {
             warn!(error_code = "EM-BROKER-RETAINED-FULL", topic = %message.topic,
                 "retained message not kept: the retained store is full");
         }
-        let deliveries = self
-            .index
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .route(&message.topic, from, qos, retain);
+        let reserved = promised.is_some();
+        let deliveries = match promised {
+            Some(deliveries) => deliveries,
+            None => self
+                .index
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+                .route(&message.topic, from, qos, retain),
+        };
         let mut routed = Routed {
             links: self.to_links(&deliveries, &message, ack),
             heard: !deliveries.is_empty(),
@@ -550,7 +571,7 @@ impl Hub {
     /// Puts the message into each module's inbox it reaches; what does not fit is returned.
     fn to_links(
         &self,
-        deliveries: &[crate::index::Delivery],
+        deliveries: &[Delivery],
         message: &Published,
         ack: Option<&Ack>,
     ) -> ForLinks {
@@ -636,7 +657,7 @@ fn for_link(message: &Published, ack: Option<&Ack>) -> Message {
         response_topic,
         correlation,
         ack: ack.cloned(),
-        reserved: false,
+        reserved: None,
     }
 }
 
@@ -644,9 +665,18 @@ fn for_link(message: &Published, ack: Option<&Ack>) -> Message {
 /// or module's publish, maybe retained, maybe acknowledged after the modules), or promised
 /// beforehand by [`Hub::reserve`].
 enum Pacing<'a> {
-    Asked { retain: bool, ack: Option<&'a Ack> },
-    Promised,
+    Asked {
+        retain: bool,
+        ack: Option<&'a Ack>,
+    },
+    /// Routed by [`Hub::reserve`] already, to these.
+    Promised(Vec<Delivery>),
 }
+
+/// Room promised to a message in its readers' queues, and the route that found them
+/// ([`Hub::reserve`]); the message must then be published with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reserved(Vec<Delivery>);
 
 /// Waits until each module has room for its message (a module that has gone gets nothing and
 /// its acknowledgement is abandoned, so the client publishes again).
@@ -695,6 +725,36 @@ mod tests {
         room
     }
 
+    /// A hand-on promised room is routed once, by its promise: a shared group's members take
+    /// turns message by message (routing it again at publish took a second turn, and every
+    /// message went to the same member), and a plain reader gets every message.
+    #[test]
+    fn a_reserved_message_goes_where_its_promise_routed_it() {
+        let hub = hub();
+        let a = reader(&hub, "a", &["$share/g/t"]);
+        let b = reader(&hub, "b", &["$share/g/t"]);
+        let all = reader(&hub, "all", &["t"]);
+        for n in 0..6_u8 {
+            let reserved = hub.reserve(None, "t", 2, 100).expect("room for it");
+            let published = Arc::new(Published {
+                topic: Arc::from("t"),
+                payload: bytes::Bytes::from(vec![n; 99]),
+                received: Instant::now(),
+                expiry: None,
+                properties: None,
+            });
+            let routed = hub.publish_reserved(None, published, 2, reserved);
+            assert!(routed.links.is_empty() && routed.behind.is_empty());
+        }
+        let queued = |room: &Mailroom| lock(&room.mailbox).len();
+        assert_eq!((queued(&a), queued(&b), queued(&all)), (3, 3, 6));
+        assert_eq!(
+            hub.budget.used(),
+            6 * 2 * 100,
+            "each promise became what it promised"
+        );
+    }
+
     /// Two publishers reserve room at once for topics that reach the same two readers in
     /// opposite orders (a shared group's member is routed before plain subscribers). Holding
     /// one reader's
@@ -710,7 +770,10 @@ mod tests {
             let (hub, a, b, done) = (hub.clone(), a.clone(), b.clone(), done.clone());
             std::thread::spawn(move || {
                 for _ in 0..200_000 {
-                    assert!(hub.reserve(topic, 1), "both readers have room");
+                    assert!(
+                        hub.reserve(None, topic, 2, 1).is_some(),
+                        "both readers have room"
+                    );
                     lock(&a.mailbox).unreserve(1);
                     lock(&b.mailbox).unreserve(1);
                 }

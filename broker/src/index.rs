@@ -323,16 +323,7 @@ impl Index {
         qos: u8,
         retain: bool,
     ) -> Vec<Delivery> {
-        // Inline room for the usual few matches and trie branches: a route allocates only
-        // what it returns (a deep or wide match spills to the heap).
-        let mut matched: SmallVec<[&Holders; 8]> = SmallVec::new();
-        if let Some(holders) = self.exact.get(topic) {
-            matched.push(holders);
-        }
-        if !self.wild.is_empty() {
-            collect(&self.wild, topic, &mut matched);
-        }
-
+        let matched = self.matched(topic);
         let mut out: Vec<Delivery> =
             Vec::with_capacity(matched.iter().map(|h| h.plain.len() + h.groups.len()).sum());
         for holders in &matched {
@@ -393,6 +384,29 @@ impl Index {
         out
     }
 
+    /// Whether a session that `wanted` accepts subscribes to `topic`: builds no deliveries
+    /// and takes no shared subscription's turn.
+    pub fn reaches(&self, topic: &str, wanted: impl Fn(SessionId) -> bool) -> bool {
+        let member = |(session, _): &(SessionId, Options)| wanted(*session);
+        self.matched(topic).iter().any(|holders| {
+            holders.plain.iter().any(member)
+                || holders.groups.iter().any(|g| g.members.iter().any(member))
+        })
+    }
+
+    /// The holders of every filter that matches `topic`. Inline room for the usual few
+    /// matches and trie branches: a route allocates only what it returns.
+    fn matched(&self, topic: &str) -> SmallVec<[&Holders; 8]> {
+        let mut matched: SmallVec<[&Holders; 8]> = SmallVec::new();
+        if let Some(holders) = self.exact.get(topic) {
+            matched.push(holders);
+        }
+        if !self.wild.is_empty() {
+            collect(&self.wild, topic, &mut matched);
+        }
+        matched
+    }
+
     fn holders_mut(&mut self, parsed: &Parsed<'_>) -> &mut Holders {
         if !parsed.wildcard {
             return self.exact.entry(parsed.filter.into()).or_default();
@@ -427,8 +441,10 @@ fn collect<'a>(root: &'a Node, topic: &str, out: &mut SmallVec<[&'a Holders; 8]>
             out.push(&node.holders);
             continue;
         };
-        let (level, next) = match rest.split_once('/') {
-            Some((level, next)) => (level, Some(next)),
+        // A plain byte scan: levels are short, and `split_once`'s searcher cost more than the
+        // hash lookups it feeds.
+        let (level, next) = match rest.bytes().position(|b| b == b'/') {
+            Some(at) => (&rest[..at], Some(&rest[at + 1..])),
             None => (rest, None),
         };
         if let Some(child) = node.children.get(level) {

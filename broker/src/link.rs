@@ -68,10 +68,11 @@ impl Publisher {
                     expiry: None,
                     properties,
                 });
-                let routed = if message.reserved {
-                    hub.publish_reserved(Some(*session), published, NODE_QOS)
-                } else {
-                    hub.publish(Some(*session), published, NODE_QOS, false, None)
+                let routed = match message.reserved {
+                    Some(reserved) => {
+                        hub.publish_reserved(Some(*session), published, NODE_QOS, reserved)
+                    }
+                    None => hub.publish(Some(*session), published, NODE_QOS, false, None),
                 };
                 hand_to_links(routed.links).await;
                 // Nothing cancels a module's publish: its readers have room or are cut off
@@ -89,14 +90,14 @@ impl Publisher {
     /// back), so one that stopped or crawls holds the others up only that long.
     pub async fn publish_paced(&self, message: Message) -> Result<(), Error> {
         let mut message = message;
-        if let Target::Hub(hub, _) = &self.to {
+        if let Target::Hub(hub, session) = &self.to {
             let topic = message.topic.clone();
             let weight = topic.len() + message.payload.len();
             loop {
                 // Registered before the look, so room made in between is not missed.
                 let room = hub.room.notified();
-                if hub.reserve(&topic, weight) {
-                    message.reserved = true;
+                if let Some(reserved) = hub.reserve(Some(*session), &topic, NODE_QOS, weight) {
+                    message.reserved = Some(reserved);
                     break;
                 }
                 let mut behind = hub.blocking(&topic, weight);
@@ -124,11 +125,11 @@ impl Publisher {
     pub fn reserve_now(&self, message: &mut Message) -> bool {
         match &self.to {
             Target::Channel(_) => true,
-            Target::Hub(hub, _) => {
+            Target::Hub(hub, session) => {
                 let topic = &message.topic;
-                let fits = hub.reserve(topic, topic.len() + message.payload.len());
-                message.reserved = fits;
-                fits
+                let weight = topic.len() + message.payload.len();
+                message.reserved = hub.reserve(Some(*session), topic, NODE_QOS, weight);
+                message.reserved.is_some()
             }
         }
     }

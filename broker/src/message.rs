@@ -1,6 +1,7 @@
 use bytes::Bytes;
 
 use crate::ack::Ack;
+use crate::hub::Reserved;
 
 /// One MQTT publication as our modules see it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -15,8 +16,8 @@ pub struct Message {
     /// reply) sends the client its PUBACK / PUBCOMP.
     pub ack: Option<Ack>,
     /// Room was promised to it in its readers' queues (`Publisher::reserve_now`): it is
-    /// queued for them whatever else arrived meanwhile.
-    pub reserved: bool,
+    /// queued for them, by the route the promise found, whatever else arrived meanwhile.
+    pub reserved: Option<Reserved>,
 }
 
 impl Message {
@@ -28,7 +29,7 @@ impl Message {
             response_topic: None,
             correlation: None,
             ack: None,
-            reserved: false,
+            reserved: None,
         }
     }
 }

@@ -901,7 +901,10 @@ mod tests {
     }
 
     fn insert(key: &str) -> Step {
-        step(&format!("ke/meta/edgecontroller/insert/{key}"), r#"{"v":1}"#)
+        step(
+            &format!("ke/meta/edgecontroller/insert/{key}"),
+            r#"{"v":1}"#,
+        )
     }
 
     /// Applies `steps` as one batch of a cloud-connected node and commits it; returns the
@@ -982,14 +985,34 @@ mod tests {
             assert_eq!(value.is_some(), stored, "{key}");
         }
         let sent = |topic: &str| local.iter().filter(|t| *t == topic).count();
-        assert_eq!(sent("ke/edged/edgecontroller/insert/default/pod"), 4, "{local:?}");
+        assert_eq!(
+            sent("ke/edged/edgecontroller/insert/default/pod"),
+            4,
+            "{local:?}"
+        );
         assert_eq!(sent("ke/cloud/meta/error/fail/pod"), 2, "{local:?}");
         let changes: Vec<String> = db.take_changes().into_iter().map(|c| c.key).collect();
-        assert_eq!(changes, ["default/pod/a", "default/pod/b", "default/pod/c", "default/pod/d"]);
+        assert_eq!(
+            changes,
+            [
+                "default/pod/a",
+                "default/pod/b",
+                "default/pod/c",
+                "default/pod/d"
+            ]
+        );
         let outbox = outbox_topics(&db).await;
         let count = |part: &str| outbox.iter().filter(|t| t.contains(part)).count();
-        assert_eq!(count("/query/"), 1, "the query went to the cloud once: {outbox:?}");
-        assert_eq!(count("/response/"), 4, "each stored insert acknowledged once: {outbox:?}");
+        assert_eq!(
+            count("/query/"),
+            1,
+            "the query went to the cloud once: {outbox:?}"
+        );
+        assert_eq!(
+            count("/response/"),
+            4,
+            "each stored insert acknowledged once: {outbox:?}"
+        );
         let settings = Settings {
             root: "ke",
             node: "n1",
