@@ -24,6 +24,7 @@ use crate::ack::Ack;
 use crate::direct::{Direct, Flushed, Waiting};
 use crate::index::{Delivery, Index, SessionId};
 use crate::mailbox::{Budget, Limits, Mailbox, Owed, Progress, Published};
+use crate::message::Reserved;
 use crate::registry::{Connected, Fired, Registry, Will};
 use crate::retained::Retained;
 use crate::Message;
@@ -672,11 +673,6 @@ enum Pacing<'a> {
     /// Routed by [`Hub::reserve`] already, to these.
     Promised(Vec<Delivery>),
 }
-
-/// Room promised to a message in its readers' queues, and the route that found them
-/// ([`Hub::reserve`]); the message must then be published with it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Reserved(Vec<Delivery>);
 
 /// Waits until each module has room for its message (a module that has gone gets nothing and
 /// its acknowledgement is abandoned, so the client publishes again).

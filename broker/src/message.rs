@@ -1,7 +1,7 @@
 use bytes::Bytes;
 
 use crate::ack::Ack;
-use crate::hub::Reserved;
+use crate::index::Delivery;
 
 /// One MQTT publication as our modules see it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -33,3 +33,8 @@ impl Message {
         }
     }
 }
+
+/// Room promised to a message in its readers' queues, and the route that found them
+/// ([`crate::Hub::reserve`]); the message must then be published with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reserved(pub(crate) Vec<Delivery>);

@@ -112,7 +112,7 @@ impl<'a> ObjectMeta<'a> {
         #[derive(Deserialize)]
         struct Object<'a> {
             #[serde(borrow)]
-            metadata: Option<&'a RawValue>,
+            metadata: Option<ObjectOnly<Fields<'a>>>,
         }
         #[derive(Deserialize)]
         struct Fields<'a> {
@@ -135,9 +135,10 @@ impl<'a> ObjectMeta<'a> {
                 Err(_) => serde_json::from_str::<String>(raw).ok().map(Cow::Owned),
             }
         }
+        // One pass: a `metadata` that is not an object fails it, as no metadata.
         let fields = object::<Object<'a>>(content)
             .and_then(|o| o.metadata)
-            .and_then(object::<Fields<'a>>);
+            .map(|ObjectOnly(fields)| fields);
         match fields {
             Some(f) => ObjectMeta {
                 name: text(f.name),
@@ -159,10 +160,62 @@ struct Probe<'a> {
     content: Option<&'a RawValue>,
 }
 
+/// A payload read in one pass, header and route straight into their types; what this cannot
+/// read (a header that is an array, say) is read again the [`Probe`] way, for its error.
+#[derive(Deserialize)]
+struct Full<'a> {
+    header: Option<ObjectOnly<Header>>,
+    route: Option<ObjectOnly<Route>>,
+    #[serde(borrow)]
+    content: Option<&'a RawValue>,
+}
+
+/// A `T` read only from a JSON object: serde's derive would also read a struct from an array,
+/// by position.
+struct ObjectOnly<T>(T);
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for ObjectOnly<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Object<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for Object<T> {
+            type Value = T;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+                T::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+            }
+        }
+        deserializer
+            .deserialize_map(Object(std::marker::PhantomData))
+            .map(ObjectOnly)
+    }
+}
+
 impl Envelope {
     /// Reads a payload: a JSON object with `header` and `route` is a full envelope; anything else
     /// is the content of a new message (invalid JSON becomes a JSON string, empty becomes `null`).
     pub fn parse(payload: &[u8]) -> Result<Envelope, Error> {
+        // One pass for what arrives well-formed; [`Probe`] tells the rest apart as before.
+        match serde_json::from_slice::<Full<'_>>(payload) {
+            Ok(Full {
+                header: Some(ObjectOnly(header)),
+                route: Some(ObjectOnly(route)),
+                content,
+            }) => {
+                let content = content.map_or_else(null, |c| c.to_owned());
+                return Ok(Envelope {
+                    header,
+                    route,
+                    content,
+                });
+            }
+            Ok(_) => {
+                let content = raw_json(payload).ok_or(Error::NotText)?;
+                return Ok(Envelope::new(Route::default(), content));
+            }
+            Err(_) => {}
+        }
         let content = match serde_json::from_slice::<Probe<'_>>(payload) {
             Ok(Probe {
                 header: Some(header),

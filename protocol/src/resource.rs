@@ -13,21 +13,44 @@ pub struct Resource {
 impl Resource {
     /// Parses `<namespace>/<type>[/<id>]`: two or three non-empty levels.
     pub fn parse(raw: &str) -> Result<Resource, Error> {
-        let levels: Vec<&str> = raw.split('/').collect();
-        if !(2..=3).contains(&levels.len()) || levels.iter().any(|l| l.is_empty()) {
-            return Err(Error::InvalidResource(raw.to_owned()));
-        }
-        let namespace_end = levels[0].len();
-        Ok(Resource {
-            key: raw.to_owned(),
-            namespace_end,
-            type_end: namespace_end + 1 + levels[1].len(),
-        })
+        Resource::of(raw.to_owned())
     }
 
     /// Builds `<namespace>/<type>/<id>` from parts already known to be single levels.
     pub fn from_parts(namespace: &str, res_type: &str, id: &str) -> Result<Resource, Error> {
-        Resource::parse(&format!("{namespace}/{res_type}/{id}"))
+        let mut key = String::with_capacity(namespace.len() + res_type.len() + id.len() + 2);
+        for (i, level) in [namespace, res_type, id].into_iter().enumerate() {
+            if i > 0 {
+                key.push('/');
+            }
+            key.push_str(level);
+        }
+        Resource::of(key)
+    }
+
+    /// `key` as a resource if it has two or three non-empty levels. Parsed on every message
+    /// several times over: one scan of its bytes, nothing allocated.
+    fn of(key: String) -> Result<Resource, Error> {
+        let mut slashes = key
+            .bytes()
+            .enumerate()
+            .filter(|&(_, b)| b == b'/')
+            .map(|(at, _)| at);
+        let (namespace_end, type_end) = match (slashes.next(), slashes.next(), slashes.next()) {
+            (Some(first), second, None) => (first, second.unwrap_or(key.len())),
+            _ => return Err(Error::InvalidResource(key)),
+        };
+        let empty_level = namespace_end == 0
+            || type_end == namespace_end + 1
+            || (type_end < key.len() && type_end + 1 == key.len());
+        if empty_level {
+            return Err(Error::InvalidResource(key));
+        }
+        Ok(Resource {
+            key,
+            namespace_end,
+            type_end,
+        })
     }
 
     /// The whole resource string: the `meta.key` column.
@@ -102,6 +125,9 @@ mod tests {
             "a//c",
             "/pod/x",
             "a/b/",
+            "a/",
+            "/b",
+            "/",
             "default/pod/nginx/extra/x",
         ] {
             let err = Resource::parse(raw).unwrap_err();
