@@ -571,13 +571,7 @@ impl Worker {
                         *state.outbox() = counters;
                         done.failed(&error_reply(config, &failed.step, &failed.error), failed);
                     }
-                    Err(e) => {
-                        done.aborted = Some(Error::Commit(format!(
-                            "cannot undo a failed message ({}): {e}",
-                            failed.error
-                        )));
-                        done.applied.push((failed.step, failed.outcome));
-                    }
+                    Err(e) => done.cannot_undo(failed, &e),
                 }
                 continue;
             }
@@ -591,11 +585,7 @@ impl Worker {
             let undone = match undone {
                 Ok(undone) => undone,
                 Err(e) => {
-                    done.aborted = Some(Error::Commit(format!(
-                        "cannot undo a failed message ({}): {e}",
-                        failed.error
-                    )));
-                    done.applied.push((failed.step, failed.outcome));
+                    done.cannot_undo(failed, &e);
                     continue;
                 }
             };
@@ -772,6 +762,15 @@ impl BatchResult {
         self.applied.push((step, Outcome::Final));
     }
 
+    /// A failed step's changes could not be undone: the transaction cannot commit.
+    fn cannot_undo(&mut self, failed: Failed, e: &libsql::Error) {
+        self.aborted = Some(Error::Commit(format!(
+            "cannot undo a failed message ({}): {e}",
+            failed.error
+        )));
+        self.applied.push((failed.step, failed.outcome));
+    }
+
     /// A step whose changes were undone: answered with its error.
     fn failed(&mut self, reply: &[Message], failed: Failed) {
         if let Step::Apply(work, _) = &failed.step {
@@ -913,16 +912,10 @@ mod tests {
         let config = WorkerConfig {
             root: "ke".into(),
             node: "n1".into(),
-            waits: Waits {
-                remote_query: Duration::from_secs(60),
-                volume: Duration::from_secs(60),
-            },
+            waits: WAITS,
             podstatus_sync_interval: Duration::from_secs(60),
             batch_max: 256,
-            outbox_limit: OutboxLimit {
-                entries: 1000,
-                bytes: 1 << 20,
-            },
+            outbox_limit: LIMIT,
             local_relay: false,
         };
         let (publisher, _out) = Publisher::channel(16);
@@ -945,6 +938,15 @@ mod tests {
         let topics = done.local.iter().map(|m| m.topic.to_string()).collect();
         (outcomes, topics, state)
     }
+
+    const WAITS: Waits = Waits {
+        remote_query: Duration::from_secs(60),
+        volume: Duration::from_secs(60),
+    };
+    const LIMIT: OutboxLimit = OutboxLimit {
+        entries: 1000,
+        bytes: 1 << 20,
+    };
 
     async fn outbox_topics(db: &Db) -> Vec<String> {
         let entries = db.outbox_peek(0, i64::MAX, 100).await.expect("peek");
@@ -1016,14 +1018,8 @@ mod tests {
         let settings = Settings {
             root: "ke",
             node: "n1",
-            waits: Waits {
-                remote_query: Duration::from_secs(60),
-                volume: Duration::from_secs(60),
-            },
-            outbox_limit: OutboxLimit {
-                entries: 1000,
-                bytes: 1 << 20,
-            },
+            waits: WAITS,
+            outbox_limit: LIMIT,
             broker: &Publisher::channel(1).0,
             relay: false,
         };
