@@ -1,5 +1,5 @@
-//! The unit of work: what the store worker is handed ([`Job`]), the message it applies inside a
-//! savepoint ([`Work`]), everything a handler may touch while doing so ([`Context`]), and the
+//! The unit of work: what the store worker is handed ([`Job`]), the message it applies, undone
+//! alone if it fails ([`Work`]), everything a handler may touch while doing so ([`Context`]), and the
 //! state the MetaManager keeps besides the store ([`State`]). The worker and the handlers import
 //! this module; it imports neither.
 
@@ -347,7 +347,7 @@ impl<'a> Context<'a> {
         self.append_for_cloud(&topic, &envelope.to_bytes()).await
     }
 
-    /// Appends to the outbox in this message's savepoint (see [`outbox::append`]).
+    /// Appends to the outbox in the batch's transaction (see [`outbox::append`]).
     pub(crate) async fn queue_for_cloud(
         &mut self,
         topic: &str,

@@ -2,8 +2,8 @@
 //!
 //! It runs on its own thread with its own single-threaded runtime, because libsql executes
 //! SQLite synchronously. Messages arrive over a bounded channel; whatever has queued up is
-//! applied in one transaction (group commit), each message inside its own savepoint so one
-//! failure rolls back only that message. Nothing is published until the commit succeeded.
+//! applied in one transaction (group commit), and a message that fails is undone alone
+//! (`Worker::apply_steps`). Nothing is published until the commit succeeded.
 
 use std::collections::VecDeque;
 use std::sync::Arc;

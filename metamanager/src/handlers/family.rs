@@ -25,8 +25,8 @@ pub(crate) struct Family {
     /// Whether a failure (a store error, a full outbox, bad input refused before it ran) is
     /// answered on [`Family::result`]; otherwise it is only logged.
     pub(crate) answers_failures: bool,
-    /// Applies one message, inside its savepoint. Bad input is answered on the result topic and
-    /// changes nothing; only a store failure is an `Err` (the savepoint is rolled back).
+    /// Applies one message. Bad input is answered on the result topic and changes nothing; only
+    /// a store failure is an `Err` (the message's changes are undone).
     pub(crate) apply: Apply,
 }
 

@@ -9,8 +9,8 @@
 //! its `apply` and whether its failures are answered, and one row of [`DEVICES`]. Steps they
 //! share are in [`device`]. Adding a family is one new file and one row.
 //!
-//! Everything runs on the store worker inside the message's savepoint, so what goes up is in the
-//! same transaction. [`failure_reply`] is what a failed message's sender hears.
+//! Everything runs on the store worker inside the batch's transaction, so what goes up is in
+//! the same transaction as the change. [`failure_reply`] is what a failed message's sender hears.
 
 mod answer;
 mod cloud_detail;

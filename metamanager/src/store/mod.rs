@@ -616,7 +616,7 @@ pub struct Transaction<'a> {
 }
 
 impl<'a> Transaction<'a> {
-    /// Opens a savepoint: one message's changes, which can be undone without the rest.
+    /// Opens a savepoint: changes that can be undone without the rest of the transaction.
     pub async fn savepoint(&self) -> Result<Savepoint<'a>, libsql::Error> {
         self.fresh.set(false);
         self.db.control("SAVEPOINT step").await?;
@@ -675,7 +675,8 @@ impl<'a> Transaction<'a> {
     }
 }
 
-/// One message's savepoint inside a [`Transaction`].
+/// A savepoint inside a [`Transaction`]: the changes of one message, or of a segment of a
+/// batch's messages (the worker's `apply_steps`).
 #[must_use = "a savepoint must be released or rolled back"]
 pub struct Savepoint<'a> {
     db: &'a Db,
