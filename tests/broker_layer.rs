@@ -178,51 +178,85 @@ mod v5 {
     }
 }
 
-#[tokio::test]
-async fn a_v5_shared_subscription_gives_each_message_to_one_member() {
+/// Two v5 members of the shared subscription `shared` on a fresh node, `payloads` published at
+/// QoS 1 to `topic`: what each member got once as many arrived, and whether anything arrived
+/// after that within [`common::QUIET`].
+async fn shared_group(
+    shared: &str,
+    topic: &str,
+    payloads: Vec<String>,
+) -> (Vec<Vec<u8>>, Vec<Vec<u8>>, Option<String>) {
     let node = Node::start_with(Options {
         v5: true,
         ..Options::default()
     })
     .await;
     let port = node.v5_port.expect("v5 listener");
-    let topic = format!("jobs/{}", unique_id("q"));
-    let shared = format!("$share/workers/{topic}");
     let mut first = v5::V5::connect(port).await;
     let mut second = v5::V5::connect(port).await;
-    first.subscribe(&shared).await;
-    second.subscribe(&shared).await;
+    first.subscribe(shared).await;
+    second.subscribe(shared).await;
     let publisher = v5::V5::connect(port).await;
-    for i in 0..10 {
+    let count = payloads.len();
+    for payload in payloads {
         publisher
             .client
             .publish(
-                &topic,
+                topic,
                 rumqttc::v5::mqttbytes::QoS::AtLeastOnce,
                 false,
-                format!("job-{i}"),
+                payload,
             )
             .await
             .expect("publish");
     }
-    let mut got = Vec::new();
-    let (mut a, mut b) = (0, 0);
-    while got.len() < 10 {
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    while a.len() + b.len() < count {
         tokio::select! {
-            m = first.next() => { a += 1; got.push(m.1) }
-            m = second.next() => { b += 1; got.push(m.1) }
+            m = first.next() => a.push(m.1),
+            m = second.next() => b.push(m.1),
         }
     }
-    got.sort();
-    let mut want: Vec<Vec<u8>> = (0..10).map(|i| format!("job-{i}").into_bytes()).collect();
-    want.sort();
-    assert_eq!(got, want, "every job exactly once across the group");
-    assert!(a > 0 && b > 0, "both members served: {a} and {b}");
     let late = tokio::time::timeout(common::QUIET, async {
         tokio::select! { m = first.next() => m, m = second.next() => m }
     })
     .await;
-    assert!(late.is_err(), "a job was delivered twice: {late:?}");
+    (a, b, late.ok().map(|m| format!("{m:?}")))
+}
+
+#[tokio::test]
+async fn a_v5_shared_subscription_gives_each_message_to_one_member() {
+    let topic = format!("jobs/{}", unique_id("q"));
+    let jobs = (0..10).map(|i| format!("job-{i}")).collect();
+    let (a, b, late) = shared_group(&format!("$share/workers/{topic}"), &topic, jobs).await;
+    let (served_a, served_b) = (a.len(), b.len());
+    let mut got: Vec<Vec<u8>> = a.into_iter().chain(b).collect();
+    got.sort();
+    let mut want: Vec<Vec<u8>> = (0..10).map(|i| format!("job-{i}").into_bytes()).collect();
+    want.sort();
+    assert_eq!(got, want, "every job exactly once across the group");
+    assert!(
+        served_a > 0 && served_b > 0,
+        "both members served: {served_a} and {served_b}"
+    );
+    assert!(late.is_none(), "a job was delivered twice: {late:?}");
+}
+
+/// The node's own hand-ons to a shared group (here edged's topics) take turns among its
+/// members as a client's publishes do; each once went to the same member.
+#[tokio::test]
+async fn the_nodes_hand_ons_take_turns_in_a_shared_subscription() {
+    let pods = (0..10)
+        .map(|i| format!(r#"{{"metadata":{{"name":"p{i}"}}}}"#))
+        .collect();
+    let (a, b, late) = shared_group(
+        "$share/edged/ke/edged/#",
+        "ke/meta/edgecontroller/insert/default/pod",
+        pods,
+    )
+    .await;
+    assert_eq!((a.len(), b.len()), (5, 5), "the members take turns");
+    assert!(late.is_none(), "a hand-on was delivered twice: {late:?}");
 }
 
 #[tokio::test]

@@ -862,10 +862,12 @@ mod tests {
     use crate::intake::{self, IntakeConfig};
     use crate::unit::{PendingKind, Work};
 
-    /// A store whose writes of `fail/...` keys fail, as a full disk fails one message's write.
-    async fn failing_store(dir: &std::path::Path) -> Db {
+    /// A store whose writes of `fail/...` keys fail, as a full disk fails one message's write;
+    /// its directory lives as long as the returned guard.
+    async fn failing_store() -> (tempfile::TempDir, Db) {
+        let dir = tempfile::tempdir().expect("temp dir");
         let config = StoreConfig {
-            path: dir.join("meta.db"),
+            path: dir.path().join("meta.db"),
             ..StoreConfig::default()
         };
         let db = Db::open(&config).await.expect("open");
@@ -882,7 +884,7 @@ mod tests {
             )
             .await
             .expect("trigger");
-        db
+        (dir, db)
     }
 
     fn step(topic: &str, payload: &str) -> Step {
@@ -958,8 +960,7 @@ mod tests {
     /// and the link change and the query, which a second application would repeat, are not.
     #[tokio::test]
     async fn failed_messages_are_undone_alone_and_nothing_is_applied_twice() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let db = failing_store(dir.path()).await;
+        let (_dir, db) = failing_store().await;
         let steps = vec![
             insert("default/pod/a"),
             step(
@@ -1031,8 +1032,7 @@ mod tests {
     /// A failure in a batch's first messages, which run with no savepoint at all.
     #[tokio::test]
     async fn a_failure_before_any_savepoint_undoes_only_its_message() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let db = failing_store(dir.path()).await;
+        let (_dir, db) = failing_store().await;
         let steps = vec![
             insert("default/pod/a"),
             insert("fail/pod/x"),
