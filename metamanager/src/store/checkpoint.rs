@@ -32,12 +32,6 @@ const CATCH_UP_TRIES: u32 = 4;
 /// The longest a commit waits to be folded in.
 const MAX_WAIT: Duration = Duration::from_millis(500);
 
-/// The checkpoint thread's nice value: the lowest priority. A pass copies and syncs for a few
-/// hundred µs at a time; at the default priority it held a core that a woken connection or the
-/// store thread then waited for (P2's slowest 1 % at 10k msg/s, docs/benchmarks.md). Starved
-/// under full load, it leaves the WAL to the store thread's backstop, which bounds it.
-const NICE: i32 = 19;
-
 /// WAL pages past which the store thread still checkpoints inline (SQLite's
 /// `wal_autocheckpoint`): a backstop for when commits never pause long enough for a passive
 /// checkpoint to catch up, so the WAL can restart from its beginning. Folded in up to the last
@@ -66,13 +60,6 @@ impl Checkpointer {
         let thread = std::thread::Builder::new()
             .name("edgemeta-store-checkpoint".into())
             .spawn(move || {
-                // Linux keeps a nice value per thread; this one alone runs below the rest.
-                if let Err(e) = rustix::process::setpriority_process(
-                    Some(rustix::thread::gettid()),
-                    NICE,
-                ) {
-                    warn!(error_code = "EM-STORE-CHECKPOINT", error = %e, "the checkpoint thread keeps the default priority");
-                }
                 let runtime = match super::thread_runtime() {
                     Ok(rt) => rt,
                     Err(e) => {
@@ -293,42 +280,6 @@ mod tests {
             index.frames(),
             Some((last, u32::try_from(done).expect("frames")))
         );
-    }
-
-    /// The nice values of this process's threads named `edgemeta-store-…` (the kernel keeps
-    /// 15 bytes of a name: the checkpoint, sync and reader threads all read so).
-    fn store_thread_nice_values() -> Vec<i64> {
-        let mut found = Vec::new();
-        for task in std::fs::read_dir("/proc/self/task").expect("tasks").flatten() {
-            let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
-            let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
-            // Fields after the name's closing parenthesis start at field 3; nice is field 19.
-            let nice = stat
-                .rsplit_once(") ")
-                .and_then(|(_, rest)| rest.split(' ').nth(16))
-                .and_then(|n| n.parse().ok());
-            if let (true, Some(nice)) = (comm.trim_end() == "edgemeta-store-", nice) {
-                found.push(nice);
-            }
-        }
-        found
-    }
-
-    #[tokio::test]
-    async fn the_checkpoint_thread_runs_below_the_others() {
-        let (_dir, config, _db) = fresh_store().await;
-        let checkpointer = Checkpointer::start(&config.path).expect("start");
-        let nice = store_thread_nice_values();
-        assert!(
-            nice.contains(&i64::from(NICE)),
-            "no store thread at nice {NICE}: {nice:?}"
-        );
-        assert_eq!(
-            rustix::process::getpriority_process(None).expect("priority"),
-            0,
-            "the test's own thread keeps the default priority"
-        );
-        drop(checkpointer);
     }
 
     #[tokio::test]
