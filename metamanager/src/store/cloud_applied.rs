@@ -102,15 +102,17 @@ impl Db {
         value: &str,
         change: &Applied,
     ) -> Result<bool, libsql::Error> {
-        const READ: &str = "SELECT 1, value, applied_rv, applied_msg_id, 0 FROM meta WHERE key = ?1
-             UNION ALL SELECT 2, NULL, rv, msg_id, deleted FROM cloud_applied WHERE key = ?1";
+        const READ: &str = "SELECT 1, value, applied_rv, applied_msg_id, 0, rv FROM meta
+                 WHERE key = ?1
+             UNION ALL SELECT 2, NULL, rv, msg_id, deleted, NULL FROM cloud_applied WHERE key = ?1";
         let statement = self.statement(READ).await?;
         let mut rows = statement.query([key]).await?;
-        let (mut stored, mut on_row, mut kept) = (None, None, None);
+        let (mut stored, mut on_row, mut kept, mut version) = (None, None, None, 0);
         while let Some(row) = rows.next().await? {
             if matches!(row.get_value(0)?, Value::Integer(1)) {
                 stored = Some(text(&row, 1)?);
                 on_row = applied_at(&row, 2)?;
+                version = row.get::<Option<i64>>(5)?.unwrap_or_default();
             } else {
                 kept = applied_at(&row, 2)?;
             }
@@ -147,7 +149,10 @@ impl Db {
                 .await?;
                 return Ok(true);
             }
-            Some(_) => Event::Modified,
+            Some(old) => {
+                self.settle(version, &old).await?;
+                Event::Modified
+            }
         };
         let version = self.record(res_type, key, event, value).await?;
         self.exec(

@@ -117,6 +117,27 @@ pub const MIGRATIONS: &[(i64, &str)] = &[
         "ALTER TABLE meta ADD COLUMN applied_rv INTEGER;
          ALTER TABLE meta ADD COLUMN applied_msg_id TEXT;",
     ),
+    (
+        10,
+        // `meta_history.value` may be NULL: the change made the object what its `meta` row
+        // holds now (versions.rs), so an added or modified object is written once, not twice.
+        // The rebuild keeps every row and the sequence (a dropped table's row leaves
+        // sqlite_sequence; the rename carries the new one's).
+        "CREATE TABLE meta_history_next (
+             rv INTEGER PRIMARY KEY AUTOINCREMENT,
+             type TEXT NOT NULL,
+             key TEXT NOT NULL,
+             event TEXT NOT NULL,
+             value TEXT
+         );
+         INSERT INTO meta_history_next (rv, type, key, event, value)
+             SELECT rv, type, key, event, value FROM meta_history;
+         DELETE FROM sqlite_sequence WHERE name = 'meta_history_next';
+         INSERT INTO sqlite_sequence (name, seq)
+             SELECT 'meta_history_next', seq FROM sqlite_sequence WHERE name = 'meta_history';
+         DROP TABLE meta_history;
+         ALTER TABLE meta_history_next RENAME TO meta_history;",
+    ),
 ];
 
 /// The schema version this build writes.

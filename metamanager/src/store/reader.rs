@@ -273,7 +273,10 @@ async fn since(conn: &Connection, res_type: &str, rv: u64) -> Result<Since, libs
     }
     let mut rows = conn
         .query(
-            "SELECT rv, key, event, value FROM meta_history WHERE rv > ?1 AND type = ?2 ORDER BY rv",
+            // A row without a value left it to the object's `meta` row (versions.rs).
+            "SELECT h.rv, h.key, h.event, coalesce(h.value, m.value) FROM meta_history h
+             LEFT JOIN meta m ON h.value IS NULL AND m.key = h.key
+             WHERE h.rv > ?1 AND h.type = ?2 ORDER BY h.rv",
             libsql::params![rv as i64, res_type],
         )
         .await?;

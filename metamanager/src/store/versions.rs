@@ -90,10 +90,13 @@ impl Db {
         res_type: &str,
         value: &str,
     ) -> Result<(), libsql::Error> {
-        let event = match self.get(key).await? {
+        let event = match self.current(key).await? {
             None => Event::Added,
-            Some(old) if old == value => return Ok(()),
-            Some(_) => Event::Modified,
+            Some((old, _)) if old == value => return Ok(()),
+            Some((old, old_rv)) => {
+                self.settle(old_rv, &old).await?;
+                Event::Modified
+            }
         };
         let rv = self.record(res_type, key, event, value).await?;
         self.exec(
@@ -111,15 +114,44 @@ impl Db {
         key: &str,
         res_type: &str,
     ) -> Result<u64, libsql::Error> {
-        let Some(old) = self.get(key).await? else {
+        let Some((old, old_rv)) = self.current(key).await? else {
             return Ok(0);
         };
+        self.settle(old_rv, &old).await?;
         self.record(res_type, key, Event::Deleted, &old).await?;
         self.exec("DELETE FROM meta WHERE key = ?1", [key]).await
     }
 
+    /// A served object's stored value and version.
+    async fn current(&self, key: &str) -> Result<Option<(String, i64)>, libsql::Error> {
+        const SQL: &str = "SELECT value, rv FROM meta WHERE key = ?1";
+        let statement = self.statement(SQL).await?;
+        let mut rows = statement.query([key]).await?;
+        let found = match rows.next().await? {
+            Some(row) => Some((super::text(&row, 0)?.unwrap_or_default(), row.get::<i64>(1)?)),
+            None => None,
+        };
+        drop(rows);
+        self.keep(SQL, statement);
+        Ok(found)
+    }
+
+    /// Writes `value` into the history row of version `rv` if that row leaves its value to
+    /// `meta` ([`Db::record`]): the object is about to change, and that row must keep what
+    /// it was. Nothing when the row is pruned or holds its value already.
+    pub(super) async fn settle(&self, rv: i64, value: &str) -> Result<(), libsql::Error> {
+        self.exec(
+            "UPDATE meta_history SET value = ?2 WHERE rv = ?1 AND value IS NULL",
+            params![rv, value],
+        )
+        .await
+        .map(drop)
+    }
+
     /// Takes the next version for a change: its history row and the pending change (the
-    /// prune waits for the commit, [`Db::prune_history`]).
+    /// prune waits for the commit, [`Db::prune_history`]). An added or modified object's row
+    /// leaves its value to `meta`, which holds it until the object changes again ([`Db::settle`]):
+    /// each such change writes the object once, not twice. A delete's row keeps the last value.
     pub(super) async fn record(
         &self,
         res_type: &str,
@@ -127,9 +159,10 @@ impl Db {
         event: Event,
         value: &str,
     ) -> Result<u64, libsql::Error> {
+        let kept = (event == Event::Deleted).then_some(value);
         self.exec(
             "INSERT INTO meta_history (type, key, event, value) VALUES (?1, ?2, ?3, ?4)",
-            params![res_type, key, event.as_str(), value],
+            params![res_type, key, event.as_str(), kept],
         )
         .await?;
         let rv = u64::try_from(self.conn.last_insert_rowid()).unwrap_or_default();
@@ -299,5 +332,133 @@ mod tests {
             .expect("upsert");
         tx.commit().await.expect("commit");
         assert!(reader.list(next).await.expect("list").is_none(), "too old");
+    }
+
+    /// What each history row holds: `(rv, event, value)`, a NULL value as `None`.
+    async fn history_rows(db: &Db) -> Vec<(i64, String, Option<String>)> {
+        let mut rows = db
+            .conn
+            .query("SELECT rv, event, value FROM meta_history ORDER BY rv", ())
+            .await
+            .expect("history");
+        let mut found = Vec::new();
+        while let Some(row) = rows.next().await.expect("row") {
+            found.push((
+                row.get(0).expect("rv"),
+                row.get(1).expect("event"),
+                row.get(2).expect("value"),
+            ));
+        }
+        found
+    }
+
+    fn fresh_config(dir: &tempfile::TempDir) -> StoreConfig {
+        StoreConfig {
+            path: dir.path().join("meta.db"),
+            ..StoreConfig::default()
+        }
+    }
+
+    /// An added or modified object is written once, in `meta`; the history row it leaves its
+    /// value to gets it when the object changes again, so a watch resumed from any version
+    /// sees each change as it was, whether it came from edged or from the cloud.
+    #[tokio::test]
+    async fn each_change_keeps_its_value_once_the_object_moves_on() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = fresh_config(&dir);
+        let db = Db::open(&config).await.expect("open");
+        let tx = db.begin(true).await.expect("begin");
+        for value in ["{\"v\":1}", "{\"v\":2}", "{\"v\":3}"] {
+            db.upsert("default/pod/a", "pod", value).await.expect("upsert");
+        }
+        assert_eq!(db.delete("default/pod/a").await.expect("delete"), 1);
+        db.upsert("default/pod/b", "pod", "{\"b\":1}")
+            .await
+            .expect("upsert");
+        for (n, value) in ["{\"c\":1}", "{\"c\":2}"].into_iter().enumerate() {
+            let change = crate::store::cloud_applied::Applied {
+                rv: Some(n as u64 + 1),
+                msg_id: format!("m{n}"),
+                deleted: false,
+            };
+            assert!(db
+                .upsert_cloud_change("default/pod/c", "pod", value, &change)
+                .await
+                .expect("cloud change"));
+        }
+        tx.commit().await.expect("commit");
+        let some = |v: &str| Some(v.to_owned());
+        assert_eq!(
+            history_rows(&db).await,
+            [
+                (1, "ADDED".into(), some("{\"v\":1}")),
+                (2, "MODIFIED".into(), some("{\"v\":2}")),
+                (3, "MODIFIED".into(), some("{\"v\":3}")),
+                (4, "DELETED".into(), some("{\"v\":3}")),
+                (5, "ADDED".into(), None),
+                (6, "ADDED".into(), some("{\"c\":1}")),
+                (7, "MODIFIED".into(), None),
+            ],
+            "only the objects' latest changes leave their value to meta"
+        );
+        let reader = Reader::open(&config.path).await.expect("reader");
+        let Since::Changes { changes, rev } = reader.since("pod", 0).await.expect("since") else {
+            panic!("the whole history is kept");
+        };
+        assert_eq!(rev, 7);
+        let seen: Vec<(u64, Event, &str, &str)> = changes
+            .iter()
+            .map(|c| (c.rv, c.event, c.key.as_str(), &*c.value))
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                (1, Event::Added, "default/pod/a", "{\"v\":1}"),
+                (2, Event::Modified, "default/pod/a", "{\"v\":2}"),
+                (3, Event::Modified, "default/pod/a", "{\"v\":3}"),
+                (4, Event::Deleted, "default/pod/a", "{\"v\":3}"),
+                (5, Event::Added, "default/pod/b", "{\"b\":1}"),
+                (6, Event::Added, "default/pod/c", "{\"c\":1}"),
+                (7, Event::Modified, "default/pod/c", "{\"c\":2}"),
+            ]
+        );
+    }
+
+    /// Schema 10 lets a history row leave its value to `meta`; a store of schema 9 keeps its
+    /// rows and its sequence, so no version is handed out twice.
+    #[tokio::test]
+    async fn the_history_and_its_sequence_survive_the_rebuild() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = fresh_config(&dir);
+        let db = Db::open(&config).await.expect("open");
+        // As a store of schema 9 was: every row with its value, the sequence past the last row
+        // (a change rolled back or pruned after it).
+        db.conn
+            .execute_batch(
+                "DROP TABLE meta_history;
+                 CREATE TABLE meta_history (rv INTEGER PRIMARY KEY AUTOINCREMENT,
+                     type TEXT NOT NULL, key TEXT NOT NULL, event TEXT NOT NULL,
+                     value TEXT NOT NULL);
+                 INSERT INTO meta_history VALUES (7, 'pod', 'default/pod/a', 'ADDED', '{}');
+                 UPDATE sqlite_sequence SET seq = 9 WHERE name = 'meta_history';
+                 INSERT INTO meta (key, type, value, rv) VALUES ('default/pod/a', 'pod', '{}', 7);
+                 PRAGMA user_version=9;",
+            )
+            .await
+            .expect("schema 9");
+        drop(db);
+        let db = Db::open(&config).await.expect("reopen");
+        let tx = db.begin(true).await.expect("begin");
+        db.upsert("default/pod/a", "pod", "{\"v\":2}")
+            .await
+            .expect("upsert");
+        tx.commit().await.expect("commit");
+        assert_eq!(
+            history_rows(&db).await,
+            [
+                (7, "ADDED".into(), Some("{}".to_owned())),
+                (10, "MODIFIED".into(), None)
+            ]
+        );
     }
 }
