@@ -119,8 +119,8 @@ pub const MIGRATIONS: &[(i64, &str)] = &[
     ),
     (
         10,
-        // `meta_history.value` may be NULL: the change made the object what its `meta` row
-        // holds now (versions.rs), so an added or modified object is written once, not twice.
+        // `meta_history.value` may be NULL: the object was added and is still what its `meta`
+        // row holds (versions.rs), so an object added and never changed is written once.
         // The rebuild keeps every row and the sequence (a dropped table's row leaves
         // sqlite_sequence; the rename carries the new one's).
         "CREATE TABLE meta_history_next (

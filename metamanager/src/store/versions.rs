@@ -128,7 +128,10 @@ impl Db {
         let statement = self.statement(SQL).await?;
         let mut rows = statement.query([key]).await?;
         let found = match rows.next().await? {
-            Some(row) => Some((super::text(&row, 0)?.unwrap_or_default(), row.get::<i64>(1)?)),
+            Some(row) => Some((
+                super::text(&row, 0)?.unwrap_or_default(),
+                row.get::<i64>(1)?,
+            )),
             None => None,
         };
         drop(rows);
@@ -137,8 +140,8 @@ impl Db {
     }
 
     /// Writes `value` into the history row of version `rv` if that row leaves its value to
-    /// `meta` ([`Db::record`]): the object is about to change, and that row must keep what
-    /// it was. Nothing when the row is pruned or holds its value already.
+    /// `meta` (an add's, [`Db::record`]): the object is about to change, and that row must
+    /// keep what it was. Nothing when the row is pruned or holds its value already.
     pub(super) async fn settle(&self, rv: i64, value: &str) -> Result<(), libsql::Error> {
         self.exec(
             "UPDATE meta_history SET value = ?2 WHERE rv = ?1 AND value IS NULL",
@@ -149,9 +152,11 @@ impl Db {
     }
 
     /// Takes the next version for a change: its history row and the pending change (the
-    /// prune waits for the commit, [`Db::prune_history`]). An added or modified object's row
-    /// leaves its value to `meta`, which holds it until the object changes again ([`Db::settle`]):
-    /// each such change writes the object once, not twice. A delete's row keeps the last value.
+    /// prune waits for the commit, [`Db::prune_history`]). An added object's row leaves its
+    /// value to `meta`, which holds it until the object changes ([`Db::settle`]): an object
+    /// added and never changed, most of a node's, is written once, not twice. A change's row
+    /// holds its value: settling it on the next change would grow an old row of the history
+    /// for every update of an object that changes often.
     pub(super) async fn record(
         &self,
         res_type: &str,
@@ -159,7 +164,7 @@ impl Db {
         event: Event,
         value: &str,
     ) -> Result<u64, libsql::Error> {
-        let kept = (event == Event::Deleted).then_some(value);
+        let kept = (event != Event::Added).then_some(value);
         self.exec(
             "INSERT INTO meta_history (type, key, event, value) VALUES (?1, ?2, ?3, ?4)",
             params![res_type, key, event.as_str(), kept],
@@ -359,9 +364,9 @@ mod tests {
         }
     }
 
-    /// An added or modified object is written once, in `meta`; the history row it leaves its
-    /// value to gets it when the object changes again, so a watch resumed from any version
-    /// sees each change as it was, whether it came from edged or from the cloud.
+    /// An added object is written once, in `meta`; the history row that leaves its value to
+    /// `meta` gets it when the object changes, so a watch resumed from any version sees each
+    /// change as it was, whether it came from edged or from the cloud.
     #[tokio::test]
     async fn each_change_keeps_its_value_once_the_object_moves_on() {
         let dir = tempfile::tempdir().expect("temp dir");
@@ -369,7 +374,9 @@ mod tests {
         let db = Db::open(&config).await.expect("open");
         let tx = db.begin(true).await.expect("begin");
         for value in ["{\"v\":1}", "{\"v\":2}", "{\"v\":3}"] {
-            db.upsert("default/pod/a", "pod", value).await.expect("upsert");
+            db.upsert("default/pod/a", "pod", value)
+                .await
+                .expect("upsert");
         }
         assert_eq!(db.delete("default/pod/a").await.expect("delete"), 1);
         db.upsert("default/pod/b", "pod", "{\"b\":1}")
@@ -397,9 +404,9 @@ mod tests {
                 (4, "DELETED".into(), some("{\"v\":3}")),
                 (5, "ADDED".into(), None),
                 (6, "ADDED".into(), some("{\"c\":1}")),
-                (7, "MODIFIED".into(), None),
+                (7, "MODIFIED".into(), some("{\"c\":2}")),
             ],
-            "only the objects' latest changes leave their value to meta"
+            "only adds not followed by a change leave their value to meta"
         );
         let reader = Reader::open(&config.path).await.expect("reader");
         let Since::Changes { changes, rev } = reader.since("pod", 0).await.expect("since") else {
@@ -457,7 +464,7 @@ mod tests {
             history_rows(&db).await,
             [
                 (7, "ADDED".into(), Some("{}".to_owned())),
-                (10, "MODIFIED".into(), None)
+                (10, "MODIFIED".into(), Some("{\"v\":2}".to_owned()))
             ]
         );
     }
