@@ -120,11 +120,13 @@ pub const MIGRATIONS: &[(i64, &str)] = &[
     (
         10,
         // `meta_history.value` may be NULL: the object was added and is still what its `meta`
-        // row holds (versions.rs), so an object added and never changed is written once.
-        // The rebuild keeps every row and the sequence (a dropped table's row leaves
-        // sqlite_sequence; the rename carries the new one's).
+        // row holds (versions.rs), so an object added and never changed is written once. And
+        // no AUTOINCREMENT: its sequence row cost every change a read and a write of
+        // sqlite_sequence. A version is now the table's largest `rv` plus one, and the newest
+        // row is never pruned; where the old sequence ran past every row (a store whose
+        // versions schema 4 set, no change since), a row of no type carries it.
         "CREATE TABLE meta_history_next (
-             rv INTEGER PRIMARY KEY AUTOINCREMENT,
+             rv INTEGER PRIMARY KEY,
              type TEXT NOT NULL,
              key TEXT NOT NULL,
              event TEXT NOT NULL,
@@ -132,9 +134,10 @@ pub const MIGRATIONS: &[(i64, &str)] = &[
          );
          INSERT INTO meta_history_next (rv, type, key, event, value)
              SELECT rv, type, key, event, value FROM meta_history;
-         DELETE FROM sqlite_sequence WHERE name = 'meta_history_next';
-         INSERT INTO sqlite_sequence (name, seq)
-             SELECT 'meta_history_next', seq FROM sqlite_sequence WHERE name = 'meta_history';
+         INSERT INTO meta_history_next (rv, type, key, event, value)
+             SELECT seq, '', '', '', NULL FROM sqlite_sequence
+             WHERE name = 'meta_history'
+               AND seq > coalesce((SELECT max(rv) FROM meta_history), 0);
          DROP TABLE meta_history;
          ALTER TABLE meta_history_next RENAME TO meta_history;",
     ),

@@ -176,17 +176,24 @@ fn version(value: i64) -> u64 {
     u64::try_from(value).unwrap_or_default()
 }
 
-/// The version the store is at, and the oldest a watch can start from.
+/// The version the store is at, and the oldest a watch can start from: the newest history
+/// row's, and the one before the oldest row's. A row of no type (schema 10) stands for a
+/// version whose change is not known: a watch starts at it, not before.
 async fn bounds(conn: &Connection) -> Result<(u64, u64), libsql::Error> {
-    let rev = scalar(
-        conn,
-        "SELECT seq FROM sqlite_sequence WHERE name = 'meta_history'",
-    )
-    .await?
-    .map_or(0, version);
-    let floor = scalar(conn, "SELECT min(rv) FROM meta_history")
+    let rev = scalar(conn, "SELECT max(rv) FROM meta_history")
         .await?
-        .map_or(rev, |oldest| version(oldest - 1));
+        .map_or(0, version);
+    let mut rows = conn
+        .query(
+            "SELECT rv, type = '' FROM meta_history ORDER BY rv LIMIT 1",
+            (),
+        )
+        .await?;
+    let floor = match rows.next().await? {
+        Some(row) if row.get::<bool>(1)? => version(row.get::<i64>(0)?),
+        Some(row) => version(row.get::<i64>(0)? - 1),
+        None => rev,
+    };
     Ok((rev, floor))
 }
 

@@ -2,8 +2,10 @@
 //!
 //! Every change of a served type ([`VERSIONED`]) takes the next value of one node-local
 //! sequence, in the same transaction as the change: the object's `meta.rv` and one
-//! `meta_history` row (the event and the object as it is after it, or was before a delete).
-//! History is pruned to `history` rows in the same statement sequence. The changes of the open
+//! `meta_history` row (the event and the object as it is after it, or was before a delete; an
+//! add leaves it to `meta` until the object changes). The sequence is the history's largest
+//! version plus one. History is pruned to `history` rows, never the newest, in the same
+//! statement sequence. The changes of the open
 //! transaction wait in [`Db`]'s pending list until the worker has committed them, then go to
 //! the live watchers.
 
@@ -182,12 +184,13 @@ impl Db {
     }
 
     /// Keeps the last `history` rows, once per transaction, just before its `COMMIT`: one
-    /// `DELETE` per batch instead of one per change, and no reader sees the difference.
+    /// `DELETE` per batch instead of one per change, and no reader sees the difference. The
+    /// newest row stays whatever `history` says: the next version follows it.
     pub(super) async fn prune_history(&self) -> Result<(), libsql::Error> {
         let Some(last) = self.pending().last().map(|change| change.rv) else {
             return Ok(());
         };
-        let keep = self.history;
+        let keep = self.history.max(1);
         self.exec(
             "DELETE FROM meta_history WHERE rv <= ?1",
             [i64::try_from(last.saturating_sub(keep)).unwrap_or(i64::MAX)],
@@ -464,8 +467,65 @@ mod tests {
             history_rows(&db).await,
             [
                 (7, "ADDED".into(), Some("{}".to_owned())),
+                (9, String::new(), None),
                 (10, "MODIFIED".into(), Some("{\"v\":2}".to_owned()))
-            ]
+            ],
+            "the sequence goes on past the versions it gave out"
+        );
+        let reader = Reader::open(&config.path).await.expect("reader");
+        let Since::Changes { changes, rev } = reader.since("pod", 6).await.expect("since") else {
+            panic!("version 6 is in the history");
+        };
+        assert_eq!(
+            (events(&changes), rev),
+            (
+                vec![
+                    (7, Event::Added, "default/pod/a"),
+                    (10, Event::Modified, "default/pod/a")
+                ],
+                10
+            )
+        );
+    }
+
+    /// A store whose versions schema 4 set (every object at 1, no change since) goes on from
+    /// them: a watch starts at 1, not before, and the next change is 2.
+    #[tokio::test]
+    async fn versions_set_by_schema_4_are_not_given_out_again() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = fresh_config(&dir);
+        let db = Db::open(&config).await.expect("open");
+        db.conn
+            .execute_batch(
+                "DROP TABLE meta_history;
+                 CREATE TABLE meta_history (rv INTEGER PRIMARY KEY AUTOINCREMENT,
+                     type TEXT NOT NULL, key TEXT NOT NULL, event TEXT NOT NULL,
+                     value TEXT NOT NULL);
+                 INSERT INTO sqlite_sequence (name, seq) VALUES ('meta_history', 1);
+                 INSERT INTO meta (key, type, value, rv) VALUES ('default/pod/a', 'pod', '{}', 1);
+                 PRAGMA user_version=9;",
+            )
+            .await
+            .expect("schema 9");
+        drop(db);
+        let db = Db::open(&config).await.expect("reopen");
+        let reader = Reader::open(&config.path).await.expect("reader");
+        assert!(matches!(
+            reader.since("pod", 0).await.expect("since"),
+            Since::Expired { floor: 1, rev: 1 }
+        ));
+        assert!(matches!(
+            reader.since("pod", 1).await.expect("since"),
+            Since::Changes { ref changes, rev: 1 } if changes.is_empty()
+        ));
+        let tx = db.begin(true).await.expect("begin");
+        db.upsert("default/pod/b", "pod", "{}")
+            .await
+            .expect("upsert");
+        tx.commit().await.expect("commit");
+        assert_eq!(
+            events(&db.take_changes()),
+            [(2, Event::Added, "default/pod/b")]
         );
     }
 }
