@@ -360,6 +360,35 @@ mod tests {
         found
     }
 
+    /// A store as schema 9 left it (`meta_history` with `AUTOINCREMENT` and values required)
+    /// after `sql`, opened again: schema 10 applied to it. The directory guard comes along.
+    async fn from_schema_9(sql: &str) -> (tempfile::TempDir, StoreConfig, Db) {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = fresh_config(&dir);
+        let db = Db::open(&config).await.expect("open");
+        db.conn
+            .execute_batch(&format!(
+                "DROP TABLE meta_history;
+                 CREATE TABLE meta_history (rv INTEGER PRIMARY KEY AUTOINCREMENT,
+                     type TEXT NOT NULL, key TEXT NOT NULL, event TEXT NOT NULL,
+                     value TEXT NOT NULL);
+                 {sql}
+                 PRAGMA user_version=9;"
+            ))
+            .await
+            .expect("schema 9");
+        drop(db);
+        let db = Db::open(&config).await.expect("reopen");
+        (dir, config, db)
+    }
+
+    /// Stores `value` under the pod `key` in a transaction of its own.
+    async fn upsert_committed(db: &Db, key: &str, value: &str) {
+        let tx = db.begin(true).await.expect("begin");
+        db.upsert(key, "pod", value).await.expect("upsert");
+        tx.commit().await.expect("commit");
+    }
+
     fn fresh_config(dir: &tempfile::TempDir) -> StoreConfig {
         StoreConfig {
             path: dir.path().join("meta.db"),
@@ -438,31 +467,15 @@ mod tests {
     /// rows and its sequence, so no version is handed out twice.
     #[tokio::test]
     async fn the_history_and_its_sequence_survive_the_rebuild() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let config = fresh_config(&dir);
-        let db = Db::open(&config).await.expect("open");
-        // As a store of schema 9 was: every row with its value, the sequence past the last row
-        // (a change rolled back or pruned after it).
-        db.conn
-            .execute_batch(
-                "DROP TABLE meta_history;
-                 CREATE TABLE meta_history (rv INTEGER PRIMARY KEY AUTOINCREMENT,
-                     type TEXT NOT NULL, key TEXT NOT NULL, event TEXT NOT NULL,
-                     value TEXT NOT NULL);
-                 INSERT INTO meta_history VALUES (7, 'pod', 'default/pod/a', 'ADDED', '{}');
-                 UPDATE sqlite_sequence SET seq = 9 WHERE name = 'meta_history';
-                 INSERT INTO meta (key, type, value, rv) VALUES ('default/pod/a', 'pod', '{}', 7);
-                 PRAGMA user_version=9;",
-            )
-            .await
-            .expect("schema 9");
-        drop(db);
-        let db = Db::open(&config).await.expect("reopen");
-        let tx = db.begin(true).await.expect("begin");
-        db.upsert("default/pod/a", "pod", "{\"v\":2}")
-            .await
-            .expect("upsert");
-        tx.commit().await.expect("commit");
+        // Every row with its value, the sequence past the last row (a change rolled back or
+        // pruned after it).
+        let (_dir, config, db) = from_schema_9(
+            "INSERT INTO meta_history VALUES (7, 'pod', 'default/pod/a', 'ADDED', '{}');
+             UPDATE sqlite_sequence SET seq = 9 WHERE name = 'meta_history';
+             INSERT INTO meta (key, type, value, rv) VALUES ('default/pod/a', 'pod', '{}', 7);",
+        )
+        .await;
+        upsert_committed(&db, "default/pod/a", "{\"v\":2}").await;
         assert_eq!(
             history_rows(&db).await,
             [
@@ -492,23 +505,11 @@ mod tests {
     /// them: a watch starts at 1, not before, and the next change is 2.
     #[tokio::test]
     async fn versions_set_by_schema_4_are_not_given_out_again() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let config = fresh_config(&dir);
-        let db = Db::open(&config).await.expect("open");
-        db.conn
-            .execute_batch(
-                "DROP TABLE meta_history;
-                 CREATE TABLE meta_history (rv INTEGER PRIMARY KEY AUTOINCREMENT,
-                     type TEXT NOT NULL, key TEXT NOT NULL, event TEXT NOT NULL,
-                     value TEXT NOT NULL);
-                 INSERT INTO sqlite_sequence (name, seq) VALUES ('meta_history', 1);
-                 INSERT INTO meta (key, type, value, rv) VALUES ('default/pod/a', 'pod', '{}', 1);
-                 PRAGMA user_version=9;",
-            )
-            .await
-            .expect("schema 9");
-        drop(db);
-        let db = Db::open(&config).await.expect("reopen");
+        let (_dir, config, db) = from_schema_9(
+            "INSERT INTO sqlite_sequence (name, seq) VALUES ('meta_history', 1);
+             INSERT INTO meta (key, type, value, rv) VALUES ('default/pod/a', 'pod', '{}', 1);",
+        )
+        .await;
         let reader = Reader::open(&config.path).await.expect("reader");
         assert!(matches!(
             reader.since("pod", 0).await.expect("since"),
@@ -518,11 +519,7 @@ mod tests {
             reader.since("pod", 1).await.expect("since"),
             Since::Changes { ref changes, rev: 1 } if changes.is_empty()
         ));
-        let tx = db.begin(true).await.expect("begin");
-        db.upsert("default/pod/b", "pod", "{}")
-            .await
-            .expect("upsert");
-        tx.commit().await.expect("commit");
+        upsert_committed(&db, "default/pod/b", "{}").await;
         assert_eq!(
             events(&db.take_changes()),
             [(2, Event::Added, "default/pod/b")]
