@@ -67,6 +67,12 @@ struct Args {
     /// With `--load-port`: P2 at this offered rate instead of P1.
     #[arg(long)]
     latency_rate: Option<u64>,
+    /// With `--load-port`: first store this many pods (`pre/pod/q<i>`, as P5 preloads them).
+    #[arg(long)]
+    fill: Option<usize>,
+    /// Only the P5 rows (the store sizes of the full run, or 100 and 1,000 with --quick).
+    #[arg(long)]
+    scaling: bool,
     /// With `--load-port`: P1 names each pod in its topic as well (topic contract v1,
     /// `.../insert/<ns>/pod/<name>`), to compare with builds from before contract v2, which took
     /// the name from the topic and would store every type-level publish under one row.
@@ -239,6 +245,11 @@ async fn main() -> anyhow::Result<()> {
         bail!("--v1-topics is for --load-port only: the table measures contract v2");
     }
     if let Some(port) = args.load_port {
+        if let Some(count) = args.fill {
+            let started = Instant::now();
+            fill(port, "pre", count).await?;
+            println!("filled {count} in {:.1} s", started.elapsed().as_secs_f64());
+        }
         for round in 0..args.rounds {
             if let Some(rate) = args.latency_rate {
                 let (p, delivered) = latency(port, &args.watch, rate, 3).await?;
@@ -294,6 +305,10 @@ async fn main() -> anyhow::Result<()> {
     }
     if args.readers {
         readers::readers(&args, &mut rows).await?;
+        return print_rows(rows);
+    }
+    if args.scaling {
+        scaling(&args, &sizes, &mut rows).await?;
         return print_rows(rows);
     }
     if args.connection_target.is_some() {
@@ -906,10 +921,19 @@ fn copy_store(from: &Path, to: &Path) -> anyhow::Result<()> {
     for name in ["bench.db", "bench.db-wal"] {
         let source = from.join(name);
         if source.exists() {
-            std::fs::copy(&source, to.join(name))
+            let target = to.join(name);
+            std::fs::copy(&source, &target)
                 .with_context(|| format!("copy {}", source.display()))?;
+            // On disk before the node starts, as a restarted node's store is: left to the
+            // kernel, the copy's writeback (490 MB at 1M) lands on the node's first fsyncs.
+            std::fs::File::open(&target)
+                .and_then(|f| f.sync_all())
+                .with_context(|| format!("sync {}", target.display()))?;
         }
     }
+    std::fs::File::open(to)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("sync {}", to.display()))?;
     Ok(())
 }
 
