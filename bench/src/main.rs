@@ -1621,6 +1621,12 @@ async fn gone(rx: &mut Inbox) {
     .await;
 }
 
+/// Disconnects `client` and waits until it has left ([`gone`]).
+async fn leave(client: &AsyncClient, rx: &mut Inbox) {
+    let _ = client.disconnect().await;
+    gone(rx).await;
+}
+
 /// Latency percentiles in microseconds.
 struct Percentiles {
     p50: u64,
@@ -1718,10 +1724,10 @@ async fn latency(
     let epoch = Instant::now();
     let (sub, mut rx) = client(port, "lsub").await?;
     subscribe(&sub, &mut rx, watch).await?;
-    let (publisher, _) = client(port, "lpub").await?;
+    let (publisher, mut acks) = client(port, "lpub").await?;
     let total = rate * seconds;
     let started = Instant::now();
-    let producer = paced_inserts(publisher, epoch, rate, total);
+    let producer = paced_inserts(publisher.clone(), epoch, rate, total);
     let mut samples = Vec::with_capacity(total as usize);
     let mut sent_at = Vec::with_capacity(total as usize);
     while (samples.len() as u64) < total {
@@ -1738,6 +1744,11 @@ async fn latency(
     }
     let delivered = total as f64 / started.elapsed().as_secs_f64();
     producer.abort();
+    // The run's clients leave with it: a subscriber left behind is fed every later run's
+    // messages (a third P2 run at 1k msg/s against one mosquitto read p99 1,867 µs against its
+    // first run's 475 with two runs' clients still connected).
+    leave(&publisher, &mut acks).await;
+    leave(&sub, &mut rx).await;
     // Every sample in send order, to see when the slow ones happened (not in any table). The
     // first line is the send times' origin: wall-clock µs, and the monotonic clock as Rust
     // prints an `Instant` (CLOCK_MONOTONIC on Linux), to lay them beside `perf record -k mono`.
@@ -1796,6 +1807,7 @@ async fn fill(port: u16, ns: &str, count: usize) -> anyhow::Result<()> {
         )
         .await?;
     }
+    leave(&c, &mut rx).await;
     Ok(())
 }
 
@@ -1827,6 +1839,8 @@ async fn query_latency(
         }
         samples.push(started.elapsed().as_micros() as u64);
     }
+    // Answers share the topic: one left behind would receive every later query's.
+    leave(&c, &mut rx).await;
     Ok(percentiles(samples))
 }
 
