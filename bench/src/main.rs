@@ -818,11 +818,7 @@ async fn scaling(args: &Args, sizes: &Sizes, rows: &mut Vec<Row>) -> anyhow::Res
     let mut figures = Vec::new();
     for ((preload, _, rate_loaded, rss), runs) in loaded.iter().zip(&runs) {
         let middle = |f: fn(&P5Run) -> f64| median(runs.iter().map(f).collect());
-        let query = Percentiles {
-            p50: middle(|r| r.query.p50 as f64) as u64,
-            p99: middle(|r| r.query.p99 as f64) as u64,
-            p999: middle(|r| r.query.p999 as f64) as u64,
-        };
+        let query = middle_percentiles(runs.iter().map(|r| &r.query));
         figures.push((
             *preload,
             middle(|r| r.rate),
@@ -1604,10 +1600,10 @@ async fn throughput(port: u16, watch: &str, sizes: &Sizes, ns: &str) -> anyhow::
     window.close();
     // Each run's clients leave with it: a subscriber left behind would still be fed every
     // message of the runs after it (mosquitto's P1 fell from 78k to 41k msg/s over four runs).
-    for client in publishers.iter().chain([&sub]) {
+    for client in &publishers {
         let _ = client.disconnect().await;
     }
-    gone(&mut rx).await;
+    leave(&sub, &mut rx).await;
     Ok(rate)
 }
 
@@ -1645,16 +1641,22 @@ const P2_RUNS: usize = 3;
 
 /// Each P2 figure's median over runs: percentiles, delivered rate, CPU µs per message.
 fn medians(runs: &[(Percentiles, f64, f64)]) -> (Percentiles, f64, f64) {
-    let of = |f: &dyn Fn(&(Percentiles, f64, f64)) -> f64| median(runs.iter().map(f).collect());
     (
-        Percentiles {
-            p50: of(&|r| r.0.p50 as f64) as u64,
-            p99: of(&|r| r.0.p99 as f64) as u64,
-            p999: of(&|r| r.0.p999 as f64) as u64,
-        },
-        of(&|r| r.1),
-        of(&|r| r.2),
+        middle_percentiles(runs.iter().map(|r| &r.0)),
+        median(runs.iter().map(|r| r.1).collect()),
+        median(runs.iter().map(|r| r.2).collect()),
     )
+}
+
+/// Each percentile's median over runs.
+fn middle_percentiles<'a>(runs: impl Iterator<Item = &'a Percentiles> + Clone) -> Percentiles {
+    let of =
+        |f: fn(&Percentiles) -> u64| median(runs.clone().map(|p| f(p) as f64).collect()) as u64;
+    Percentiles {
+        p50: of(|p| p.p50),
+        p99: of(|p| p.p99),
+        p999: of(|p| p.p999),
+    }
 }
 
 /// The middle value (the upper one of the two middles for an even count); 0 for none.
