@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{envelope, topic, wait_until, Node};
+use common::{envelope, topic, wait_until, Node, Options};
 use serde_json::json;
 use std::time::{Duration, Instant};
 
@@ -49,4 +49,77 @@ async fn a_burst_larger_than_the_brokers_buffers_is_stored_completely() {
         },
     )
     .await;
+}
+
+/// One client's messages keep their order however each reaches the store worker: at once,
+/// after waiting for room in the worker's queue (two jobs here), or after its refusal was
+/// answered. edged hears every update in order, the store ends on the last, and each malformed
+/// message is answered.
+#[tokio::test]
+async fn a_client_that_fills_the_store_queue_keeps_its_order_and_hears_each_refusal() {
+    const UPDATES: u64 = 2_000;
+    const MALFORMED_EVERY: u64 = 100;
+    let node = Node::start_with(Options {
+        env: vec![(
+            "EDGEMETA_METAMANAGER__QUEUE_CAPACITY".to_owned(),
+            "2".to_owned(),
+        )],
+        ..Options::default()
+    })
+    .await;
+    let mut edged = node.client().await;
+    edged.subscribe("ke/edged/#").await;
+    let mut cloud = node.client().await;
+    cloud.subscribe("ke/cloud/meta/error/#").await;
+    let client = node.client().await;
+    let on = "ke/meta/edgecontroller/update/default/configmap/c";
+    for n in 0..UPDATES {
+        if n % MALFORMED_EVERY == MALFORMED_EVERY / 2 {
+            client.publish(on, "{not json").await;
+        }
+        let (_, payload) = envelope(
+            "edgecontroller",
+            "update",
+            "default/configmap/c",
+            json!({"data": {"n": n.to_string()}}),
+        );
+        client.publish(on, payload).await;
+    }
+    let mut heard = Vec::new();
+    while heard.len() < UPDATES as usize {
+        let m = edged.next().await;
+        if m.topic.ends_with("/configmap") || m.topic.ends_with("/configmap/c") {
+            heard.push(m.content()["data"]["n"].as_str().map(str::to_owned));
+        }
+    }
+    let expected: Vec<Option<String>> = (0..UPDATES).map(|n| Some(n.to_string())).collect();
+    assert!(
+        heard == expected,
+        "edged heard the updates out of order or not all of them: first differences {:?}",
+        heard
+            .iter()
+            .zip(&expected)
+            .enumerate()
+            .filter(|(_, (h, e))| h != e)
+            .take(5)
+            .collect::<Vec<_>>()
+    );
+    let stored: serde_json::Value =
+        serde_json::from_str(&node.stored("default/configmap/c").await.expect("stored"))
+            .expect("stored JSON");
+    assert_eq!(
+        stored["data"]["n"],
+        json!((UPDATES - 1).to_string()),
+        "the store ends on the last update"
+    );
+    let refusals = (0..UPDATES)
+        .filter(|n| n % MALFORMED_EVERY == MALFORMED_EVERY / 2)
+        .count();
+    for i in 0..refusals {
+        let m = cloud
+            .next_within(Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|| panic!("only {i} of {refusals} malformed messages were answered"));
+        assert_eq!(m.topic, "ke/cloud/meta/error/default/configmap");
+    }
 }

@@ -8,7 +8,8 @@
 //! No lock is held across an await. Where two are held at once they are taken in this order,
 //! and never the other way: `registry` → `rooms` → one mailroom's `holder` or one `mailbox`;
 //! a socket's [`Direct`] state → that session's `mailbox` or its released acknowledgements.
-//! The index and the links are each taken alone. No code holds two mailboxes at once.
+//! The index is taken alone; the links (read) only → a module's [`Take`], which takes only its
+//! own lock and neither blocks nor publishes. No code holds two mailboxes at once.
 
 // Session ids are looked up on every publish: foldhash, not SipHash.
 use foldhash::HashMap;
@@ -50,9 +51,59 @@ pub struct Routed {
     pub behind: Behind,
 }
 
-/// Messages for the node's own modules that did not fit their inboxes at once: the caller
-/// waits for room ([`hand_to_links`]), which is how a publisher waits for the MetaManager.
-pub type ForLinks = Vec<(mpsc::Sender<Message>, Message)>;
+/// What a publish left for the node's own modules: the caller awaits it ([`hand_to_links`])
+/// before it goes on, which is how a publisher waits for the MetaManager.
+pub type ForLinks = Vec<Handing>;
+
+/// What a [`Take`] left for the publisher's task to await before it goes on.
+pub type Later = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// A module that takes what reaches it on the publisher's own task, which spares a hand-off
+/// to a task of its own. It must not block, nor publish (the hub's links are locked).
+pub trait Take: Send + Sync {
+    fn take(&self, message: Message) -> Taken;
+}
+
+/// What a [`Take`] did with a message.
+pub enum Taken {
+    /// Took it; nothing is left to do.
+    Done,
+    /// Took it; the publisher awaits this before it goes on.
+    Later(Later),
+    /// Gave it back, for the module's inbox.
+    Back(Message),
+}
+
+/// One module's part of a publish that could not be done at once.
+pub enum Handing {
+    /// A message its inbox had no room for.
+    Inbox(mpsc::Sender<Message>, Message),
+    /// What its [`Take`] left to do (wait for room in its own queue, answer a refusal).
+    Later(Later),
+}
+
+impl std::fmt::Debug for Handing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Handing::Inbox(_, message) => f.debug_tuple("Inbox").field(&message.topic).finish(),
+            Handing::Later(_) => f.write_str("Later"),
+        }
+    }
+}
+
+/// A node module's way in: its inbox, and the [`Take`] that may take a message at once.
+struct LinkEnd {
+    inbox: mpsc::Sender<Message>,
+    taker: Option<Arc<dyn Take>>,
+}
+
+impl std::fmt::Debug for LinkEnd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LinkEnd")
+            .field("taker", &self.taker.is_some())
+            .finish_non_exhaustive()
+    }
+}
 
 /// A session's mailbox and the bell its connection task waits on.
 #[derive(Debug)]
@@ -158,8 +209,8 @@ pub struct Hub {
     connections: Mutex<HashMap<u64, CancellationToken>>,
     /// Rung when an expiry or a delayed will may have come nearer.
     pub timers: Notify,
-    /// The node's own modules: their session ids and inboxes.
-    links: RwLock<HashMap<SessionId, mpsc::Sender<Message>>>,
+    /// The node's own modules: their session ids and ways in.
+    links: RwLock<HashMap<SessionId, LinkEnd>>,
     next_link: AtomicU64,
     /// Connected readers cut off so far for not taking what they held.
     pub lag_cuts: AtomicU64,
@@ -341,8 +392,17 @@ impl Hub {
         self.links
             .write()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(id, inbox);
+            .insert(id, LinkEnd { inbox, taker: None });
         Ok(id)
+    }
+
+    /// Lets `taker` take what reaches the module `session` on the publisher's own task; its
+    /// inbox gets only what the taker gives back.
+    pub fn set_taker(&self, session: SessionId, taker: Arc<dyn Take>) {
+        let mut links = self.links.write().unwrap_or_else(PoisonError::into_inner);
+        if let Some(end) = links.get_mut(&session) {
+            end.taker = Some(taker);
+        }
     }
 
     /// Whether a client (not one of the node's modules) subscribes to `topic` now.
@@ -569,7 +629,8 @@ impl Hub {
         routed
     }
 
-    /// Puts the message into each module's inbox it reaches; what does not fit is returned.
+    /// Gives the message to each module it reaches, through its taker or into its inbox; what
+    /// is left to do is returned.
     fn to_links(
         &self,
         deliveries: &[Delivery],
@@ -582,12 +643,25 @@ impl Hub {
         }
         let links = self.links.read().unwrap_or_else(PoisonError::into_inner);
         for delivery in deliveries.iter().filter(|d| d.session >= FIRST_LINK) {
-            let Some(inbox) = links.get(&delivery.session) else {
+            let Some(end) = links.get(&delivery.session) else {
                 continue;
             };
-            match inbox.try_send(for_link(message, ack)) {
+            let mut message = for_link(message, ack);
+            if let Some(taker) = &end.taker {
+                match taker.take(message) {
+                    Taken::Done => continue,
+                    Taken::Later(later) => {
+                        waiting.push(Handing::Later(later));
+                        continue;
+                    }
+                    Taken::Back(back) => message = back,
+                }
+            }
+            match end.inbox.try_send(message) {
                 Ok(()) => {}
-                Err(mpsc::error::TrySendError::Full(m)) => waiting.push((inbox.clone(), m)),
+                Err(mpsc::error::TrySendError::Full(m)) => {
+                    waiting.push(Handing::Inbox(end.inbox.clone(), m));
+                }
                 Err(mpsc::error::TrySendError::Closed(m)) => {
                     if let Some(ack) = &m.ack {
                         ack.abandon();
@@ -674,14 +748,20 @@ enum Pacing<'a> {
     Promised(Vec<Delivery>),
 }
 
-/// Waits until each module has room for its message (a module that has gone gets nothing and
-/// its acknowledgement is abandoned, so the client publishes again).
+/// Waits until each module has room for its message, or has done what its taker left (a
+/// module that has gone gets nothing and its acknowledgement is abandoned, so the client
+/// publishes again).
 pub async fn hand_to_links(waiting: ForLinks) {
-    for (inbox, message) in waiting {
-        if let Err(refused) = inbox.send(message).await {
-            if let Some(ack) = &refused.0.ack {
-                ack.abandon();
+    for handing in waiting {
+        match handing {
+            Handing::Inbox(inbox, message) => {
+                if let Err(refused) = inbox.send(message).await {
+                    if let Some(ack) = &refused.0.ack {
+                        ack.abandon();
+                    }
+                }
             }
+            Handing::Later(later) => later.await,
         }
     }
 }

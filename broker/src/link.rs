@@ -9,7 +9,7 @@ use rumqttc::v5::mqttbytes::v5::PublishProperties;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::hub::{hand_to_links, Hub};
+use crate::hub::{hand_to_links, Hub, Take};
 use crate::index::SessionId;
 use crate::mailbox::Published;
 use crate::{Error, Message};
@@ -109,6 +109,14 @@ impl Publisher {
             }
         }
         self.publish(message).await
+    }
+
+    /// Lets `taker` take what reaches this module on the publisher's task ([`Take`]); a test's
+    /// channel publisher has no hub and keeps its inbox.
+    pub fn take_with(&self, taker: Arc<dyn Take>) {
+        if let Target::Hub(hub, session) = &self.to {
+            hub.set_taker(*session, taker);
+        }
     }
 
     /// Whether a client subscribes to `topic` now, shared subscriptions

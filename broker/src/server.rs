@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::config::{BrokerConfig, ListenerConfig};
-use crate::conn::{serve, serve_tcp, Accepted, Shared};
+use crate::conn::{serve, serve_tcp_admitted, Accepted, Shared};
 use crate::events::ClientEvents;
 use crate::hub::{Hub, HubLimits};
 use crate::index::TopicBounds;
@@ -256,7 +256,10 @@ impl Accept {
             // the TLS arm (rustls' connection state inline) would make every plain one pay it.
             match self.tls.clone() {
                 None => {
-                    tokio::spawn(serve_tcp(stream, shared, cancel));
+                    // Counted here, in the order connections came: their tasks may run in
+                    // another order, and a later one must not take an earlier one's place.
+                    let admitted = shared.admit();
+                    tokio::spawn(serve_tcp_admitted(stream, admitted, shared, cancel));
                 }
                 Some(tls) => {
                     // Counted before the handshake, which holds memory too; one over the limit

@@ -1,13 +1,13 @@
 //! Broker link → parsed requests: checks topic, size and envelope, answers what is malformed
-//! and hands the rest to the store worker. Parsing happens here, on the tokio side, so the
-//! store thread only sees well-formed work.
+//! and hands the rest to the store worker. Parsing happens here, on the tokio side (for a
+//! client's publish on that client's own task), so the store thread only sees well-formed work.
 
 use std::borrow::Cow;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 
 use edgemeta_broker::is_carried;
 use edgemeta_broker::stages::{self, Stage};
-use edgemeta_broker::{Message, Publisher};
+use edgemeta_broker::{Later, Message, Publisher, Take, Taken};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
@@ -39,14 +39,120 @@ pub struct IntakeConfig {
 /// fire once it is committed or refused.
 pub(crate) type Submission = (Message, tokio::sync::oneshot::Sender<Outcome>);
 
+/// The intake run on the publishing client's own task ([`Take`]): a well-formed message goes
+/// straight into the store worker's queue, with no hand-off to the intake task. A full queue
+/// or a refusal to answer is left for that client's task to await, so its messages keep
+/// their order.
+pub(crate) struct Taker {
+    config: IntakeConfig,
+    /// The worker's queue, and the publisher refusals are answered through; `None` once
+    /// intake stops (what reaches the link then goes to its inbox). Dropped then, as the
+    /// publisher holds the hub, which holds this.
+    open: RwLock<Option<(mpsc::Sender<Job>, Publisher)>>,
+}
+
+impl Taker {
+    pub(crate) fn new(config: IntakeConfig, jobs: mpsc::Sender<Job>, publisher: Publisher) -> Self {
+        Taker {
+            config,
+            open: RwLock::new(Some((jobs, publisher))),
+        }
+    }
+
+    /// Takes nothing more; its job sender is dropped, so the worker can end.
+    fn close(&self) {
+        self.open
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+    }
+}
+
+impl Take for Taker {
+    fn take(&self, message: Message) -> Taken {
+        let open = self.open.read().unwrap_or_else(PoisonError::into_inner);
+        let Some((jobs, publisher)) = open.as_ref() else {
+            return Taken::Back(message);
+        };
+        let (message, done) = from_link(message);
+        let later: Later = match examine(&self.config, &message) {
+            Examined::Work(work) => match jobs.try_send(Job::Apply(work, done)) {
+                Ok(()) => return Taken::Done,
+                Err(mpsc::error::TrySendError::Full(job)) => {
+                    let jobs = jobs.clone();
+                    Box::pin(async move {
+                        if let Err(mpsc::error::SendError(job)) = jobs.send(job).await {
+                            unqueued(job);
+                        }
+                    })
+                }
+                Err(mpsc::error::TrySendError::Closed(job)) => {
+                    unqueued(job);
+                    return Taken::Done;
+                }
+            },
+            Examined::Final => {
+                if let Some(done) = done {
+                    done.send(Outcome::Final);
+                }
+                return Taken::Done;
+            }
+            Examined::Refused(replies) => {
+                let publisher = publisher.clone();
+                Box::pin(async move {
+                    for reply in replies {
+                        if publisher.publish(reply).await.is_err() {
+                            return;
+                        }
+                    }
+                    if let Some(done) = done {
+                        done.send(Outcome::Final);
+                    }
+                })
+            }
+        };
+        Taken::Later(later)
+    }
+}
+
+/// A job the worker is gone for: its sender is not acknowledged, so it delivers it again.
+fn unqueued(job: Job) {
+    if let Job::Apply(_, Some(done)) = job {
+        done.refuse();
+    }
+}
+
 /// Reads the link and the submissions until cancelled; then takes what is already queued, so
-/// nothing handed over is dropped, and returns (dropping its job sender lets the worker finish).
+/// nothing handed over is dropped, and returns (dropping its job sender, and the taker's, lets
+/// the worker finish).
 pub(crate) async fn run(
     config: IntakeConfig,
+    inbox: mpsc::Receiver<Message>,
+    submissions: mpsc::Receiver<Submission>,
+    jobs: mpsc::Sender<Job>,
+    (taker, publisher): (Arc<Taker>, Publisher),
+    cancel: CancellationToken,
+) {
+    read(
+        &config,
+        inbox,
+        submissions,
+        &jobs,
+        &publisher,
+        &taker,
+        cancel,
+    )
+    .await;
+    taker.close();
+}
+
+async fn read(
+    config: &IntakeConfig,
     mut inbox: mpsc::Receiver<Message>,
     mut submissions: mpsc::Receiver<Submission>,
-    jobs: mpsc::Sender<Job>,
-    publisher: Publisher,
+    jobs: &mpsc::Sender<Job>,
+    publisher: &Publisher,
+    taker: &Taker,
     cancel: CancellationToken,
 ) {
     loop {
@@ -58,18 +164,20 @@ pub(crate) async fn run(
             },
             Some((message, done)) = submissions.recv() => (message, Some(Done::Told(done))),
         };
-        if !intake(&config, message, done, &jobs, &publisher).await {
+        if !intake(config, message, done, jobs, publisher).await {
             return;
         }
     }
+    // From here on the link's messages come to the inbox, which is read to its end below.
+    taker.close();
     while let Ok((message, done)) = submissions.try_recv() {
-        if !intake(&config, message, Some(Done::Told(done)), &jobs, &publisher).await {
+        if !intake(config, message, Some(Done::Told(done)), jobs, publisher).await {
             return;
         }
     }
     while let Ok(message) = inbox.try_recv() {
         let (message, done) = from_link(message);
-        if !intake(&config, message, done, &jobs, &publisher).await {
+        if !intake(config, message, done, jobs, publisher).await {
             return;
         }
     }
@@ -81,7 +189,37 @@ fn from_link(mut message: Message) -> (Message, Option<Done>) {
     (message, done)
 }
 
-/// Handles one message; `false` once the worker is gone.
+/// What intake makes of one message.
+enum Examined {
+    /// Work for the store worker.
+    Work(Work),
+    /// Nothing to do but say so (nobody to answer, or our own result coming back).
+    Final,
+    /// Refused: these replies tell its sender.
+    Refused(Vec<Message>),
+}
+
+/// Checks and parses one message; no I/O, so it runs on whichever task has the message.
+fn examine(config: &IntakeConfig, message: &Message) -> Examined {
+    let _intake = stages::enter(Stage::Intake);
+    match device_event(config, message) {
+        Some(Ok(event)) => return Examined::Work(Work::Device(Box::new(event))),
+        Some(Err(reply)) => return Examined::Refused(reply.into_iter().collect()),
+        None => {}
+    }
+    match parse(config, message) {
+        Ok(Some(request)) => Examined::Work(Work::Request(Box::new(request))),
+        Ok(None) => Examined::Final,
+        Err(refused) => {
+            config
+                .meters
+                .messages(refused.operation, meters::Outcome::Refused, 1);
+            Examined::Refused(refused.replies(&config.root))
+        }
+    }
+}
+
+/// Handles one message on the intake task; `false` once the worker is gone.
 async fn intake(
     config: &IntakeConfig,
     message: Message,
@@ -89,48 +227,22 @@ async fn intake(
     jobs: &mpsc::Sender<Job>,
     publisher: &Publisher,
 ) -> bool {
-    let event = {
-        let _intake = stages::enter(Stage::Intake);
-        device_event(config, &message)
-    };
-    match event {
-        Some(Ok(event)) => {
-            let work = Work::Device(Box::new(event));
-            return jobs.send(Job::Apply(work, done)).await.is_ok();
-        }
-        Some(Err(reply)) => {
-            if let Some(reply) = reply {
-                if publisher.publish(reply).await.is_err() {
-                    return false;
-                }
+    match examine(config, &message) {
+        Examined::Work(work) => match jobs.send(Job::Apply(work, done)).await {
+            Ok(()) => true,
+            Err(mpsc::error::SendError(job)) => {
+                unqueued(job);
+                false
             }
-            if let Some(done) = done {
-                done.send(Outcome::Final);
-            }
-            return true;
-        }
-        None => {}
-    }
-    let parsed = {
-        let _intake = stages::enter(Stage::Intake);
-        parse(config, &message)
-    };
-    match parsed {
-        Ok(Some(request)) => jobs
-            .send(Job::Apply(Work::Request(Box::new(request)), done))
-            .await
-            .is_ok(),
-        Ok(None) => {
+        },
+        Examined::Final => {
             if let Some(done) = done {
                 done.send(Outcome::Final);
             }
             true
         }
-        Err(refused) => {
-            config
-                .meters
-                .messages(refused.operation, meters::Outcome::Refused, 1);
-            for reply in refused.replies(&config.root) {
+        Examined::Refused(replies) => {
+            for reply in replies {
                 if publisher.publish(reply).await.is_err() {
                     return false;
                 }

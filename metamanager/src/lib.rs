@@ -3,8 +3,8 @@
 //! the cloud (through the durable outbox), exactly as KubeEdge v1.3's `process.go` does.
 //!
 //! # Layout (in the order a message flows)
-//! - `intake`: link inbox → topic and envelope checks → [`Request`] or a device `Event`;
-//!   malformed input answered.
+//! - `intake`: a link message (on its publisher's task) or a cloud submission → topic and
+//!   envelope checks → [`Request`] or a device `Event`; malformed input answered.
 //! - the grammar (topics, envelope, operations, resources) is `edgemeta-protocol`'s.
 //! - `unit`: the unit of work: `Job`, `Work`, `Step`, the handlers' `Context`, the state.
 //! - `worker`: the store owner thread; group commit, one savepoint per message.
@@ -76,7 +76,7 @@ pub struct MetaConfig {
     /// Seconds between pod-status syncs to the cloud (KubeEdge `podStatusSyncInterval`).
     #[serde(default = "default_podstatus_sync_interval_s")]
     pub podstatus_sync_interval_s: u64,
-    /// Messages that may wait for the store worker before intake stops reading the broker.
+    /// Messages that may wait for the store worker before the clients publishing to it wait.
     #[serde(default = "default_queue_capacity")]
     pub queue_capacity: usize,
 }
@@ -329,12 +329,18 @@ impl MetaManager {
             meters,
         };
         let (submit_tx, submissions) = mpsc::channel(config.queue_capacity.max(1));
+        let taker = Arc::new(intake::Taker::new(
+            intake_config.clone(),
+            jobs_tx.clone(),
+            publisher.clone(),
+        ));
+        publisher.take_with(taker.clone());
         let intake = tokio::spawn(intake::run(
             intake_config,
             inbox,
             submissions,
             jobs_tx,
-            publisher,
+            (taker, publisher),
             cancel,
         ));
         Ok(MetaManager {

@@ -287,7 +287,20 @@ pub async fn serve_tcp(
     shared: Arc<Shared>,
     cancel: CancellationToken,
 ) {
-    let Some(admitted) = shared.admit() else {
+    let admitted = shared.admit();
+    serve_tcp_admitted(stream, admitted, shared, cancel).await;
+}
+
+/// [`serve_tcp`] of a connection counted already (`None`: it is over the limit). The accept
+/// loop counts each before it spawns its task, so connections are counted in the order they
+/// came, whichever task runs first.
+pub(crate) async fn serve_tcp_admitted(
+    stream: tokio::net::TcpStream,
+    admitted: Option<Admitted>,
+    shared: Arc<Shared>,
+    cancel: CancellationToken,
+) {
+    let Some(admitted) = admitted else {
         return refuse_over_limit(stream, &shared).await;
     };
     let peer = stream.peer_addr().ok().map(|a| a.ip());
