@@ -1059,9 +1059,9 @@ async fn admitted_soon(port: u16, id: &str) -> Raw {
 #[tokio::test]
 async fn a_client_refused_at_the_connection_limit_can_retry_and_the_listener_serves_on() {
     let node = Node::start_with_broker("  max_connections: 1\n").await;
-    // The harness's readiness probe (a bare TCP connect) holds the one place until the node
-    // has seen it close.
-    let holder = admitted_soon(node.port, &unique_id("holder")).await;
+    let holder = Raw::connect(node.port, &unique_id("holder"), None)
+        .await
+        .expect("the first client is admitted");
     // Every client retries with its own id; a refusal must leave nothing behind that breaks
     // the retry or the listener (rumqttd 0.20's did: #1062).
     for _ in 0..3 {
@@ -1102,8 +1102,7 @@ async fn all_admitted(port: u16, count: usize) -> Vec<Raw> {
     let mut clients = Vec::with_capacity(count);
     for i in 0..count {
         let id = unique_id(&format!("fd{i}"));
-        // Each retries while the harness's readiness probe may still hold a place.
-        clients.push(admitted_soon(port, &id).await);
+        clients.push(Raw::connect(port, &id, None).await.expect("admitted"));
     }
     clients
 }
