@@ -81,9 +81,7 @@ impl Take for Taker {
                 Err(mpsc::error::TrySendError::Full(job)) => {
                     let jobs = jobs.clone();
                     Box::pin(async move {
-                        if let Err(mpsc::error::SendError(job)) = jobs.send(job).await {
-                            unqueued(job);
-                        }
+                        queue(&jobs, job).await;
                     })
                 }
                 Err(mpsc::error::TrySendError::Closed(job)) => {
@@ -100,14 +98,7 @@ impl Take for Taker {
             Examined::Refused(replies) => {
                 let publisher = publisher.clone();
                 Box::pin(async move {
-                    for reply in replies {
-                        if publisher.publish(reply).await.is_err() {
-                            return;
-                        }
-                    }
-                    if let Some(done) = done {
-                        done.send(Outcome::Final);
-                    }
+                    answer(&publisher, replies, done).await;
                 })
             }
         };
@@ -120,6 +111,30 @@ fn unqueued(job: Job) {
     if let Job::Apply(_, Some(done)) = job {
         done.refuse();
     }
+}
+
+/// Queues `job` once the worker has room; `false` once the worker is gone.
+async fn queue(jobs: &mpsc::Sender<Job>, job: Job) -> bool {
+    match jobs.send(job).await {
+        Ok(()) => true,
+        Err(mpsc::error::SendError(job)) => {
+            unqueued(job);
+            false
+        }
+    }
+}
+
+/// Tells a refused message's sender why, then that it is final; `false` once the link is gone.
+async fn answer(publisher: &Publisher, replies: Vec<Message>, done: Option<Done>) -> bool {
+    for reply in replies {
+        if publisher.publish(reply).await.is_err() {
+            return false;
+        }
+    }
+    if let Some(done) = done {
+        done.send(Outcome::Final);
+    }
+    true
 }
 
 /// Reads the link and the submissions until cancelled; then takes what is already queued, so
@@ -228,30 +243,14 @@ async fn intake(
     publisher: &Publisher,
 ) -> bool {
     match examine(config, &message) {
-        Examined::Work(work) => match jobs.send(Job::Apply(work, done)).await {
-            Ok(()) => true,
-            Err(mpsc::error::SendError(job)) => {
-                unqueued(job);
-                false
-            }
-        },
+        Examined::Work(work) => queue(jobs, Job::Apply(work, done)).await,
         Examined::Final => {
             if let Some(done) = done {
                 done.send(Outcome::Final);
             }
             true
         }
-        Examined::Refused(replies) => {
-            for reply in replies {
-                if publisher.publish(reply).await.is_err() {
-                    return false;
-                }
-            }
-            if let Some(done) = done {
-                done.send(Outcome::Final);
-            }
-            true
-        }
+        Examined::Refused(replies) => answer(publisher, replies, done).await,
     }
 }
 
