@@ -164,6 +164,7 @@ impl Settings {
             settings.cloud.mqtt_options()?;
         }
         settings.edged.validate()?;
+        settings.devices.dmi.validate()?;
         Ok(settings)
     }
 
@@ -250,5 +251,25 @@ mod tests {
             .and_then(Config::try_deserialize::<Settings>)
             .unwrap_err();
         assert!(err.to_string().contains("max_conections"), "{err}");
+    }
+
+    #[test]
+    fn a_zero_dmi_bound_is_refused_by_name() {
+        for key in [
+            "max_connections",
+            "max_streams_per_connection",
+            "max_served_per_connection",
+        ] {
+            let settings: Settings = Config::builder()
+                .add_source(File::from_str(
+                    &format!("devices:\n  dmi:\n    {key}: 0\n"),
+                    FileFormat::Yaml,
+                ))
+                .build()
+                .and_then(Config::try_deserialize)
+                .expect("parses");
+            let err = settings.devices.dmi.validate().unwrap_err();
+            assert!(err.to_string().contains(key), "{key}: {err}");
+        }
     }
 }

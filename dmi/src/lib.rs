@@ -64,6 +64,18 @@ pub struct DmiConfig {
     /// Mappers (protocols) that may be registered at once.
     #[serde(default = "default_max_mappers")]
     pub max_mappers: usize,
+    /// Connections to the socket open at once; one past it is closed before any HTTP/2 work
+    /// (`EM-DMI-CONNECTIONS`). Twice `max_mappers`: a restarted mapper connects while the node
+    /// may not yet have seen its old connection close, and tools (grpcurl) connect too.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// Requests one connection may have open at once (HTTP/2 `SETTINGS_MAX_CONCURRENT_STREAMS`);
+    /// past it the mapper's client waits instead of HTTP/2 closing the connection on a backlog.
+    #[serde(default = "default_max_streams_per_connection")]
+    pub max_streams_per_connection: u32,
+    /// Requests of one connection served at once; the rest of its open ones wait their turn.
+    #[serde(default = "default_max_served_per_connection")]
+    pub max_served_per_connection: usize,
     /// How long one call to a mapper may take before it counts as failed (KubeEdge: 10 s).
     #[serde(default = "default_call_timeout_ms")]
     pub call_timeout_ms: u64,
@@ -87,6 +99,22 @@ const fn default_max_twins() -> usize {
 const fn default_max_mappers() -> usize {
     64
 }
+const fn default_max_connections() -> usize {
+    2 * default_max_mappers()
+}
+/// Requests a mapper may have open at once on one connection (HTTP/2
+/// `SETTINGS_MAX_CONCURRENT_STREAMS`); past it the mapper's client waits. tonic leaves this
+/// unlimited, and h2 (0.4.20, `proto/streams/streams.rs` `recv_data`, `Counts::
+/// record_data_frame`) closes a connection with `ENHANCE_YOUR_CALM` ("too_many_data_frames")
+/// once the small DATA frames it holds unread pass a budget: a mapper of 1,000 devices whose
+/// node stalled for 4 s had about 4,000 reports waiting and lost them all with the connection.
+/// Four times the requests served at once per connection (64).
+const fn default_max_streams_per_connection() -> u32 {
+    256
+}
+const fn default_max_served_per_connection() -> usize {
+    64
+}
 const fn default_call_timeout_ms() -> u64 {
     10_000
 }
@@ -103,8 +131,33 @@ impl Default for DmiConfig {
             max_request_bytes: default_max_request_bytes(),
             max_twins_per_report: default_max_twins(),
             max_mappers: default_max_mappers(),
+            max_connections: default_max_connections(),
+            max_streams_per_connection: default_max_streams_per_connection(),
+            max_served_per_connection: default_max_served_per_connection(),
             call_timeout_ms: default_call_timeout_ms(),
             retry_max_ms: default_retry_max_ms(),
+        }
+    }
+}
+
+impl DmiConfig {
+    /// Refuses bounds the server cannot run with (a zero would refuse every connection or
+    /// leave every request waiting), naming the key.
+    pub fn validate(&self) -> Result<(), Error> {
+        let zero = [
+            ("max_connections", self.max_connections == 0),
+            (
+                "max_streams_per_connection",
+                self.max_streams_per_connection == 0,
+            ),
+            (
+                "max_served_per_connection",
+                self.max_served_per_connection == 0,
+            ),
+        ];
+        match zero.iter().find(|(_, is_zero)| *is_zero) {
+            Some((key, _)) => Err(Error::Config(format!("devices.dmi.{key} must be >= 1"))),
+            None => Ok(()),
         }
     }
 }
@@ -129,6 +182,7 @@ impl Dmi {
         reports: DeviceReports,
         cancel: CancellationToken,
     ) -> Result<Dmi, Error> {
+        config.validate()?;
         let path = config.socket.clone().ok_or(Error::NoSocket)?;
         let listener = server::bind(&path).await?;
         let (asks, registry) =

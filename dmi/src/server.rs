@@ -7,16 +7,23 @@
 
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use edgemeta_metamanager::{DeviceReports, Verdict};
 use serde_json::{json, Map, Value};
-use tokio::net::UnixListener;
-use tokio::sync::{mpsc, oneshot};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio_stream::wrappers::UnixListenerStream;
+use tokio_stream::Stream;
 use tokio_util::sync::CancellationToken;
+use tonic::transport::server::Connected;
 use tonic::{Request, Response, Status};
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 use crate::error::Error;
 use crate::pb;
@@ -28,14 +35,8 @@ use crate::DmiConfig;
 const MAX_ADDRESS: usize = 108;
 /// Longest name, namespace, protocol or state a request may carry.
 const MAX_NAME: usize = 253;
-/// Requests a mapper may have open at once on one connection (HTTP/2
-/// `SETTINGS_MAX_CONCURRENT_STREAMS`); past it the mapper's client waits. tonic leaves this
-/// unlimited, and h2 (0.4.20, `proto/streams/streams.rs` `recv_data`, `Counts::
-/// record_data_frame`) closes a connection with `ENHANCE_YOUR_CALM` ("too_many_data_frames")
-/// once the small DATA frames it holds unread pass a budget: a mapper of 1,000 devices whose
-/// node stalled for 4 s had about 4,000 reports waiting and lost them all with the connection.
-/// Four times the requests served at once per connection (64).
-const MAX_STREAMS: u32 = 256;
+/// How often at most a refused connection is logged; the line counts those since the last.
+const REFUSED_LOG_EVERY: Duration = Duration::from_secs(10);
 
 /// Binds `path`: its directory made (0750, as KubeEdge's `CreateListener`), a stale socket
 /// removed, the socket itself 0660 (the node's user and group).
@@ -73,6 +74,10 @@ pub(crate) async fn serve(
     cancel: CancellationToken,
 ) {
     let limit = config.max_request_bytes;
+    let served_at_once = config.max_served_per_connection;
+    // Bounded, never tonic's unlimited default: see `default_max_streams_per_connection`.
+    let streams = config.max_streams_per_connection;
+    let incoming = Admit::new(UnixListenerStream::new(listener), config.max_connections);
     let service = DeviceManagerServiceServer::new(Manager {
         asks,
         reports,
@@ -81,15 +86,140 @@ pub(crate) async fn serve(
     .max_decoding_message_size(limit);
     info!(socket = %path.display(), "DMI server listening");
     let served = tonic::transport::Server::builder()
-        .concurrency_limit_per_connection(64)
-        .max_concurrent_streams(MAX_STREAMS)
+        .concurrency_limit_per_connection(served_at_once)
+        .max_concurrent_streams(streams)
         .add_service(service)
-        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), cancel.cancelled_owned())
+        .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())
         .await;
     if let Err(e) = served {
         error!(error_code = "EM-DMI-SOCKET", error = %e, "DMI server stopped");
     }
     let _ = std::fs::remove_file(&path);
+}
+
+/// The accepted connections, each holding one of `max_connections` permits until it closes;
+/// one accepted with none left is closed at once, before HTTP/2 reads or writes a byte.
+struct Admit {
+    inner: UnixListenerStream,
+    permits: Arc<Semaphore>,
+    limit: usize,
+    /// Connections closed since the last log line, and when that line was.
+    refused: u64,
+    logged: Option<Instant>,
+}
+
+impl Admit {
+    fn new(inner: UnixListenerStream, limit: usize) -> Admit {
+        Admit {
+            inner,
+            permits: Arc::new(Semaphore::new(limit)),
+            limit,
+            refused: 0,
+            logged: None,
+        }
+    }
+
+    /// Counts a refused connection; logs at most once per [`REFUSED_LOG_EVERY`], a burst of
+    /// hostile connections costing one line, not one each.
+    fn refused(&mut self) {
+        self.refused += 1;
+        let now = Instant::now();
+        if self
+            .logged
+            .is_some_and(|at| now.duration_since(at) < REFUSED_LOG_EVERY)
+        {
+            return;
+        }
+        warn!(
+            error_code = "EM-DMI-CONNECTIONS",
+            max_connections = self.limit,
+            refused = self.refused,
+            "closed DMI connections at once: devices.dmi.max_connections are open"
+        );
+        self.refused = 0;
+        self.logged = Some(now);
+    }
+}
+
+impl Stream for Admit {
+    type Item = std::io::Result<Admitted>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        loop {
+            let stream = match Pin::new(&mut self.inner).poll_next(cx) {
+                Poll::Ready(Some(Ok(stream))) => stream,
+                Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e))),
+                Poll::Ready(None) => return Poll::Ready(None),
+                Poll::Pending => return Poll::Pending,
+            };
+            match self.permits.clone().try_acquire_owned() {
+                Ok(permit) => {
+                    return Poll::Ready(Some(Ok(Admitted {
+                        inner: stream,
+                        _permit: permit,
+                    })))
+                }
+                Err(_) => {
+                    drop(stream);
+                    self.refused();
+                }
+            }
+        }
+    }
+}
+
+/// An admitted connection: its permit is given back when tonic drops it (the connection closed).
+struct Admitted {
+    inner: UnixStream,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Connected for Admitted {
+    type ConnectInfo = <UnixStream as Connected>::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+impl AsyncRead for Admitted {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Admitted {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
 }
 
 struct Manager {
