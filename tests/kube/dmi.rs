@@ -572,3 +572,171 @@ async fn a_mapper_over_its_report_limit_is_refused_and_another_mapper_is_not_hel
     let many = opcua.ask("twins default opcua-device 40").await;
     assert_eq!(many["code"], "OUT_OF_RANGE", "{many}");
 }
+
+/// Connects to the node's DMI socket without sending a byte and returns whether the node
+/// closed it before any HTTP/2 (end of stream, nothing read) or kept it (its HTTP/2 settings
+/// read), with the stream to hold.
+async fn silent_connection(socket: &Path) -> (bool, tokio::net::UnixStream) {
+    use tokio::io::AsyncReadExt;
+    let mut stream = tokio::net::UnixStream::connect(socket)
+        .await
+        .expect("connect to the DMI socket");
+    let mut buf = [0u8; 64];
+    let read = tokio::time::timeout(WAIT, stream.read(&mut buf))
+        .await
+        .expect("the node either closes a connection or greets it in HTTP/2 within the wait");
+    let closed = match read {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => true,
+        Err(e) => panic!("reading the DMI socket: {e}"),
+    };
+    (closed, stream)
+}
+
+/// The `SETTINGS_MAX_CONCURRENT_STREAMS` the node's HTTP/2 advertises on a new connection.
+async fn advertised_max_streams(socket: &Path) -> Option<u32> {
+    use tokio::io::AsyncReadExt;
+    let mut stream = tokio::net::UnixStream::connect(socket)
+        .await
+        .expect("connect to the DMI socket");
+    // The client preface and an empty SETTINGS frame.
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]);
+    stream.write_all(&hello).await.expect("HTTP/2 preface");
+    let read = async {
+        loop {
+            let mut head = [0u8; 9];
+            stream.read_exact(&mut head).await.expect("a frame header");
+            let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+            let mut body = vec![0u8; len];
+            stream.read_exact(&mut body).await.expect("a frame body");
+            // A SETTINGS frame (type 4) that is not an ACK (flag 1): 6-byte id/value pairs.
+            if head[3] == 4 && head[4] & 1 == 0 {
+                return body.chunks_exact(6).find_map(|p| {
+                    (u16::from_be_bytes([p[0], p[1]]) == 3)
+                        .then(|| u32::from_be_bytes([p[2], p[3], p[4], p[5]]))
+                });
+            }
+        }
+    };
+    tokio::time::timeout(WAIT, read)
+        .await
+        .expect("the node's SETTINGS within the wait")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dmi_connections_past_the_limit_are_closed_at_once_and_a_closed_one_frees_its_slot() {
+    let cloud = CloudBroker::start().await;
+    let dir = tempfile::tempdir().expect("dir");
+    let (node, _bridge, socket) =
+        dmi_node_with(&cloud, dir.path(), &[("MAX_CONNECTIONS", "4")]).await;
+    // The mapper's channel holds one of the 4.
+    let mut mapper = PyMapper::start(&socket, dir.path()).await;
+
+    // Ten times the limit, silent and held open: 3 are kept, the rest closed before HTTP/2.
+    let mut held = Vec::new();
+    let mut closed = 0;
+    for _ in 0..40 {
+        let (was_closed, stream) = silent_connection(&socket).await;
+        closed += usize::from(was_closed);
+        held.push(stream);
+    }
+    assert_eq!(
+        closed, 37,
+        "of 40 connections past the mapper's, all but 3 closed"
+    );
+
+    // A new mapper's call is refused fast, not left waiting; the admitted mapper is served
+    // (a device the node does not have: NOT_FOUND is an answer).
+    let fresh = mapper.ask("fresh 10 default no-such-device temp 1").await;
+    assert_eq!(fresh["code"], "UNAVAILABLE", "{fresh}");
+    assert!(
+        fresh["seconds"].as_f64().unwrap_or(f64::MAX) < 5.0,
+        "{fresh}"
+    );
+    let served = mapper.ask("try 10 default no-such-device temp 1").await;
+    assert_eq!(served["code"], "NOT_FOUND", "{served}");
+    let line = node.await_log("EM-DMI-CONNECTIONS").await;
+    assert!(line.contains("refused"), "{line}");
+    let lines = node.log().matches("EM-DMI-CONNECTIONS").count();
+    assert!(
+        lines <= 2,
+        "38 refusals logged in {lines} lines, not one each"
+    );
+
+    // The node's MQTT side serves meanwhile.
+    let mut client = node.client().await;
+    let topic = format!("test/{}", super::common::unique_id("dmi"));
+    client.subscribe(&topic).await;
+    client.publish(&topic, "up").await;
+    client.expect(&topic).await;
+
+    // Once the silent connections close, a new connection is served.
+    drop(held);
+    wait_until("a new mapper's call served", WAIT, async || {
+        let fresh = mapper.ask("fresh 10 default no-such-device temp 1").await;
+        if fresh["code"] == "NOT_FOUND" {
+            Ok(())
+        } else {
+            Err(fresh.to_string())
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dmi_eighty_reports_at_once_on_one_connection_are_all_answered_within_its_stream_bound() {
+    let cluster = Cluster::start().await;
+    let cloud = CloudBroker::start().await;
+    let controller = Controller::start(&cluster, &cloud);
+    let dir = tempfile::tempdir().expect("dir");
+    // 8 requests open per connection, 4 served at once; the report rate out of the way.
+    let (_node, bridge, socket) = dmi_node_with(
+        &cloud,
+        dir.path(),
+        &[
+            ("MAX_CONNECTIONS", "4"),
+            ("MAX_STREAMS_PER_CONNECTION", "8"),
+            ("MAX_SERVED_PER_CONNECTION", "4"),
+            ("REPORTS_PER_S", "100000"),
+            ("REPORT_BURST", "100000"),
+        ],
+    )
+    .await;
+    assert_eq!(advertised_max_streams(&socket).await, Some(8));
+    let mut mapper = PyMapper::start(&socket, dir.path()).await;
+    apply_device(&cluster, &bridge.node_id);
+    mapper
+        .next("RegisterDevice", |e| {
+            e["call"] == "RegisterDevice" && e["name"] == DEVICE
+        })
+        .await;
+    let answer = mapper.ask("report default beta1-device temp 41").await;
+    assert_eq!(answer["ok"], true, "{answer}");
+
+    // Ten times the streams at once on the mapper's one channel: every one answered OK (none
+    // timed out, the connection not closed on them), and the reports reach the DeviceStatus.
+    let burst = mapper.ask("burst default beta1-device 80").await;
+    assert_eq!(burst["codes"], json!({"OK": 80}), "{burst}");
+    wait_until("the burst's value in the DeviceStatus", WAIT, async || {
+        let status = status(&cluster).await;
+        if twin(&status, "temp")["reported"]["value"] == "7" {
+            Ok(())
+        } else {
+            Err(format!("{status}\n--- controller\n{}", controller.log()))
+        }
+    })
+    .await;
+
+    // 7 calls whose requests never come hold the 4 served at once: the next call waits its
+    // turn (its deadline passes); once they end it is served.
+    let hold = mapper.ask("hold 7").await;
+    assert_eq!(hold["ok"], true, "{hold}");
+    let waiting = mapper.ask("try 2 default beta1-device temp 8").await;
+    assert_eq!(waiting["code"], "DEADLINE_EXCEEDED", "{waiting}");
+    let released = mapper.ask("release").await;
+    assert!(released["codes"].get("OK").is_none(), "{released}");
+    let served = mapper.ask("try 10 default beta1-device temp 9").await;
+    assert_eq!(served["ok"], true, "{served}");
+}

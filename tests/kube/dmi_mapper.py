@@ -16,6 +16,11 @@ per stdin line:
                                           applied (it says "slow" when it starts waiting)
     burst <ns> <name> <count>             that many reports at once: how many were taken
     twins <ns> <name> <count>             one report with that many twins
+    try <s> <ns> <name> <prop> <value>    ReportDeviceStatus with a deadline of <s> seconds
+    fresh <s> <ns> <name> <prop> <value>  the same on a new channel of its own connection
+    hold <count>                          that many ReportDeviceStatus calls opened whose
+                                          request is not sent until `release`
+    release                               sends none and ends them: their status codes
 """
 
 import json
@@ -147,17 +152,42 @@ def register(stub):
         models=[m.name for m in reply.modelList])
 
 
+def report_request(ns, name, prop, value):
+    twin = api_pb2.Twin(propertyName=prop,
+                        reported=api_pb2.TwinProperty(value=value, metadata={"type": "int"}))
+    return api_pb2.ReportDeviceStatusRequest(deviceName=name, deviceNamespace=ns,
+                                             reportedDevice=api_pb2.DeviceStatus(twins=[twin]))
+
+
+def node_channel(own_connection=False):
+    # grpcio (C-core >= 1.57) names a unix socket's path, percent-encoded, as the :authority,
+    # which the node's HTTP/2 (h2) refuses as malformed (grpc/grpc#38142, hyperium/h2#487);
+    # grpc-go, and so mapper-framework, sends "localhost", as this does.
+    options = [("grpc.default_authority", "localhost")]
+    if own_connection:
+        # Channels of one process share connections unless told not to.
+        options.append(("grpc.use_local_subchannel_pool", 1))
+    return grpc.insecure_channel(f"unix://{NODE}", options=options)
+
+
+def timed(call, request, timeout):
+    start = time.time()
+    try:
+        call(request, timeout=timeout)
+        return {"ok": True, "seconds": time.time() - start}
+    except grpc.RpcError as error:
+        return dict(status(error), seconds=time.time() - start)
+
+
 def status(error):
     return {"ok": False, "code": error.code().name, "message": error.details()}
 
 
 def main():
-    # grpcio (C-core >= 1.57) names a unix socket's path, percent-encoded, as the :authority,
-    # which the node's HTTP/2 (h2) refuses as malformed (grpc/grpc#38142, hyperium/h2#487);
-    # grpc-go, and so mapper-framework, sends "localhost", as this does.
-    channel = grpc.insecure_channel(f"unix://{NODE}",
-                                    options=[("grpc.default_authority", "localhost")])
+    channel = node_channel()
     stub = api_pb2_grpc.DeviceManagerServiceStub(channel)
+    # The calls `hold` opened and the event that ends their requests.
+    held, release = [], threading.Event()
     # As mapper-framework's template: register first, then serve.
     register(stub)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
@@ -226,6 +256,42 @@ def main():
                     deviceName=name, deviceNamespace=ns,
                     reportedDevice=api_pb2.DeviceStatus(twins=twins)), timeout=20)
                 say(answer="twins", ok=True)
+            elif words[0] == "try":
+                request = report_request(*words[2:6])
+                say(answer="try", **timed(stub.ReportDeviceStatus, request, float(words[1])))
+            elif words[0] == "fresh":
+                request = report_request(*words[2:6])
+                own = node_channel(own_connection=True)
+                answer = timed(api_pb2_grpc.DeviceManagerServiceStub(own).ReportDeviceStatus,
+                               request, float(words[1]))
+                own.close()
+                say(answer="fresh", **answer)
+            elif words[0] == "hold":
+                call = channel.stream_unary(
+                    "/v1beta1.DeviceManagerService/ReportDeviceStatus",
+                    request_serializer=api_pb2.ReportDeviceStatusRequest.SerializeToString,
+                    response_deserializer=api_pb2.ReportDeviceStatusResponse.FromString)
+                release.clear()
+
+                def requests():
+                    release.wait(60)
+                    return
+                    yield
+
+                held.extend(call.future(requests(), timeout=60) for _ in range(int(words[1])))
+                say(answer="hold", ok=True)
+            elif words[0] == "release":
+                release.set()
+                codes = {}
+                for call in held:
+                    try:
+                        call.result()
+                        name = "OK"
+                    except grpc.RpcError as error:
+                        name = error.code().name
+                    codes[name] = codes.get(name, 0) + 1
+                held.clear()
+                say(answer="release", codes=codes)
             elif words[0] == "slow":
                 with lock:
                     slow[0] = float(words[1])
