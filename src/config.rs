@@ -257,6 +257,7 @@ mod tests {
     fn a_zero_dmi_bound_is_refused_by_name() {
         for key in [
             "max_connections",
+            "preface_timeout_ms",
             "max_streams_per_connection",
             "max_served_per_connection",
         ] {

@@ -69,6 +69,11 @@ pub struct DmiConfig {
     /// may not yet have seen its old connection close, and tools (grpcurl) connect too.
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
+    /// How long a new connection may stay silent before its first bytes (the HTTP/2 preface);
+    /// past it the node closes it, freeing its `max_connections` slot (`EM-DMI-SILENT`), so
+    /// silent connections cannot lock mappers out. Once it has sent a byte, no deadline.
+    #[serde(default = "default_preface_timeout_ms")]
+    pub preface_timeout_ms: u64,
     /// Requests one connection may have open at once (HTTP/2 `SETTINGS_MAX_CONCURRENT_STREAMS`);
     /// past it the mapper's client waits instead of HTTP/2 closing the connection on a backlog.
     #[serde(default = "default_max_streams_per_connection")]
@@ -102,6 +107,9 @@ const fn default_max_mappers() -> usize {
 const fn default_max_connections() -> usize {
     2 * default_max_mappers()
 }
+const fn default_preface_timeout_ms() -> u64 {
+    10_000
+}
 /// Requests a mapper may have open at once on one connection (HTTP/2
 /// `SETTINGS_MAX_CONCURRENT_STREAMS`); past it the mapper's client waits. tonic leaves this
 /// unlimited, and h2 (0.4.20, `proto/streams/streams.rs` `recv_data`, `Counts::
@@ -132,6 +140,7 @@ impl Default for DmiConfig {
             max_twins_per_report: default_max_twins(),
             max_mappers: default_max_mappers(),
             max_connections: default_max_connections(),
+            preface_timeout_ms: default_preface_timeout_ms(),
             max_streams_per_connection: default_max_streams_per_connection(),
             max_served_per_connection: default_max_served_per_connection(),
             call_timeout_ms: default_call_timeout_ms(),
@@ -141,11 +150,12 @@ impl Default for DmiConfig {
 }
 
 impl DmiConfig {
-    /// Refuses bounds the server cannot run with (a zero would refuse every connection or
-    /// leave every request waiting), naming the key.
+    /// Refuses bounds the server cannot run with (a zero would refuse every connection, close
+    /// it before its first bytes, or leave every request waiting), naming the key.
     pub fn validate(&self) -> Result<(), Error> {
         let zero = [
             ("max_connections", self.max_connections == 0),
+            ("preface_timeout_ms", self.preface_timeout_ms == 0),
             (
                 "max_streams_per_connection",
                 self.max_streams_per_connection == 0,

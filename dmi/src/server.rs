@@ -5,10 +5,11 @@
 // Helpers here return tonic's `Status`, which the service methods answer as it is.
 #![allow(clippy::result_large_err)]
 
+use std::future::Future;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -18,6 +19,7 @@ use serde_json::{json, Map, Value};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio::time::Sleep;
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_stream::Stream;
 use tokio_util::sync::CancellationToken;
@@ -35,8 +37,9 @@ use crate::DmiConfig;
 const MAX_ADDRESS: usize = 108;
 /// Longest name, namespace, protocol or state a request may carry.
 const MAX_NAME: usize = 253;
-/// How often at most a refused connection is logged; the line counts those since the last.
-const REFUSED_LOG_EVERY: Duration = Duration::from_secs(10);
+/// How often at most a refused connection, or one closed silent, is logged; the line counts
+/// those since the last of its kind.
+const CLOSED_LOG_EVERY: Duration = Duration::from_secs(10);
 
 /// Binds `path`: its directory made (0750, as KubeEdge's `CreateListener`), a stale socket
 /// removed, the socket itself 0660 (the node's user and group).
@@ -77,7 +80,11 @@ pub(crate) async fn serve(
     let served_at_once = config.max_served_per_connection;
     // Bounded, never tonic's unlimited default: see `default_max_streams_per_connection`.
     let streams = config.max_streams_per_connection;
-    let incoming = Admit::new(UnixListenerStream::new(listener), config.max_connections);
+    let incoming = Admit::new(
+        UnixListenerStream::new(listener),
+        config.max_connections,
+        Duration::from_millis(config.preface_timeout_ms),
+    );
     let service = DeviceManagerServiceServer::new(Manager {
         asks,
         reports,
@@ -97,47 +104,90 @@ pub(crate) async fn serve(
     let _ = std::fs::remove_file(&path);
 }
 
+/// Closed connections of one kind, logged at most once per [`CLOSED_LOG_EVERY`]: a burst of
+/// hostile connections costs one line, not one each.
+#[derive(Default)]
+struct Tally {
+    /// Closed since the last log line, and when that line was.
+    count: u64,
+    logged: Option<Instant>,
+}
+
+impl Tally {
+    /// Counts one; the count to log now (and reset), or `None` within the interval.
+    fn closed(&mut self) -> Option<u64> {
+        self.count += 1;
+        let now = Instant::now();
+        if self
+            .logged
+            .is_some_and(|at| now.duration_since(at) < CLOSED_LOG_EVERY)
+        {
+            return None;
+        }
+        self.logged = Some(now);
+        Some(std::mem::take(&mut self.count))
+    }
+}
+
+/// Connections closed for their silence: shared by every connection, so one [`Tally`] behind a
+/// lock, taken only when a deadline fires.
+struct Silent {
+    tally: Mutex<Tally>,
+    timeout: Duration,
+}
+
+impl Silent {
+    fn closed(&self) {
+        let count = self
+            .tally
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .closed();
+        if let Some(closed) = count {
+            warn!(
+                error_code = "EM-DMI-SILENT",
+                preface_timeout_ms = self.timeout.as_millis() as u64,
+                closed,
+                "closed DMI connections that sent nothing within devices.dmi.preface_timeout_ms"
+            );
+        }
+    }
+}
+
 /// The accepted connections, each holding one of `max_connections` permits until it closes;
 /// one accepted with none left is closed at once, before HTTP/2 reads or writes a byte.
 struct Admit {
     inner: UnixListenerStream,
     permits: Arc<Semaphore>,
     limit: usize,
-    /// Connections closed since the last log line, and when that line was.
-    refused: u64,
-    logged: Option<Instant>,
+    refused: Tally,
+    silent: Arc<Silent>,
 }
 
 impl Admit {
-    fn new(inner: UnixListenerStream, limit: usize) -> Admit {
+    fn new(inner: UnixListenerStream, limit: usize, preface_timeout: Duration) -> Admit {
         Admit {
             inner,
             permits: Arc::new(Semaphore::new(limit)),
             limit,
-            refused: 0,
-            logged: None,
+            refused: Tally::default(),
+            silent: Arc::new(Silent {
+                tally: Mutex::new(Tally::default()),
+                timeout: preface_timeout,
+            }),
         }
     }
 
-    /// Counts a refused connection; logs at most once per [`REFUSED_LOG_EVERY`], a burst of
-    /// hostile connections costing one line, not one each.
+    /// Counts a refused connection, logged at most once per [`CLOSED_LOG_EVERY`].
     fn refused(&mut self) {
-        self.refused += 1;
-        let now = Instant::now();
-        if self
-            .logged
-            .is_some_and(|at| now.duration_since(at) < REFUSED_LOG_EVERY)
-        {
-            return;
+        if let Some(refused) = self.refused.closed() {
+            warn!(
+                error_code = "EM-DMI-CONNECTIONS",
+                max_connections = self.limit,
+                refused,
+                "closed DMI connections at once: devices.dmi.max_connections are open"
+            );
         }
-        warn!(
-            error_code = "EM-DMI-CONNECTIONS",
-            max_connections = self.limit,
-            refused = self.refused,
-            "closed DMI connections at once: devices.dmi.max_connections are open"
-        );
-        self.refused = 0;
-        self.logged = Some(now);
     }
 }
 
@@ -157,6 +207,8 @@ impl Stream for Admit {
                     return Poll::Ready(Some(Ok(Admitted {
                         inner: stream,
                         _permit: permit,
+                        preface: Some(Box::pin(tokio::time::sleep(self.silent.timeout))),
+                        silent: self.silent.clone(),
                     })))
                 }
                 Err(_) => {
@@ -169,9 +221,14 @@ impl Stream for Admit {
 }
 
 /// An admitted connection: its permit is given back when tonic drops it (the connection closed).
+/// Until its first bytes arrive, a read past the `preface_timeout_ms` deadline set at accept
+/// fails with `TimedOut`, so HTTP/2 drops the connection and frees the permit.
 struct Admitted {
     inner: UnixStream,
     _permit: OwnedSemaphorePermit,
+    /// The deadline for the first bytes; `None` once they came.
+    preface: Option<Pin<Box<Sleep>>>,
+    silent: Arc<Silent>,
 }
 
 impl Connected for Admitted {
@@ -188,7 +245,28 @@ impl AsyncRead for Admitted {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_read(cx, buf)
+        let this = &mut *self;
+        let before = buf.filled().len();
+        let read = Pin::new(&mut this.inner).poll_read(cx, buf);
+        let Some(deadline) = this.preface.as_mut() else {
+            return read;
+        };
+        match read {
+            Poll::Ready(Ok(())) if buf.filled().len() > before => this.preface = None,
+            // The end of the stream or an error: HTTP/2 closes the connection on either.
+            Poll::Ready(_) => {}
+            Poll::Pending => {
+                if deadline.as_mut().poll(cx).is_ready() {
+                    this.preface = None;
+                    this.silent.closed();
+                    return Poll::Ready(Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "nothing sent within devices.dmi.preface_timeout_ms",
+                    )));
+                }
+            }
+        }
+        read
     }
 }
 

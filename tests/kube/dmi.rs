@@ -685,6 +685,136 @@ async fn dmi_connections_past_the_limit_are_closed_at_once_and_a_closed_one_free
     .await;
 }
 
+/// Reads `stream` until the node closes it (end of stream, or reset), discarding what HTTP/2
+/// sent; `false` if it is still open at `deadline`.
+async fn closed_by(stream: &mut tokio::net::UnixStream, deadline: tokio::time::Instant) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut buf = [0u8; 256];
+    loop {
+        match tokio::time::timeout_at(deadline, stream.read(&mut buf)).await {
+            Err(_) => return false,
+            Ok(Ok(0)) => return true,
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+            Ok(Err(e)) => panic!("reading the DMI socket: {e}"),
+        }
+    }
+}
+
+/// Reads HTTP/2 frames until one of `kind` without the ACK flag (or with it, `ack`): its body;
+/// `None` if the node closed the connection first.
+async fn frame_of(stream: &mut tokio::net::UnixStream, kind: u8, ack: bool) -> Option<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    let read = async {
+        loop {
+            let mut head = [0u8; 9];
+            stream.read_exact(&mut head).await.ok()?;
+            let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+            let mut body = vec![0u8; len];
+            stream.read_exact(&mut body).await.ok()?;
+            if head[3] == kind && (head[4] & 1 == 1) == ack {
+                return Some(body);
+            }
+        }
+    };
+    tokio::time::timeout(WAIT, read)
+        .await
+        .expect("the node's frame, or its close, within the wait")
+}
+
+/// A connection that sent the HTTP/2 preface and settings, read the node's and acknowledged them.
+async fn greeted_connection(socket: &Path) -> tokio::net::UnixStream {
+    let mut stream = tokio::net::UnixStream::connect(socket)
+        .await
+        .expect("connect to the DMI socket");
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]);
+    stream.write_all(&hello).await.expect("HTTP/2 preface");
+    frame_of(&mut stream, 4, false)
+        .await
+        .expect("the node's SETTINGS");
+    stream
+        .write_all(&[0, 0, 0, 4, 1, 0, 0, 0, 0])
+        .await
+        .expect("SETTINGS ACK");
+    stream
+}
+
+/// Whether the node's HTTP/2 answers a PING on `stream` with its ACK.
+async fn answers_ping(stream: &mut tokio::net::UnixStream) -> bool {
+    let ping = [0, 0, 8, 6, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8];
+    if stream.write_all(&ping).await.is_err() {
+        return false;
+    }
+    frame_of(stream, 6, true).await.as_deref() == Some(&ping[9..])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dmi_silent_connections_are_closed_after_the_preface_timeout_and_free_their_slots() {
+    const TIMEOUT: Duration = Duration::from_millis(300);
+    let cloud = CloudBroker::start().await;
+    let dir = tempfile::tempdir().expect("dir");
+    let (node, _bridge, socket) = dmi_node_with(
+        &cloud,
+        dir.path(),
+        &[
+            ("MAX_CONNECTIONS", "4"),
+            ("PREFACE_TIMEOUT_MS", &TIMEOUT.as_millis().to_string()),
+        ],
+    )
+    .await;
+    // The mapper's channel and a connection that sent its preface, then idles: 2 of the 4.
+    let mut mapper = PyMapper::start(&socket, dir.path()).await;
+    let greeted_at = Instant::now();
+    let mut greeted = greeted_connection(&socket).await;
+
+    // Ten times the limit, connected and silent, held open: each admitted one (greeted by the
+    // node's HTTP/2) is closed by the node once the timeout passes, the others at once.
+    let mut held = Vec::new();
+    let mut admitted = 0;
+    for _ in 0..40 {
+        let (was_closed, stream) = silent_connection(&socket).await;
+        admitted += usize::from(!was_closed);
+        held.push(stream);
+    }
+    assert!(
+        admitted >= 2,
+        "the 2 free slots admitted silent connections: {admitted}"
+    );
+    let deadline = tokio::time::Instant::now() + 10 * TIMEOUT + Duration::from_secs(5);
+    for (i, stream) in held.iter_mut().enumerate() {
+        assert!(
+            closed_by(stream, deadline).await,
+            "silent connection {i} of 40 ({admitted} admitted) still open {:?} after the last \
+             connected (10 times the preface timeout and 5 s)",
+            10 * TIMEOUT + Duration::from_secs(5)
+        );
+    }
+    let line = node.await_log("EM-DMI-SILENT").await;
+    assert!(line.contains("closed"), "{line}");
+    let lines = node.log().matches("EM-DMI-SILENT").count();
+    assert!(
+        lines <= 2,
+        "{admitted} silent connections closed in {lines} lines, not one each"
+    );
+
+    // The slots are free while the test still holds the silent sockets: a new mapper's call,
+    // on a connection of its own, is served (NOT_FOUND is an answer).
+    let fresh = mapper.ask("fresh 10 default no-such-device temp 1").await;
+    assert_eq!(fresh["code"], "NOT_FOUND", "{fresh}");
+
+    // The timeout is for the first bytes only: the greeted connection, idle 3 times the
+    // timeout, is still served, and so is the mapper's channel.
+    tokio::time::sleep((3 * TIMEOUT).saturating_sub(greeted_at.elapsed())).await;
+    assert!(
+        answers_ping(&mut greeted).await,
+        "an idle connection past its preface is served"
+    );
+    let served = mapper.ask("try 10 default no-such-device temp 1").await;
+    assert_eq!(served["code"], "NOT_FOUND", "{served}");
+    drop(held);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dmi_eighty_reports_at_once_on_one_connection_are_all_answered_within_its_stream_bound() {
     let cluster = Cluster::start().await;
