@@ -594,6 +594,31 @@ async fn silent_connection(socket: &Path) -> (bool, tokio::net::UnixStream) {
     (closed, stream)
 }
 
+/// Ten times a limit of 4: 40 silent connections, held open; with how many the node closed at
+/// once (see [`silent_connection`]).
+async fn forty_silent_connections(socket: &Path) -> (Vec<tokio::net::UnixStream>, usize) {
+    let mut held = Vec::new();
+    let mut closed = 0;
+    for _ in 0..40 {
+        let (was_closed, stream) = silent_connection(socket).await;
+        closed += usize::from(was_closed);
+        held.push(stream);
+    }
+    (held, closed)
+}
+
+/// Waits for `code` in the node's log with `field` on its line, and checks that the burst of
+/// `closes` connections took at most two lines, not one each.
+async fn logged_in_few_lines(node: &super::common::Node, code: &str, field: &str, closes: usize) {
+    let line = node.await_log(code).await;
+    assert!(line.contains(field), "{line}");
+    let lines = node.log().matches(code).count();
+    assert!(
+        lines <= 2,
+        "{closes} closed connections logged in {lines} lines, not one each"
+    );
+}
+
 /// The `SETTINGS_MAX_CONCURRENT_STREAMS` the node's HTTP/2 advertises on a new connection.
 async fn advertised_max_streams(socket: &Path) -> Option<u32> {
     use tokio::io::AsyncReadExt;
@@ -635,13 +660,7 @@ async fn dmi_connections_past_the_limit_are_closed_at_once_and_a_closed_one_free
     let mut mapper = PyMapper::start(&socket, dir.path()).await;
 
     // Ten times the limit, silent and held open: 3 are kept, the rest closed before HTTP/2.
-    let mut held = Vec::new();
-    let mut closed = 0;
-    for _ in 0..40 {
-        let (was_closed, stream) = silent_connection(&socket).await;
-        closed += usize::from(was_closed);
-        held.push(stream);
-    }
+    let (held, closed) = forty_silent_connections(&socket).await;
     assert_eq!(
         closed, 37,
         "of 40 connections past the mapper's, all but 3 closed"
@@ -657,13 +676,7 @@ async fn dmi_connections_past_the_limit_are_closed_at_once_and_a_closed_one_free
     );
     let served = mapper.ask("try 10 default no-such-device temp 1").await;
     assert_eq!(served["code"], "NOT_FOUND", "{served}");
-    let line = node.await_log("EM-DMI-CONNECTIONS").await;
-    assert!(line.contains("refused"), "{line}");
-    let lines = node.log().matches("EM-DMI-CONNECTIONS").count();
-    assert!(
-        lines <= 2,
-        "38 refusals logged in {lines} lines, not one each"
-    );
+    logged_in_few_lines(&node, "EM-DMI-CONNECTIONS", "refused", 38).await;
 
     // The node's MQTT side serves meanwhile.
     let mut client = node.client().await;
@@ -770,13 +783,8 @@ async fn dmi_silent_connections_are_closed_after_the_preface_timeout_and_free_th
 
     // Ten times the limit, connected and silent, held open: each admitted one (greeted by the
     // node's HTTP/2) is closed by the node once the timeout passes, the others at once.
-    let mut held = Vec::new();
-    let mut admitted = 0;
-    for _ in 0..40 {
-        let (was_closed, stream) = silent_connection(&socket).await;
-        admitted += usize::from(!was_closed);
-        held.push(stream);
-    }
+    let (mut held, closed) = forty_silent_connections(&socket).await;
+    let admitted = 40 - closed;
     assert!(
         admitted >= 2,
         "the 2 free slots admitted silent connections: {admitted}"
@@ -790,13 +798,7 @@ async fn dmi_silent_connections_are_closed_after_the_preface_timeout_and_free_th
             10 * TIMEOUT + Duration::from_secs(5)
         );
     }
-    let line = node.await_log("EM-DMI-SILENT").await;
-    assert!(line.contains("closed"), "{line}");
-    let lines = node.log().matches("EM-DMI-SILENT").count();
-    assert!(
-        lines <= 2,
-        "{admitted} silent connections closed in {lines} lines, not one each"
-    );
+    logged_in_few_lines(&node, "EM-DMI-SILENT", "closed", admitted).await;
 
     // The slots are free while the test still holds the silent sockets: a new mapper's call,
     // on a connection of its own, is served (NOT_FOUND is an answer).
