@@ -223,6 +223,7 @@ struct Scraped {
     denied_publishes: Counter,
     denied_subscribes: Counter,
     lagging_cut: Counter,
+    away_dropped: Counter,
     sessions: Gauge,
     paused_publishers: Gauge,
     publisher_pauses: Counter,
@@ -246,6 +247,7 @@ impl Scraped {
             denied_publishes: counter!("edgemeta_acl_denials_total", "kind" => "publish"),
             denied_subscribes: counter!("edgemeta_acl_denials_total", "kind" => "subscribe"),
             lagging_cut: counter!("edgemeta_broker_lagging_subscribers_disconnected_total"),
+            away_dropped: counter!("edgemeta_broker_away_dropped_total"),
             sessions: gauge!("edgemeta_broker_sessions"),
             paused_publishers: gauge!("edgemeta_broker_paused_publishers"),
             publisher_pauses: counter!("edgemeta_broker_publisher_pauses_total"),
@@ -387,6 +389,7 @@ async fn metrics(State(node): State<Arc<Node>>) -> Response {
     s.denied_publishes.absolute(publishes);
     s.denied_subscribes.absolute(subscribes);
     s.lagging_cut.absolute(src.broker.lagging_subscribers_cut());
+    s.away_dropped.absolute(src.broker.away_dropped());
     s.sessions.set(src.broker.sessions() as f64);
     let (paused, pauses) = src.broker.paused_publishers();
     s.paused_publishers.set(paused as f64);

@@ -448,6 +448,106 @@ async fn a_stalled_qos1_subscriber_is_cut_off_with_an_error_code_never_handed_a_
     assert_eq!(listed_sorted, names, "the re-list misses pods");
 }
 
+/// A session away sent far more than its queue holds keeps the first of it, in order; every
+/// message it could not keep is counted in `/metrics`, and the log says so in a line or two,
+/// not a line per message (a publisher must not be able to fill the node's log).
+#[tokio::test]
+async fn a_session_away_sent_ten_times_its_queue_keeps_the_first_and_logs_its_drops_in_a_line_or_two(
+) {
+    const SENT: usize = 2_000;
+    // 4 KiB a session: 2,000 messages of ~40 bytes are about ten times that.
+    let node = Node::start_with(Options {
+        broker_yaml: "  queue_bytes: 4096\n".into(),
+        ..Options::default()
+    })
+    .await;
+    let port = node.port.to_string();
+    let id = unique_id("sleepy");
+    let topic = format!("sleepy/{id}");
+    let base = [
+        "-h",
+        "127.0.0.1",
+        "-p",
+        &port,
+        "-V",
+        "5",
+        "-q",
+        "1",
+        "-i",
+        &id,
+        "-t",
+        &topic,
+        "-x",
+        "60",
+    ];
+    let (status, _) = common::MosquittoSub::start(&[&base[..], &["-E"]].concat())
+        .await
+        .output()
+        .await;
+    assert!(status.success(), "the first connection ended cleanly");
+    let dropped_before = away_dropped(&node).await;
+
+    // The publisher hears its own messages: once the last is back, each was routed.
+    let mut publisher = node.client().await;
+    publisher.subscribe(&topic).await;
+    for n in 0..SENT {
+        publisher.publish(&topic, format!("{n:0>32}")).await;
+    }
+    let last = format!("{:0>32}", SENT - 1);
+    while publisher.next().await.payload != last.as_bytes() {}
+    // What it kept arrives at once on its return; -W ends the wait for more.
+    let back: Vec<String> = [&base[..], &["-c", "-W", "3"]]
+        .concat()
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("mosquitto_sub")
+            .args(&back)
+            .output()
+            .expect("mosquitto_sub is installed (scripts/test installs it)")
+    })
+    .await
+    .expect("mosquitto_sub ran");
+    let got: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    let kept = got.len();
+    assert!(
+        (1..SENT / 5).contains(&kept),
+        "a 4 KiB queue keeps some of {SENT}, not all: {kept}"
+    );
+    let wanted: Vec<String> = (0..kept).map(|n| format!("{n:0>32}")).collect();
+    assert_eq!(got, wanted, "the first ones, in order");
+    assert_eq!(
+        away_dropped(&node).await - dropped_before,
+        (SENT - kept) as u64,
+        "every message not kept is counted"
+    );
+    let line = node.await_log("EM-BROKER-QUEUE-FULL").await;
+    assert!(line.contains("dropped="), "{line}");
+    let lines = node.log().matches("EM-BROKER-QUEUE-FULL").count();
+    assert!(
+        lines <= 2,
+        "{} drops logged in {lines} lines, not one each",
+        SENT - kept
+    );
+}
+
+/// The node's `edgemeta_broker_away_dropped_total` now.
+async fn away_dropped(node: &Node) -> u64 {
+    let (status, body) = common::http_get(node.observe_port, "/metrics").await;
+    assert_eq!(status, 200, "{body}");
+    body.lines()
+        .find_map(|line| line.strip_prefix("edgemeta_broker_away_dropped_total "))
+        .and_then(|value| value.trim().parse::<f64>().ok())
+        .map_or_else(
+            || panic!("no edgemeta_broker_away_dropped_total in:\n{body}"),
+            |v| v as u64,
+        )
+}
+
 /// The node's `edgemeta_broker_sessions` now.
 async fn sessions_held(node: &Node) -> u64 {
     let (status, body) = common::http_get(node.observe_port, "/metrics").await;

@@ -92,6 +92,7 @@ async fn metrics_count_a_burst_by_operation_result_and_error_code() {
         "edgemeta_broker_connections",
         "edgemeta_acl_denials_total",
         "edgemeta_broker_lagging_subscribers_disconnected_total",
+        "edgemeta_broker_away_dropped_total",
         "edgemeta_broker_sessions",
         "edgemeta_broker_paused_publishers",
         "edgemeta_broker_publisher_pauses_total",

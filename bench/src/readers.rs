@@ -248,9 +248,14 @@ async fn budget(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         .context("every fill acknowledged")???;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let full = node.rss_kib()?;
+    // Counted in /metrics: the log line (`EM-BROKER-QUEUE-FULL`) comes at most every 10 s.
+    let metrics = node.metrics().await?;
+    let dropped = metrics
+        .lines()
+        .find_map(|line| line.strip_prefix("edgemeta_broker_away_dropped_total "))
+        .and_then(|value| value.trim().parse::<f64>().ok())
+        .context("edgemeta_broker_away_dropped_total is not in /metrics")? as u64;
     drop(node);
-    let log = std::fs::read_to_string(dir.path().join("edgemeta.log")).unwrap_or_default();
-    let dropped = log.matches("EM-BROKER-QUEUE-FULL").count();
     let grew_mib = (full.saturating_sub(empty)) as f64 / 1024.0;
     println!(
         "budget: RSS {:.1} MiB at start, {:.1} MiB with {sessions} sessions away, {:.1} MiB once \

@@ -46,6 +46,12 @@ impl BrokerStats {
         self.shared.hub.lag_cuts.load(Ordering::Relaxed)
     }
 
+    /// Messages dropped so far for sessions that are away (`EM-BROKER-QUEUE-FULL`, logged
+    /// at most every 10 s).
+    pub fn away_dropped(&self) -> u64 {
+        self.shared.hub.away_drops.load(Ordering::Relaxed)
+    }
+
     /// Sessions held, connected or not (MQTT 5 Session Expiry, 3.1.1 clean session flag 0).
     pub fn sessions(&self) -> u64 {
         self.shared.hub.sessions() as u64
