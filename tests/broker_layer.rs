@@ -496,23 +496,7 @@ async fn a_session_away_sent_ten_times_its_queue_keeps_the_first_and_logs_its_dr
     let last = format!("{:0>32}", SENT - 1);
     while publisher.next().await.payload != last.as_bytes() {}
     // What it kept arrives at once on its return; -W ends the wait for more.
-    let back: Vec<String> = [&base[..], &["-c", "-W", "3"]]
-        .concat()
-        .iter()
-        .map(|a| a.to_string())
-        .collect();
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new("mosquitto_sub")
-            .args(&back)
-            .output()
-            .expect("mosquitto_sub is installed (scripts/test installs it)")
-    })
-    .await
-    .expect("mosquitto_sub ran");
-    let got: Vec<String> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(str::to_owned)
-        .collect();
+    let got = mosquitto_sub_lines(&[&base[..], &["-c", "-W", "3"]].concat()).await;
     let kept = got.len();
     assert!(
         (1..SENT / 5).contains(&kept),
@@ -535,30 +519,41 @@ async fn a_session_away_sent_ten_times_its_queue_keeps_the_first_and_logs_its_dr
     );
 }
 
-/// The node's `edgemeta_broker_away_dropped_total` now.
-async fn away_dropped(node: &Node) -> u64 {
-    let (status, body) = common::http_get(node.observe_port, "/metrics").await;
-    assert_eq!(status, 200, "{body}");
-    body.lines()
-        .find_map(|line| line.strip_prefix("edgemeta_broker_away_dropped_total "))
-        .and_then(|value| value.trim().parse::<f64>().ok())
-        .map_or_else(
-            || panic!("no edgemeta_broker_away_dropped_total in:\n{body}"),
-            |v| v as u64,
-        )
-}
-
 /// The node's `edgemeta_broker_sessions` now.
 async fn sessions_held(node: &Node) -> u64 {
+    metric(node, "edgemeta_broker_sessions").await
+}
+
+/// The node's `edgemeta_broker_away_dropped_total` now.
+async fn away_dropped(node: &Node) -> u64 {
+    metric(node, "edgemeta_broker_away_dropped_total").await
+}
+
+/// An unlabelled metric of the node's `/metrics` now.
+async fn metric(node: &Node, name: &str) -> u64 {
     let (status, body) = common::http_get(node.observe_port, "/metrics").await;
     assert_eq!(status, 200, "{body}");
     body.lines()
-        .find_map(|line| line.strip_prefix("edgemeta_broker_sessions "))
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
         .and_then(|value| value.trim().parse::<f64>().ok())
-        .map_or_else(
-            || panic!("no edgemeta_broker_sessions in:\n{body}"),
-            |v| v as u64,
-        )
+        .map_or_else(|| panic!("no {name} in:\n{body}"), |v| v as u64)
+}
+
+/// What `mosquitto_sub` with `args` printed, a line a message, once it ended.
+async fn mosquitto_sub_lines(args: &[&str]) -> Vec<String> {
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("mosquitto_sub")
+            .args(&args)
+            .output()
+            .expect("mosquitto_sub is installed (scripts/test installs it)")
+    })
+    .await
+    .expect("mosquitto_sub ran");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect()
 }
 
 /// A device that starts each boot with a fresh session but keeps it while it sleeps (MQTT 5.0
@@ -607,24 +602,8 @@ async fn a_v5_session_with_an_expiry_keeps_what_was_published_while_its_client_w
     }
     let wait = WAIT.as_secs().to_string();
     let count = AWAY.to_string();
-    let back: Vec<String> = [&base[..], &["-c", "-C", &count, "-W", &wait]]
-        .concat()
-        .iter()
-        .map(|a| a.to_string())
-        .collect();
     // Run whole: what the kept session is owed arrives before its new SUBACK.
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new("mosquitto_sub")
-            .args(&back)
-            .output()
-            .expect("mosquitto_sub is installed (scripts/test installs it)")
-    })
-    .await
-    .expect("mosquitto_sub ran");
-    let got: Vec<String> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(str::to_owned)
-        .collect();
+    let got = mosquitto_sub_lines(&[&base[..], &["-c", "-C", &count, "-W", &wait]].concat()).await;
     let wanted: Vec<String> = (0..AWAY).map(|n| n.to_string()).collect();
     assert_eq!(
         got, wanted,
