@@ -461,31 +461,9 @@ async fn a_session_away_sent_ten_times_its_queue_keeps_the_first_and_logs_its_dr
         ..Options::default()
     })
     .await;
-    let port = node.port.to_string();
-    let id = unique_id("sleepy");
-    let topic = format!("sleepy/{id}");
-    let base = [
-        "-h",
-        "127.0.0.1",
-        "-p",
-        &port,
-        "-V",
-        "5",
-        "-q",
-        "1",
-        "-i",
-        &id,
-        "-t",
-        &topic,
-        "-x",
-        "60",
-    ];
-    let (status, _) = common::MosquittoSub::start(&[&base[..], &["-E"]].concat())
-        .await
-        .output()
-        .await;
-    assert!(status.success(), "the first connection ended cleanly");
     let dropped_before = away_dropped(&node).await;
+    let (topic, base) = gone_away(&node).await;
+    let base: Vec<&str> = base.iter().map(String::as_str).collect();
 
     // The publisher hears its own messages: once the last is back, each was routed.
     let mut publisher = node.client().await;
@@ -539,6 +517,37 @@ async fn metric(node: &Node, name: &str) -> u64 {
         .map_or_else(|| panic!("no {name} in:\n{body}"), |v| v as u64)
 }
 
+/// A device's MQTT 5 session (`mosquitto_sub -V 5 -x 60`) that subscribed to a topic of its
+/// own and left once acknowledged (`-E`): the topic, and the arguments that bring it back.
+async fn gone_away(node: &Node) -> (String, Vec<String>) {
+    let id = unique_id("sleepy");
+    let topic = format!("sleepy/{id}");
+    let port = node.port.to_string();
+    let base: Vec<String> = [
+        "-h",
+        "127.0.0.1",
+        "-p",
+        &port,
+        "-V",
+        "5",
+        "-q",
+        "1",
+        "-i",
+        &id,
+        "-t",
+        &topic,
+        "-x",
+        "60",
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    let first: Vec<&str> = base.iter().map(String::as_str).chain(["-E"]).collect();
+    let (status, _) = common::MosquittoSub::start(&first).await.output().await;
+    assert!(status.success(), "the first connection ended cleanly");
+    (topic, base)
+}
+
 /// What `mosquitto_sub` with `args` printed, a line a message, once it ended.
 async fn mosquitto_sub_lines(args: &[&str]) -> Vec<String> {
     let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
@@ -564,32 +573,9 @@ async fn mosquitto_sub_lines(args: &[&str]) -> Vec<String> {
 async fn a_v5_session_with_an_expiry_keeps_what_was_published_while_its_client_was_away() {
     const AWAY: usize = 500;
     let node = Node::start().await;
-    let port = node.port.to_string();
-    let id = unique_id("sleepy");
-    let topic = format!("sleepy/{id}");
-    let base = [
-        "-h",
-        "127.0.0.1",
-        "-p",
-        &port,
-        "-V",
-        "5",
-        "-q",
-        "1",
-        "-i",
-        &id,
-        "-t",
-        &topic,
-        "-x",
-        "60",
-    ];
     let held = sessions_held(&node).await;
-    // -E: leaves once its subscription is acknowledged.
-    let (status, _) = common::MosquittoSub::start(&[&base[..], &["-E"]].concat())
-        .await
-        .output()
-        .await;
-    assert!(status.success(), "the first connection ended cleanly");
+    let (topic, base) = gone_away(&node).await;
+    let base: Vec<&str> = base.iter().map(String::as_str).collect();
     assert_eq!(
         sessions_held(&node).await,
         held + 1,
