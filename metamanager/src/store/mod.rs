@@ -22,7 +22,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use edgemeta_broker::Message;
@@ -209,6 +209,8 @@ pub struct Db {
     relaxed: AtomicBool,
     /// History rows kept (`versions.rs`).
     history: u64,
+    /// The version at and below which the last prune removed the history (`versions.rs`).
+    history_pruned: AtomicU64,
     /// Versioned changes of the open transaction, in order (`versions.rs`).
     pending: Mutex<Vec<Change>>,
     // Keeps the database alive as long as the connection.
@@ -257,6 +259,7 @@ impl Db {
             synchronous: level,
             relaxed: AtomicBool::new(false),
             history: config.history,
+            history_pruned: AtomicU64::new(0),
             pending: Mutex::new(Vec::new()),
             _db: db,
         };

@@ -9,6 +9,7 @@
 //! transaction wait in [`Db`]'s pending list until the worker has committed them, then go to
 //! the live watchers.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use libsql::params;
@@ -17,6 +18,12 @@ use super::Db;
 
 /// The `meta.type`s whose changes are versioned: what the MetaServer serves.
 pub const VERSIONED: &[&str] = &["pod", "configmap", "secret", "service", "endpoints", "node"];
+
+/// Rows past `keep` the history may hold before a prune: pruning every batch rewrote the
+/// history's oldest leaf and its parents in every commit; waiting frees whole leaves at once.
+fn prune_slack(keep: u64) -> u64 {
+    (keep / 16).min(128)
+}
 
 /// Whether changes of `res_type` take versions.
 pub fn versioned(res_type: &str) -> bool {
@@ -191,12 +198,18 @@ impl Db {
             return Ok(());
         };
         let keep = self.history.max(1);
+        let floor = last.saturating_sub(keep);
+        let pruned = self.history_pruned.load(Ordering::Relaxed);
+        if floor < pruned.saturating_add(prune_slack(keep)) {
+            return Ok(());
+        }
         self.exec(
             "DELETE FROM meta_history WHERE rv <= ?1",
-            [i64::try_from(last.saturating_sub(keep)).unwrap_or(i64::MAX)],
+            [i64::try_from(floor).unwrap_or(i64::MAX)],
         )
-        .await
-        .map(drop)
+        .await?;
+        self.history_pruned.store(floor, Ordering::Relaxed);
+        Ok(())
     }
 
     /// The versioned changes committed by the last transaction (taken once, after `COMMIT`).
@@ -340,6 +353,50 @@ mod tests {
             .expect("upsert");
         tx.commit().await.expect("commit");
         assert!(reader.list(next).await.expect("list").is_none(), "too old");
+    }
+
+    /// A long history is pruned in steps: it always holds the last `history` changes and at
+    /// most `history / 16` more, so a commit only now and then rewrites its oldest pages.
+    #[tokio::test]
+    async fn a_long_history_is_pruned_in_steps_and_keeps_at_least_its_length() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = StoreConfig {
+            path: dir.path().join("meta.db"),
+            history: 320,
+            ..StoreConfig::default()
+        };
+        let db = Db::open(&config).await.expect("open");
+        let reader = Reader::open(&config.path).await.expect("reader");
+        let mut floors = Vec::new();
+        for rv in 1..=1000u64 {
+            let tx = db.begin(true).await.expect("begin");
+            db.upsert("default/pod/a", "pod", &format!("{{\"v\":{rv}}}"))
+                .await
+                .expect("upsert");
+            tx.commit().await.expect("commit");
+            db.take_changes();
+            let rows = history_rows(&db).await;
+            let kept = rows.len() as u64;
+            assert!(
+                kept >= rv.min(320) && kept <= 340,
+                "{kept} rows after {rv} changes (history 320, step 20)"
+            );
+            // The oldest version a watch resumes from, as the MetaServer reads it.
+            let floor = match reader.since("pod", 0).await.expect("since") {
+                Since::Expired { floor, .. } => floor,
+                Since::Changes { .. } => 0,
+            };
+            if floors.last() != Some(&floor) {
+                floors.push(floor);
+            }
+        }
+        let steps: std::collections::BTreeSet<u64> =
+            floors.windows(2).map(|w| w[1] - w[0]).collect();
+        assert_eq!(
+            (steps.into_iter().collect::<Vec<_>>(), floors.last()),
+            (vec![20], Some(&680)),
+            "the oldest version moves 20 at a time"
+        );
     }
 
     /// What each history row holds: `(rv, event, value)`, a NULL value as `None`.
