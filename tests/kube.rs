@@ -1287,6 +1287,87 @@ async fn a_restarted_controller_sends_a_node_only_what_changed_while_it_was_down
     );
 }
 
+/// A ConfigMap and a Secret deleted while no controller runs are deleted on the node that held
+/// them once a controller is back: its relist does not list them, and the node had acknowledged
+/// them (KubeEdge's SyncController does the same from its ObjectSyncs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configmap_and_a_secret_deleted_while_no_controller_ran_are_deleted_on_the_node() {
+    const HELD: [&str; 2] = ["default/configmap/app", "default/secret/key"];
+    let mut rig = Rig::start().await;
+    rig.cluster
+        .create::<ConfigMap>(json!({"metadata": {"name": "app"}, "data": {"mode": "a"}}))
+        .await;
+    rig.cluster
+        .create::<Secret>(json!({"metadata": {"name": "key"}, "data": {"k": "dg=="}}))
+        .await;
+    let volumes = json!({"volumes": [
+        {"name": "conf", "configMap": {"name": "app"}},
+        {"name": "key", "secret": {"secretName": "key"}},
+    ]});
+    let pod = rig.pod("web", "while true; do sleep 1; done", volumes);
+    rig.cluster.create::<Pod>(pod).await;
+    rig.await_running("web").await;
+    let saved: Api<ConfigMap> = Api::namespaced(rig.cluster.client.clone(), "kubeedge");
+    let name = format!("edgemeta-acked-{}", rig.bridge.node_id);
+    wait_until(
+        "both stored on the node and their acks saved",
+        RUN_WAIT,
+        async || {
+            let cm = saved.get(&name).await.map_err(|e| e.to_string())?;
+            let acked: Value = cm
+                .data
+                .as_ref()
+                .and_then(|d| d.get("acked"))
+                .and_then(|text| serde_json::from_str(text).ok())
+                .unwrap_or_default();
+            let mut missing = Vec::new();
+            for resource in HELD {
+                if acked.get(resource).is_none() || rig.node.stored(resource).await.is_none() {
+                    missing.push(resource);
+                }
+            }
+            if missing.is_empty() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "not yet held and acknowledged: {missing:?}; acked {acked}"
+                ))
+            }
+        },
+    )
+    .await;
+
+    rig.controller.kill9();
+    let configmaps: Api<ConfigMap> = Api::namespaced(rig.cluster.client.clone(), "default");
+    configmaps
+        .delete("app", &DeleteParams::default())
+        .await
+        .expect("delete the configmap");
+    let secrets: Api<Secret> = Api::namespaced(rig.cluster.client.clone(), "default");
+    secrets
+        .delete("key", &DeleteParams::default())
+        .await
+        .expect("delete the secret");
+    rig.controller.spawn();
+    wait_until("both deleted on the node", RUN_WAIT, async || {
+        let mut left = Vec::new();
+        for resource in HELD {
+            if rig.node.stored(resource).await.is_some() {
+                left.push(resource);
+            }
+        }
+        if left.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "still on the node: {left:?}\n{}",
+                rig.controller.log()
+            ))
+        }
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_an_outage_the_node_is_unknown_once_and_ready_again_within_two_seconds_of_the_link() {
     let cloud = CloudBroker::start().await;

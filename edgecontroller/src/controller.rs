@@ -492,16 +492,17 @@ impl Owner {
                 for key in gone {
                     sends.extend(self.delete(watched, key));
                 }
-                if watched == Watched::Pod {
-                    // Pods a node acknowledged before a restart that were deleted meanwhile.
-                    // Only absence counts: the pod's node may not be known as an edge node
-                    // yet (its watch may sync later); a pod moved elsewhere is routing's.
-                    let routing = &self.routing;
-                    sends.extend(self.delivery.restored_gone("pod", |_, resource| {
+                if watched != Watched::Node {
+                    // Pods, ConfigMaps and Secrets a node acknowledged before a restart that
+                    // were deleted meanwhile: no controller saw their delete. Only absence
+                    // counts: a pod's node may not be known as an edge node yet (its watch may
+                    // sync later); a pod moved elsewhere is routing's.
+                    sends.extend(self.delivery.restored_gone(watched.kind(), |_, resource| {
                         let mut parts = resource.splitn(3, '/');
                         let (ns, name) = (parts.next(), parts.nth(1));
-                        ns.zip(name)
-                            .is_some_and(|(ns, name)| routing.pod(ns, name).is_some())
+                        ns.zip(name).is_some_and(|(ns, name)| {
+                            listed.contains(&(ns.to_owned(), name.to_owned()))
+                        })
                     }));
                 }
                 info!(kind = watched.kind(), listed = listed.len(), "watch synced");
