@@ -603,6 +603,91 @@ async fn edged_start(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             },
         });
     }
+    chatty_container(args, rows).await
+}
+
+/// Lines the chatty container of [`chatty_container`] writes.
+const CHATTY_LINES: u64 = 300_000;
+
+/// One pod whose container writes [`CHATTY_LINES`] log lines of 88 bytes as fast as a pipe
+/// takes them, then exits: edged's CPU over the run (it writes each line to the container's
+/// CRI log), per line, and the time to the pod's `Succeeded`.
+async fn chatty_container(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let node = Server::edgemeta_with(
+        &args.edgemeta,
+        dir.path(),
+        &format!(
+            "edged:\n  root_dir: {}\n",
+            dir.path().join("edged").display()
+        ),
+    )
+    .await?;
+    let conf = dir.path().join("edge.yaml");
+    let (c, mut rx) = client(node.port, "edged-bench").await?;
+    subscribe(&c, &mut rx, "ke/meta/edged/update/default/podstatus").await?;
+    let edged = Process(
+        Command::new(&args.edgemeta)
+            .arg("edged")
+            .arg("--config")
+            .arg(&conf)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join("edged.log"))?)
+            .spawn()
+            .context("start edgemeta edged")?,
+    );
+    let script = format!(
+        "yes 'level=info msg=\"a chatty container writes this line again and again\" n=12345' \
+         | head -n {CHATTY_LINES}"
+    );
+    let pod = json!({
+        "metadata": {"name": "chatty", "namespace": "default", "uid": "chatty"},
+        "spec": {"containers": [{"name": "main", "command": ["sh", "-c", script]}],
+                 "restartPolicy": "Never"},
+    });
+    let started = Instant::now();
+    c.publish(
+        "ke/meta/edgecontroller/insert/default/pod",
+        QoS::AtLeastOnce,
+        false,
+        pod.to_string(),
+    )
+    .await?;
+    loop {
+        let (topic, payload) = tokio::time::timeout(Duration::from_secs(120), rx.recv())
+            .await
+            .context("edged: the chatty pod did not succeed")?
+            .context("connection gone")?;
+        // This client published the pod: its PUBACK comes here too.
+        if topic == PUBACK {
+            continue;
+        }
+        let message: serde_json::Value = serde_json::from_slice(&payload)?;
+        match message["content"]["Status"]["phase"].as_str() {
+            Some("Succeeded") => break,
+            Some("Failed") => bail!("the chatty pod failed: {message}"),
+            _ => {}
+        }
+    }
+    let took = started.elapsed();
+    let cpu = cpu_of(edged.0.id())?;
+    drop(edged);
+    drop(node);
+    rows.push(Row {
+        name: format!(
+            "edged, a chatty container: {CHATTY_LINES} log lines of 88 bytes written as fast as \
+             a pipe takes them: edged CPU (ms) / µs per line; pod start to Succeeded (s)"
+        ),
+        edgemeta: format!(
+            "{} / {:.1}; {:.2}",
+            cpu.as_millis(),
+            cpu.as_secs_f64() * 1e6 / CHATTY_LINES as f64,
+            took.as_secs_f64()
+        ),
+        mosquitto: "—".into(),
+        target: "(diagnostic)".into(),
+        verdict: "—".into(),
+    });
     Ok(())
 }
 

@@ -280,6 +280,8 @@ impl LogFile {
                 .await
                 .map(|m| m.len())
                 .unwrap_or(0),
+            pending: Vec::new(),
+            stamp: String::new(),
             log: &self,
         };
         let (mut out_buf, mut err_buf) = (vec![0u8; 8192], vec![0u8; 8192]);
@@ -290,15 +292,19 @@ impl LogFile {
                 // An unfinished line (a prompt, a file without its last newline) is written as
                 // a partial record once the output paused, so readers see it now.
                 () = tokio::time::sleep(PARTIAL_AFTER), if pending => {
+                    sink.read_now();
                     sink.partial(Output::Stdout, &mut out_line).await;
                     sink.partial(Output::Stderr, &mut err_line).await;
+                    sink.write().await;
                     continue;
                 }
                 n = read(&mut out, &mut out_buf), if out.is_some() => match n {
                     Some(n) => (Output::Stdout, &out_buf[..n], &mut out_line),
                     None => {
                         out = None;
+                        sink.read_now();
                         sink.partial(Output::Stdout, &mut out_line).await;
+                        sink.write().await;
                         continue;
                     }
                 },
@@ -306,11 +312,16 @@ impl LogFile {
                     Some(n) => (Output::Stderr, &err_buf[..n], &mut err_line),
                     None => {
                         err = None;
+                        sink.read_now();
                         sink.partial(Output::Stderr, &mut err_line).await;
+                        sink.write().await;
                         continue;
                     }
                 },
             };
+            // The records of one read share its time and one write: a chatty container cost
+            // a blocking-pool write per line.
+            sink.read_now();
             let mut rest = chunk;
             while let Some(end) = rest.iter().position(|b| *b == b'\n') {
                 line.extend_from_slice(&rest[..end]);
@@ -322,6 +333,7 @@ impl LogFile {
             if line.len() >= MAX_RECORD_TEXT {
                 sink.partial(output, line).await;
             }
+            sink.write().await;
         }
         if let Some(mut f) = sink.file {
             let _ = f.flush().await;
@@ -344,7 +356,12 @@ impl LogFile {
 /// Where records go: the open log file and its size.
 struct LogSink<'a> {
     file: Option<tokio::fs::File>,
+    /// The file's size once `pending` is written.
     written: u64,
+    /// Records not written yet: those of one read, written together.
+    pending: Vec<u8>,
+    /// When the output being recorded was read, as records start with it.
+    stamp: String,
     log: &'a LogFile,
 }
 
@@ -357,24 +374,37 @@ impl LogSink<'_> {
         }
     }
 
-    /// Writes one record; a record is never split across files.
+    /// The records from here on carry this moment.
+    fn read_now(&mut self) {
+        self.stamp = crate::logs::timestamp(SystemTime::now());
+    }
+
+    /// Adds one record to those waiting for [`LogSink::write`]; a record is never split across
+    /// files.
     async fn record(&mut self, output: Output, full: bool, text: &[u8]) {
         let stream = match output {
             Output::Stdout => "stdout",
             Output::Stderr => "stderr",
         };
         let tag = if full { "F" } else { "P" };
-        let mut record = format!(
-            "{} {stream} {tag} ",
-            crate::logs::timestamp(SystemTime::now())
-        )
-        .into_bytes();
-        record.extend_from_slice(text);
-        record.push(b'\n');
-        if self.written > 0 && self.written + record.len() as u64 > self.log.max_bytes {
+        let header = format!("{} {stream} {tag} ", self.stamp);
+        let size = (header.len() + text.len() + 1) as u64;
+        if self.written > 0 && self.written + size > self.log.max_bytes {
+            self.write().await;
             self.file = None;
             self.log.rotate().await;
             self.written = 0;
+        }
+        self.pending.extend_from_slice(header.as_bytes());
+        self.pending.extend_from_slice(text);
+        self.pending.push(b'\n');
+        self.written += size;
+    }
+
+    /// Writes the waiting records to the log file, opening it if needed.
+    async fn write(&mut self) {
+        if self.pending.is_empty() {
+            return;
         }
         if self.file.is_none() {
             self.file = tokio::fs::OpenOptions::new()
@@ -388,11 +418,11 @@ impl LogSink<'_> {
                 .ok();
         }
         if let Some(f) = self.file.as_mut() {
-            if f.write_all(&record).await.is_err() {
+            if f.write_all(&self.pending).await.is_err() {
                 self.file = None;
             }
         }
-        self.written += record.len() as u64;
+        self.pending.clear();
     }
 }
 
