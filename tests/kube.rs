@@ -239,6 +239,20 @@ impl Rig {
     }
 
     /// Waits until pod `name` is Running in the API.
+    /// What the controller saved as this node's acknowledged versions (its ConfigMap in
+    /// `kubeedge`, written once a second): `{"<ns>/<type>/<name>": [version, shape]}`.
+    async fn saved_acks(&self) -> Result<Value, String> {
+        let saved: Api<ConfigMap> = Api::namespaced(self.cluster.client.clone(), "kubeedge");
+        let name = format!("edgemeta-acked-{}", self.bridge.node_id);
+        let cm = saved.get(&name).await.map_err(|e| e.to_string())?;
+        Ok(cm
+            .data
+            .as_ref()
+            .and_then(|d| d.get("acked"))
+            .and_then(|text| serde_json::from_str(text).ok())
+            .unwrap_or_default())
+    }
+
     async fn await_running(&self, name: &str) -> Pod {
         wait_until(
             format_args!("{name} Running"),
@@ -1212,16 +1226,8 @@ async fn a_restarted_controller_sends_a_node_only_what_changed_while_it_was_down
         rig.await_running(&format!("p{i}")).await;
     }
     // What the node acknowledged is in its ConfigMap (written once a second).
-    let saved: Api<ConfigMap> = Api::namespaced(rig.cluster.client.clone(), "kubeedge");
-    let name = format!("edgemeta-acked-{}", rig.bridge.node_id);
     wait_until("every pod's ack saved", RUN_WAIT, async || {
-        let cm = saved.get(&name).await.map_err(|e| e.to_string())?;
-        let acked: Value = cm
-            .data
-            .as_ref()
-            .and_then(|d| d.get("acked"))
-            .and_then(|text| serde_json::from_str(text).ok())
-            .unwrap_or_default();
+        let acked = rig.saved_acks().await?;
         let pods = acked.as_object().map_or(0, |o| {
             o.keys().filter(|k| k.starts_with("default/pod/")).count()
         });
@@ -1307,19 +1313,11 @@ async fn a_configmap_and_a_secret_deleted_while_no_controller_ran_are_deleted_on
     let pod = rig.pod("web", "while true; do sleep 1; done", volumes);
     rig.cluster.create::<Pod>(pod).await;
     rig.await_running("web").await;
-    let saved: Api<ConfigMap> = Api::namespaced(rig.cluster.client.clone(), "kubeedge");
-    let name = format!("edgemeta-acked-{}", rig.bridge.node_id);
     wait_until(
         "both stored on the node and their acks saved",
         RUN_WAIT,
         async || {
-            let cm = saved.get(&name).await.map_err(|e| e.to_string())?;
-            let acked: Value = cm
-                .data
-                .as_ref()
-                .and_then(|d| d.get("acked"))
-                .and_then(|text| serde_json::from_str(text).ok())
-                .unwrap_or_default();
+            let acked = rig.saved_acks().await?;
             let mut missing = Vec::new();
             for resource in HELD {
                 if acked.get(resource).is_none() || rig.node.stored(resource).await.is_none() {

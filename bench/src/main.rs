@@ -545,28 +545,9 @@ async fn edged_start(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         drop(node);
         // The reboot: the node and edged start together.
         let started = Instant::now();
-        let node = Server::edgemeta_with(
-            &args.edgemeta,
-            dir.path(),
-            &format!(
-                "edged:\n  root_dir: {}\n",
-                dir.path().join("edged").display()
-            ),
-        )
-        .await?;
-        let conf = dir.path().join("edge.yaml");
+        let (node, edged) = node_and_edged(args, dir.path()).await?;
         let (c, mut rx) = client(node.port, "edged-bench").await?;
         subscribe(&c, &mut rx, "ke/meta/edged/update/default/podstatus").await?;
-        let edged = Process(
-            Command::new(&args.edgemeta)
-                .arg("edged")
-                .arg("--config")
-                .arg(&conf)
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(dir.path().join("edged.log"))?)
-                .spawn()
-                .context("start edgemeta edged")?,
-        );
         let mut running = std::collections::HashSet::new();
         while running.len() < n {
             let (_, payload) = tokio::time::timeout(Duration::from_secs(60), rx.recv())
@@ -606,6 +587,28 @@ async fn edged_start(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     chatty_container(args, rows).await
 }
 
+/// A node on `dir` with edged's section, and `edgemeta edged` beside it on the same
+/// configuration (its log in `dir/edged.log`).
+async fn node_and_edged(args: &Args, dir: &Path) -> anyhow::Result<(Server, Process)> {
+    let node = Server::edgemeta_with(
+        &args.edgemeta,
+        dir,
+        &format!("edged:\n  root_dir: {}\n", dir.join("edged").display()),
+    )
+    .await?;
+    let edged = Process(
+        Command::new(&args.edgemeta)
+            .arg("edged")
+            .arg("--config")
+            .arg(dir.join("edge.yaml"))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("edged.log"))?)
+            .spawn()
+            .context("start edgemeta edged")?,
+    );
+    Ok((node, edged))
+}
+
 /// Lines the chatty container of [`chatty_container`] writes.
 const CHATTY_LINES: u64 = 300_000;
 
@@ -614,28 +617,9 @@ const CHATTY_LINES: u64 = 300_000;
 /// CRI log), per line, and the time to the pod's `Succeeded`.
 async fn chatty_container(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let node = Server::edgemeta_with(
-        &args.edgemeta,
-        dir.path(),
-        &format!(
-            "edged:\n  root_dir: {}\n",
-            dir.path().join("edged").display()
-        ),
-    )
-    .await?;
-    let conf = dir.path().join("edge.yaml");
+    let (node, edged) = node_and_edged(args, dir.path()).await?;
     let (c, mut rx) = client(node.port, "edged-bench").await?;
     subscribe(&c, &mut rx, "ke/meta/edged/update/default/podstatus").await?;
-    let edged = Process(
-        Command::new(&args.edgemeta)
-            .arg("edged")
-            .arg("--config")
-            .arg(&conf)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.path().join("edged.log"))?)
-            .spawn()
-            .context("start edgemeta edged")?,
-    );
     let script = format!(
         "yes 'level=info msg=\"a chatty container writes this line again and again\" n=12345' \
          | head -n {CHATTY_LINES}"
