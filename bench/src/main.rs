@@ -532,13 +532,7 @@ async fn edged_start(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
                 "spec": {"containers": [{"name": "main", "command": ["sleep", "600"]}],
                          "terminationGracePeriodSeconds": 1},
             });
-            c.publish(
-                "ke/meta/edgecontroller/insert/default/pod",
-                QoS::AtLeastOnce,
-                false,
-                pod.to_string(),
-            )
-            .await?;
+            insert_pod(&c, &pod).await?;
         }
         wait_for(&mut rx, n, |_| true, "storing pods").await?;
         drop(c);
@@ -587,6 +581,18 @@ async fn edged_start(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     chatty_container(args, rows).await
 }
 
+/// Inserts `pod` into namespace `default` as the cloud would, at QoS 1.
+async fn insert_pod(c: &AsyncClient, pod: &serde_json::Value) -> anyhow::Result<()> {
+    c.publish(
+        "ke/meta/edgecontroller/insert/default/pod",
+        QoS::AtLeastOnce,
+        false,
+        pod.to_string(),
+    )
+    .await?;
+    Ok(())
+}
+
 /// A node on `dir` with edged's section, and `edgemeta edged` beside it on the same
 /// configuration (its log in `dir/edged.log`).
 async fn node_and_edged(args: &Args, dir: &Path) -> anyhow::Result<(Server, Process)> {
@@ -630,13 +636,7 @@ async fn chatty_container(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()
                  "restartPolicy": "Never"},
     });
     let started = Instant::now();
-    c.publish(
-        "ke/meta/edgecontroller/insert/default/pod",
-        QoS::AtLeastOnce,
-        false,
-        pod.to_string(),
-    )
-    .await?;
+    insert_pod(&c, &pod).await?;
     loop {
         let (topic, payload) = tokio::time::timeout(Duration::from_secs(120), rx.recv())
             .await
