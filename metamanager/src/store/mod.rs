@@ -659,6 +659,8 @@ impl<'a> Transaction<'a> {
         };
         if committed.is_err() {
             self.db.forget_changes(0);
+            // The prune may be undone with the rest: the next commit prunes again.
+            self.db.history_pruned.store(0, Ordering::Relaxed);
         }
         if committed.is_err() && self.db.in_transaction() {
             if let Err(e) = self.db.control("ROLLBACK").await {
