@@ -117,15 +117,39 @@ impl PyMapper {
     }
 }
 
-/// A bridged node serving DMI on `<dir>/dmi.sock`.
-async fn dmi_node(
-    cloud: &CloudBroker,
-    dir: &Path,
-) -> (super::common::Node, super::common::CloudOptions, PathBuf) {
-    dmi_node_with(cloud, dir, &[]).await
+/// What most DMI tests start from: a cluster, a cloud broker, the controller, and a bridged
+/// node serving DMI on `<dir>/dmi.sock` with more `EDGEMETA_DEVICES__DMI__*` settings.
+/// Destructured in the field order below, the node goes first and the cluster last.
+struct DmiRig {
+    cluster: Cluster,
+    cloud: CloudBroker,
+    controller: Controller,
+    dir: tempfile::TempDir,
+    node: super::common::Node,
+    bridge: super::common::CloudOptions,
+    socket: PathBuf,
 }
 
-/// ... with more `EDGEMETA_DEVICES__DMI__*` settings.
+impl DmiRig {
+    async fn start(settings: &[(&str, &str)]) -> DmiRig {
+        let cluster = Cluster::start().await;
+        let cloud = CloudBroker::start().await;
+        let controller = Controller::start(&cluster, &cloud);
+        let dir = tempfile::tempdir().expect("dir");
+        let (node, bridge, socket) = dmi_node_with(&cloud, dir.path(), settings).await;
+        DmiRig {
+            cluster,
+            cloud,
+            controller,
+            dir,
+            node,
+            bridge,
+            socket,
+        }
+    }
+}
+
+/// A bridged node serving DMI on `<dir>/dmi.sock`, with `EDGEMETA_DEVICES__DMI__*` settings.
 async fn dmi_node_with(
     cloud: &CloudBroker,
     dir: &Path,
@@ -152,6 +176,19 @@ async fn dmi_node_with(
     (node, bridge, socket)
 }
 
+/// Waits until the DeviceStatus holds `value` as the reported `temp`; `what` names the wait.
+async fn await_reported_temp(cluster: &Cluster, controller: &Controller, what: &str, value: &str) {
+    wait_until(what, WAIT, async || {
+        let status = status(cluster).await;
+        if twin(&status, "temp")["reported"]["value"] == value {
+            Ok(())
+        } else {
+            Err(format!("{status}\n--- controller\n{}", controller.log()))
+        }
+    })
+    .await;
+}
+
 fn twin<'a>(status: &'a Value, property: &str) -> &'a Value {
     status["twins"]
         .as_array()
@@ -166,11 +203,15 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grpc_mapper_gets_its_kubectl_device_and_edits_and_its_reports_reach_the_devicestatus() {
-    let cluster = Cluster::start().await;
-    let cloud = CloudBroker::start().await;
-    let controller = Controller::start(&cluster, &cloud);
-    let dir = tempfile::tempdir().expect("dir");
-    let (_node, bridge, socket) = dmi_node(&cloud, dir.path()).await;
+    let DmiRig {
+        cluster,
+        cloud: _cloud,
+        controller,
+        dir,
+        node: _node,
+        bridge,
+        socket,
+    } = DmiRig::start(&[]).await;
     let mut mapper = PyMapper::start(&socket, dir.path()).await;
     let registered = mapper
         .next("MapperRegister", |e| e["call"] == "MapperRegister")
@@ -227,14 +268,12 @@ async fn a_grpc_mapper_gets_its_kubectl_device_and_edits_and_its_reports_reach_t
     let answer = mapper.ask("report default beta1-device temp 41").await;
     assert_eq!(answer["ok"], true, "{answer}");
     let reported = Instant::now();
-    wait_until("the report in the DeviceStatus", WAIT, async || {
-        let status = status(&cluster).await;
-        if twin(&status, "temp")["reported"]["value"] == "41" {
-            Ok(())
-        } else {
-            Err(format!("{status}\n--- controller\n{}", controller.log()))
-        }
-    })
+    await_reported_temp(
+        &cluster,
+        &controller,
+        "the report in the DeviceStatus",
+        "41",
+    )
     .await;
     eprintln!(
         "ReportDeviceStatus → DeviceStatus: {:?}",
@@ -348,11 +387,15 @@ async fn await_held(mapper: &mut PyMapper, desired: &BTreeMap<String, String>, w
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mapper_killed_while_twenty_devices_change_holds_exactly_the_nodes_twenty_again() {
-    let cluster = Cluster::start().await;
-    let cloud = CloudBroker::start().await;
-    let _controller = Controller::start(&cluster, &cloud);
-    let dir = tempfile::tempdir().expect("dir");
-    let (_node, bridge, socket) = dmi_node(&cloud, dir.path()).await;
+    let DmiRig {
+        cluster,
+        cloud: _cloud,
+        controller: _controller,
+        dir,
+        node: _node,
+        bridge,
+        socket,
+    } = DmiRig::start(&[]).await;
     let mut mapper = PyMapper::start(&socket, dir.path()).await;
     // The docs' device and 19 more of the same model, in one `kubectl apply`.
     apply_device(&cluster, &bridge.node_id);
@@ -413,11 +456,15 @@ async fn a_mapper_killed_while_twenty_devices_change_holds_exactly_the_nodes_twe
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_in_flight_when_the_mapper_registers_again_lands_before_the_new_list() {
-    let cluster = Cluster::start().await;
-    let cloud = CloudBroker::start().await;
-    let _controller = Controller::start(&cluster, &cloud);
-    let dir = tempfile::tempdir().expect("dir");
-    let (node, bridge, socket) = dmi_node(&cloud, dir.path()).await;
+    let DmiRig {
+        cluster,
+        cloud: _cloud,
+        controller: _controller,
+        dir,
+        node,
+        bridge,
+        socket,
+    } = DmiRig::start(&[]).await;
     let mut mapper = PyMapper::start(&socket, dir.path()).await;
     apply_device(&cluster, &bridge.node_id);
     mapper
@@ -473,11 +520,15 @@ async fn a_call_in_flight_when_the_mapper_registers_again_lands_before_the_new_l
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_running_mapper_gets_the_latest_spec_after_the_node_was_down_and_reports_outlast_the_cloud(
 ) {
-    let cluster = Cluster::start().await;
-    let mut cloud = CloudBroker::start().await;
-    let controller = Controller::start(&cluster, &cloud);
-    let dir = tempfile::tempdir().expect("dir");
-    let (mut node, bridge, socket) = dmi_node(&cloud, dir.path()).await;
+    let DmiRig {
+        cluster,
+        mut cloud,
+        controller,
+        dir,
+        mut node,
+        bridge,
+        socket,
+    } = DmiRig::start(&[]).await;
     let mut mapper = PyMapper::start(&socket, dir.path()).await;
     apply_device(&cluster, &bridge.node_id);
     mapper
@@ -513,33 +564,31 @@ async fn a_running_mapper_gets_the_latest_spec_after_the_node_was_down_and_repor
         assert_eq!(answer["ok"], true, "{answer}");
     }
     cloud.restart().await;
-    wait_until("the last report in the DeviceStatus", WAIT, async || {
-        let status = status(&cluster).await;
-        if twin(&status, "temp")["reported"]["value"] == "53" {
-            Ok(())
-        } else {
-            Err(format!("{status}\n--- controller\n{}", controller.log()))
-        }
-    })
+    await_reported_temp(
+        &cluster,
+        &controller,
+        "the last report in the DeviceStatus",
+        "53",
+    )
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mapper_over_its_report_limit_is_refused_and_another_mapper_is_not_held_back() {
-    let cluster = Cluster::start().await;
-    let cloud = CloudBroker::start().await;
-    let _controller = Controller::start(&cluster, &cloud);
-    let dir = tempfile::tempdir().expect("dir");
     // 1 report a second, 5 at once; up to 4 twins a report.
-    let (_node, bridge, socket) = dmi_node_with(
-        &cloud,
-        dir.path(),
-        &[
-            ("REPORTS_PER_S", "1"),
-            ("REPORT_BURST", "5"),
-            ("MAX_TWINS_PER_REPORT", "4"),
-        ],
-    )
+    let DmiRig {
+        cluster,
+        cloud: _cloud,
+        controller: _controller,
+        dir,
+        node: _node,
+        bridge,
+        socket,
+    } = DmiRig::start(&[
+        ("REPORTS_PER_S", "1"),
+        ("REPORT_BURST", "5"),
+        ("MAX_TWINS_PER_REPORT", "4"),
+    ])
     .await;
     let mut modbus = PyMapper::start(&socket, dir.path()).await;
     let mut opcua = PyMapper::start_for(&socket, dir.path(), "opcua").await;
@@ -819,22 +868,22 @@ async fn dmi_silent_connections_are_closed_after_the_preface_timeout_and_free_th
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dmi_eighty_reports_at_once_on_one_connection_are_all_answered_within_its_stream_bound() {
-    let cluster = Cluster::start().await;
-    let cloud = CloudBroker::start().await;
-    let controller = Controller::start(&cluster, &cloud);
-    let dir = tempfile::tempdir().expect("dir");
     // 8 requests open per connection, 4 served at once; the report rate out of the way.
-    let (_node, bridge, socket) = dmi_node_with(
-        &cloud,
-        dir.path(),
-        &[
-            ("MAX_CONNECTIONS", "4"),
-            ("MAX_STREAMS_PER_CONNECTION", "8"),
-            ("MAX_SERVED_PER_CONNECTION", "4"),
-            ("REPORTS_PER_S", "100000"),
-            ("REPORT_BURST", "100000"),
-        ],
-    )
+    let DmiRig {
+        cluster,
+        cloud: _cloud,
+        controller,
+        dir,
+        node: _node,
+        bridge,
+        socket,
+    } = DmiRig::start(&[
+        ("MAX_CONNECTIONS", "4"),
+        ("MAX_STREAMS_PER_CONNECTION", "8"),
+        ("MAX_SERVED_PER_CONNECTION", "4"),
+        ("REPORTS_PER_S", "100000"),
+        ("REPORT_BURST", "100000"),
+    ])
     .await;
     assert_eq!(advertised_max_streams(&socket).await, Some(8));
     let mut mapper = PyMapper::start(&socket, dir.path()).await;
@@ -851,14 +900,12 @@ async fn dmi_eighty_reports_at_once_on_one_connection_are_all_answered_within_it
     // timed out, the connection not closed on them), and the reports reach the DeviceStatus.
     let burst = mapper.ask("burst default beta1-device 80").await;
     assert_eq!(burst["codes"], json!({"OK": 80}), "{burst}");
-    wait_until("the burst's value in the DeviceStatus", WAIT, async || {
-        let status = status(&cluster).await;
-        if twin(&status, "temp")["reported"]["value"] == "7" {
-            Ok(())
-        } else {
-            Err(format!("{status}\n--- controller\n{}", controller.log()))
-        }
-    })
+    await_reported_temp(
+        &cluster,
+        &controller,
+        "the burst's value in the DeviceStatus",
+        "7",
+    )
     .await;
 
     // 7 calls whose requests never come hold the 4 served at once: the next call waits its
