@@ -167,7 +167,9 @@ async fn after_an_outage_with_queued_changes_the_node_keeps_one_session_and_appl
 
 #[tokio::test]
 async fn a_node_that_waited_finds_the_returning_cloud_at_once_and_reports_its_heartbeat_again() {
-    let mut cloud = CloudBroker::start().await;
+    // The heartbeat goes at QoS 0 the moment the node is back, which may be before the
+    // observer below has reconnected.
+    let mut cloud = CloudBroker::start_keeping_qos0().await;
     // The shipped reconnect settings (conf/edge.yaml).
     let bridge = CloudOptions {
         backoff_min_ms: 200,

@@ -1238,17 +1238,24 @@ pub struct CloudBroker {
 
 impl CloudBroker {
     pub async fn start() -> CloudBroker {
-        CloudBroker::start_with(None).await
+        CloudBroker::start_with(None, "").await
+    }
+
+    /// A cloud broker that also keeps QoS 0 messages for a persistent session whose client is
+    /// away: an observer still reconnecting after a restart then gets the node's heartbeat (QoS 0)
+    /// when the node was back first, instead of losing it to that race.
+    pub async fn start_keeping_qos0() -> CloudBroker {
+        CloudBroker::start_with(None, "queue_qos0_messages true\n").await
     }
 
     /// A cloud broker that also listens with TLS on [`CloudBroker::tls_port`]; `tls` writes the
     /// files it needs into the broker's directory (which mosquitto can read) and returns that
     /// listener's settings.
     pub async fn start_tls(tls: impl FnOnce(&Path) -> String) -> CloudBroker {
-        CloudBroker::start_with(Some(Box::new(tls))).await
+        CloudBroker::start_with(Some(Box::new(tls)), "").await
     }
 
-    async fn start_with(tls: Option<ListenerSetup<'_>>) -> CloudBroker {
+    async fn start_with(tls: Option<ListenerSetup<'_>>, extra: &str) -> CloudBroker {
         let dir = tempfile::tempdir().expect("temp dir");
         // Started as root, mosquitto drops to its own user and must still write its persistence.
         use std::os::unix::fs::PermissionsExt;
@@ -1271,7 +1278,7 @@ impl CloudBroker {
             dir,
         };
         let config = format!(
-            "listener {} 127.0.0.1\n{}allow_anonymous true\npersistence true\npersistence_location {}/\nautosave_interval 1\nmax_queued_messages 0\nmax_inflight_messages 100\n",
+            "listener {} 127.0.0.1\n{}allow_anonymous true\npersistence true\npersistence_location {}/\nautosave_interval 1\nmax_queued_messages 0\nmax_inflight_messages 100\n{extra}",
             cloud.port,
             tls_listener.map(|(_, l)| l).unwrap_or_default(),
             cloud.dir.path().display()
