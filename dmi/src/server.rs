@@ -80,11 +80,11 @@ pub(crate) async fn serve(
     let served_at_once = config.max_served_per_connection;
     // Bounded, never tonic's unlimited default: see `default_max_streams_per_connection`.
     let streams = config.max_streams_per_connection;
-    let incoming = Admit::new(
-        UnixListenerStream::new(listener),
-        config.max_connections,
-        Duration::from_millis(config.preface_timeout_ms),
-    );
+    let limits = Limits {
+        max_connections: config.max_connections,
+        preface_timeout: Duration::from_millis(config.preface_timeout_ms),
+    };
+    let incoming = Admit::new(UnixListenerStream::new(listener), limits, &cancel);
     let service = DeviceManagerServiceServer::new(Manager {
         asks,
         reports,
@@ -104,54 +104,132 @@ pub(crate) async fn serve(
     let _ = std::fs::remove_file(&path);
 }
 
-/// Closed connections of one kind, logged at most once per [`CLOSED_LOG_EVERY`]: a burst of
-/// hostile connections costs one line, not one each.
-#[derive(Default)]
+/// Closed connections of one kind, counted for a log line at most once per
+/// [`CLOSED_LOG_EVERY`]: a burst of hostile connections costs a line at its start and one with
+/// the rest of its count at the interval's end, not one each, and no close goes uncounted.
+#[derive(Debug, Default)]
 struct Tally {
     /// Closed since the last log line, and when that line was.
     count: u64,
     logged: Option<Instant>,
+    /// A line for the count is already due at the interval's end.
+    due: bool,
+}
+
+/// What a close asks of the log.
+#[derive(Debug, PartialEq)]
+enum LogNow {
+    /// A line with this count, now.
+    Line(u64),
+    /// A line with the count then, at this instant (the interval's end).
+    At(Instant),
+    /// Nothing: a line is already due.
+    Counted,
 }
 
 impl Tally {
-    /// Counts one; the count to log now (and reset), or `None` within the interval.
-    fn closed(&mut self) -> Option<u64> {
+    /// Counts one close at `now`.
+    fn closed(&mut self, now: Instant) -> LogNow {
         self.count += 1;
-        let now = Instant::now();
-        if self
-            .logged
-            .is_some_and(|at| now.duration_since(at) < CLOSED_LOG_EVERY)
-        {
-            return None;
+        match self.logged {
+            Some(at) if now.duration_since(at) < CLOSED_LOG_EVERY => {
+                if std::mem::replace(&mut self.due, true) {
+                    LogNow::Counted
+                } else {
+                    LogNow::At(at + CLOSED_LOG_EVERY)
+                }
+            }
+            _ => {
+                self.logged = Some(now);
+                LogNow::Line(std::mem::take(&mut self.count))
+            }
         }
-        self.logged = Some(now);
-        Some(std::mem::take(&mut self.count))
+    }
+
+    /// At the interval's end: the count since the last line, to log now (0: nothing).
+    fn due(&mut self, now: Instant) -> u64 {
+        self.due = false;
+        if self.count > 0 {
+            self.logged = Some(now);
+        }
+        std::mem::take(&mut self.count)
     }
 }
 
-/// Connections closed for their silence: shared by every connection, so one [`Tally`] behind a
-/// lock, taken only when a deadline fires.
-struct Silent {
+/// One kind of close (refused at accept, or silent past its deadline), shared by the accept
+/// loop and every connection: its [`Tally`] behind a lock, taken only when one closes.
+struct Closes {
     tally: Mutex<Tally>,
-    timeout: Duration,
+    /// Writes the kind's log line with a count.
+    line: fn(&Limits, u64),
+    limits: Limits,
+    /// A line due at the interval's end is written at once when the server stops.
+    cancel: CancellationToken,
 }
 
-impl Silent {
-    fn closed(&self) {
-        let count = self
-            .tally
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .closed();
-        if let Some(closed) = count {
-            warn!(
-                error_code = "EM-DMI-SILENT",
-                preface_timeout_ms = self.timeout.as_millis() as u64,
-                closed,
-                "closed DMI connections that sent nothing within devices.dmi.preface_timeout_ms"
-            );
+/// The settings a close's log line names.
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    max_connections: usize,
+    preface_timeout: Duration,
+}
+
+impl Closes {
+    fn new(line: fn(&Limits, u64), limits: Limits, cancel: CancellationToken) -> Arc<Closes> {
+        Arc::new(Closes {
+            tally: Mutex::new(Tally::default()),
+            line,
+            limits,
+            cancel,
+        })
+    }
+
+    fn tally(&self) -> std::sync::MutexGuard<'_, Tally> {
+        self.tally.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Counts one close; logs it now, or leaves it to the line due at the interval's end (a
+    /// task that sleeps until then, one per interval at most).
+    fn closed(self: &Arc<Self>) {
+        let log = self.tally().closed(Instant::now());
+        match log {
+            LogNow::Line(count) => (self.line)(&self.limits, count),
+            LogNow::At(at) => {
+                let closes = self.clone();
+                tokio::spawn(async move {
+                    tokio::select! {
+                        _ = tokio::time::sleep_until(at.into()) => {}
+                        _ = closes.cancel.cancelled() => {}
+                    }
+                    let count = closes.tally().due(Instant::now());
+                    if count > 0 {
+                        (closes.line)(&closes.limits, count);
+                    }
+                });
+            }
+            LogNow::Counted => {}
         }
     }
+}
+
+/// The line for connections refused at accept, `max_connections` being open.
+fn refused_line(limits: &Limits, refused: u64) {
+    warn!(
+        error_code = "EM-DMI-CONNECTIONS",
+        max_connections = limits.max_connections,
+        refused,
+        "closed DMI connections at once: devices.dmi.max_connections are open"
+    );
+}
+
+/// The line for connections closed for sending nothing within the preface timeout.
+fn silent_line(limits: &Limits, closed: u64) {
+    warn!(
+        error_code = "EM-DMI-SILENT",
+        preface_timeout_ms = limits.preface_timeout.as_millis() as u64,
+        closed,
+        "closed DMI connections that sent nothing within devices.dmi.preface_timeout_ms"
+    );
 }
 
 /// The accepted connections, each holding one of `max_connections` permits until it closes;
@@ -159,34 +237,19 @@ impl Silent {
 struct Admit {
     inner: UnixListenerStream,
     permits: Arc<Semaphore>,
-    limit: usize,
-    refused: Tally,
-    silent: Arc<Silent>,
+    preface_timeout: Duration,
+    refused: Arc<Closes>,
+    silent: Arc<Closes>,
 }
 
 impl Admit {
-    fn new(inner: UnixListenerStream, limit: usize, preface_timeout: Duration) -> Admit {
+    fn new(inner: UnixListenerStream, limits: Limits, cancel: &CancellationToken) -> Admit {
         Admit {
             inner,
-            permits: Arc::new(Semaphore::new(limit)),
-            limit,
-            refused: Tally::default(),
-            silent: Arc::new(Silent {
-                tally: Mutex::new(Tally::default()),
-                timeout: preface_timeout,
-            }),
-        }
-    }
-
-    /// Counts a refused connection, logged at most once per [`CLOSED_LOG_EVERY`].
-    fn refused(&mut self) {
-        if let Some(refused) = self.refused.closed() {
-            warn!(
-                error_code = "EM-DMI-CONNECTIONS",
-                max_connections = self.limit,
-                refused,
-                "closed DMI connections at once: devices.dmi.max_connections are open"
-            );
+            permits: Arc::new(Semaphore::new(limits.max_connections)),
+            preface_timeout: limits.preface_timeout,
+            refused: Closes::new(refused_line, limits, cancel.clone()),
+            silent: Closes::new(silent_line, limits, cancel.clone()),
         }
     }
 }
@@ -207,13 +270,13 @@ impl Stream for Admit {
                     return Poll::Ready(Some(Ok(Admitted {
                         inner: stream,
                         _permit: permit,
-                        preface: Some(Box::pin(tokio::time::sleep(self.silent.timeout))),
+                        preface: Some(Box::pin(tokio::time::sleep(self.preface_timeout))),
                         silent: self.silent.clone(),
                     })))
                 }
                 Err(_) => {
                     drop(stream);
-                    self.refused();
+                    self.refused.closed();
                 }
             }
         }
@@ -228,7 +291,7 @@ struct Admitted {
     _permit: OwnedSemaphorePermit,
     /// The deadline for the first bytes; `None` once they came.
     preface: Option<Pin<Box<Sleep>>>,
-    silent: Arc<Silent>,
+    silent: Arc<Closes>,
 }
 
 impl Connected for Admitted {
@@ -479,4 +542,36 @@ fn now_ms() -> i64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_burst_of_closes_is_logged_at_its_start_and_the_rest_of_its_count_at_the_interval_end() {
+        let mut tally = Tally::default();
+        let start = Instant::now();
+        let ms = Duration::from_millis;
+        assert_eq!(tally.closed(start), LogNow::Line(1));
+        assert_eq!(
+            tally.closed(start + ms(1)),
+            LogNow::At(start + CLOSED_LOG_EVERY)
+        );
+        for _ in 0..35 {
+            assert_eq!(tally.closed(start + ms(2)), LogNow::Counted);
+        }
+        let end = start + CLOSED_LOG_EVERY;
+        assert_eq!(tally.due(end), 36, "every close after the first line");
+        // One close in the next interval waits for that interval's end, too.
+        assert_eq!(
+            tally.closed(end + ms(500)),
+            LogNow::At(end + CLOSED_LOG_EVERY)
+        );
+        assert_eq!(tally.due(end + CLOSED_LOG_EVERY), 1);
+        // A quiet interval ends without a line, and the next close is logged at once.
+        let quiet = end + 3 * CLOSED_LOG_EVERY;
+        assert_eq!(tally.due(quiet), 0);
+        assert_eq!(tally.closed(quiet + ms(1)), LogNow::Line(1));
+    }
 }
