@@ -7,9 +7,9 @@ mod common;
 use common::cloud::{
     await_empty_outbox, await_log, await_signal, bridged, bridged_with, cloud_client, cloud_insert,
     cut_off_node, expect_applied, expect_delivered, local_query, next_signal, spawn_status_stream,
-    stream_finished, tail, CONNECTION,
+    stream_finished, tail, Valve, CONNECTION, SUBSCRIBED,
 };
-use common::{topic, wait_until, CloudBroker, Msg, Options};
+use common::{topic, wait_until, CloudBroker, CloudOptions, Msg, Node, Options};
 use serde_json::json;
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -493,4 +493,74 @@ async fn a_cloud_change_refused_for_a_full_outbox_is_delivered_again_not_lost() 
     node.reconfigure();
     node.restart().await;
     expect_applied(&mut controller, &bridge, &node, web, &id, r#"{"v":1}"#).await;
+}
+
+#[tokio::test]
+async fn a_cloud_change_refused_while_the_outbox_is_full_is_taken_in_the_same_session_once_it_drains(
+) {
+    const ROOM: i64 = 20;
+    let cloud = CloudBroker::start().await;
+    let valve = Valve::to(&cloud).await;
+    let bridge = CloudOptions {
+        port: valve.port,
+        ..CloudOptions::to(&cloud)
+    };
+    let node = Node::start_with(Options {
+        cloud: Some(bridge.clone()),
+        store_yaml: format!("  outbox_max_entries: {ROOM}\n"),
+        ..Options::default()
+    })
+    .await;
+    await_log(&node, SUBSCRIBED).await;
+    let mut controller = cloud_client(&cloud, &bridge.up("meta/#")).await;
+
+    // The link stalls one way: edged's status reports fill the outbox and stay unacknowledged.
+    valve.hold();
+    let edged = node.client().await;
+    for i in 0..ROOM {
+        common::send(
+            &edged,
+            "edged",
+            "update",
+            &format!("default/podstatus/p{i}"),
+            json!({"phase": "Running"}),
+        )
+        .await;
+    }
+    wait_until("the outbox full", common::WAIT, async || {
+        let waiting = node.outbox_len().await;
+        if waiting == ROOM {
+            Ok(())
+        } else {
+            Err(format!("{waiting} of {ROOM}"))
+        }
+    })
+    .await;
+
+    // A change from the cloud finds no room for its reply: refused for now, not stored.
+    let web = "default/pod/web";
+    let id = cloud_insert(&controller, &bridge, web, json!({"v": 1})).await;
+    await_log(&node, "EM-BRIDGE-REDELIVER").await;
+    assert_eq!(node.stored(web).await, None);
+
+    // The link recovers: the reports are acknowledged, the outbox drains, and the change is
+    // taken and acknowledged in the session it came in.
+    valve.release();
+    expect_applied(&mut controller, &bridge, &node, web, &id, r#"{"v":1}"#).await;
+    let log = node.log();
+    assert_eq!(
+        log.matches("EM-BRIDGE-DISCONNECTED").count(),
+        0,
+        "the session ended: {}",
+        tail(&log, 20)
+    );
+    assert!(
+        log.contains("cloud message taken after being refused for now"),
+        "{}",
+        tail(&log, 20)
+    );
+    // Applied once: no redelivery follows (the controller sees one reply).
+    controller
+        .expect_silence_about(&bridge.up("meta/response"), web)
+        .await;
 }

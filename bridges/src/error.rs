@@ -13,10 +13,6 @@ pub enum Error {
     Meta(#[from] edgemeta_metamanager::Error),
     #[error("local broker link closed")]
     LinkClosed,
-    #[error(
-        "a cloud message was refused for now (outbox full); a new session has it delivered again"
-    )]
-    Redeliver,
     /// A bug, not a condition to retry: the bridge stops and the node decides what follows.
     #[error("a cloud bridge task panicked: {0}")]
     Panicked(String),

@@ -293,3 +293,74 @@ pub fn tail(log: &str, n: usize) -> String {
     let lines: Vec<&str> = log.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
+
+/// A TCP relay between the node and the cloud broker whose node → cloud direction the test can
+/// hold: what the node sends then waits in the relay (and the sockets' buffers), unread, while
+/// the cloud's messages still reach the node. The node's publishes go unacknowledged meanwhile,
+/// as over a link that stalled one way.
+pub struct Valve {
+    /// Where the node connects.
+    pub port: u16,
+    open: tokio::sync::watch::Sender<bool>,
+    relay: JoinHandle<()>,
+}
+
+impl Valve {
+    pub async fn to(cloud: &CloudBroker) -> Valve {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the valve");
+        let port = listener.local_addr().expect("valve address").port();
+        let cloud_port = cloud.port;
+        let (open, opened) = tokio::sync::watch::channel(true);
+        let relay = tokio::spawn(async move {
+            let mut pipes = tokio::task::JoinSet::new();
+            while let Ok((node_side, _)) = listener.accept().await {
+                let Ok(cloud_side) =
+                    tokio::net::TcpStream::connect(("127.0.0.1", cloud_port)).await
+                else {
+                    continue;
+                };
+                let (mut from_node, mut to_node) = node_side.into_split();
+                let (mut from_cloud, mut to_cloud) = cloud_side.into_split();
+                pipes.spawn(async move {
+                    let _ = tokio::io::copy(&mut from_cloud, &mut to_node).await;
+                });
+                let mut opened = opened.clone();
+                pipes.spawn(async move {
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                    let mut buf = vec![0u8; 16 * 1024];
+                    loop {
+                        let n = match from_node.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        if opened.wait_for(|open| *open).await.is_err()
+                            || to_cloud.write_all(&buf[..n]).await.is_err()
+                        {
+                            break;
+                        }
+                    }
+                    let _ = to_cloud.shutdown().await;
+                });
+            }
+        });
+        Valve { port, open, relay }
+    }
+
+    /// Holds what the node sends from now on.
+    pub fn hold(&self) {
+        self.open.send_replace(false);
+    }
+
+    /// Lets it through, in order.
+    pub fn release(&self) {
+        self.open.send_replace(true);
+    }
+}
+
+impl Drop for Valve {
+    fn drop(&mut self) {
+        self.relay.abort();
+    }
+}

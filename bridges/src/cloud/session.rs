@@ -10,7 +10,6 @@ use edgemeta_protocol::Backoff;
 use rumqttc::{
     AsyncClient, ConnectReturnCode, Event, EventLoop, MqttOptions, Outgoing, Packet, QoS,
 };
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
@@ -94,13 +93,15 @@ impl Session<'_> {
         // go out with the DISCONNECT; the session stops its tasks itself once that is done.
         let stop = CancellationToken::new();
         let mut tasks = Tasks::default();
-        let redeliver = Arc::new(Notify::new());
+        // A cloud message refused for now is submitted again with the reconnects' back-off.
+        let mut retry = backoff.clone();
+        retry.reset();
         let mut down = ingress::start(
             &mut tasks,
             self.ingress.clone(),
             client.clone(),
             self.map.clone(),
-            redeliver.clone(),
+            retry,
             self.status.clone(),
             &stop,
         );
@@ -111,7 +112,6 @@ impl Session<'_> {
             &mut eventloop,
             &mut egress,
             &mut down,
-            &redeliver,
             (self.live, self.map),
         )
         .await;
@@ -171,7 +171,6 @@ async fn exchange(
     eventloop: &mut EventLoop,
     egress: &mut Egress<'_>,
     down: &mut DownQueue,
-    redeliver: &Notify,
     (live, map): (&Live, &TopicMap),
 ) -> Result<(), Error> {
     // The birth message is the session's first publish; its packet id is not the outbox's.
@@ -182,7 +181,6 @@ async fn exchange(
         tokio::select! {
             _ = cancel.cancelled() => return Ok(()),
             _ = egress.changed(), if egress.caught_up() => egress.outbox_changed(),
-            _ = redeliver.notified() => return Err(Error::Redeliver),
             _ = live.changed() => send_heartbeats(client, map, live, live.take()),
             handed = down.hand_over(), if down.has_pending() => handed?,
             event = eventloop.poll(), if down.has_room() => match event? {
