@@ -6,8 +6,8 @@ mod common;
 
 use common::cloud::{
     await_empty_outbox, await_log, await_signal, bridged, bridged_with, cloud_client, cloud_insert,
-    cut_off_node, expect_applied, expect_delivered, local_query, next_signal, spawn_status_stream,
-    stream_finished, tail, Valve, CONNECTION, SUBSCRIBED,
+    cut_off_node, expect_applied, expect_delivered, local_query, next_signal, queue_pod_statuses,
+    spawn_status_stream, stream_finished, tail, Valve, CONNECTION, SUBSCRIBED,
 };
 use common::{topic, wait_until, CloudBroker, CloudOptions, Msg, Node, Options};
 use serde_json::json;
@@ -516,26 +516,7 @@ async fn a_cloud_change_refused_while_the_outbox_is_full_is_taken_in_the_same_se
 
     // The link stalls one way: edged's status reports fill the outbox and stay unacknowledged.
     valve.hold();
-    let edged = node.client().await;
-    for i in 0..ROOM {
-        common::send(
-            &edged,
-            "edged",
-            "update",
-            &format!("default/podstatus/p{i}"),
-            json!({"phase": "Running"}),
-        )
-        .await;
-    }
-    wait_until("the outbox full", common::WAIT, async || {
-        let waiting = node.outbox_len().await;
-        if waiting == ROOM {
-            Ok(())
-        } else {
-            Err(format!("{waiting} of {ROOM}"))
-        }
-    })
-    .await;
+    queue_pod_statuses(&node, ROOM).await;
 
     // A change from the cloud finds no room for its reply: refused for now, not stored.
     let web = "default/pod/web";

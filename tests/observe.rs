@@ -10,7 +10,7 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::cloud::{bridged_with, CONNECTION};
+use common::cloud::{bridged_with, queue_pod_statuses, CONNECTION};
 use common::{
     assert_quiet_for, free_port, http_get, readme_section_commands, run_expecting_exit, send,
     wait_until, CloudBroker, CloudOptions, Node, Options, WAIT,
@@ -269,21 +269,7 @@ async fn readyz_goes_red_while_the_outbox_waits_too_long_and_green_once_it_drain
     cloud.stop();
     watcher.expect(CONNECTION).await;
     // edged's pod status updates go to the cloud: they queue in the outbox.
-    let edged = node.client().await;
-    for i in 0..5 {
-        send(
-            &edged,
-            "edged",
-            "update",
-            &format!("default/podstatus/p{i}"),
-            json!({"phase": "Running"}),
-        )
-        .await;
-    }
-    wait_until("queued in the outbox", WAIT, || async {
-        node.outbox_len().await == 5
-    })
-    .await;
+    queue_pod_statuses(&node, 5).await;
     let (status, body) = readyz(&node).await;
     assert_eq!(status, 503, "{body}");
     assert!(

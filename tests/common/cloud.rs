@@ -239,6 +239,23 @@ fn assert_ordered_per_resource(received: &[Msg]) -> usize {
     duplicates
 }
 
+/// Sends `count` pod status reports as edged (`default/podstatus/p<i>`), each a message for the
+/// cloud, and waits until the outbox holds them (nothing acknowledged them meanwhile).
+pub async fn queue_pod_statuses(node: &Node, count: i64) {
+    let edged = node.client().await;
+    for i in 0..count {
+        send(
+            &edged,
+            "edged",
+            "update",
+            &format!("default/podstatus/p{i}"),
+            json!({"phase": "Running"}),
+        )
+        .await;
+    }
+    await_outbox(node, count, super::WAIT).await;
+}
+
 /// Waits until the node's outbox is empty (everything acknowledged by the cloud was deleted).
 pub async fn await_empty_outbox(node: &Node, limit: Duration) {
     await_outbox(node, 0, limit).await;
