@@ -273,4 +273,24 @@ mod tests {
             assert!(err.to_string().contains(key), "{key}: {err}");
         }
     }
+
+    #[test]
+    fn read_buffers_too_small_for_the_largest_packet_are_refused_by_name() {
+        let settings: Settings = Config::builder()
+            .add_source(File::from_str(
+                "broker:\n  max_packet_bytes: 2097152\n  read_buffers_bytes: 1048576\n",
+                FileFormat::Yaml,
+            ))
+            .build()
+            .and_then(Config::try_deserialize)
+            .expect("parses");
+        let err = settings.broker.validate().unwrap_err().to_string();
+        assert!(err.contains("broker.read_buffers_bytes"), "{err}");
+        let defaults: Settings = Config::builder()
+            .add_source(File::from_str(DEFAULT_YAML, FileFormat::Yaml))
+            .build()
+            .and_then(Config::try_deserialize)
+            .expect("the embedded default parses");
+        defaults.broker.validate().expect("the defaults hold");
+    }
 }

@@ -224,6 +224,7 @@ struct Scraped {
     denied_subscribes: Counter,
     lagging_cut: Counter,
     away_dropped: Counter,
+    read_buffers_refused: Counter,
     sessions: Gauge,
     paused_publishers: Gauge,
     publisher_pauses: Counter,
@@ -248,6 +249,7 @@ impl Scraped {
             denied_subscribes: counter!("edgemeta_acl_denials_total", "kind" => "subscribe"),
             lagging_cut: counter!("edgemeta_broker_lagging_subscribers_disconnected_total"),
             away_dropped: counter!("edgemeta_broker_away_dropped_total"),
+            read_buffers_refused: counter!("edgemeta_broker_read_buffers_refused_total"),
             sessions: gauge!("edgemeta_broker_sessions"),
             paused_publishers: gauge!("edgemeta_broker_paused_publishers"),
             publisher_pauses: counter!("edgemeta_broker_publisher_pauses_total"),
@@ -390,6 +392,8 @@ async fn metrics(State(node): State<Arc<Node>>) -> Response {
     s.denied_subscribes.absolute(subscribes);
     s.lagging_cut.absolute(src.broker.lagging_subscribers_cut());
     s.away_dropped.absolute(src.broker.away_dropped());
+    s.read_buffers_refused
+        .absolute(src.broker.read_buffers_refused());
     s.sessions.set(src.broker.sessions() as f64);
     let (paused, pauses) = src.broker.paused_publishers();
     s.paused_publishers.set(paused as f64);

@@ -225,3 +225,93 @@ fn login(id: &str, user: &str, password: &str) -> Vec<u8> {
     body.extend_from_slice(&string(password.as_bytes()));
     packet(0x10, &body)
 }
+
+/// The node's resident memory, in bytes.
+fn rss(node: &Node) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", node.pid())).expect("status");
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .expect("VmRSS");
+    kib * 1024
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn clients_stopping_part_way_through_large_packets_hold_no_more_than_the_read_budget() {
+    const PACKET: usize = 1024 * 1024;
+    const BUDGET: u64 = 4 * 1024 * 1024;
+    let node = Node::start_with(Options {
+        max_packet_bytes: PACKET,
+        broker_yaml: format!("  read_buffers_bytes: {BUDGET}\n"),
+        ..Options::default()
+    })
+    .await;
+    let before = rss(&node);
+    // Forty clients, ten times what the budget carries, each stopping 1,000 bytes short of a
+    // PUBLISH the size of the largest packet, and holding on.
+    let whole = publish(true, b"t/big", 0, &vec![b'x'; PACKET - 64]);
+    let mut clients = Vec::new();
+    for i in 0..40 {
+        let (mut raw, code) =
+            Raw::connected(node.port, &connect(true, &format!("big{i}"), &props(&[]))).await;
+        assert_eq!(code, 0);
+        raw.send(&whole[..whole.len() - 1_000]).await;
+        clients.push(raw);
+    }
+    // Those that found no room are closed, told 0x97 Quota exceeded when the DISCONNECT is read
+    // before the close; the few the budget carries are still open.
+    // One deadline for all: the holders' waits must not add up to their keep-alive (45 s).
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let mut closed = 0;
+    for raw in &mut clients {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match raw.next_within(left.max(Duration::from_millis(50))).await {
+            None => {}
+            Some(None) => closed += 1,
+            Some(Some(frame)) => {
+                assert_eq!(frame.kind(), 14, "{frame:?}");
+                assert_eq!(frame.body.first(), Some(&0x97), "{frame:?}");
+                closed += 1;
+            }
+        }
+    }
+    let grown = rss(&node).saturating_sub(before);
+    eprintln!("{closed} of 40 closed; RSS grew {} KiB", grown / 1024);
+    assert!(
+        closed >= 30,
+        "{closed} of 40 closed; RSS grew {} KiB",
+        grown / 1024
+    );
+    // What they hold is the budget, not forty packets (40 MiB).
+    assert!(
+        grown < BUDGET + 12 * 1024 * 1024,
+        "RSS grew {} KiB with {} clients held",
+        grown / 1024,
+        40 - closed
+    );
+    assert!(node.log().contains("EM-BROKER-READ-BUFFERS"));
+    // Every close is counted for the operator, whatever the log's rate limit wrote.
+    let (_, metrics) = common::http_get(node.observe_port, "/metrics").await;
+    let counted: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("edgemeta_broker_read_buffers_refused_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0);
+    assert!(
+        counted >= closed as f64,
+        "{counted} counted, {closed} closed"
+    );
+    assert_answers_a_query(&node, "read-budget").await;
+
+    // Once the holders leave, the largest packet is read and delivered again.
+    drop(clients);
+    let mut reader = node.client().await;
+    reader.subscribe("t/big").await;
+    let (mut writer, code) =
+        Raw::connected(node.port, &connect(true, "big-again", &props(&[]))).await;
+    assert_eq!(code, 0);
+    writer.send(&whole).await;
+    let delivered = reader.expect("t/big").await;
+    assert_eq!(delivered.payload.len(), PACKET - 64);
+}

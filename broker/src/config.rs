@@ -18,6 +18,12 @@ pub struct BrokerConfig {
     /// Largest MQTT packet a client may send (topic and properties included), in bytes.
     #[serde(default = "default_max_packet_bytes")]
     pub max_packet_bytes: usize,
+    /// Bytes all connections' read buffers hold together past 4 KiB each: a packet being read
+    /// grows its connection's buffer up to `max_packet_bytes`, so without this many clients
+    /// stopping part-way through large packets would each hold that much. A connection that
+    /// needs more than is free is closed (MQTT 5: 0x97; before its CONNECT, CONNACK 0x97 / 3).
+    #[serde(default = "default_read_buffers_bytes")]
+    pub read_buffers_bytes: usize,
     /// Most simultaneous client connections, TCP and TLS, each counted from its accept to its
     /// close (the node's own modules are in-process links and not counted).
     #[serde(default = "default_max_connections")]
@@ -112,6 +118,9 @@ fn default_listeners() -> BTreeMap<String, ListenerConfig> {
 const fn default_max_packet_bytes() -> usize {
     2 * 1024 * 1024
 }
+const fn default_read_buffers_bytes() -> usize {
+    64 * 1024 * 1024
+}
 const fn default_max_connections() -> usize {
     10_000
 }
@@ -149,6 +158,7 @@ impl Default for BrokerConfig {
             topic_root: default_topic_root(),
             listeners: default_listeners(),
             max_packet_bytes: default_max_packet_bytes(),
+            read_buffers_bytes: default_read_buffers_bytes(),
             max_connections: default_max_connections(),
             max_topic_levels: default_max_topic_levels(),
             max_topic_bytes: default_max_topic_bytes(),
@@ -190,6 +200,13 @@ impl BrokerConfig {
         }
         if self.max_packet_bytes < 1024 {
             return bad("broker.max_packet_bytes must be >= 1024".into());
+        }
+        if self.read_buffers_bytes < self.max_packet_bytes {
+            return bad(
+                "broker.read_buffers_bytes must be >= broker.max_packet_bytes (else the largest \
+                 packet could never be read)"
+                    .into(),
+            );
         }
         if self.max_topic_levels == 0 || self.max_topic_bytes == 0 {
             return bad("broker.max_topic_levels and broker.max_topic_bytes must be >= 1".into());

@@ -52,6 +52,12 @@ impl BrokerStats {
         self.shared.hub.away_drops.load(Ordering::Relaxed)
     }
 
+    /// Connections closed so far because their packet found no room in
+    /// `broker.read_buffers_bytes` (`EM-BROKER-READ-BUFFERS`, logged at most every 10 s).
+    pub fn read_buffers_refused(&self) -> u64 {
+        self.shared.reading.closed()
+    }
+
     /// Sessions held, connected or not (MQTT 5 Session Expiry, 3.1.1 clean session flag 0).
     pub fn sessions(&self) -> u64 {
         self.shared.hub.sessions() as u64
@@ -99,6 +105,7 @@ impl Broker {
         );
         shared.events = Some(events.clone());
         shared.max_clients = config.max_connections;
+        shared.reading = crate::conn::ReadBudget::new(config.read_buffers_bytes);
         shared.connect_within = Duration::from_millis(u64::from(config.connect_timeout_ms));
         shared.topics = TopicBounds {
             max_levels: config.max_topic_levels,

@@ -29,6 +29,10 @@ pub enum WireError {
     /// A form the spec calls malformed that the codec lets through (MQTT 5: 0x81).
     #[error("malformed packet: {0}")]
     Malformed(&'static str),
+    /// The connections' read buffers hold `broker.read_buffers_bytes` already, and this
+    /// packet needs more (MQTT 5: 0x97 Quota exceeded).
+    #[error("no room left in broker.read_buffers_bytes for this packet")]
+    OverBudget,
     /// A property that may appear once appeared again (MQTT 5: 0x82 Protocol Error).
     #[error("property 0x{0:02x} appears more than once")]
     Duplicate(u8),

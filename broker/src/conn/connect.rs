@@ -78,7 +78,9 @@ pub(super) async fn open<S>(
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    let (wire, connect, will, login) = Box::pin(read_connect(stream, buf, shared)).await?;
+    let mut reading = Reading::new(shared.reading.clone());
+    let (wire, connect, will, login) =
+        Box::pin(read_connect(stream, buf, &mut reading, shared)).await?;
     let refused = match vet_connect(wire, &connect, will.as_ref(), shared) {
         Ok(()) => Box::pin(check_login(wire, &connect, login, who, shared)).await,
         Err(code) => Err(code),
@@ -93,7 +95,7 @@ where
     };
     let grants = shared.policy.grants(&identity);
     let will = will.and_then(|w| will_of(w, &grants, &identity.client_id, shared));
-    let mut opened = start(wire, connect, grants, socket, shared, cancel);
+    let mut opened = start(wire, connect, grants, socket, reading, (shared, cancel));
     opened.will = will;
     Some(opened)
 }
@@ -103,6 +105,7 @@ where
 async fn read_connect<S>(
     stream: &mut S,
     buf: &mut BytesMut,
+    reading: &mut Reading,
     shared: &Shared,
 ) -> Option<(
     Wire,
@@ -115,7 +118,7 @@ where
 {
     let first = tokio::time::timeout(
         shared.connect_within,
-        Box::pin(first_packet(&mut *stream, buf, shared.max_packet)),
+        Box::pin(first_packet(&mut *stream, buf, reading, shared.max_packet)),
     )
     .await;
     let refused = match first {
@@ -137,6 +140,11 @@ where
             refusal(Wire::V5, ConnectReturnCode::PacketTooLarge)
         }
         Ok(Err(WireError::Duplicate(_))) => refusal(Wire::V5, ConnectReturnCode::ProtocolError),
+        // No room to read it: refused as a client over `max_connections` is, free to retry.
+        Ok(Err(WireError::OverBudget)) => match Wire::detect(buf).ok().flatten() {
+            Some(Wire::V5) => refusal(Wire::V5, ConnectReturnCode::QuotaExceeded),
+            _ => refusal(Wire::V4, ConnectReturnCode::ServerUnavailable),
+        },
         Ok(Err(e)) => {
             debug!(error = %e, "connection closed before a valid CONNECT");
             return None;
@@ -272,8 +280,8 @@ fn start(
     connect: Connect,
     grants: Grants,
     socket: Option<Arc<OwnedWriteHalf>>,
-    shared: &Shared,
-    cancel: &CancellationToken,
+    reading: Reading,
+    (shared, cancel): (&Shared, &CancellationToken),
 ) -> Opened {
     let hub = &shared.hub;
     let props = connect.properties.clone().unwrap_or_default();
@@ -321,6 +329,7 @@ fn start(
         acks: None,
         out: BytesMut::new(),
         direct: socket.map(|socket| Direct::new(socket, wire, limits.maximum_packet_size)),
+        reading,
     };
     if let Some(direct) = &conn.direct {
         conn.room.plug(direct.clone());
@@ -383,6 +392,7 @@ fn connack_properties(shared: &Shared, assigned: Option<String>) -> ConnAckPrope
 async fn first_packet<S: AsyncRead + Unpin>(
     stream: &mut S,
     buf: &mut BytesMut,
+    reading: &mut Reading,
     max_packet: u32,
 ) -> Result<Option<(Wire, Packet)>, WireError> {
     loop {
@@ -391,7 +401,11 @@ async fn first_packet<S: AsyncRead + Unpin>(
                 return Ok(Some((wire, packet)));
             }
         }
-        buf.reserve(256);
+        if let Err(e) = reading.reserve(buf, 256) {
+            // What was read stays, for the refusal to name the version.
+            reading.budget().refused("", buf.len() + 256);
+            return Err(e);
+        }
         match stream.read_buf(buf).await {
             Ok(0) | Err(_) => return Ok(None),
             Ok(_) => {}

@@ -5,6 +5,7 @@
 
 mod connect;
 mod publish;
+mod reading;
 mod run;
 mod subscribe;
 
@@ -40,6 +41,8 @@ use crate::wire::{Packet, Wire, WireError};
 use crate::RESERVED_CLIENT_PREFIX;
 
 use connect::{open, refuse_over_limit};
+pub use reading::ReadBudget;
+use reading::Reading;
 
 /// Topic aliases a client may use towards the node (§3.2.2.3.8).
 const ALIASES_IN: u16 = 16;
@@ -73,6 +76,8 @@ pub struct Shared {
     pub connect_within: Duration,
     /// The most levels and bytes of a client's topic or filter.
     pub topics: TopicBounds,
+    /// What the connections' read buffers hold together past [`KEEP_BUFFER`] each at most.
+    pub reading: Arc<ReadBudget>,
     /// Connections counted against `max_clients`, from their accept to their end.
     admitted: AtomicUsize,
     /// Connections over the limit being told so (a CONNACK) right now.
@@ -94,6 +99,7 @@ impl Shared {
             max_clients: usize::MAX,
             connect_within: Duration::from_secs(10),
             topics: TopicBounds::PROTOCOL,
+            reading: ReadBudget::new(usize::MAX),
             admitted: AtomicUsize::new(0),
             refusing: AtomicUsize::new(0),
             open: AtomicU64::new(0),
@@ -200,6 +206,8 @@ struct Conn {
     out: BytesMut,
     /// Plain TCP: publishers write this session's queue into the socket while the task idles.
     direct: Option<Arc<Direct>>,
+    /// The read buffer's share of `broker.read_buffers_bytes`.
+    reading: Reading,
 }
 
 /// Serves one client until it leaves, breaks the protocol, or `cancel` fires. Futures it awaits

@@ -8,6 +8,7 @@ fn reason_for(error: &WireError) -> DisconnectReasonCode {
     match error {
         WireError::TooLarge(_) => DisconnectReasonCode::PacketTooLarge,
         WireError::Duplicate(_) => DisconnectReasonCode::ProtocolError,
+        WireError::OverBudget => DisconnectReasonCode::QuotaExceeded,
         _ => DisconnectReasonCode::MalformedPacket,
     }
 }
@@ -85,7 +86,14 @@ impl Conn {
                 grace.saturating_sub(last_heard.elapsed())
             });
             if buf.capacity() - buf.len() < 64 {
-                buf.reserve(256);
+                // A packet that does not fit must grow the buffer: past the budget, the
+                // connection ends as over a malformed packet, told 0x97 (MQTT 5).
+                if let Err(e) = self.reading.reserve(buf, 256) {
+                    self.reading
+                        .budget()
+                        .refused(&self.client_id, buf.len() + 256);
+                    return self.refuse_packet(stream, &e).await;
+                }
             }
             let spare = buf.capacity() - buf.len();
             let woke = {
@@ -117,6 +125,7 @@ impl Conn {
                     }
                     if buf.is_empty() && buf.capacity() > KEEP_BUFFER {
                         *buf = BytesMut::new();
+                        let _ = self.reading.cover(0);
                     }
                 }
             }
@@ -140,10 +149,10 @@ impl Conn {
                 self.wire.read(buf, shared.max_packet)
             };
             let packet = match decoded {
-                Ok(None) if filled => {
-                    // More is likely waiting. It is taken in larger reads, many packets a call,
-                    // without waiting for it; an idle connection keeps only the small buffer.
-                    buf.reserve(READ_MORE);
+                // More is likely waiting. It is taken in larger reads, many packets a call,
+                // without waiting for it; an idle connection keeps only the small buffer. With
+                // no budget left for that, the loop reads on in small steps.
+                Ok(None) if filled && self.reading.reserve(buf, READ_MORE).is_ok() => {
                     let spare = buf.capacity() - buf.len();
                     match poll_once(stream.read_buf(buf)) {
                         None => return None,
@@ -168,16 +177,21 @@ impl Conn {
                 Ok(None) => return None,
                 Err(e) => {
                     debug!(client_id = %self.client_id, error = %e, "malformed packet");
-                    self.closing();
-                    if self.wire == Wire::V5 {
-                        let bye = Disconnect::new(reason_for(&e));
-                        self.send(Packet::Disconnect(bye));
-                        let _ = stream.write_all(&self.out).await;
-                    }
-                    return Some(End::Lost);
+                    return Some(self.refuse_packet(stream, &e).await);
                 }
             }
         }
+    }
+
+    /// Ends the connection over a packet the node cannot take: an MQTT 5 client is told why.
+    async fn refuse_packet<S: AsyncWrite + Unpin>(&mut self, stream: &mut S, e: &WireError) -> End {
+        self.closing();
+        if self.wire == Wire::V5 {
+            let bye = Disconnect::new(reason_for(e));
+            self.send(Packet::Disconnect(bye));
+            let _ = stream.write_all(&self.out).await;
+        }
+        End::Lost
     }
 
     /// What a handled packet left to do: go on, end, or be cut (this connection's token was

@@ -1,0 +1,187 @@
+//! The bytes every connection's read buffer holds past [`KEEP_BUFFER`], counted against one
+//! budget (`broker.read_buffers_bytes`): a packet being read grows its buffer up to
+//! `max_packet_bytes`, and clients that stop part-way through large packets must not together
+//! hold more than the node set aside for that.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use bytes::BytesMut;
+use tokio::sync::Semaphore;
+use tracing::warn;
+
+use super::KEEP_BUFFER;
+use crate::wire::WireError;
+
+/// The budget is counted in KiB: a permit per KiB keeps the counts small.
+const UNIT: usize = 1024;
+
+/// How often at most a connection closed over the budget is logged, in milliseconds.
+const LOG_EVERY_MS: u64 = 10_000;
+
+/// What all connections' read buffers may hold past [`KEEP_BUFFER`] each.
+#[derive(Debug)]
+pub struct ReadBudget {
+    free: Semaphore,
+    /// Connections closed for want of it, and when the last line about them was logged
+    /// (milliseconds since `started`; `u64::MAX`: never).
+    closed: AtomicU64,
+    logged: AtomicU64,
+    started: std::time::Instant,
+    bytes: usize,
+}
+
+impl ReadBudget {
+    pub fn new(bytes: usize) -> Arc<ReadBudget> {
+        let units = bytes.div_ceil(UNIT).min(Semaphore::MAX_PERMITS);
+        Arc::new(ReadBudget {
+            free: Semaphore::new(units),
+            closed: AtomicU64::new(0),
+            logged: AtomicU64::new(u64::MAX),
+            started: std::time::Instant::now(),
+            bytes,
+        })
+    }
+
+    /// Connections closed so far because their packet found no room.
+    pub fn closed(&self) -> u64 {
+        self.closed.load(Ordering::Relaxed)
+    }
+
+    /// Counts a connection closed for want of room; logs at most once per [`LOG_EVERY_MS`],
+    /// with the count so far (a flood of them costs a line per interval).
+    pub(crate) fn refused(&self, client_id: &str, needed: usize) {
+        let closed = self.closed.fetch_add(1, Ordering::Relaxed) + 1;
+        let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
+        let last = self.logged.load(Ordering::Relaxed);
+        let due = last == u64::MAX || now.saturating_sub(last) >= LOG_EVERY_MS;
+        if due
+            && self
+                .logged
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            warn!(
+                error_code = "EM-BROKER-READ-BUFFERS",
+                client_id,
+                needed,
+                read_buffers_bytes = self.bytes,
+                closed,
+                "closed a connection whose packet found no room: broker.read_buffers_bytes are \
+                 held by packets being read"
+            );
+        }
+    }
+}
+
+/// One connection's share of the [`ReadBudget`]: taken as its buffer grows, given back as it
+/// shrinks and when the connection ends.
+#[derive(Debug)]
+pub(crate) struct Reading {
+    budget: Arc<ReadBudget>,
+    held: usize,
+}
+
+impl Reading {
+    pub(crate) fn new(budget: Arc<ReadBudget>) -> Reading {
+        Reading { budget, held: 0 }
+    }
+
+    /// Makes room in `buf` for `additional` more bytes, as `BytesMut::reserve` does, once the
+    /// budget covers the capacity that may take (twice the present one, or what is asked);
+    /// `OverBudget`, with `buf` untouched, when it cannot.
+    pub(crate) fn reserve(
+        &mut self,
+        buf: &mut BytesMut,
+        additional: usize,
+    ) -> Result<(), WireError> {
+        // Room already there, or behind the bytes already taken: nothing to allocate.
+        if buf.capacity() - buf.len() >= additional || buf.try_reclaim(additional) {
+            return Ok(());
+        }
+        let at_most = (2 * buf.capacity()).max(buf.len() + additional);
+        self.cover(at_most)?;
+        buf.reserve(additional);
+        // What the buffer took is at most what was covered: this only gives back.
+        self.cover(buf.capacity())
+    }
+
+    /// Holds what a buffer of `capacity` bytes needs past [`KEEP_BUFFER`], taking or giving
+    /// back the difference; `OverBudget` when not enough is free.
+    pub(crate) fn cover(&mut self, capacity: usize) -> Result<(), WireError> {
+        let need = capacity.saturating_sub(KEEP_BUFFER).div_ceil(UNIT);
+        if need > self.held {
+            let more = u32::try_from(need - self.held).map_err(|_| WireError::OverBudget)?;
+            let permits = self
+                .budget
+                .free
+                .try_acquire_many(more)
+                .map_err(|_| WireError::OverBudget)?;
+            permits.forget();
+        } else if need < self.held {
+            self.budget.free.add_permits(self.held - need);
+        }
+        self.held = need;
+        Ok(())
+    }
+
+    /// The budget this share is taken from.
+    pub(crate) fn budget(&self) -> &ReadBudget {
+        &self.budget
+    }
+}
+
+impl Drop for Reading {
+    fn drop(&mut self) {
+        self.budget.free.add_permits(self.held);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffers_share_the_budget_and_give_it_back_as_they_shrink_and_end() {
+        let budget = ReadBudget::new(64 * UNIT);
+        let mut a = Reading::new(budget.clone());
+        let mut b = Reading::new(budget.clone());
+        // The first KEEP_BUFFER bytes of each are free.
+        a.cover(KEEP_BUFFER).expect("free part");
+        assert_eq!(budget.free.available_permits(), 64);
+        a.cover(KEEP_BUFFER + 40 * UNIT).expect("40 of 64");
+        assert!(matches!(
+            b.cover(KEEP_BUFFER + 30 * UNIT),
+            Err(WireError::OverBudget)
+        ));
+        b.cover(KEEP_BUFFER + 24 * UNIT).expect("the rest");
+        assert_eq!(budget.free.available_permits(), 0);
+        a.cover(KEEP_BUFFER).expect("shrunk");
+        assert_eq!(budget.free.available_permits(), 40);
+        drop(b);
+        assert_eq!(budget.free.available_permits(), 64);
+        drop(a);
+        assert_eq!(budget.free.available_permits(), 64);
+    }
+
+    #[test]
+    fn a_buffer_grows_only_within_the_budget_and_is_left_alone_past_it() {
+        let budget = ReadBudget::new(64 * UNIT);
+        let mut reading = Reading::new(budget.clone());
+        let mut buf = BytesMut::with_capacity(KEEP_BUFFER);
+        buf.extend_from_slice(&[0; KEEP_BUFFER]);
+        reading
+            .reserve(&mut buf, 16 * UNIT)
+            .expect("room for 16 KiB more");
+        assert!(buf.capacity() >= KEEP_BUFFER + 16 * UNIT);
+        let held = 64 - budget.free.available_permits();
+        assert_eq!(held, (buf.capacity() - KEEP_BUFFER).div_ceil(UNIT));
+        buf.extend_from_slice(&vec![0; buf.capacity() - buf.len()]);
+        let before = buf.capacity();
+        assert!(matches!(
+            reading.reserve(&mut buf, 64 * UNIT),
+            Err(WireError::OverBudget)
+        ));
+        assert_eq!(buf.capacity(), before, "nothing allocated past the budget");
+    }
+}
