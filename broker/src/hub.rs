@@ -24,6 +24,7 @@ use tracing::warn;
 use crate::ack::Ack;
 use crate::direct::{Direct, Flushed, Waiting};
 use crate::index::{Delivery, Index, SessionId};
+use crate::log_every::LogEvery;
 use crate::mailbox::{Budget, Limits, Mailbox, Owed, Progress, Published};
 use crate::message::Reserved;
 use crate::registry::{Connected, Fired, Registry, Will};
@@ -220,9 +221,8 @@ pub struct Hub {
     pub lag_cuts: AtomicU64,
     /// Messages dropped for sessions that are away, their queue or the budget full.
     pub away_drops: AtomicU64,
-    /// When a drop was last logged, in ms since `started` (`u64::MAX`: never).
-    away_logged: AtomicU64,
-    started: Instant,
+    /// Drops for sessions away are logged at most every [`AWAY_LOG_EVERY`].
+    away_log: LogEvery,
     /// Rung when a connected reader took something from its queue, for paced publishers.
     pub room: Arc<Notify>,
 }
@@ -247,23 +247,9 @@ impl Hub {
             next_link: AtomicU64::new(FIRST_LINK),
             lag_cuts: AtomicU64::new(0),
             away_drops: AtomicU64::new(0),
-            away_logged: AtomicU64::new(u64::MAX),
-            started: Instant::now(),
+            away_log: LogEvery::new(AWAY_LOG_EVERY),
             room: Arc::new(Notify::new()),
         }
-    }
-
-    /// Whether a drop for a session away may be logged now ([`AWAY_LOG_EVERY`]); one caller
-    /// wins each interval, without a lock.
-    fn away_log_due(&self) -> bool {
-        let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
-        let last = self.away_logged.load(Ordering::Relaxed);
-        let every = AWAY_LOG_EVERY.as_millis() as u64;
-        (last == u64::MAX || now.saturating_sub(last) >= every)
-            && self
-                .away_logged
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
     }
 
     /// The connected readers `topic` reaches, with the QoS each gets (the node's modules,
@@ -639,7 +625,7 @@ impl Hub {
                 Ok(()) => queued.push(room.clone()),
                 Err(why) => {
                     let dropped = self.away_drops.fetch_add(1, Ordering::Relaxed) + 1;
-                    if self.away_log_due() {
+                    if self.away_log.due() {
                         warn!(error_code = "EM-BROKER-QUEUE-FULL", client_id = %room.client_id,
                             topic = %message.topic, ?why, dropped,
                             "messages dropped for sessions that are away (logged at most every 10 s; `dropped` counts all since start)");

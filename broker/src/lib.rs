@@ -33,6 +33,7 @@ mod events;
 mod hub;
 mod index;
 mod link;
+mod log_every;
 mod login;
 mod mailbox;
 mod message;

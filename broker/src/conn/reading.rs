@@ -5,29 +5,29 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::BytesMut;
 use tokio::sync::Semaphore;
 use tracing::warn;
 
 use super::KEEP_BUFFER;
+use crate::log_every::LogEvery;
 use crate::wire::WireError;
 
 /// The budget is counted in KiB: a permit per KiB keeps the counts small.
 const UNIT: usize = 1024;
 
-/// How often at most a connection closed over the budget is logged, in milliseconds.
-const LOG_EVERY_MS: u64 = 10_000;
+/// How often at most a connection closed over the budget is logged.
+const LOG_EVERY: Duration = Duration::from_secs(10);
 
 /// What all connections' read buffers may hold past [`KEEP_BUFFER`] each.
 #[derive(Debug)]
 pub struct ReadBudget {
     free: Semaphore,
-    /// Connections closed for want of it, and when the last line about them was logged
-    /// (milliseconds since `started`; `u64::MAX`: never).
+    /// Connections closed for want of it, logged at most every [`LOG_EVERY`].
     closed: AtomicU64,
-    logged: AtomicU64,
-    started: std::time::Instant,
+    log: LogEvery,
     bytes: usize,
 }
 
@@ -37,8 +37,7 @@ impl ReadBudget {
         Arc::new(ReadBudget {
             free: Semaphore::new(units),
             closed: AtomicU64::new(0),
-            logged: AtomicU64::new(u64::MAX),
-            started: std::time::Instant::now(),
+            log: LogEvery::new(LOG_EVERY),
             bytes,
         })
     }
@@ -48,19 +47,11 @@ impl ReadBudget {
         self.closed.load(Ordering::Relaxed)
     }
 
-    /// Counts a connection closed for want of room; logs at most once per [`LOG_EVERY_MS`],
+    /// Counts a connection closed for want of room; logs at most once per [`LOG_EVERY`],
     /// with the count so far (a flood of them costs a line per interval).
     pub(crate) fn refused(&self, client_id: &str, needed: usize) {
         let closed = self.closed.fetch_add(1, Ordering::Relaxed) + 1;
-        let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
-        let last = self.logged.load(Ordering::Relaxed);
-        let due = last == u64::MAX || now.saturating_sub(last) >= LOG_EVERY_MS;
-        if due
-            && self
-                .logged
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
+        if self.log.due() {
             warn!(
                 error_code = "EM-BROKER-READ-BUFFERS",
                 client_id,
