@@ -275,6 +275,20 @@ mod tests {
     }
 
     #[test]
+    fn a_packet_timeout_of_zero_is_refused_by_name() {
+        let settings: Settings = Config::builder()
+            .add_source(File::from_str(
+                "broker:\n  packet_timeout_ms: 0\n",
+                FileFormat::Yaml,
+            ))
+            .build()
+            .and_then(Config::try_deserialize)
+            .expect("parses");
+        let err = settings.broker.validate().unwrap_err().to_string();
+        assert!(err.contains("broker.packet_timeout_ms"), "{err}");
+    }
+
+    #[test]
     fn read_buffers_too_small_for_the_largest_packet_are_refused_by_name() {
         let settings: Settings = Config::builder()
             .add_source(File::from_str(

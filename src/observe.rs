@@ -39,6 +39,7 @@ pub const ERROR_CODES: &[&str] = &[
     "EM-BROKER-CONNECTION-LIMIT",
     "EM-BROKER-FD-LIMIT",
     "EM-BROKER-READ-BUFFERS",
+    "EM-BROKER-SLOW-PACKET",
     "EM-ACL-PUBLISH-DENIED",
     "EM-ACL-SUBSCRIBE-DENIED",
     "EM-ACL-WILL-DENIED",
@@ -226,6 +227,7 @@ struct Scraped {
     lagging_cut: Counter,
     away_dropped: Counter,
     read_buffers_refused: Counter,
+    slow_packets: Counter,
     sessions: Gauge,
     paused_publishers: Gauge,
     publisher_pauses: Counter,
@@ -251,6 +253,7 @@ impl Scraped {
             lagging_cut: counter!("edgemeta_broker_lagging_subscribers_disconnected_total"),
             away_dropped: counter!("edgemeta_broker_away_dropped_total"),
             read_buffers_refused: counter!("edgemeta_broker_read_buffers_refused_total"),
+            slow_packets: counter!("edgemeta_broker_slow_packets_total"),
             sessions: gauge!("edgemeta_broker_sessions"),
             paused_publishers: gauge!("edgemeta_broker_paused_publishers"),
             publisher_pauses: counter!("edgemeta_broker_publisher_pauses_total"),
@@ -395,6 +398,7 @@ async fn metrics(State(node): State<Arc<Node>>) -> Response {
     s.away_dropped.absolute(src.broker.away_dropped());
     s.read_buffers_refused
         .absolute(src.broker.read_buffers_refused());
+    s.slow_packets.absolute(src.broker.slow_packets());
     s.sessions.set(src.broker.sessions() as f64);
     let (paused, pauses) = src.broker.paused_publishers();
     s.paused_publishers.set(paused as f64);

@@ -315,3 +315,126 @@ async fn clients_stopping_part_way_through_large_packets_hold_no_more_than_the_r
     let delivered = reader.expect("t/big").await;
     assert_eq!(delivered.payload.len(), PACKET - 64);
 }
+
+/// A CONNECT as [`connect`] makes, with keep-alive 0: the client may stay silent for ever.
+fn connect_no_keep_alive(v5: bool, id: &str) -> Vec<u8> {
+    let mut bytes = connect(v5, id, &props(&[]));
+    let name = bytes
+        .windows(4)
+        .position(|w| w == b"MQTT")
+        .expect("protocol name");
+    bytes[name + 6..name + 8].copy_from_slice(&0u16.to_be_bytes());
+    bytes
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_packet_that_does_not_all_arrive_within_packet_timeout_frees_its_read_buffer() {
+    const PACKET: usize = 1024 * 1024;
+    const TIMEOUT_MS: u64 = 1_000;
+    let node = Node::start_with(Options {
+        max_packet_bytes: PACKET,
+        broker_yaml: format!(
+            "  read_buffers_bytes: {}\n  packet_timeout_ms: {TIMEOUT_MS}\n",
+            2 * PACKET
+        ),
+        ..Options::default()
+    })
+    .await;
+    let whole = publish(true, b"t/big", 0, &vec![b'x'; PACKET - 64]);
+    // Twenty clients with no keep-alive, ten times what the budget carries, each stopping
+    // 1,000 bytes short of the largest packet; one MQTT 5 and one 3.1.1 client trickling a
+    // byte every 100 ms into a packet they never finish, for ten times the timeout.
+    let mut holders = Vec::new();
+    for i in 0..20 {
+        let (mut raw, code) =
+            Raw::connected(node.port, &connect_no_keep_alive(true, &format!("hold{i}"))).await;
+        assert_eq!(code, 0);
+        raw.send(&whole[..whole.len() - 1_000]).await;
+        holders.push(raw);
+    }
+    let mut tricklers = Vec::new();
+    for v5 in [true, false] {
+        let (mut raw, code) = Raw::connected(
+            node.port,
+            &connect_no_keep_alive(v5, &format!("trickle-{v5}")),
+        )
+        .await;
+        assert_eq!(code, 0);
+        let small = publish(v5, b"t/trickle", 0, &vec![b'y'; 2_000]);
+        raw.send(&small[..100]).await;
+        tricklers.push((raw, small, v5));
+    }
+    // An idle client with no keep-alive and nothing begun is left alone.
+    let (mut idle, code) = Raw::connected(node.port, &connect_no_keep_alive(true, "idle")).await;
+    assert_eq!(code, 0);
+    let started = Instant::now();
+    let mut trickled = 100;
+    let mut closed_at = [None, None];
+    while closed_at.iter().any(Option::is_none)
+        && started.elapsed() < Duration::from_millis(10 * TIMEOUT_MS)
+    {
+        for (k, (raw, small, v5)) in tricklers.iter_mut().enumerate() {
+            if closed_at[k].is_some() {
+                continue;
+            }
+            raw.send(&small[trickled..trickled + 1]).await;
+            match raw.next_within(Duration::from_millis(100)).await {
+                None => {}
+                Some(None) => closed_at[k] = Some(started.elapsed()),
+                Some(Some(frame)) => {
+                    assert!(*v5, "a 3.1.1 client is sent no DISCONNECT: {frame:?}");
+                    assert_eq!(frame.kind(), 14, "{frame:?}");
+                    assert_eq!(frame.body.first(), Some(&0x8D), "{frame:?}");
+                    closed_at[k] = Some(started.elapsed());
+                }
+            }
+        }
+        trickled += 1;
+    }
+    for (k, at) in closed_at.iter().enumerate() {
+        let at =
+            at.unwrap_or_else(|| panic!("trickler {k} still open after {:?}", started.elapsed()));
+        assert!(
+            at >= Duration::from_millis(TIMEOUT_MS - 100)
+                && at < Duration::from_millis(3 * TIMEOUT_MS),
+            "trickler {k} closed after {at:?}"
+        );
+    }
+    // Every holder is gone by now: the budget's refusals at once (0x97), the rest at the
+    // timeout (0x8D).
+    let mut reasons = Vec::new();
+    for raw in &mut holders {
+        match raw.next_within(Duration::from_millis(500)).await {
+            None => panic!("a holder is still open after {:?}", started.elapsed()),
+            Some(None) => reasons.push(None),
+            Some(Some(frame)) => {
+                assert_eq!(frame.kind(), 14, "{frame:?}");
+                reasons.push(frame.body.first().copied());
+            }
+        }
+    }
+    assert!(reasons.contains(&Some(0x8D)), "{reasons:?}");
+    idle.send(&[0xC0, 0]).await;
+    let pong = idle.next_within(Duration::from_secs(5)).await;
+    assert!(matches!(&pong, Some(Some(f)) if f.kind() == 13), "{pong:?}");
+
+    // The budget is whole again: the largest packet is read and delivered.
+    let mut reader = node.client().await;
+    reader.subscribe("t/big").await;
+    let (mut writer, code) =
+        Raw::connected(node.port, &connect(true, "big-after", &props(&[]))).await;
+    assert_eq!(code, 0);
+    writer.send(&whole).await;
+    assert_eq!(reader.expect("t/big").await.payload.len(), PACKET - 64);
+
+    assert!(node.log().contains("EM-BROKER-SLOW-PACKET"));
+    let (_, metrics) = common::http_get(node.observe_port, "/metrics").await;
+    let counted: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("edgemeta_broker_slow_packets_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0);
+    let slow = reasons.iter().filter(|r| **r == Some(0x8D)).count() + 2;
+    assert!(counted >= slow as f64, "{counted} counted, {slow} seen");
+    assert_answers_a_query(&node, "slow-packet").await;
+}

@@ -24,6 +24,11 @@ pub struct BrokerConfig {
     /// needs more than is free is closed (MQTT 5: 0x97; before its CONNECT, CONNACK 0x97 / 3).
     #[serde(default = "default_read_buffers_bytes")]
     pub read_buffers_bytes: usize,
+    /// How long one packet may take from its first byte to its last, in milliseconds: a
+    /// slower one ends its connection (MQTT 5: DISCONNECT 0x8D), so a client that stops or
+    /// trickles part-way through a packet holds its share of `read_buffers_bytes` this long.
+    #[serde(default = "default_packet_timeout_ms")]
+    pub packet_timeout_ms: u32,
     /// Most simultaneous client connections, TCP and TLS, each counted from its accept to its
     /// close (the node's own modules are in-process links and not counted).
     #[serde(default = "default_max_connections")]
@@ -121,6 +126,9 @@ const fn default_max_packet_bytes() -> usize {
 const fn default_read_buffers_bytes() -> usize {
     64 * 1024 * 1024
 }
+const fn default_packet_timeout_ms() -> u32 {
+    60_000
+}
 const fn default_max_connections() -> usize {
     10_000
 }
@@ -159,6 +167,7 @@ impl Default for BrokerConfig {
             listeners: default_listeners(),
             max_packet_bytes: default_max_packet_bytes(),
             read_buffers_bytes: default_read_buffers_bytes(),
+            packet_timeout_ms: default_packet_timeout_ms(),
             max_connections: default_max_connections(),
             max_topic_levels: default_max_topic_levels(),
             max_topic_bytes: default_max_topic_bytes(),
@@ -207,6 +216,9 @@ impl BrokerConfig {
                  packet could never be read)"
                     .into(),
             );
+        }
+        if self.packet_timeout_ms == 0 {
+            return bad("broker.packet_timeout_ms must be >= 1".into());
         }
         if self.max_topic_levels == 0 || self.max_topic_bytes == 0 {
             return bad("broker.max_topic_levels and broker.max_topic_bytes must be >= 1".into());

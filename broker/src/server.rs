@@ -58,6 +58,12 @@ impl BrokerStats {
         self.shared.reading.closed()
     }
 
+    /// Connections closed so far because a packet took longer than `broker.packet_timeout_ms`
+    /// to arrive (`EM-BROKER-SLOW-PACKET`, logged at most every 10 s).
+    pub fn slow_packets(&self) -> u64 {
+        self.shared.reading.slow()
+    }
+
     /// Sessions held, connected or not (MQTT 5 Session Expiry, 3.1.1 clean session flag 0).
     pub fn sessions(&self) -> u64 {
         self.shared.hub.sessions() as u64
@@ -107,6 +113,7 @@ impl Broker {
         shared.max_clients = config.max_connections;
         shared.reading = crate::conn::ReadBudget::new(config.read_buffers_bytes);
         shared.connect_within = Duration::from_millis(u64::from(config.connect_timeout_ms));
+        shared.packet_within = Duration::from_millis(u64::from(config.packet_timeout_ms));
         shared.topics = TopicBounds {
             max_levels: config.max_topic_levels,
             max_bytes: config.max_topic_bytes,

@@ -33,6 +33,10 @@ pub enum WireError {
     /// packet needs more (MQTT 5: 0x97 Quota exceeded).
     #[error("no room left in broker.read_buffers_bytes for this packet")]
     OverBudget,
+    /// A packet begun more than `broker.packet_timeout_ms` ago has not all arrived (MQTT 5:
+    /// 0x8D Keep Alive timeout: no whole packet came in time).
+    #[error("a packet took longer than broker.packet_timeout_ms to arrive")]
+    Slow,
     /// A property that may appear once appeared again (MQTT 5: 0x82 Protocol Error).
     #[error("property 0x{0:02x} appears more than once")]
     Duplicate(u8),

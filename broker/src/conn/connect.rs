@@ -330,6 +330,7 @@ fn start(
         out: BytesMut::new(),
         direct: socket.map(|socket| Direct::new(socket, wire, limits.maximum_packet_size)),
         reading,
+        packets_in: 0,
     };
     if let Some(direct) = &conn.direct {
         conn.room.plug(direct.clone());

@@ -74,6 +74,8 @@ pub struct Shared {
     pub max_clients: usize,
     /// How long a new connection has to send its CONNECT (and finish its TLS handshake).
     pub connect_within: Duration,
+    /// How long one packet may take from its first byte to its last (`packet_timeout_ms`).
+    pub packet_within: Duration,
     /// The most levels and bytes of a client's topic or filter.
     pub topics: TopicBounds,
     /// What the connections' read buffers hold together past [`KEEP_BUFFER`] each at most.
@@ -98,6 +100,7 @@ impl Shared {
             max_packet,
             max_clients: usize::MAX,
             connect_within: Duration::from_secs(10),
+            packet_within: Duration::from_secs(60),
             topics: TopicBounds::PROTOCOL,
             reading: ReadBudget::new(usize::MAX),
             admitted: AtomicUsize::new(0),
@@ -208,6 +211,8 @@ struct Conn {
     direct: Option<Arc<Direct>>,
     /// The read buffer's share of `broker.read_buffers_bytes`.
     reading: Reading,
+    /// Whole packets read so far: a read that completed one began the part after it.
+    packets_in: u64,
 }
 
 /// Serves one client until it leaves, breaks the protocol, or `cancel` fires. Futures it awaits

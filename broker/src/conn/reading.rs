@@ -28,6 +28,9 @@ pub struct ReadBudget {
     /// Connections closed for want of it, logged at most every [`LOG_EVERY`].
     closed: AtomicU64,
     log: LogEvery,
+    /// Connections closed over a packet that took longer than `packet_timeout_ms`.
+    slow: AtomicU64,
+    slow_log: LogEvery,
     bytes: usize,
 }
 
@@ -38,6 +41,8 @@ impl ReadBudget {
             free: Semaphore::new(units),
             closed: AtomicU64::new(0),
             log: LogEvery::new(LOG_EVERY),
+            slow: AtomicU64::new(0),
+            slow_log: LogEvery::new(LOG_EVERY),
             bytes,
         })
     }
@@ -45,6 +50,28 @@ impl ReadBudget {
     /// Connections closed so far because their packet found no room.
     pub fn closed(&self) -> u64 {
         self.closed.load(Ordering::Relaxed)
+    }
+
+    /// Connections closed so far because a packet took longer than `packet_timeout_ms`.
+    pub fn slow(&self) -> u64 {
+        self.slow.load(Ordering::Relaxed)
+    }
+
+    /// Counts a connection closed over a packet that did not all arrive in time, `held` bytes
+    /// of it read; logged as [`ReadBudget::refused`] is.
+    pub(crate) fn too_slow(&self, client_id: &str, held: usize, within: Duration) {
+        let slow = self.slow.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.slow_log.due() {
+            warn!(
+                error_code = "EM-BROKER-SLOW-PACKET",
+                client_id,
+                held,
+                packet_timeout_ms = u64::try_from(within.as_millis()).unwrap_or(u64::MAX),
+                slow,
+                "closed a connection whose packet did not all arrive within \
+                 broker.packet_timeout_ms"
+            );
+        }
     }
 
     /// Counts a connection closed for want of room; logs at most once per [`LOG_EVERY`],

@@ -9,6 +9,7 @@ fn reason_for(error: &WireError) -> DisconnectReasonCode {
         WireError::TooLarge(_) => DisconnectReasonCode::PacketTooLarge,
         WireError::Duplicate(_) => DisconnectReasonCode::ProtocolError,
         WireError::OverBudget => DisconnectReasonCode::QuotaExceeded,
+        WireError::Slow => DisconnectReasonCode::KeepAliveTimeout,
         _ => DisconnectReasonCode::MalformedPacket,
     }
 }
@@ -44,6 +45,10 @@ impl Conn {
         // §3.1.2.10: one and a half keep-alives without a packet ends the connection.
         let grace = keep_alive + keep_alive / 2;
         let mut last_heard = Instant::now();
+        // When the first byte of a packet not yet whole arrived: it must all be in within
+        // `packet_within`, whatever the keep-alive (0 waits forever), so a client that stops or
+        // trickles part-way through cannot hold its read buffer longer.
+        let mut partial_since: Option<Instant> = None;
         // §3.1.4: a client may send packets right behind its CONNECT, without waiting for the
         // CONNACK; they may have come in the read that brought the CONNECT, and no read wakes
         // the loop for them.
@@ -54,6 +59,7 @@ impl Conn {
             {
                 return end;
             }
+            partial_since = (!buf.is_empty()).then(Instant::now);
         }
         loop {
             if self.fill() {
@@ -80,10 +86,15 @@ impl Conn {
                     direct.done();
                 }
             }
-            let silent = tokio::time::sleep(if keep_alive.is_zero() {
+            let quiet = if keep_alive.is_zero() {
                 Duration::from_secs(u64::from(u32::MAX))
             } else {
                 grace.saturating_sub(last_heard.elapsed())
+            };
+            // One timer for both: the packet's deadline when it comes first.
+            let silent = tokio::time::sleep(match partial_since {
+                Some(since) => quiet.min(shared.packet_within.saturating_sub(since.elapsed())),
+                None => quiet,
             });
             if buf.capacity() - buf.len() < 64 {
                 // A packet that does not fit must grow the buffer: past the budget, the
@@ -115,14 +126,28 @@ impl Conn {
             match woke {
                 Woke::Cut => return Box::pin(self.cut(stream, node)).await,
                 Woke::Mail | Woke::Acked => {}
-                Woke::Silent | Woke::Read(None) => return End::Lost,
+                Woke::Silent => {
+                    if partial_since.is_some_and(|since| since.elapsed() >= shared.packet_within) {
+                        let budget = self.reading.budget();
+                        budget.too_slow(&self.client_id, buf.len(), shared.packet_within);
+                        return self.refuse_packet(stream, &WireError::Slow).await;
+                    }
+                    return End::Lost;
+                }
+                Woke::Read(None) => return End::Lost,
                 Woke::Read(Some(read)) => {
                     last_heard = Instant::now();
                     let filled = read == spare;
+                    let whole = self.packets_in;
                     let taken = self.take_packets(stream, buf, shared, filled, token, node);
                     if let Some(end) = taken.await {
                         return end;
                     }
+                    partial_since = match partial_since {
+                        _ if buf.is_empty() => None,
+                        Some(since) if self.packets_in == whole => Some(since),
+                        _ => Some(last_heard),
+                    };
                     if buf.is_empty() && buf.capacity() > KEEP_BUFFER {
                         *buf = BytesMut::new();
                         let _ = self.reading.cover(0);
@@ -167,6 +192,7 @@ impl Conn {
             };
             match packet {
                 Ok(Some(packet)) => {
+                    self.packets_in += 1;
                     let step = self.handle(packet, shared);
                     match self.step(step, shared, token).await {
                         Next::On => {}
