@@ -469,7 +469,9 @@ mod tests {
     #[test]
     fn a_commit_its_client_waits_for_is_synced_without_waiting_for_others() {
         let seen = Arc::new(Mutex::new(Vec::new()));
-        let delay = Duration::from_millis(50);
+        // Long enough that a loaded machine cannot let it pass between two steps below: no
+        // step waits it out.
+        let delay = Duration::from_secs(2);
         let (_dir, mut syncer) = over_a_wal(delay);
         syncer.after(true, &[7], None, numbered(&seen, 1), false, None);
         syncer.handed_over();
