@@ -143,10 +143,16 @@ impl Conn {
                     if let Some(end) = taken.await {
                         return end;
                     }
+                    // Time spent handling counts against neither clock: handling may have
+                    // waited for room, and the client's next bytes stayed in the socket. A
+                    // packet begun after a whole one is timed from now.
+                    if self.packets_in != whole {
+                        last_heard = Instant::now();
+                    }
                     partial_since = match partial_since {
                         _ if buf.is_empty() => None,
                         Some(since) if self.packets_in == whole => Some(since),
-                        _ => Some(last_heard),
+                        _ => Some(Instant::now()),
                     };
                     if buf.is_empty() && buf.capacity() > KEEP_BUFFER {
                         *buf = BytesMut::new();
