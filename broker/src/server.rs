@@ -111,7 +111,8 @@ impl Broker {
         );
         shared.events = Some(events.clone());
         shared.max_clients = config.max_connections;
-        shared.reading = crate::conn::ReadBudget::new(config.read_buffers_bytes);
+        shared.reading =
+            crate::conn::ReadBudget::new(config.read_buffers_bytes, config.max_packet_bytes);
         shared.connect_within = Duration::from_millis(u64::from(config.connect_timeout_ms));
         shared.packet_within = Duration::from_millis(u64::from(config.packet_timeout_ms));
         shared.topics = TopicBounds {

@@ -102,7 +102,7 @@ impl Shared {
             connect_within: Duration::from_secs(10),
             packet_within: Duration::from_secs(60),
             topics: TopicBounds::PROTOCOL,
-            reading: ReadBudget::new(usize::MAX),
+            reading: ReadBudget::new(usize::MAX, usize::MAX),
             admitted: AtomicUsize::new(0),
             refusing: AtomicUsize::new(0),
             open: AtomicU64::new(0),

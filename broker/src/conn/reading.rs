@@ -18,6 +18,9 @@ use crate::wire::WireError;
 /// The budget is counted in KiB: a permit per KiB keeps the counts small.
 const UNIT: usize = 1024;
 
+/// The most bytes an MQTT fixed header takes: the type byte and four of remaining length.
+const FIXED_HEADER: usize = 5;
+
 /// How often at most a connection closed over the budget is logged.
 const LOG_EVERY: Duration = Duration::from_secs(10);
 
@@ -32,10 +35,12 @@ pub struct ReadBudget {
     slow: AtomicU64,
     slow_log: LogEvery,
     bytes: usize,
+    /// The most one buffer ever needs: the largest packet with its fixed header.
+    largest: usize,
 }
 
 impl ReadBudget {
-    pub fn new(bytes: usize) -> Arc<ReadBudget> {
+    pub fn new(bytes: usize, max_packet: usize) -> Arc<ReadBudget> {
         let units = bytes.div_ceil(UNIT).min(Semaphore::MAX_PERMITS);
         Arc::new(ReadBudget {
             free: Semaphore::new(units),
@@ -44,6 +49,7 @@ impl ReadBudget {
             slow: AtomicU64::new(0),
             slow_log: LogEvery::new(LOG_EVERY),
             bytes,
+            largest: max_packet.saturating_add(FIXED_HEADER),
         })
     }
 
@@ -106,8 +112,8 @@ impl Reading {
     }
 
     /// Makes room in `buf` for `additional` more bytes, as `BytesMut::reserve` does, once the
-    /// budget covers the capacity that may take (twice the present one, or what is asked);
-    /// `OverBudget`, with `buf` untouched, when it cannot.
+    /// budget covers the capacity that may take (twice the present one, or what is asked, but
+    /// never past the largest packet's need); `OverBudget`, with `buf` untouched, when it cannot.
     pub(crate) fn reserve(
         &mut self,
         buf: &mut BytesMut,
@@ -117,9 +123,20 @@ impl Reading {
         if buf.capacity() - buf.len() >= additional || buf.try_reclaim(additional) {
             return Ok(());
         }
-        let at_most = (2 * buf.capacity()).max(buf.len() + additional);
+        let want = buf.len() + additional;
+        let doubled = (2 * buf.capacity()).max(want);
+        // Doubling past the largest packet would ask the budget for room no packet needs: a
+        // budget of `max_packet_bytes` could then not read the largest packet. The buffer
+        // grows to exactly that size instead.
+        let at_most = doubled.min(self.budget.largest.max(want));
         self.cover(at_most)?;
-        buf.reserve(additional);
+        if at_most < doubled {
+            let mut grown = BytesMut::with_capacity(at_most);
+            grown.extend_from_slice(buf);
+            *buf = grown;
+        } else {
+            buf.reserve(additional);
+        }
         // What the buffer took is at most what was covered: this only gives back.
         self.cover(buf.capacity())
     }
@@ -161,7 +178,7 @@ mod tests {
 
     #[test]
     fn buffers_share_the_budget_and_give_it_back_as_they_shrink_and_end() {
-        let budget = ReadBudget::new(64 * UNIT);
+        let budget = ReadBudget::new(64 * UNIT, usize::MAX);
         let mut a = Reading::new(budget.clone());
         let mut b = Reading::new(budget.clone());
         // The first KEEP_BUFFER bytes of each are free.
@@ -184,7 +201,7 @@ mod tests {
 
     #[test]
     fn a_buffer_grows_only_within_the_budget_and_is_left_alone_past_it() {
-        let budget = ReadBudget::new(64 * UNIT);
+        let budget = ReadBudget::new(64 * UNIT, usize::MAX);
         let mut reading = Reading::new(budget.clone());
         let mut buf = BytesMut::with_capacity(KEEP_BUFFER);
         buf.extend_from_slice(&[0; KEEP_BUFFER]);
@@ -201,5 +218,29 @@ mod tests {
             Err(WireError::OverBudget)
         ));
         assert_eq!(buf.capacity(), before, "nothing allocated past the budget");
+    }
+
+    #[test]
+    fn a_budget_of_the_largest_packet_reads_the_largest_packet() {
+        let largest = 64 * UNIT;
+        let budget = ReadBudget::new(largest, largest);
+        let mut reading = Reading::new(budget.clone());
+        let mut buf = BytesMut::with_capacity(KEEP_BUFFER);
+        // As the connection's loop reads: 256 bytes more whenever under 64 are free.
+        while buf.len() < largest + FIXED_HEADER {
+            if buf.capacity() - buf.len() < 64 {
+                reading
+                    .reserve(&mut buf, 256)
+                    .expect("the largest packet fits");
+            }
+            let room = (buf.capacity() - buf.len()).min(largest + FIXED_HEADER - buf.len());
+            buf.extend_from_slice(&vec![0; room]);
+        }
+        // Not doubled to 128 KiB: at most one step of 256 past the packet.
+        assert!(
+            buf.capacity() <= largest + FIXED_HEADER + 256,
+            "{}",
+            buf.capacity()
+        );
     }
 }
