@@ -274,31 +274,28 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_packet_timeout_of_zero_is_refused_by_name() {
+    /// The error `broker_yaml` (the `broker:` section's lines) gets from validation.
+    fn broker_refusal(broker_yaml: &str) -> String {
         let settings: Settings = Config::builder()
             .add_source(File::from_str(
-                "broker:\n  packet_timeout_ms: 0\n",
+                &format!("broker:\n{broker_yaml}"),
                 FileFormat::Yaml,
             ))
             .build()
             .and_then(Config::try_deserialize)
             .expect("parses");
-        let err = settings.broker.validate().unwrap_err().to_string();
+        settings.broker.validate().unwrap_err().to_string()
+    }
+
+    #[test]
+    fn a_packet_timeout_of_zero_is_refused_by_name() {
+        let err = broker_refusal("  packet_timeout_ms: 0\n");
         assert!(err.contains("broker.packet_timeout_ms"), "{err}");
     }
 
     #[test]
     fn read_buffers_too_small_for_the_largest_packet_are_refused_by_name() {
-        let settings: Settings = Config::builder()
-            .add_source(File::from_str(
-                "broker:\n  max_packet_bytes: 2097152\n  read_buffers_bytes: 1048576\n",
-                FileFormat::Yaml,
-            ))
-            .build()
-            .and_then(Config::try_deserialize)
-            .expect("parses");
-        let err = settings.broker.validate().unwrap_err().to_string();
+        let err = broker_refusal("  max_packet_bytes: 2097152\n  read_buffers_bytes: 1048576\n");
         assert!(err.contains("broker.read_buffers_bytes"), "{err}");
         let defaults: Settings = Config::builder()
             .add_source(File::from_str(DEFAULT_YAML, FileFormat::Yaml))

@@ -226,6 +226,16 @@ fn login(id: &str, user: &str, password: &str) -> Vec<u8> {
     packet(0x10, &body)
 }
 
+/// A counter or gauge of the node's `/metrics` without labels (0 while it is absent).
+async fn metric(node: &Node, name: &str) -> f64 {
+    let (_, metrics) = common::http_get(node.observe_port, "/metrics").await;
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
 /// The node's resident memory, in bytes.
 fn rss(node: &Node) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{}/status", node.pid())).expect("status");
@@ -292,12 +302,7 @@ async fn clients_stopping_part_way_through_large_packets_hold_no_more_than_the_r
     );
     assert!(node.log().contains("EM-BROKER-READ-BUFFERS"));
     // Every close is counted for the operator, whatever the log's rate limit wrote.
-    let (_, metrics) = common::http_get(node.observe_port, "/metrics").await;
-    let counted: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("edgemeta_broker_read_buffers_refused_total "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0);
+    let counted = metric(&node, "edgemeta_broker_read_buffers_refused_total").await;
     assert!(
         counted >= closed as f64,
         "{counted} counted, {closed} closed"
@@ -428,13 +433,69 @@ async fn a_packet_that_does_not_all_arrive_within_packet_timeout_frees_its_read_
     assert_eq!(reader.expect("t/big").await.payload.len(), PACKET - 64);
 
     assert!(node.log().contains("EM-BROKER-SLOW-PACKET"));
-    let (_, metrics) = common::http_get(node.observe_port, "/metrics").await;
-    let counted: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("edgemeta_broker_slow_packets_total "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0);
+    let counted = metric(&node, "edgemeta_broker_slow_packets_total").await;
     let slow = reasons.iter().filter(|r| **r == Some(0x8D)).count() + 2;
     assert!(counted >= slow as f64, "{counted} counted, {slow} seen");
     assert_answers_a_query(&node, "slow-packet").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_connect_that_finds_no_room_in_the_read_budget_is_refused_and_may_retry() {
+    const PACKET: usize = 1024 * 1024;
+    let node = Node::start_with(Options {
+        max_packet_bytes: PACKET,
+        broker_yaml: format!("  read_buffers_bytes: {PACKET}\n"),
+        ..Options::default()
+    })
+    .await;
+    // A holder stopping short of the largest packet takes all but a few KiB of the budget.
+    let whole = publish(true, b"t/big", 0, &vec![b'x'; PACKET - 64]);
+    let (mut holder, code) = Raw::connected(node.port, &connect(true, "hold", &props(&[]))).await;
+    assert_eq!(code, 0);
+    holder.send(&whole[..whole.len() - 1_000]).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // An MQTT 5 CONNECT of ~900 KB (user properties) and a 3.1.1 one of ~184 KB (will,
+    // username, password): both larger than what is left.
+    let pair = |k: u8| {
+        let mut p = vec![0x26];
+        p.extend_from_slice(&string(&[k]));
+        p.extend_from_slice(&string(&vec![b'u'; 60_000]));
+        p
+    };
+    let user: Vec<u8> = (0..15).flat_map(pair).collect();
+    let big_v5 = connect(true, "big-connect-5", &props(&user));
+    let mut body = string(b"MQTT");
+    body.extend_from_slice(&[4, 0xC6]);
+    body.extend_from_slice(&30u16.to_be_bytes());
+    body.extend_from_slice(&string(b"big-connect-4"));
+    body.extend_from_slice(&string(&[b'w'; 4_000]));
+    for field in [b'p', b'n', b's'] {
+        body.extend_from_slice(&string(&vec![field; 60_000]));
+    }
+    let big_v4 = packet(0x10, &body);
+    for (bytes, refused) in [(&big_v5, 0x97), (&big_v4, 3)] {
+        let mut raw = Raw::open(node.port).await;
+        raw.send(bytes).await;
+        let connack = raw.next().await.expect("a CONNACK");
+        assert_eq!(connack.kind(), 2, "{connack:?}");
+        assert_eq!(connack.body.get(1), Some(&refused), "{connack:?}");
+    }
+    assert!(metric(&node, "edgemeta_broker_read_buffers_refused_total").await >= 2.0);
+
+    // Once the holder leaves, the same CONNECTs are read and accepted.
+    drop(holder);
+    for bytes in [&big_v5, &big_v4] {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let mut raw = Raw::open(node.port).await;
+            raw.send(bytes).await;
+            let connack = raw.next().await.expect("a CONNACK");
+            if connack.body.get(1) == Some(&0) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "still refused: {connack:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    assert_answers_a_query(&node, "big-connect").await;
 }
