@@ -226,6 +226,17 @@ fn login(id: &str, user: &str, password: &str) -> Vec<u8> {
     packet(0x10, &body)
 }
 
+/// `publish`, a raw PUBLISH to `t/big` sent by a new client `id`, reaches a subscriber with
+/// its `payload_len` bytes.
+async fn assert_delivered(node: &Node, publish: &[u8], payload_len: usize, id: &str) {
+    let mut reader = node.client().await;
+    reader.subscribe("t/big").await;
+    let (mut writer, code) = Raw::connected(node.port, &connect(true, id, &props(&[]))).await;
+    assert_eq!(code, 0);
+    writer.send(publish).await;
+    assert_eq!(reader.expect("t/big").await.payload.len(), payload_len);
+}
+
 /// A counter or gauge of the node's `/metrics` without labels (0 while it is absent).
 async fn metric(node: &Node, name: &str) -> f64 {
     let (_, metrics) = common::http_get(node.observe_port, "/metrics").await;
@@ -311,14 +322,7 @@ async fn clients_stopping_part_way_through_large_packets_hold_no_more_than_the_r
 
     // Once the holders leave, the largest packet is read and delivered again.
     drop(clients);
-    let mut reader = node.client().await;
-    reader.subscribe("t/big").await;
-    let (mut writer, code) =
-        Raw::connected(node.port, &connect(true, "big-again", &props(&[]))).await;
-    assert_eq!(code, 0);
-    writer.send(&whole).await;
-    let delivered = reader.expect("t/big").await;
-    assert_eq!(delivered.payload.len(), PACKET - 64);
+    assert_delivered(&node, &whole, PACKET - 64, "big-again").await;
 }
 
 /// A CONNECT as [`connect`] makes, with keep-alive 0: the client may stay silent for ever.
@@ -424,13 +428,7 @@ async fn a_packet_that_does_not_all_arrive_within_packet_timeout_frees_its_read_
     assert!(matches!(&pong, Some(Some(f)) if f.kind() == 13), "{pong:?}");
 
     // The budget is whole again: the largest packet is read and delivered.
-    let mut reader = node.client().await;
-    reader.subscribe("t/big").await;
-    let (mut writer, code) =
-        Raw::connected(node.port, &connect(true, "big-after", &props(&[]))).await;
-    assert_eq!(code, 0);
-    writer.send(&whole).await;
-    assert_eq!(reader.expect("t/big").await.payload.len(), PACKET - 64);
+    assert_delivered(&node, &whole, PACKET - 64, "big-after").await;
 
     assert!(node.log().contains("EM-BROKER-SLOW-PACKET"));
     let counted = metric(&node, "edgemeta_broker_slow_packets_total").await;
