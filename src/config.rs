@@ -261,29 +261,24 @@ mod tests {
             "max_streams_per_connection",
             "max_served_per_connection",
         ] {
-            let settings: Settings = Config::builder()
-                .add_source(File::from_str(
-                    &format!("devices:\n  dmi:\n    {key}: 0\n"),
-                    FileFormat::Yaml,
-                ))
-                .build()
-                .and_then(Config::try_deserialize)
-                .expect("parses");
+            let settings = parsed(&format!("devices:\n  dmi:\n    {key}: 0\n"));
             let err = settings.devices.dmi.validate().unwrap_err();
             assert!(err.to_string().contains(key), "{key}: {err}");
         }
     }
 
-    /// The error `broker_yaml` (the `broker:` section's lines) gets from validation.
-    fn broker_refusal(broker_yaml: &str) -> String {
-        let settings: Settings = Config::builder()
-            .add_source(File::from_str(
-                &format!("broker:\n{broker_yaml}"),
-                FileFormat::Yaml,
-            ))
+    /// Settings from `yaml` alone, before validation.
+    fn parsed(yaml: &str) -> Settings {
+        Config::builder()
+            .add_source(File::from_str(yaml, FileFormat::Yaml))
             .build()
             .and_then(Config::try_deserialize)
-            .expect("parses");
+            .expect("parses")
+    }
+
+    /// The error `broker_yaml` (the `broker:` section's lines) gets from validation.
+    fn broker_refusal(broker_yaml: &str) -> String {
+        let settings = parsed(&format!("broker:\n{broker_yaml}"));
         settings.broker.validate().unwrap_err().to_string()
     }
 
@@ -297,11 +292,9 @@ mod tests {
     fn read_buffers_too_small_for_the_largest_packet_are_refused_by_name() {
         let err = broker_refusal("  max_packet_bytes: 2097152\n  read_buffers_bytes: 1048576\n");
         assert!(err.contains("broker.read_buffers_bytes"), "{err}");
-        let defaults: Settings = Config::builder()
-            .add_source(File::from_str(DEFAULT_YAML, FileFormat::Yaml))
-            .build()
-            .and_then(Config::try_deserialize)
-            .expect("the embedded default parses");
-        defaults.broker.validate().expect("the defaults hold");
+        parsed(DEFAULT_YAML)
+            .broker
+            .validate()
+            .expect("the defaults hold");
     }
 }
