@@ -8,6 +8,8 @@
 //! (1,000 devices reporting once a second) one fsync per commit was a fifth of the node's CPU.
 //! Nobody waits for others who cannot come: see [`Syncer::after`].
 
+use std::collections::hash_map::Entry;
+use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -41,10 +43,10 @@ pub(crate) struct Syncer {
     pending: Vec<Release>,
     /// When the oldest pending commit that wrote something committed; `None`: nothing to sync.
     since: Option<Instant>,
-    /// Every sender heard within [`RECENT_DELAYS`] delays, when, and whether a commit of its
-    /// waits here for a sync. When all of them wait, nobody is left to share the sync (several
+    /// Every sender heard within [`RECENT_DELAYS`] delays, and whether a commit of its waits
+    /// here for a sync. When all of them wait, nobody is left to share the sync (several
     /// clients that each wait for their PUBACK before the next publish): it starts at once.
-    senders: Vec<(usize, Instant, bool)>,
+    senders: Senders,
     /// How many messages the pending commits hold ([`SHARED_ENOUGH`]).
     pending_messages: usize,
     /// A pending commit holds a message its client sent within a delay of its previous
@@ -55,6 +57,76 @@ pub(crate) struct Syncer {
     /// The newest outbox row the sync thread has synced.
     outbox_synced: Arc<AtomicI64>,
     thread: Option<(mpsc::SyncSender<Flush>, std::thread::JoinHandle<()>)>,
+}
+
+/// The senders heard lately, each step O(1) amortised: with 10,000 devices each on its own
+/// connection, scanning them all at every commit took 3–4 % of the node's CPU samples.
+#[derive(Default)]
+struct Senders {
+    /// Each sender remembered: when it was last heard, and `flushes` then (it has a commit
+    /// waiting while that is still the count).
+    heard: HashMap<usize, (Instant, u64)>,
+    /// Every hearing in time order, to forget the quiet senders (a hearing that is not its
+    /// sender's last is passed over).
+    order: VecDeque<(Instant, usize)>,
+    /// Hand-overs to the sync thread so far.
+    flushes: u64,
+    /// How many remembered senders have a commit waiting.
+    waiting: usize,
+    /// The last two distinct senders heard and when, the latest first.
+    last: [Option<(usize, Instant)>; 2],
+}
+
+impl Senders {
+    /// `sender` committed at `now` (never earlier than a hearing before it).
+    fn heard(&mut self, sender: usize, now: Instant) {
+        let waits = |heard: &HashMap<usize, (Instant, u64)>| {
+            heard
+                .get(&sender)
+                .is_some_and(|&(_, flushes)| flushes == self.flushes)
+        };
+        if self.last[0] == Some((sender, now)) && waits(&self.heard) {
+            return; // another of its messages in the same commit
+        }
+        match self.heard.insert(sender, (now, self.flushes)) {
+            Some((_, flushes)) if flushes == self.flushes => {}
+            _ => self.waiting += 1,
+        }
+        self.order.push_back((now, sender));
+        match self.last[0] {
+            Some((latest, _)) if latest == sender => self.last[0] = Some((sender, now)),
+            _ => self.last = [Some((sender, now)), self.last[0]],
+        }
+    }
+
+    /// Forgets the senders not heard within `recent` of `now`.
+    fn forget_quiet(&mut self, now: Instant, recent: Duration) {
+        while let Some(&(at, sender)) = self.order.front() {
+            if now.duration_since(at) <= recent {
+                break;
+            }
+            self.order.pop_front();
+            if let Entry::Occupied(entry) = self.heard.entry(sender) {
+                if entry.get().0 == at {
+                    let (_, flushes) = entry.remove();
+                    if flushes == self.flushes {
+                        self.waiting -= 1;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Everything pending was handed to the sync thread: nobody has a commit waiting.
+    fn flushed(&mut self) {
+        self.flushes += 1;
+        self.waiting = 0;
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.heard.len()
+    }
 }
 
 /// One hand-over to the sync thread.
@@ -93,7 +165,7 @@ impl Syncer {
             delay: if sync { delay } else { Duration::ZERO },
             pending: Vec::new(),
             since: None,
-            senders: Vec::new(),
+            senders: Senders::default(),
             pending_messages: 0,
             awaited: false,
             pending_outbox: None,
@@ -153,27 +225,15 @@ impl Syncer {
     }
 
     fn heard(&mut self, sender: usize, now: Instant) {
-        match self.senders.iter_mut().find(|(s, _, _)| *s == sender) {
-            Some(entry) => *entry = (sender, now, true),
-            None => {
-                // Only senders heard lately are kept, however many connect over time.
-                self.forget_quiet(now);
-                self.senders.push((sender, now, true));
-            }
-        }
+        // Only senders heard lately are kept, however many connect over time.
+        self.senders.forget_quiet(now, self.delay * RECENT_DELAYS);
+        self.senders.heard(sender, now);
     }
 
     /// Whether every sender heard recently has a commit waiting here (forgetting the others).
     fn all_waiting(&mut self, now: Instant) -> bool {
-        self.forget_quiet(now);
-        self.senders.iter().all(|(_, _, waiting)| *waiting)
-    }
-
-    /// Forgets the senders not heard within [`RECENT_DELAYS`] delays.
-    fn forget_quiet(&mut self, now: Instant) {
-        let recent = self.delay * RECENT_DELAYS;
-        self.senders
-            .retain(|(_, at, _)| now.duration_since(*at) <= recent);
+        self.senders.forget_quiet(now, self.delay * RECENT_DELAYS);
+        self.senders.waiting == self.senders.heard.len()
     }
 
     /// Whether enough messages wait for the sync to share it without waiting for more.
@@ -187,11 +247,8 @@ impl Syncer {
     /// later messages are queued already: then they share it (a burst from one client hands on
     /// without waiting for an fsync between its batches).
     fn shared(&self, now: Instant) -> bool {
-        self.senders
-            .iter()
-            .filter(|(_, at, _)| now.duration_since(*at) <= self.delay)
-            .nth(1)
-            .is_some()
+        // The second-to-last sender heard is the latest of all but the last one.
+        self.senders.last[1].is_some_and(|(_, at)| now.duration_since(at) <= self.delay)
     }
 
     /// When the oldest commit waiting for a sync has waited `delay`.
@@ -216,9 +273,7 @@ impl Syncer {
         if self.pending.is_empty() {
             return;
         }
-        for (_, _, waiting) in &mut self.senders {
-            *waiting = false;
-        }
+        self.senders.flushed();
         self.pending_messages = 0;
         self.awaited = false;
         let flush = Flush {
@@ -544,12 +599,40 @@ mod tests {
             }
         }
         assert!(
-            syncer.senders.len() <= 500,
-            "{} senders remembered",
-            syncer.senders.len()
+            syncer.senders.len() <= 500 && syncer.senders.order.len() <= 500,
+            "{} senders remembered, {} hearings",
+            syncer.senders.len(),
+            syncer.senders.order.len()
         );
         drop(syncer);
         assert_eq!(seen.lock().expect("lock").len(), 5_000);
+    }
+
+    #[test]
+    fn a_sender_heard_again_is_remembered_from_its_last_hearing() {
+        let recent = Duration::from_millis(40);
+        let t0 = Instant::now();
+        let mut senders = Senders::default();
+        senders.heard(1, t0);
+        senders.heard(2, t0 + Duration::from_millis(10));
+        senders.heard(1, t0 + Duration::from_millis(30));
+        assert_eq!((senders.len(), senders.waiting), (2, 2));
+        assert_eq!(senders.last.map(|l| l.map(|(s, _)| s)), [Some(1), Some(2)]);
+        senders.flushed();
+        assert_eq!(senders.waiting, 0, "handed over: nobody waits");
+        senders.heard(2, t0 + Duration::from_millis(35));
+        assert_eq!(senders.waiting, 1);
+        // 1's first hearing and 2's first are quiet by now; their later ones are not.
+        senders.forget_quiet(t0 + Duration::from_millis(60), recent);
+        assert_eq!((senders.len(), senders.waiting), (2, 1));
+        // 1 was last heard at 30 ms and waits for nothing: it goes; 2 still waits.
+        senders.forget_quiet(t0 + Duration::from_millis(71), recent);
+        assert_eq!((senders.len(), senders.waiting), (1, 1));
+        senders.forget_quiet(t0 + Duration::from_millis(76), recent);
+        assert_eq!(
+            (senders.len(), senders.waiting, senders.order.len()),
+            (0, 0, 0)
+        );
     }
 
     #[test]
