@@ -500,11 +500,16 @@ pub async fn many(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         String::new()
     };
     let (_, p99, _) = em.percentiles();
-    let met = em.cpu() <= 100.0
-        && p99 <= 5_000
-        && em.lost == 0
-        && em.errors == 0
-        && mb(em_rss.1) <= 150.0;
+    // Each target the node missed, named in the verdict.
+    let missed: Vec<&str> = [
+        (em.cpu() > 100.0, "CPU per report"),
+        (p99 > 5_000, "p99"),
+        (em.lost > 0 || em.errors > 0, "lost"),
+        (mb(em_rss.1) > 150.0, "RSS"),
+    ]
+    .into_iter()
+    .filter_map(|(missed, what)| missed.then_some(what))
+    .collect();
     rows.push(Row {
         name: format!(
             "devices, one connection each: {} devices × 1 twin report/s for {} s ({} connections, QoS 1): report → result p50 / p99 / max (µs); results/s; lost; CPU µs per report over the load; RSS before the devices connect → after their load",
@@ -517,7 +522,7 @@ pub async fn many(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             mq_rss,
         ),
         target: "≤ 100 µs per report (≤ 1 core at 10,000), p99 ≤ 5 ms, RSS ≤ 150 MB, 0 lost".into(),
-        verdict: verdict_many(met, &em, &mq),
+        verdict: verdict_many(&missed, &em, &mq),
     });
     if em.errors > 0 {
         bail!(
@@ -528,16 +533,18 @@ pub async fn many(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The one-connection-each row's verdict: met or not, and the two sides' p99.
-fn verdict_many(met: bool, em: &Outcome, mq: &Outcome) -> String {
-    super::verdict(
-        met,
-        &format!(
-            "p99 {:.1} vs {:.1} ms",
-            em.percentiles().1 as f64 / 1e3,
-            mq.percentiles().1 as f64 / 1e3
-        ),
-    )
+/// The one-connection-each row's verdict: met, or the targets missed; and the two sides' p99.
+fn verdict_many(missed: &[&str], em: &Outcome, mq: &Outcome) -> String {
+    let p99s = format!(
+        "p99 {:.1} vs {:.1} ms",
+        em.percentiles().1 as f64 / 1e3,
+        mq.percentiles().1 as f64 / 1e3
+    );
+    if missed.is_empty() {
+        super::verdict(true, &p99s)
+    } else {
+        super::verdict(false, &format!("{}; {p99s}", missed.join(", ")))
+    }
 }
 
 /// `--devices --devices-baseline OLD`: the same device load against two edgemeta builds,
@@ -963,8 +970,20 @@ async fn mappers(
         .map(|mapper| tokio::spawn(mapper.run(start, load.seconds, ids.len(), GRACE)))
         .collect();
     let mut outcomes = Vec::with_capacity(tasks.len());
+    let mut done = Vec::with_capacity(tasks.len());
     for task in tasks {
-        outcomes.push(task.await.map_err(anyhow::Error::from).and_then(|r| r));
+        match task.await.map_err(anyhow::Error::from).and_then(|r| r) {
+            Ok((outcome, mapper)) => {
+                outcomes.push(Ok(outcome));
+                done.push(mapper);
+            }
+            Err(e) => outcomes.push(Err(e)),
+        }
+    }
+    // Only now do the devices leave: the last second's reports are not answered while
+    // thousands of connections close around them (a load of its own, not this row's).
+    for mapper in done {
+        mapper.leave().await;
     }
     Ok(outcomes)
 }

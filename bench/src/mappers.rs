@@ -163,14 +163,16 @@ impl Mapper {
 
     /// Reports every second from `start` for `seconds`, device `j` (of `n`) at `j/n` s into
     /// each second, and matches each result to its report by `event_id`, until all are
-    /// answered or `grace` after the last publish.
+    /// answered or `grace` after the last publish. The connection stays open: the caller
+    /// [`Mapper::leave`]s once every mapper is done, so no report is answered while others
+    /// disconnect.
     pub async fn run(
         mut self,
         start: tokio::time::Instant,
         seconds: u64,
         n: usize,
         grace: Duration,
-    ) -> anyhow::Result<MapperOutcome> {
+    ) -> anyhow::Result<(MapperOutcome, Mapper)> {
         if self.sent.elapsed() > Duration::from_secs(u64::from(KEEP_ALIVE_S / 2)) {
             let mut ping = BytesMut::new();
             PingReq.write(&mut ping)?;
@@ -273,9 +275,12 @@ impl Mapper {
             }
         }
         out.lost = waiting;
-        // DISCONNECT, then the socket closes.
+        Ok((out, self))
+    }
+
+    /// DISCONNECT, then the socket closes.
+    pub async fn leave(mut self) {
         let _ = self.stream.write_all(&[0xE0, 0]).await;
-        Ok(out)
     }
 
     /// The schedule index of the report a result answers: its `event_id` is `<id>-<k>`.
