@@ -839,6 +839,7 @@ async fn run_load(
     // The mappers run on a single-threaded runtime of their own, on a thread of its own: no
     // wake-ups handed between worker threads, and at most one core of the two.
     let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+    let (answered_tx, answered_rx) = tokio::sync::oneshot::channel();
     let generator = {
         let (ids, side) = (ids.to_vec(), side.to_owned());
         std::thread::Builder::new().name("mappers".into()).spawn(
@@ -846,7 +847,7 @@ async fn run_load(
                 tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .build()?
-                    .block_on(mappers(port, ids, load, side, started_tx))
+                    .block_on(mappers(port, ids, load, side, started_tx, answered_tx))
             },
         )?
     };
@@ -862,6 +863,13 @@ async fn run_load(
     let sampler = tokio::spawn(Course::sample(start, load.seconds, watched));
     let helper_cpu = |w: Watched| w.helper.map_or(Ok(Duration::ZERO), cpu_of);
     let cpu_before = (
+        cpu_of(std::process::id())?,
+        cpu_of(watched.broker)?,
+        helper_cpu(watched)?,
+    );
+    // The CPU of the load ends with its last result, before the devices leave.
+    let _ = answered_rx.await;
+    let cpu_after = (
         cpu_of(std::process::id())?,
         cpu_of(watched.broker)?,
         helper_cpu(watched)?,
@@ -912,9 +920,9 @@ async fn run_load(
         }
         last = last.max(c.last_result);
     }
-    outcome.generator_cpu = cpu_of(std::process::id())?.saturating_sub(cpu_before.0);
-    outcome.broker_cpu = cpu_of(watched.broker)?.saturating_sub(cpu_before.1);
-    outcome.helper_cpu = helper_cpu(watched)?.saturating_sub(cpu_before.2);
+    outcome.generator_cpu = cpu_after.0.saturating_sub(cpu_before.0);
+    outcome.broker_cpu = cpu_after.1.saturating_sub(cpu_before.1);
+    outcome.helper_cpu = cpu_after.2.saturating_sub(cpu_before.2);
     if let Some(e) = first_error {
         return Err(e.context(format!("{side}: a device connection failed")));
     }
@@ -924,13 +932,15 @@ async fn run_load(
 }
 
 /// The mappers of [`run_load`]: connects and subscribes them, one after another, sends the
-/// probe, tells `started` when the load starts and runs it; each connection's outcome.
+/// probe, tells `started` when the load starts and runs it, tells `answered` once every
+/// connection is done, and only then disconnects them; each connection's outcome.
 async fn mappers(
     port: u16,
     ids: Vec<String>,
     load: DeviceLoad,
     side: String,
     started: tokio::sync::oneshot::Sender<tokio::time::Instant>,
+    answered: tokio::sync::oneshot::Sender<()>,
 ) -> anyhow::Result<Vec<anyhow::Result<MapperOutcome>>> {
     let connecting = Instant::now();
     let mut connections = Vec::with_capacity(load.connections);
@@ -982,6 +992,7 @@ async fn mappers(
     }
     // Only now do the devices leave: the last second's reports are not answered while
     // thousands of connections close around them (a load of its own, not this row's).
+    let _ = answered.send(());
     for mapper in done {
         mapper.leave().await;
     }
