@@ -80,13 +80,14 @@ struct Senders {
 impl Senders {
     /// `sender` committed at `now` (never earlier than a hearing before it).
     fn heard(&mut self, sender: usize, now: Instant) {
-        let waits = |heard: &HashMap<usize, (Instant, u64)>| {
-            heard
+        // Another of its messages in the same commit: heard already.
+        if self.last[0] == Some((sender, now))
+            && self
+                .heard
                 .get(&sender)
                 .is_some_and(|&(_, flushes)| flushes == self.flushes)
-        };
-        if self.last[0] == Some((sender, now)) && waits(&self.heard) {
-            return; // another of its messages in the same commit
+        {
+            return;
         }
         match self.heard.insert(sender, (now, self.flushes)) {
             Some((_, flushes)) if flushes == self.flushes => {}
