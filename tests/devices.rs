@@ -10,6 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::cloud::{await_signal, bridged, cloud_client, tail, CONNECTION};
+use common::raw::{self, Raw};
 use common::Options;
 use common::{forward_lines, readme_section_commands, QUIET, WAIT};
 use common::{shell_words, unique_id, wait_until, Client, CloudBroker, CloudOptions, Msg, Node};
@@ -423,6 +424,71 @@ async fn device_tables(node: &Node) -> Vec<Value> {
 /// Whether a stored value column holds nothing (KubeEdge stores an empty string).
 fn unset(column: &Value) -> bool {
     column.is_null() || column == ""
+}
+
+/// A report whose sync starts at once (its mapper alone on the node) is answered in one write:
+/// its result and its PUBACK together, once the report is durable, rather than the result at
+/// the commit and the PUBACK after the sync, two writes and two wake-ups of the mapper. Not
+/// every time: the connection's task may write the result itself if it runs between the
+/// commit and the sync. Every report gets both, and the last one is stored.
+#[tokio::test]
+async fn a_reports_result_shares_a_write_with_its_puback_once_durable() {
+    let (node, _mapper) = Mapper::on_new_node("meter-1", &[("power", "0", "int")]).await;
+    let (mut raw, code) = Raw::connected(node.port, &raw::connect(false, "meter-1-raw", &[])).await;
+    assert_eq!(code, 0);
+    let result_topic = device_topic("meter-1", "twin/update/result");
+    raw.send(&raw::subscribe(false, 1, result_topic.as_bytes()))
+        .await;
+    let suback = raw.next().await.expect("a SUBACK");
+    assert_eq!(suback.kind(), 9, "{suback:?}");
+    let topic = device_topic("meter-1", "twin/update");
+    let mut shared = 0;
+    for value in 1..=10 {
+        // Nobody else commits within the sync delay, so the report's sync starts at once.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let report = json!({
+            "event_id": unique_id("event"),
+            "timestamp": now_ms(),
+            "twin": {"power": {"actual": {"value": value.to_string()}, "metadata": {"type": "int"}}},
+        });
+        raw.send(&raw::publish(
+            false,
+            topic.as_bytes(),
+            1,
+            report.to_string().as_bytes(),
+        ))
+        .await;
+        let first = raw.next_write().await;
+        let mut frames = first.clone();
+        while frames.len() < 2 {
+            frames.push(raw.next().await.expect("the node stays connected"));
+        }
+        let mut kinds: Vec<u8> = frames.iter().map(raw::Frame::kind).collect();
+        kinds.sort_unstable();
+        assert_eq!(kinds, [3, 4], "the result and the PUBACK: {frames:?}");
+        shared += usize::from(first.len() == 2);
+        let ack = frames.iter().find(|f| f.kind() == 4).expect("a PUBACK");
+        assert_eq!(ack.body, [0, 1], "the PUBACK of packet 1: {frames:?}");
+        let publish = frames.iter().find(|f| f.kind() == 3).expect("the result");
+        let body = &publish.body;
+        let topic_len = usize::from(u16::from_be_bytes([body[0], body[1]]));
+        assert_eq!(&body[2..2 + topic_len], result_topic.as_bytes());
+        let id_len = if publish.first & 0x06 == 0 { 0 } else { 2 };
+        let result: Value = serde_json::from_slice(&body[2 + topic_len + id_len..]).expect("JSON");
+        assert_eq!(
+            result["twin"]["power"]["actual"]["value"],
+            value.to_string(),
+            "{result}"
+        );
+        if publish.first & 0x06 != 0 {
+            // QoS 1: the mapper acknowledges the result, as a client does.
+            raw.send(&raw::packet(0x40, &body[2 + topic_len..2 + topic_len + 2]))
+                .await;
+        }
+    }
+    assert!(shared >= 1, "no report's result shared its PUBACK's write");
+    let twins = twin_rows(&node, "meter-1").await;
+    assert_eq!(twins[0]["actual"], "10", "{twins:?}");
 }
 
 #[tokio::test]

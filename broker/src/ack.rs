@@ -12,8 +12,10 @@ use tokio::sync::Notify;
 
 use rumqttc::v5::mqttbytes::v5::PubAck;
 
-use crate::direct::{later, Direct, Waiting};
-use crate::wire::Packet;
+use bytes::BytesMut;
+
+use crate::direct::{later, together, Direct, Kept, Waiting};
+use crate::wire::{Packet, Wire};
 
 /// Which acknowledgement waits for the module.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -70,6 +72,7 @@ impl Acks {
                 after_ack: (owed == 0 && acked != 0)
                     .then(|| Duration::from_nanos(now_ns().saturating_sub(acked))),
                 abandoned: AtomicBool::new(false),
+                with: Mutex::new(None),
             }),
         }
     }
@@ -82,34 +85,32 @@ impl Acks {
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(AckKind, u16)>> {
         self.released.lock().unwrap_or_else(PoisonError::into_inner)
     }
-
-    /// Writes what was released into the socket if it is free and all are PUBACKs (a PUBREC
-    /// changes the task's QoS 2 state), else rings the task.
-    fn write_or_ring(&self) {
-        let written = self.direct.as_ref().is_some_and(|direct| {
-            direct.flush_with(|wire, max_out, out| {
-                let mut released = self.lock();
-                if released.iter().any(|(kind, _)| *kind != AckKind::PubAck) {
-                    return false;
-                }
-                for (_, pkid) in released.drain(..) {
-                    let ack = Packet::PubAck(PubAck::new(pkid, None));
-                    if let Err(e) = wire.write(ack, out, max_out) {
-                        tracing::debug!(error = %e, "acknowledgement not written");
-                    }
-                }
-                true
-            })
-        });
-        if !written {
-            self.bell.notify_one();
-        }
-    }
 }
 
+/// Released PUBACKs are written from the releasing thread if the socket is free; a PUBREC is
+/// the task's to write (it changes the task's QoS 2 state).
 impl Waiting for Acks {
-    fn send(&self) {
-        self.write_or_ring();
+    fn socket(&self) -> Option<Arc<Direct>> {
+        self.direct.clone()
+    }
+
+    fn encode(&self, wire: Wire, max_out: Option<u32>, out: &mut BytesMut) -> Option<bool> {
+        let mut released = self.lock();
+        if released.iter().any(|(kind, _)| *kind != AckKind::PubAck) {
+            return None;
+        }
+        let any = !released.is_empty();
+        for (_, pkid) in released.drain(..) {
+            let ack = Packet::PubAck(PubAck::new(pkid, None));
+            if let Err(e) = wire.write(ack, out, max_out) {
+                tracing::debug!(error = %e, "acknowledgement not written");
+            }
+        }
+        Some(any)
+    }
+
+    fn ring(&self) {
+        self.bell.notify_one();
     }
 }
 
@@ -127,6 +128,8 @@ struct Pending {
     pkid: u16,
     after_ack: Option<Duration>,
     abandoned: AtomicBool,
+    /// What goes out with it, in one write ([`Ack::send_with`]).
+    with: Mutex<Option<Kept>>,
 }
 
 impl Ack {
@@ -143,9 +146,33 @@ impl Ack {
         Arc::as_ptr(&self.pending.acks) as usize
     }
 
+    /// The socket it may be written into from outside the connection's task, if any (equal
+    /// for the same socket while it lives): for [`crate::Together::keep_for`].
+    pub fn socket(&self) -> Option<usize> {
+        self.pending
+            .acks
+            .direct
+            .as_ref()
+            .map(|d| Arc::as_ptr(d) as usize)
+    }
+
     /// Whether nobody else holds a copy: no module took the message.
     pub(crate) fn sole(&self) -> bool {
         Arc::strong_count(&self.pending) == 1
+    }
+
+    /// What `kept` holds for this client goes out with this acknowledgement once it is
+    /// released, in one write, by whichever thread releases it (or at once, if it never is).
+    pub fn send_with(&self, kept: Kept) {
+        let mut with = self
+            .pending
+            .with
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(earlier) = with.replace(kept) {
+            drop(with);
+            drop(earlier);
+        }
     }
 
     /// The message will not be committed (the node is stopping): no acknowledgement is sent,
@@ -158,16 +185,27 @@ impl Ack {
 impl Drop for Pending {
     fn drop(&mut self) {
         self.acks.promised.fetch_sub(1, Ordering::Relaxed);
+        let with = self
+            .with
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
         if self.abandoned.load(Ordering::Relaxed) {
             return;
         }
         self.acks.acked_at.store(now_ns(), Ordering::Relaxed);
         // The connection may have gone; then nobody reads it.
         self.acks.lock().push((self.kind, self.pkid));
-        let batched = later(self.acks.clone());
-        if !batched {
-            self.acks.bell.notify_one();
-        }
+        let Some(kept) = with else {
+            if !later(self.acks.clone()) {
+                self.acks.bell.notify_one();
+            }
+            return;
+        };
+        together(|| {
+            drop(kept);
+            later(self.acks.clone())
+        });
     }
 }
 

@@ -5,6 +5,7 @@
 //! the task, which waits for it without holding anyone up.
 
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::io;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -26,9 +27,18 @@ thread_local! {
     static TOGETHER: RefCell<Option<Held>> = const { RefCell::new(None) };
 }
 
-/// Who waits for a client's bytes: written or rung once, at a [`Together`]'s end.
+/// Who waits for a client's bytes: written or rung once, at a [`Together`]'s end, in one
+/// write with whatever else that end holds for the same socket.
 pub(crate) trait Waiting: Send + Sync {
-    fn send(&self);
+    /// The socket its bytes may be written into from outside the connection's task, if any.
+    fn socket(&self) -> Option<Arc<Direct>>;
+    /// Adds its bytes to `out`: whether there were any, or `None` if they are the task's to
+    /// write.
+    fn encode(&self, wire: Wire, max_out: Option<u32>, out: &mut BytesMut) -> Option<bool>;
+    /// The connection's task must write them (the socket was busy or full, or it declined).
+    fn ring(&self);
+    /// Bytes it encoded went into the socket (all, or the task writes the rest).
+    fn took(&self) {}
 }
 
 /// What a [`Together`] on this thread holds back: each once, in the order first held.
@@ -39,23 +49,119 @@ struct Held(Vec<Arc<dyn Waiting>>);
 /// end, together: one write per client rather than one per message. A commit's
 /// acknowledgements and hand-ons go out under one.
 pub struct Together {
-    outer: Option<Held>,
+    /// What an enclosing one holds, put back at the end; `None` once ended.
+    outer: Option<Option<Held>>,
 }
 
 impl Together {
     pub fn begin() -> Together {
         Together {
-            outer: TOGETHER.with(|t| t.borrow_mut().replace(Held::default())),
+            outer: Some(TOGETHER.with(|t| t.borrow_mut().replace(Held::default()))),
         }
+    }
+
+    /// Ends it, but what it holds for one of `sockets` ([`crate::Ack::socket`]) is kept back,
+    /// by socket, until each [`Kept`] is sent, to share a write with what that client is owed
+    /// then ([`crate::Ack::send_with`]); the rest is sent now.
+    pub fn keep_for(mut self, mut sockets: Vec<usize>) -> HashMap<usize, Kept> {
+        sockets.sort_unstable();
+        let mut kept: HashMap<usize, Kept> = HashMap::new();
+        let mut now = Vec::new();
+        for waiting in self.end() {
+            match waiting.socket().map(|d| Arc::as_ptr(&d) as usize) {
+                Some(socket) if sockets.binary_search(&socket).is_ok() => {
+                    kept.entry(socket)
+                        .or_insert_with(|| Kept(Vec::new()))
+                        .0
+                        .push(waiting);
+                }
+                _ => now.push(waiting),
+            }
+        }
+        send(now);
+        kept
+    }
+
+    fn end(&mut self) -> Vec<Arc<dyn Waiting>> {
+        let Some(outer) = self.outer.take() else {
+            return Vec::new();
+        };
+        let held = TOGETHER.with(|t| std::mem::replace(&mut *t.borrow_mut(), outer));
+        held.map(|h| h.0).unwrap_or_default()
     }
 }
 
 impl Drop for Together {
     fn drop(&mut self) {
-        let held = TOGETHER.with(|t| std::mem::replace(&mut *t.borrow_mut(), self.outer.take()));
-        for waiting in held.map(|h| h.0).unwrap_or_default() {
-            waiting.send();
+        send(self.end());
+    }
+}
+
+/// What a [`Together`] kept back for one client ([`Together::keep_for`]). Sent when it is
+/// dropped, inside the [`Together`] of the thread dropping it if there is one, so it is
+/// never lost.
+#[must_use = "dropping it sends it at once"]
+pub struct Kept(Vec<Arc<dyn Waiting>>);
+
+impl std::fmt::Debug for Kept {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Kept").field(&self.0.len()).finish()
+    }
+}
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        let now = std::mem::take(&mut self.0)
+            .into_iter()
+            .filter(|waiting| !later(waiting.clone()))
+            .collect();
+        send(now);
+    }
+}
+
+/// Runs `f` inside the current [`Together`], or inside one of its own if there is none.
+pub(crate) fn together<R>(f: impl FnOnce() -> R) -> R {
+    if TOGETHER.with(|t| t.borrow().is_some()) {
+        f()
+    } else {
+        let _together = Together::begin();
+        f()
+    }
+}
+
+/// Writes or rings each of `owed` once, one write per socket, in the order first held.
+fn send(owed: Vec<Arc<dyn Waiting>>) {
+    match owed.as_slice() {
+        [] => {}
+        [one] => send_one(&**one),
+        _ => {
+            let mut groups: Vec<(Arc<Direct>, Vec<&dyn Waiting>)> = Vec::new();
+            let mut at = HashMap::new();
+            for waiting in &owed {
+                let Some(direct) = waiting.socket() else {
+                    waiting.ring();
+                    continue;
+                };
+                let i = *at
+                    .entry(Arc::as_ptr(&direct) as usize)
+                    .or_insert(groups.len());
+                match groups.get_mut(i) {
+                    Some((_, group)) => group.push(&**waiting),
+                    None => groups.push((direct, vec![&**waiting])),
+                }
+            }
+            for (direct, group) in groups {
+                direct.write_owed(&group);
+            }
         }
+    }
+}
+
+/// Writes or rings `waiting` alone.
+pub(crate) fn send_one(waiting: &dyn Waiting) {
+    match waiting.socket() {
+        Some(direct) => direct.write_owed(&[waiting]),
+        None => waiting.ring(),
     }
 }
 
@@ -187,46 +293,61 @@ impl Direct {
     /// From a thread that just queued into `mailbox`: writes what the client may take now,
     /// unless the task is writing (or another thread is, then it rings instead of waiting).
     pub fn flush(&self, mailbox: &Mutex<Mailbox>) -> Flushed {
-        let Ok(mut state) = self.state.try_lock() else {
-            return Flushed {
+        match self.write_free(|wire, max_out, out| {
+            drain(
+                &mut mailbox.lock().unwrap_or_else(PoisonError::into_inner),
+                wire,
+                max_out,
+                out,
+            )
+        }) {
+            Some((took, all)) => Flushed { took, ring: !all },
+            None => Flushed {
                 took: false,
                 ring: true,
-            };
-        };
-        if state.task_writing || state.closed || !state.leftover.is_empty() {
-            return Flushed {
-                took: false,
-                ring: true,
-            };
+            },
         }
-        let mut out = BytesMut::new();
-        let took = drain(
-            &mut mailbox.lock().unwrap_or_else(PoisonError::into_inner),
-            self.wire,
-            self.max_out,
-            &mut out,
-        );
-        let ring = !self.write(&mut state, out);
-        Flushed { took, ring }
     }
 
-    /// From a thread that has bytes for the client: `encode` adds them to the write if the
-    /// socket is free (it may decline, returning false); false when the task must run.
-    pub fn flush_with(
+    /// Writes what each of `owed` (all of them this socket's) has for the client in one write
+    /// if the socket is free, and rings those whose task must write.
+    fn write_owed(&self, owed: &[&dyn Waiting]) {
+        let written = self.write_free(|wire, max_out, out| {
+            owed.iter()
+                .map(|waiting| waiting.encode(wire, max_out, out))
+                .collect::<Vec<_>>()
+        });
+        let Some((encoded, all)) = written else {
+            owed.iter().for_each(|waiting| waiting.ring());
+            return;
+        };
+        for (waiting, encoded) in owed.iter().zip(encoded) {
+            if encoded == Some(true) {
+                waiting.took();
+            }
+            if encoded.is_none() || !all {
+                waiting.ring();
+            }
+        }
+    }
+
+    /// Writes what `fill` adds if nobody else may be writing: `None` when the task must (it is
+    /// writing, the connection is ending, or a full socket left it bytes to finish); else what
+    /// `fill` returned and whether all of it went. Lock order: this state, then what `fill` locks.
+    fn write_free<T>(
         &self,
-        encode: impl FnOnce(Wire, Option<u32>, &mut BytesMut) -> bool,
-    ) -> bool {
+        fill: impl FnOnce(Wire, Option<u32>, &mut BytesMut) -> T,
+    ) -> Option<(T, bool)> {
         let Ok(mut state) = self.state.try_lock() else {
-            return false;
+            return None;
         };
         if state.task_writing || state.closed || !state.leftover.is_empty() {
-            return false;
+            return None;
         }
         let mut out = BytesMut::new();
-        if !encode(self.wire, self.max_out, &mut out) {
-            return false;
-        }
-        self.write(&mut state, out)
+        let filled = fill(self.wire, self.max_out, &mut out);
+        let all = out.is_empty() || self.write(&mut state, out);
+        Some((filled, all))
     }
 
     /// Writes `out` without waiting; what a full socket does not take is left for the task.
@@ -321,6 +442,7 @@ pub fn publish_of(out: &Outgoing) -> Publish {
 mod tests {
     use super::*;
     use crate::mailbox::{Limits, Owed, Published};
+    use std::time::Duration;
     use tokio::io::AsyncReadExt;
 
     /// A connected pair: the node's write half (as `Direct` holds it) and the client's socket.
@@ -405,14 +527,116 @@ mod tests {
         let mut out = BytesMut::from(&b"\xd0\x00"[..]);
         direct.turn(&mut out, |_| {});
         assert!(
-            !direct.flush_with(|_, _, _| panic!("nobody else encodes during the task's turn")),
+            !direct.flush(&mailbox_of(1, 8)).took,
             "the task's turn excludes everyone else"
         );
         direct.done();
         direct.close(&mut BytesMut::new());
         assert!(
-            !direct.flush_with(|_, _, _| panic!("nor once the connection is closing")),
+            !direct.flush(&mailbox_of(1, 8)).took,
             "only the task writes once the connection ends"
+        );
+    }
+
+    /// Bytes owed on one socket, counted as they are rung.
+    struct Owes {
+        direct: Arc<Direct>,
+        bytes: &'static [u8],
+        rung: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Waiting for Owes {
+        fn socket(&self) -> Option<Arc<Direct>> {
+            Some(self.direct.clone())
+        }
+
+        fn encode(&self, _: Wire, _: Option<u32>, out: &mut BytesMut) -> Option<bool> {
+            out.extend_from_slice(self.bytes);
+            Some(true)
+        }
+
+        fn ring(&self) {
+            self.rung.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    fn owes(direct: &Arc<Direct>, bytes: &'static [u8]) -> Arc<Owes> {
+        Arc::new(Owes {
+            direct: direct.clone(),
+            bytes,
+            rung: 0.into(),
+        })
+    }
+
+    /// What one read of `client` returns within a short wait (empty: nothing came).
+    async fn one_read(client: &mut TcpStream) -> Vec<u8> {
+        let mut chunk = [0u8; 1024];
+        match tokio::time::timeout(Duration::from_millis(200), client.read(&mut chunk)).await {
+            Ok(read) => chunk[..read.unwrap()].to_vec(),
+            Err(_) => Vec::new(),
+        }
+    }
+
+    #[tokio::test]
+    async fn what_is_kept_for_a_socket_goes_out_later_in_one_write_with_its_acknowledgement() {
+        let (socket, _read, mut client) = pair().await;
+        let (other_socket, _other_read, mut other) = pair().await;
+        let direct = Direct::new(socket, Wire::V4, None);
+        let other_direct = Direct::new(other_socket, Wire::V4, None);
+        direct.done();
+        other_direct.done();
+        let acks = crate::ack::Acks::new(Some(direct.clone()));
+        let ack = acks.promise(crate::AckKind::PubAck, 7);
+        let held_by_task = ack.clone();
+        let together = Together::begin();
+        assert!(later(owes(&direct, b"result-")));
+        assert!(later(owes(&other_direct, b"hand-on")));
+        assert!(later(owes(&direct, b"document-")));
+        let socket_id = ack.socket().expect("a plain TCP socket");
+        let mut kept = together.keep_for(vec![socket_id]);
+        assert_eq!(
+            one_read(&mut other).await,
+            b"hand-on",
+            "not kept: sent at the end"
+        );
+        assert_eq!(one_read(&mut client).await, b"", "kept back");
+        ack.send_with(kept.remove(&socket_id).expect("kept for the socket"));
+        assert!(kept.is_empty());
+        crate::release_together(|| drop(ack));
+        assert_eq!(
+            one_read(&mut client).await,
+            b"",
+            "a copy still holds the PUBACK"
+        );
+        // The last copy released on another thread, outside any Together: still one write.
+        std::thread::spawn(move || drop(held_by_task))
+            .join()
+            .unwrap();
+        assert_eq!(
+            one_read(&mut client).await,
+            b"result-document-\x40\x02\x00\x07",
+            "one write: what was kept, then the PUBACK"
+        );
+        // Abandoned (never committed), what was kept still goes, without a PUBACK.
+        let ack = acks.promise(crate::AckKind::PubAck, 8);
+        let together = Together::begin();
+        assert!(later(owes(&direct, b"late")));
+        let mut kept = together.keep_for(vec![socket_id]);
+        ack.send_with(kept.remove(&socket_id).expect("kept"));
+        ack.abandon();
+        drop(ack);
+        assert_eq!(one_read(&mut client).await, b"late");
+        // While the task writes, the task is rung for it instead.
+        let together = Together::begin();
+        let pending = owes(&direct, b"later");
+        assert!(later(pending.clone()));
+        let kept = together.keep_for(vec![socket_id]);
+        direct.turn(&mut BytesMut::from(&b"\xd0\x00"[..]), |_| {});
+        drop(kept);
+        assert_eq!(
+            pending.rung.load(std::sync::atomic::Ordering::Relaxed),
+            1,
+            "its task writes it"
         );
     }
 

@@ -22,13 +22,16 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::ack::Ack;
-use crate::direct::{Direct, Flushed, Waiting};
+use bytes::BytesMut;
+
+use crate::direct::{Direct, Waiting};
 use crate::index::{Delivery, Index, SessionId};
 use crate::log_every::LogEvery;
 use crate::mailbox::{Budget, Limits, Mailbox, Owed, Progress, Published};
 use crate::message::Reserved;
 use crate::registry::{Connected, Fired, Registry, Will};
 use crate::retained::Retained;
+use crate::wire::Wire;
 use crate::Message;
 
 /// Link session ids start here, above any the registry hands out.
@@ -154,18 +157,7 @@ impl Mailroom {
         if crate::direct::later(self.clone()) {
             return;
         }
-        self.write_or_ring();
-    }
-
-    fn write_or_ring(&self) {
-        let direct = lock(&self.direct).clone();
-        let flushed = direct.map(|d| d.flush(&self.mailbox));
-        if let Some(Flushed { took: true, .. }) = flushed {
-            self.taken();
-        }
-        if flushed.is_none_or(|f| f.ring) {
-            self.ready.notify_one();
-        }
+        crate::direct::send_one(&**self);
     }
 
     /// Connection `connection` stopped reading this mailbox (a newer one may hold it now).
@@ -178,8 +170,21 @@ impl Mailroom {
 }
 
 impl Waiting for Mailroom {
-    fn send(&self) {
-        self.write_or_ring();
+    fn socket(&self) -> Option<Arc<Direct>> {
+        lock(&self.direct).clone()
+    }
+
+    fn encode(&self, wire: Wire, max_out: Option<u32>, out: &mut BytesMut) -> Option<bool> {
+        let mut mailbox = self.mailbox.lock().unwrap_or_else(PoisonError::into_inner);
+        Some(crate::direct::drain(&mut mailbox, wire, max_out, out))
+    }
+
+    fn ring(&self) {
+        self.ready.notify_one();
+    }
+
+    fn took(&self) {
+        self.taken();
     }
 }
 

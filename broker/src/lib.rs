@@ -48,7 +48,7 @@ mod wire;
 pub use ack::{release_together, Ack, AckKind};
 pub use config::{BrokerConfig, ListenerConfig};
 pub use conn::{serve_tcp as serve_connection, Shared};
-pub use direct::Together;
+pub use direct::{Kept, Together};
 pub use dollar::is_carried;
 pub use error::Error;
 pub use hub::{Hub, HubLimits, Later, Mailroom, Take, Taken};

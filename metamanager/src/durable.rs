@@ -6,7 +6,7 @@
 //! report arriving during a slow fsync no longer waits it out (docs/benchmarks.md).
 //! `store.sync_delay_ms` lets the commits of that long share one sync: at a steady trickle
 //! (1,000 devices reporting once a second) one fsync per commit was a fifth of the node's CPU.
-//! Nobody waits for others who cannot come: see [`Syncer::after`].
+//! Nobody waits for others who cannot come: see [`Syncer::committed`].
 
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
@@ -175,14 +175,46 @@ impl Syncer {
         })
     }
 
-    /// Queues `release` behind the commits not synced yet; `needs_sync`: the commit wrote
+    /// Records a commit, and says whether its sync is to start at once: `needs_sync`: it wrote
     /// something; `senders`: whose messages it committed ([`crate::unit::Done::sender`]);
     /// `after_ack`: the soonest any was sent after its client's previous PUBACK
     /// ([`crate::unit::Done::after_ack`]); `queued`: more jobs wait for the store thread;
-    /// `outbox`: its newest outbox row, if it wrote any. Syncs and releases at once unless
-    /// other senders' commits, or the queued jobs, may share the sync
-    /// ([`Syncer::nothing_to_wait_for`]).
-    pub(crate) fn after(
+    /// `outbox`: its newest outbox row, if it wrote any. At once unless other senders'
+    /// commits, or the queued jobs, may share the sync ([`Syncer::nothing_to_wait_for`]).
+    /// Its release follows with [`Syncer::hand`].
+    pub(crate) fn committed(
+        &mut self,
+        needs_sync: bool,
+        senders: &[usize],
+        after_ack: Option<Duration>,
+        queued: bool,
+        outbox: Option<i64>,
+    ) -> bool {
+        let now = Instant::now();
+        for &sender in senders {
+            self.heard(sender, now);
+        }
+        self.pending_messages += senders.len();
+        self.awaited |= after_ack.is_some_and(|after| after <= self.delay);
+        self.pending_outbox = outbox.or(self.pending_outbox);
+        if needs_sync && self.since.is_none() {
+            self.since = Some(now);
+        }
+        self.since.is_none() || self.delay.is_zero() || (!queued && self.nothing_to_wait_for(now))
+    }
+
+    /// Queues the last commit's `release` behind the commits not synced yet, and hands them
+    /// all to the sync thread if its sync is to start `now` ([`Syncer::committed`]).
+    pub(crate) fn hand(&mut self, release: Release, now: bool) {
+        self.pending.push(release);
+        if now {
+            self.flush();
+        }
+    }
+
+    /// [`Syncer::committed`], then [`Syncer::hand`].
+    #[cfg(test)]
+    fn after(
         &mut self,
         needs_sync: bool,
         senders: &[usize],
@@ -191,27 +223,12 @@ impl Syncer {
         queued: bool,
         outbox: Option<i64>,
     ) {
-        let now = Instant::now();
-        for &sender in senders {
-            self.heard(sender, now);
-        }
-        self.pending.push(release);
-        self.pending_messages += senders.len();
-        self.awaited |= after_ack.is_some_and(|after| after <= self.delay);
-        self.pending_outbox = outbox.or(self.pending_outbox);
-        if needs_sync && self.since.is_none() {
-            self.since = Some(now);
-        }
-        if self.since.is_none()
-            || self.delay.is_zero()
-            || (!queued && self.nothing_to_wait_for(now))
-        {
-            self.flush();
-        }
+        let now = self.committed(needs_sync, senders, after_ack, queued, outbox);
+        self.hand(release, now);
     }
 
     /// The store thread found nothing queued: a lone sender's commits are synced now, since
-    /// nobody else would share the sync (see [`Syncer::after`]).
+    /// nobody else would share the sync (see [`Syncer::committed`]).
     pub(crate) fn idle(&mut self) {
         let now = Instant::now();
         if self.since.is_some() && self.nothing_to_wait_for(now) {

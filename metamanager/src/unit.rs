@@ -48,6 +48,24 @@ impl Done {
         }
     }
 
+    /// The client's socket its acknowledgement may be written into by the thread releasing it
+    /// ([`edgemeta_broker::Ack::socket`]).
+    pub(crate) fn socket(&self) -> Option<usize> {
+        match self {
+            Done::Told(_) => None,
+            Done::Acked(ack) => ack.socket(),
+        }
+    }
+
+    /// What `kept` holds for the client goes out with its acknowledgement, in one write
+    /// ([`edgemeta_broker::Ack::send_with`]).
+    pub(crate) fn send_with(&self, kept: edgemeta_broker::Kept) {
+        match self {
+            Done::Told(_) => drop(kept),
+            Done::Acked(ack) => ack.send_with(kept),
+        }
+    }
+
     /// How soon after its previous acknowledgement a client sent this, with nothing else
     /// waiting for one ([`edgemeta_broker::Ack::after_ack`]); the cloud bridge pipelines.
     pub(crate) fn after_ack(&self) -> Option<std::time::Duration> {

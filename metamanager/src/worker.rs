@@ -22,7 +22,7 @@ use crate::handon::Feed;
 use crate::meters::{self, Meters, Tally};
 use crate::outbox::{self, OutboxLimit, Read, Write};
 use crate::store::{Changes, Checkpointer, Db, StoreConfig, StoreError, Synchronous};
-use crate::unit::{Context, Done, Effects, Job, Outcome, Settings, State, Step, Waits};
+use crate::unit::{Context, Done, Effects, Job, Outcome, Settings, State, Step, Waits, Work};
 
 /// What the worker needs besides the store.
 pub(crate) struct WorkerConfig {
@@ -370,6 +370,35 @@ impl Worker {
                 changes,
             }));
         }
+        let dones: Vec<(Done, Outcome, bool)> = applied
+            .into_iter()
+            .filter_map(|(step, outcome)| match step {
+                Step::Apply(work, done) => {
+                    done.map(|done| (done, outcome, matches!(work, Work::Device(_))))
+                }
+                _ => None,
+            })
+            .collect();
+        let senders: Vec<usize> = dones.iter().map(|(done, ..)| done.sender()).collect();
+        let after_ack = dones.iter().filter_map(|(done, ..)| done.after_ack()).min();
+        // The newest outbox row this commit wrote, for the watermark of what peeks may see.
+        let outbox_last = match (&self.syncer, outbox_written) {
+            (Some(_), true) => match self.db.outbox_last().await {
+                Ok(last) => Some(last),
+                Err(e) => {
+                    // Its rows become readable with the next commit's that writes the outbox.
+                    warn!(error_code = "EM-STORE-WRITE", error = %e, "reading the outbox's newest row failed; its new rows leave with the next commit's");
+                    None
+                }
+            },
+            _ => None,
+        };
+        let sync_now = match &mut self.syncer {
+            Some(syncer) => {
+                syncer.committed(durable, &senders, after_ack, !jobs.is_empty(), outbox_last)
+            }
+            None => true,
+        };
         // Each subscriber gets this commit's messages in one write (this thread runs only
         // this future, so the guard stays on its thread across the awaits).
         let together = edgemeta_broker::Together::begin();
@@ -381,22 +410,29 @@ impl Worker {
                 );
             }
         }
-        drop(together);
+        // A device whose PUBACK follows this commit's sync at once gets its results in the
+        // same write, after the sync: one write per report instead of two (protocol §6.1).
+        let sockets = if sync_now {
+            dones
+                .iter()
+                .filter(|(_, _, device)| *device)
+                .filter_map(|(done, ..)| done.socket())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let mut kept = together.keep_for(sockets);
+        for (done, ..) in dones.iter().rev() {
+            if let Some(kept) = done.socket().and_then(|socket| kept.remove(&socket)) {
+                done.send_with(kept);
+            }
+        }
         self.feed.committed(handons);
-        let dones: Vec<(Done, Outcome)> = applied
-            .into_iter()
-            .filter_map(|(step, outcome)| match step {
-                Step::Apply(_, done) => done.map(|done| (done, outcome)),
-                _ => None,
-            })
-            .collect();
-        let senders: Vec<usize> = dones.iter().map(|(done, _)| done.sender()).collect();
-        let after_ack = dones.iter().filter_map(|(done, _)| done.after_ack()).min();
         let outbox_changed = outbox_written.then(|| self.outbox_changed.clone());
         let release: Release = Box::new(move |durable| {
             // One write of acknowledgements per client and commit, not one per publish.
             edgemeta_broker::release_together(|| {
-                for (done, outcome) in dones {
+                for (done, outcome, _) in dones {
                     if durable {
                         done.send(outcome);
                     } else {
@@ -415,29 +451,8 @@ impl Worker {
                 changed.notify_one();
             }
         });
-        // The newest outbox row this commit wrote, for the watermark of what peeks may see.
-        let outbox_last = match (&self.syncer, outbox_written) {
-            (Some(_), true) => match self.db.outbox_last().await {
-                Ok(last) => Some(last),
-                Err(e) => {
-                    // Its rows become readable with the next commit's that writes the outbox.
-                    warn!(error_code = "EM-STORE-WRITE", error = %e, "reading the outbox's newest row failed; its new rows leave with the next commit's");
-                    None
-                }
-            },
-            _ => None,
-        };
         match &mut self.syncer {
-            Some(syncer) => {
-                syncer.after(
-                    durable,
-                    &senders,
-                    after_ack,
-                    release,
-                    !jobs.is_empty(),
-                    outbox_last,
-                );
-            }
+            Some(syncer) => syncer.hand(release, sync_now),
             None => release(true),
         }
     }

@@ -157,6 +157,19 @@ impl Raw {
         }
     }
 
+    /// Every packet of the node's next write that reaches the socket, as one read returns
+    /// them (nothing may be buffered from before); panics past [`WAIT`].
+    pub async fn next_write(&mut self) -> Vec<Frame> {
+        assert!(self.buf.is_empty(), "bytes from before: {:?}", self.buf);
+        let mut chunk = [0u8; 64 * 1024];
+        let n = tokio::time::timeout(WAIT, self.stream.read(&mut chunk))
+            .await
+            .unwrap_or_else(|_| panic!("nothing from the node within {WAIT:?}"))
+            .expect("read");
+        self.buf.extend_from_slice(&chunk[..n]);
+        std::iter::from_fn(|| self.take()).collect()
+    }
+
     /// The next packet that is not a PUBLISH, or None when the node closed the connection.
     pub async fn next_not_publish(&mut self) -> Option<Frame> {
         loop {
