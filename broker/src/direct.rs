@@ -266,15 +266,6 @@ impl State {
     }
 }
 
-/// What [`Direct::flush`] did.
-#[derive(Debug, PartialEq, Eq)]
-pub struct Flushed {
-    /// Something was taken from the queue.
-    pub took: bool,
-    /// The task must run: it is writing, the socket was full, or the connection is ending.
-    pub ring: bool,
-}
-
 impl Direct {
     /// The task writes first (its CONNACK and what a resumed session is owed).
     pub fn new(socket: Arc<OwnedWriteHalf>, wire: Wire, max_out: Option<u32>) -> Arc<Direct> {
@@ -288,25 +279,6 @@ impl Direct {
                 leftover: BytesMut::new(),
             }),
         })
-    }
-
-    /// From a thread that just queued into `mailbox`: writes what the client may take now,
-    /// unless the task is writing (or another thread is, then it rings instead of waiting).
-    pub fn flush(&self, mailbox: &Mutex<Mailbox>) -> Flushed {
-        match self.write_free(|wire, max_out, out| {
-            drain(
-                &mut mailbox.lock().unwrap_or_else(PoisonError::into_inner),
-                wire,
-                max_out,
-                out,
-            )
-        }) {
-            Some((took, all)) => Flushed { took, ring: !all },
-            None => Flushed {
-                took: false,
-                ring: true,
-            },
-        }
     }
 
     /// Writes what each of `owed` (all of them this socket's) has for the client in one write
@@ -445,6 +417,34 @@ mod tests {
     use std::time::Duration;
     use tokio::io::AsyncReadExt;
 
+    /// What [`flush`] did.
+    #[derive(Debug, PartialEq, Eq)]
+    struct Flushed {
+        /// Something was taken from the queue.
+        took: bool,
+        /// The task must run: it is writing, the socket was full, or the connection is ending.
+        ring: bool,
+    }
+
+    /// As a thread that just queued into `mailbox` writes it: what the client may take now,
+    /// unless the task is writing.
+    fn flush(direct: &Direct, mailbox: &Mutex<Mailbox>) -> Flushed {
+        match direct.write_free(|wire, max_out, out| {
+            drain(
+                &mut mailbox.lock().unwrap_or_else(PoisonError::into_inner),
+                wire,
+                max_out,
+                out,
+            )
+        }) {
+            Some((took, all)) => Flushed { took, ring: !all },
+            None => Flushed {
+                took: false,
+                ring: true,
+            },
+        }
+    }
+
     /// A connected pair: the node's write half (as `Direct` holds it) and the client's socket.
     async fn pair() -> (Arc<OwnedWriteHalf>, OwnedReadHalf, TcpStream) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -506,7 +506,7 @@ mod tests {
         let (socket, _read, mut client) = pair().await;
         let direct = Direct::new(socket, Wire::V4, None);
         let mailbox = mailbox_of(3, 8);
-        let rung = direct.flush(&mailbox);
+        let rung = flush(&direct, &mailbox);
         assert_eq!(
             rung,
             Flushed {
@@ -517,7 +517,7 @@ mod tests {
         );
         direct.done();
         assert_eq!(
-            direct.flush(&mailbox),
+            flush(&direct, &mailbox),
             Flushed {
                 took: true,
                 ring: false
@@ -527,13 +527,13 @@ mod tests {
         let mut out = BytesMut::from(&b"\xd0\x00"[..]);
         direct.turn(&mut out, |_| {});
         assert!(
-            !direct.flush(&mailbox_of(1, 8)).took,
+            !flush(&direct, &mailbox_of(1, 8)).took,
             "the task's turn excludes everyone else"
         );
         direct.done();
         direct.close(&mut BytesMut::new());
         assert!(
-            !direct.flush(&mailbox_of(1, 8)).took,
+            !flush(&direct, &mailbox_of(1, 8)).took,
             "only the task writes once the connection ends"
         );
     }
@@ -649,13 +649,13 @@ mod tests {
         direct.done();
         const COUNT: u32 = 400;
         let mailbox = mailbox_of(COUNT, 64 << 10);
-        let flushed = direct.flush(&mailbox);
+        let flushed = flush(&direct, &mailbox);
         assert!(
             flushed.took && flushed.ring,
             "25 MiB fills the socket: {flushed:?}"
         );
         assert_eq!(
-            direct.flush(&mailbox_of(1, 8)),
+            flush(&direct, &mailbox_of(1, 8)),
             Flushed {
                 took: false,
                 ring: true
