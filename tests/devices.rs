@@ -491,6 +491,42 @@ async fn a_reports_result_shares_a_write_with_its_puback_once_durable() {
     assert_eq!(twins[0]["actual"], "10", "{twins:?}");
 }
 
+/// A paho-mqtt mapper leaves Nagle's algorithm on: after it acknowledges a result, its next
+/// report waits in its socket until the node's TCP ACK, which the kernel delays 40 ms when the
+/// node has nothing to send back. The node acknowledges such reads at once (`Direct::ack_now`).
+#[tokio::test]
+async fn a_python_mapper_with_nagles_algorithm_is_answered_without_the_delayed_ack() {
+    let (node, _mapper) = Mapper::on_new_node("meter-2", &[("power", "0", "int")]).await;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/py/nagle_mapper.py");
+    let run = tokio::process::Command::new("python3")
+        .args([script, &node.port.to_string(), "meter-2", "12"])
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(WAIT * 2, run)
+        .await
+        .expect("the paho-mqtt mapper finishes")
+        .expect("python3 runs (paho-mqtt: python3 -m pip install paho-mqtt)");
+    let printed = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        printed.starts_with("answered 12 of 12;"),
+        "{printed} {stderr}"
+    );
+    let median: f64 = printed
+        .split("median ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|ms| ms.parse().ok())
+        .expect("a median");
+    // Held for the delayed ACK, a report waits ~35 ms (40 less the mapper's 5 ms pause).
+    assert!(
+        median < 20.0,
+        "each report waited for the node's delayed ACK: {printed}"
+    );
+    let twins = twin_rows(&node, "meter-2").await;
+    assert_eq!(twins[0]["actual"], "11", "{twins:?}");
+}
+
 #[tokio::test]
 async fn a_mapper_reads_and_reports_its_twin_and_state_on_a_standalone_node() {
     let node = Node::start().await;

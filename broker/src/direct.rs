@@ -355,6 +355,19 @@ impl Direct {
         self.lock().task_writing = false;
     }
 
+    /// Acknowledges at once what the client sent, instead of after the kernel's delayed-ACK
+    /// timer (40 ms): a client with Nagle's algorithm on holds its next write until then.
+    pub fn ack_now(&self) {
+        let socket: &TcpStream = (*self.socket).as_ref();
+        let socket = socket2::SockRef::from(socket);
+        // Setting TCP_QUICKACK sends the pending ACK and leaves interactive ("pingpong") mode;
+        // clearing it re-enters that mode, so the ACK of the client's next packet still rides
+        // on the node's answer instead of going alone (Linux `__tcp_sock_set_quickack`).
+        // A refusal only leaves the ACK to the kernel's timer.
+        let _ = socket.set_tcp_quickack(true);
+        let _ = socket.set_tcp_quickack(false);
+    }
+
     /// The connection ends: from now on only its task writes, and what was left is its to send.
     pub fn close(&self, out: &mut BytesMut) {
         let mut state = self.lock();

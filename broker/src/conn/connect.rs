@@ -331,6 +331,8 @@ fn start(
         direct: socket.map(|socket| Direct::new(socket, wire, limits.maximum_packet_size)),
         reading,
         packets_in: 0,
+        acks_only: false,
+        published: false,
     };
     if let Some(direct) = &conn.direct {
         conn.room.plug(direct.clone());

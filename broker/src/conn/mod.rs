@@ -213,6 +213,11 @@ struct Conn {
     reading: Reading,
     /// Whole packets read so far: a read that completed one began the part after it.
     packets_in: u64,
+    /// Every packet of the last read was an acknowledgement (PUBACK, PUBCOMP): nothing the
+    /// node answers, so nothing carries the TCP ACK for it.
+    acks_only: bool,
+    /// The last read held a PUBLISH.
+    published: bool,
 }
 
 /// Serves one client until it leaves, breaks the protocol, or `cancel` fires. Futures it awaits
@@ -402,6 +407,8 @@ impl Conn {
 
     /// One packet from the client; Some when the connection ends.
     fn handle(&mut self, packet: Packet, shared: &Shared) -> Option<Step> {
+        self.acks_only &= matches!(packet, Packet::PubAck(_) | Packet::PubComp(_));
+        self.published |= matches!(packet, Packet::Publish(_));
         match packet {
             Packet::Publish(publish) => return self.inbound(publish, shared),
             Packet::PubRel(rel) => {

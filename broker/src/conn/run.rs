@@ -24,6 +24,10 @@ fn poll_once<F: std::future::Future>(future: F) -> Option<F::Output> {
     }
 }
 
+/// A client that publishes within this long of acknowledging may have been held by Nagle's
+/// algorithm for the node's delayed ACK (Linux's is 40 ms, `TCP_DELACK_MIN`).
+const BRISK: Duration = Duration::from_millis(100);
+
 /// What the loop does after a packet was handled.
 enum Next {
     On,
@@ -61,9 +65,22 @@ impl Conn {
             }
             partial_since = (!buf.is_empty()).then(Instant::now);
         }
+        // A read of only acknowledgements gets no answer to carry its TCP ACK, and the kernel
+        // delays that ACK. For a client that wrote again soon after its last such read, the
+        // ACK goes at once unless bytes go back now (`Direct::ack_now`). Clients that write
+        // less often (a sensor reporting each second) are left to the kernel: an ACK at once
+        // costs the node a syscall and a packet each time.
+        let mut acked_at: Option<Instant> = None;
+        let mut brisk = false;
+        let mut ack_now = false;
         loop {
             if self.fill() {
                 self.room.taken();
+            }
+            if std::mem::take(&mut ack_now) && self.out.is_empty() {
+                if let Some(direct) = &self.direct {
+                    direct.ack_now();
+                }
             }
             if !self.out.is_empty() {
                 // A reader that stopped takes nothing: its writers wait, and the hub cuts it
@@ -139,9 +156,19 @@ impl Conn {
                     last_heard = Instant::now();
                     let filled = read == spare;
                     let whole = self.packets_in;
+                    self.acks_only = true;
+                    self.published = false;
                     let taken = self.take_packets(stream, buf, shared, filled, token, node);
                     if let Some(end) = taken.await {
                         return end;
+                    }
+                    if self.packets_in != whole {
+                        if self.published {
+                            let since = acked_at.map(|at| last_heard.saturating_duration_since(at));
+                            brisk = since.is_some_and(|since| since < BRISK);
+                        }
+                        acked_at = (self.acks_only && buf.is_empty()).then_some(last_heard);
+                        ack_now = brisk && acked_at.is_some();
                     }
                     // Time spent handling counts against neither clock: handling may have
                     // waited for room, and the client's next bytes stayed in the socket. A
