@@ -13,7 +13,9 @@ use common::cloud::{await_signal, bridged, cloud_client, tail, CONNECTION};
 use common::raw::{self, Raw};
 use common::Options;
 use common::{forward_lines, readme_section_commands, QUIET, WAIT};
-use common::{shell_words, unique_id, wait_until, Client, CloudBroker, CloudOptions, Msg, Node};
+use common::{
+    paho_script, shell_words, unique_id, wait_until, Client, CloudBroker, CloudOptions, Msg, Node,
+};
 use serde_json::{json, Value};
 
 /// `cloud.node_id` when the configuration sets none: what a standalone node calls itself.
@@ -493,21 +495,13 @@ async fn a_reports_result_shares_a_write_with_its_puback_once_durable() {
 
 /// A paho-mqtt mapper leaves Nagle's algorithm on: after it acknowledges a result, its next
 /// report waits in its socket until the node's TCP ACK, which the kernel delays 40 ms when the
-/// node has nothing to send back. The node acknowledges such reads at once (`Direct::ack_now`).
+/// node has nothing to send back. For a client that writes again that soon the node sends the
+/// ACK at once (`Direct::ack_now`); only its first report waits.
 #[tokio::test]
 async fn a_python_mapper_with_nagles_algorithm_is_answered_without_the_delayed_ack() {
     let (node, _mapper) = Mapper::on_new_node("meter-2", &[("power", "0", "int")]).await;
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/py/nagle_mapper.py");
-    let run = tokio::process::Command::new("python3")
-        .args([script, &node.port.to_string(), "meter-2", "12"])
-        .kill_on_drop(true)
-        .output();
-    let output = tokio::time::timeout(WAIT * 2, run)
-        .await
-        .expect("the paho-mqtt mapper finishes")
-        .expect("python3 runs (paho-mqtt: python3 -m pip install paho-mqtt)");
-    let printed = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let port = node.port.to_string();
+    let (printed, stderr) = paho_script("nagle_mapper.py", &[&port, "meter-2", "12"]).await;
     assert!(
         printed.starts_with("answered 12 of 12;"),
         "{printed} {stderr}"

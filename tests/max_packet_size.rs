@@ -4,26 +4,16 @@
 
 mod common;
 
-use common::{Node, WAIT};
+use common::{paho_script, Node};
 
 #[tokio::test]
 async fn a_client_that_announces_a_maximum_packet_size_gets_qos_1_and_2_and_only_the_oversize_is_dropped(
 ) {
     let node = Node::start().await;
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/py/max_packet.py");
-    let run = tokio::process::Command::new("python3")
-        .args([script, &node.port.to_string()])
-        .kill_on_drop(true)
-        .output();
-    let output = tokio::time::timeout(WAIT * 2, run)
-        .await
-        .expect("the paho-mqtt clients finish")
-        .expect("python3 runs (paho-mqtt: python3 -m pip install paho-mqtt)");
-    let printed = String::from_utf8_lossy(&output.stdout);
+    let (printed, stderr) = paho_script("max_packet.py", &[&node.port.to_string()]).await;
     assert_eq!(
         printed.trim(),
         "limited [(1, 10), (1, 30), (2, 20)] plain [(1, 10), (1, 30), (1, 1000), (2, 20)]",
-        "stderr: {}",
-        String::from_utf8_lossy(&output.stderr)
+        "stderr: {stderr}"
     );
 }

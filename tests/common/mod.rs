@@ -1084,6 +1084,25 @@ pub async fn send(
     id
 }
 
+/// Runs `tests/py/<script>` (paho-mqtt for Python, a client we did not write) with `args`, for
+/// at most two [`WAIT`]s; what it printed, and what it printed on stderr.
+pub async fn paho_script(script: &str, args: &[&str]) -> (String, String) {
+    let path = format!("{}/tests/py/{script}", env!("CARGO_MANIFEST_DIR"));
+    let run = tokio::process::Command::new("python3")
+        .arg(path)
+        .args(args)
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(WAIT * 2, run)
+        .await
+        .expect("the paho-mqtt script finishes")
+        .expect("python3 runs (scripts/test installs paho-mqtt)");
+    (
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
 /// Runs `mosquitto_pub` with `args` against the node; returns its exit status and stderr.
 pub fn mosquitto_pub(port: u16, args: &[&str]) -> (bool, String) {
     let out = Command::new("mosquitto_pub")
