@@ -236,6 +236,30 @@ impl AsyncWrite for SharedTcp {
     }
 }
 
+/// A client's stream, whose TCP ACK its connection's task may ask for at once.
+pub(crate) trait AckNow {
+    /// Acknowledges at once what the client sent, instead of after the kernel's delayed-ACK
+    /// timer (40 ms): a client with Nagle's algorithm on holds its next write until then.
+    fn ack_now(&self);
+}
+
+impl AckNow for SharedTcp {
+    fn ack_now(&self) {
+        ack_now((*self.write).as_ref());
+    }
+}
+
+/// [`AckNow::ack_now`] on the TCP socket under a client's stream.
+pub(crate) fn ack_now(socket: &TcpStream) {
+    let socket = socket2::SockRef::from(socket);
+    // Setting TCP_QUICKACK sends the pending ACK and leaves interactive ("pingpong") mode;
+    // clearing it re-enters that mode, so the ACK of the client's next packet still rides on
+    // the node's answer instead of going alone (Linux `__tcp_sock_set_quickack`). A refusal
+    // only leaves the ACK to the kernel's timer.
+    let _ = socket.set_tcp_quickack(true);
+    let _ = socket.set_tcp_quickack(false);
+}
+
 /// One connection's socket as the threads that queue for it see it.
 #[derive(Debug)]
 pub struct Direct {
@@ -353,19 +377,6 @@ impl Direct {
     /// The task's bytes are written: the socket is free again.
     pub fn done(&self) {
         self.lock().task_writing = false;
-    }
-
-    /// Acknowledges at once what the client sent, instead of after the kernel's delayed-ACK
-    /// timer (40 ms): a client with Nagle's algorithm on holds its next write until then.
-    pub fn ack_now(&self) {
-        let socket: &TcpStream = (*self.socket).as_ref();
-        let socket = socket2::SockRef::from(socket);
-        // Setting TCP_QUICKACK sends the pending ACK and leaves interactive ("pingpong") mode;
-        // clearing it re-enters that mode, so the ACK of the client's next packet still rides
-        // on the node's answer instead of going alone (Linux `__tcp_sock_set_quickack`).
-        // A refusal only leaves the ACK to the kernel's timer.
-        let _ = socket.set_tcp_quickack(true);
-        let _ = socket.set_tcp_quickack(false);
     }
 
     /// The connection ends: from now on only its task writes, and what was left is its to send.

@@ -84,6 +84,12 @@ impl Tls {
     }
 }
 
+impl crate::direct::AckNow for TlsStream<TcpStream> {
+    fn ack_now(&self) {
+        crate::direct::ack_now(self.get_ref().0);
+    }
+}
+
 fn read_certs(path: &str) -> Result<Vec<CertificateDer<'static>>, String> {
     let pem = std::fs::read(path).map_err(|e| format!("{path}: {e}"))?;
     let certs = rustls_pemfile::certs(&mut pem.as_slice())

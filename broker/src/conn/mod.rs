@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::ack::{Ack, AckKind, Acks};
-use crate::direct::{drain, publish_of, Direct, SharedTcp};
+use crate::direct::{drain, publish_of, AckNow, Direct, SharedTcp};
 use crate::events::ClientEvents;
 use crate::hub::{hand_to_links, Behind, ForLinks, Hub, Mailroom};
 use crate::index::{valid_topic, Options, RetainHandling, SessionId, TopicBounds};
@@ -240,7 +240,7 @@ pub(crate) async fn serve<S>(
     shared: Arc<Shared>,
     cancel: CancellationToken,
 ) where
-    S: AsyncRead + AsyncWrite + Unpin,
+    S: AsyncRead + AsyncWrite + AckNow + Unpin,
 {
     shared.open.fetch_add(1, Ordering::Relaxed);
     let _open = Defer(|| {

@@ -37,7 +37,7 @@ enum Next {
 }
 
 impl Conn {
-    pub(super) async fn run<S: AsyncRead + AsyncWrite + Unpin>(
+    pub(super) async fn run<S: AsyncRead + AsyncWrite + AckNow + Unpin>(
         &mut self,
         stream: &mut S,
         buf: &mut BytesMut,
@@ -67,9 +67,9 @@ impl Conn {
         }
         // A read of only acknowledgements gets no answer to carry its TCP ACK, and the kernel
         // delays that ACK. For a client that wrote again soon after its last such read, the
-        // ACK goes at once unless bytes go back now (`Direct::ack_now`). Clients that write
-        // less often (a sensor reporting each second) are left to the kernel: an ACK at once
-        // costs the node a syscall and a packet each time.
+        // ACK goes at once unless bytes go back now (`AckNow`). Clients that write less often
+        // (a sensor reporting each second) are left to the kernel: an ACK at once costs the
+        // node a syscall and a packet each time.
         let mut acked_at: Option<Instant> = None;
         let mut brisk = false;
         let mut ack_now = false;
@@ -78,9 +78,7 @@ impl Conn {
                 self.room.taken();
             }
             if std::mem::take(&mut ack_now) && self.out.is_empty() {
-                if let Some(direct) = &self.direct {
-                    direct.ack_now();
-                }
+                stream.ack_now();
             }
             if !self.out.is_empty() {
                 // A reader that stopped takes nothing: its writers wait, and the hub cuts it
