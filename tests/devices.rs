@@ -515,11 +515,7 @@ async fn a_python_mapper_with_nagles_algorithm_over_tls_is_answered_without_the_
     let pki = Pki::new();
     let tls_port = common::free_port();
     let node = Node::start_with(Options {
-        extra_listeners: format!(
-            "    mqtts:\n      address: 127.0.0.1:{tls_port}\n      tls:\n        cert_file: {}\n        key_file: {}\n",
-            pki.path("server.pem").display(),
-            pki.path("server.key").display(),
-        ),
+        extra_listeners: pki.listener(tls_port),
         ..Options::default()
     })
     .await;

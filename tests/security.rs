@@ -301,11 +301,7 @@ async fn with_users_and_anonymous_access_on_anonymous_gets_in_but_unknown_names_
 /// A node with an extra server-only TLS listener on `tls_port` using the server certificate of `pki`.
 async fn tls_node(pki: &Pki, tls_port: u16, broker_yaml: String) -> Node {
     Node::start_with(Options {
-        extra_listeners: format!(
-            "    mqtts:\n      address: 127.0.0.1:{tls_port}\n      tls:\n        cert_file: {}\n        key_file: {}\n",
-            pki.path("server.pem").display(),
-            pki.path("server.key").display(),
-        ),
+        extra_listeners: pki.listener(tls_port),
         broker_yaml,
         ..Options::default()
     })

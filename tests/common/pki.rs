@@ -120,6 +120,16 @@ impl Pki {
         ]);
     }
 
+    /// The node's `extra_listeners` YAML for a server-only TLS listener on `port` with
+    /// `server.pem`.
+    pub fn listener(&self, port: u16) -> String {
+        format!(
+            "    mqtts:\n      address: 127.0.0.1:{port}\n      tls:\n        cert_file: {}\n        key_file: {}\n",
+            self.path("server.pem").display(),
+            self.path("server.key").display(),
+        )
+    }
+
     /// A client certificate for `cn` signed by `ca`.
     pub fn client(&self, cn: &str, ca: &str) -> String {
         let file = format!("client-{cn}-{ca}");
