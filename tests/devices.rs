@@ -536,7 +536,7 @@ async fn nagle_mapper_answered(node: &Node, port: u16, device: &str, ca: Option<
         "{printed} {stderr}"
     );
     // Held for the delayed ACK, a report waits ~35 ms (40 less the mapper's 5 ms pause). Before
-    // the node acknowledged at once, 28–29 of 30 over plain TCP were held, and about 5 over TLS.
+    // the node acknowledged at once, 24–28 of 30 over plain TCP were held, and 5–20 over TLS.
     let held: usize = printed
         .trim()
         .rsplit(' ')
