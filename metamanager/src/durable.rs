@@ -152,16 +152,17 @@ impl Syncer {
     ) -> std::io::Result<Syncer> {
         let mut wal = db.as_os_str().to_owned();
         wal.push("-wal");
-        let wal = Wal {
+        let mut wal = Wal {
             path: PathBuf::from(wal),
             db: db.to_owned(),
+            file: None,
         };
         let outbox_synced = Arc::new(AtomicI64::new(outbox));
         let (tx, rx) = mpsc::sync_channel::<Flush>(QUEUED_FLUSHES);
         let shared = outbox_synced.clone();
         let thread = std::thread::Builder::new()
             .name("edgemeta-store-sync".into())
-            .spawn(move || serve(&rx, &wal, sync, &shared))?;
+            .spawn(move || serve(&rx, &mut wal, sync, &shared))?;
         Ok(Syncer {
             delay: if sync { delay } else { Duration::ZERO },
             pending: Vec::new(),
@@ -340,7 +341,7 @@ impl Syncer {
 
 /// The sync thread: syncs the WAL for each flush, and for the flushes that queued up
 /// meanwhile (they share the sync), then releases them in order.
-fn serve(rx: &mpsc::Receiver<Flush>, wal: &Wal, sync: bool, outbox_synced: &AtomicI64) {
+fn serve(rx: &mpsc::Receiver<Flush>, wal: &mut Wal, sync: bool, outbox_synced: &AtomicI64) {
     while let Ok(first) = rx.recv() {
         let mut flushes = vec![first];
         flushes.extend(rx.try_iter());
@@ -387,25 +388,32 @@ impl Drop for Syncer {
     }
 }
 
-/// The WAL file, opened by its path for each sync: one SQLite replaced is never missed.
+/// The WAL file, opened once and kept: SQLite never replaces it, and removes it only as the
+/// database's last connection closes, after checkpointing all of it into the synced database
+/// file. One descriptor is told of every writeback error since it opened, even one the
+/// checkpoint's own fsync saw first; a file opened after that error would not be.
 struct Wal {
     path: PathBuf,
-    /// The database file: synced instead when there is no WAL (everything checkpointed).
+    /// The database file: synced instead while there is no WAL (everything checkpointed).
     db: PathBuf,
+    file: Option<std::fs::File>,
 }
 
 impl Wal {
-    /// Opens rather than stats the file to see whether it was replaced: a stat marks the WAL's
-    /// timestamps as seen, the kernel then stamps each write finely, and on ext4 without a
-    /// journal every fdatasync also wrote the inode (block writes per synced message 3.0 → 2.3).
-    fn sync(&self) -> std::io::Result<()> {
-        match std::fs::File::open(&self.path) {
-            Ok(file) => file.sync_data(),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                std::fs::File::open(&self.db)?.sync_data()
-            }
-            Err(e) => Err(e),
+    /// Never `stat`s the file: a stat marks the WAL's timestamps as seen, the kernel then stamps
+    /// each write finely, and on ext4 without a journal every fdatasync also wrote the inode
+    /// (block writes per synced message 3.0 → 2.3).
+    fn sync(&mut self) -> std::io::Result<()> {
+        if self.file.is_none() {
+            self.file = match std::fs::File::open(&self.path) {
+                Ok(file) => Some(file),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    return std::fs::File::open(&self.db)?.sync_data();
+                }
+                Err(e) => return Err(e),
+            };
         }
+        self.file.as_ref().map_or(Ok(()), std::fs::File::sync_data)
     }
 }
 
@@ -447,6 +455,33 @@ mod tests {
         syncer.after(false, &[], None, recording(&seen), false, None);
         syncer.handed_over();
         assert_eq!(*seen.lock().expect("lock"), vec![false, true]);
+    }
+
+    /// A writeback error is reported to each descriptor open before it (Linux `lib/errseq.c`,
+    /// `errseq_sample`): a WAL opened anew for each sync would miss one the checkpoint's own
+    /// fsync of the WAL saw first, and acknowledge what was lost.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn the_wal_is_synced_through_one_descriptor_kept_from_the_first_sync() {
+        let (dir, mut syncer) = over_a_wal(Duration::ZERO);
+        let wal = std::fs::canonicalize(dir.path().join("edgemeta.db-wal")).expect("wal");
+        let open = || {
+            std::fs::read_dir("/proc/self/fd")
+                .expect("fds")
+                .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+                .filter(|target| *target == wal)
+                .count()
+        };
+        assert_eq!(open(), 0, "opened before its first sync");
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        for _ in 0..3 {
+            syncer.after(true, &[], None, recording(&seen), false, None);
+            syncer.handed_over();
+            assert_eq!(open(), 1, "the WAL's descriptor after a sync");
+        }
+        assert_eq!(*seen.lock().expect("lock"), vec![true, true, true]);
+        drop(syncer);
+        assert_eq!(open(), 0, "closed with the sync thread");
     }
 
     fn numbered(seen: &Arc<Mutex<Vec<(u32, bool)>>>, n: u32) -> Release {
