@@ -404,16 +404,17 @@ impl Wal {
     /// each write finely, and on ext4 without a journal every fdatasync also wrote the inode
     /// (block writes per synced message 3.0 → 2.3).
     fn sync(&mut self) -> std::io::Result<()> {
-        if self.file.is_none() {
-            self.file = match std::fs::File::open(&self.path) {
-                Ok(file) => Some(file),
+        let file = match &mut self.file {
+            Some(file) => file,
+            None => match std::fs::File::open(&self.path) {
+                Ok(file) => self.file.insert(file),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                     return std::fs::File::open(&self.db)?.sync_data();
                 }
                 Err(e) => return Err(e),
-            };
-        }
-        self.file.as_ref().map_or(Ok(()), std::fs::File::sync_data)
+            },
+        };
+        file.sync_data()
     }
 }
 
