@@ -365,16 +365,17 @@ impl<'a> Context<'a> {
         self.append_for_cloud(&topic, &envelope.to_bytes()).await
     }
 
-    /// Appends to the outbox in the batch's transaction (see [`outbox::append`]).
+    /// Appends what `payload` builds to the outbox in the batch's transaction (see
+    /// [`outbox::append`]); built only when the row would reach anyone.
     pub(crate) async fn queue_for_cloud(
         &mut self,
         topic: &str,
-        payload: &[u8],
+        payload: impl FnOnce() -> Vec<u8>,
     ) -> Result<(), Error> {
         if !self.cloud_hears(topic) {
             return Ok(());
         }
-        self.append_for_cloud(topic, payload).await
+        self.append_for_cloud(topic, &payload()).await
     }
 
     /// Whether an outbox row for `topic` reaches anyone. Standalone, a row is relayed to

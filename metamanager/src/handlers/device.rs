@@ -140,18 +140,21 @@ pub(crate) async fn upload(
     payload: &[u8],
     cx: &mut Context<'_>,
 ) -> Result<(), Error> {
-    let envelope = Envelope {
-        header: header(),
-        route: Route {
-            source: EVENTBUS.into(),
-            group: "user".into(),
-            operation: "upload".into(),
-            resource,
-        },
-        content: content_of(payload),
-    };
     let cloud = outbound(cx.root(), CLOUD, EVENTBUS, "upload", cloud_resource);
-    cx.queue_for_cloud(&cloud, &envelope.to_bytes()).await
+    cx.queue_for_cloud(&cloud, || {
+        Envelope {
+            header: header(),
+            route: Route {
+                source: EVENTBUS.into(),
+                group: "user".into(),
+                operation: "upload".into(),
+                resource,
+            },
+            content: content_of(payload),
+        }
+        .to_bytes()
+    })
+    .await
 }
 
 pub(crate) async fn remove_device(device: Device, cx: &mut Context<'_>) -> Result<(), Error> {
@@ -300,19 +303,22 @@ pub(crate) async fn ack_cloud(
     resource: &str,
     cx: &mut Context<'_>,
 ) -> Result<(), Error> {
-    let mut envelope = Envelope {
-        header: header(),
-        route: Route {
-            source: TWIN.into(),
-            group: TWIN.into(),
-            operation: "response".into(),
-            resource: resource.into(),
-        },
-        content: to_raw(&"OK"),
-    };
-    envelope.header.parent_msg_id = Some(msg_id.to_owned());
     let topic = outbound(cx.root(), CLOUD, TWIN, "response", resource);
-    cx.queue_for_cloud(&topic, &envelope.to_bytes()).await
+    cx.queue_for_cloud(&topic, || {
+        let mut envelope = Envelope {
+            header: header(),
+            route: Route {
+                source: TWIN.into(),
+                group: TWIN.into(),
+                operation: "response".into(),
+                resource: resource.into(),
+            },
+            content: to_raw(&"OK"),
+        };
+        envelope.header.parent_msg_id = Some(msg_id.to_owned());
+        envelope.to_bytes()
+    })
+    .await
 }
 
 /// Queues a report for the cloud on `<root>/cloud/<from>/<op>/<ns>/<type>`.
@@ -323,18 +329,21 @@ pub(crate) async fn up(
     resource: &str,
     content: &impl Serialize,
 ) -> Result<(), Error> {
-    let envelope = Envelope {
-        header: header(),
-        route: Route {
-            source: from.into(),
-            group: "resource".into(),
-            operation: operation.into(),
-            resource: resource.into(),
-        },
-        content: to_raw(content),
-    };
     let topic = outbound(cx.root(), CLOUD, from, operation, resource);
-    cx.queue_for_cloud(&topic, &envelope.to_bytes()).await
+    cx.queue_for_cloud(&topic, || {
+        Envelope {
+            header: header(),
+            route: Route {
+                source: from.into(),
+                group: "resource".into(),
+                operation: operation.into(),
+                resource: resource.into(),
+            },
+            content: to_raw(content),
+        }
+        .to_bytes()
+    })
+    .await
 }
 
 /// A mapper's request to `family`: its result topic and the payload as `T`; `None` once a 400

@@ -2,7 +2,8 @@
 //! the worker's transaction. Values are kept as KubeEdge writes them: JSON text for metadata
 //! and versions, `optional` as 0/1.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{MutexGuard, PoisonError};
 
 use libsql::{params, Value};
 
@@ -20,7 +21,48 @@ pub struct DeviceRow {
     pub last_online: String,
 }
 
+/// Each cached device's twins as a read of its rows would return them. A write updates the
+/// entry (an inserted twin, whose row id SQLite picks, drops it), and any rollback drops them
+/// all: what the cache holds never outlives the transaction that wrote it. Kept as a slice,
+/// not a map: a map's first node holds room for eleven twins, about 3 KiB a device.
+pub(super) struct TwinCache {
+    devices: HashMap<String, Box<[Twin]>>,
+    max: usize,
+}
+
+impl TwinCache {
+    pub(super) fn new(max: usize) -> TwinCache {
+        TwinCache {
+            devices: HashMap::new(),
+            max,
+        }
+    }
+
+    fn keep(&mut self, device: &str, twins: &BTreeMap<String, Twin>) {
+        if self.max == 0 {
+            return;
+        }
+        if self.devices.len() >= self.max {
+            // Any one: the bound is on memory, and a dropped device costs one read later.
+            if let Some(other) = self.devices.keys().next().cloned() {
+                self.devices.remove(&other);
+            }
+        }
+        self.devices
+            .insert(device.to_owned(), twins.values().cloned().collect());
+    }
+}
+
 impl Db {
+    fn twin_cache(&self) -> MutexGuard<'_, TwinCache> {
+        self.twins.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Drops every cached twin: a rollback may have undone any of them.
+    pub(super) fn forget_twins(&self) {
+        self.twin_cache().devices.clear();
+    }
+
     /// The device `id`, if this node has it.
     pub async fn device(&self, id: &str) -> Result<Option<DeviceRow>, libsql::Error> {
         const SQL: &str =
@@ -92,6 +134,7 @@ impl Db {
 
     /// Removes the device with its attributes and twins (KubeEdge `DeleteDeviceTrans`).
     pub async fn delete_device(&self, id: &str) -> Result<(), libsql::Error> {
+        self.twin_cache().devices.remove(id);
         self.exec("DELETE FROM device_attr WHERE deviceid = ?1", [id])
             .await?;
         self.exec("DELETE FROM device_twin WHERE deviceid = ?1", [id])
@@ -102,6 +145,12 @@ impl Db {
 
     /// The device's twins by property name.
     pub async fn twins(&self, device: &str) -> Result<BTreeMap<String, Twin>, libsql::Error> {
+        if let Some(twins) = self.twin_cache().devices.get(device) {
+            return Ok(twins
+                .iter()
+                .map(|twin| (twin.name.clone(), twin.clone()))
+                .collect());
+        }
         const SQL: &str = "SELECT id, name, description, expected, actual, expected_meta,
             actual_meta, expected_version, actual_version, optional, attr_type, metadata
             FROM device_twin WHERE deviceid = ?1 ORDER BY id";
@@ -127,11 +176,14 @@ impl Db {
         }
         drop(rows);
         self.keep(SQL, statement);
+        self.twin_cache().keep(device, &twins);
         Ok(twins)
     }
 
     /// Inserts a twin that has no row yet, else updates its row.
     pub async fn write_twin(&self, device: &str, twin: &Twin) -> Result<(), libsql::Error> {
+        // Out of the cache while written: back only once its row holds the twin.
+        let cached = self.twin_cache().devices.remove(device);
         let json = |v: Option<String>| v.map_or(Value::Null, Value::Text);
         let meta = |m: &Option<crate::devices::wire::ValueMetadata>| {
             json(m.as_ref().and_then(|m| serde_json::to_string(m).ok()))
@@ -161,21 +213,29 @@ impl Db {
                      attr_type, metadata) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
                     values.to_vec(),
                 )
-                .await?
+                .await?;
             }
             Some(row) => {
                 // A row keeps its device and name, and leaving them out of the SET keeps SQLite
                 // from rewriting their index entry: one page less per report in the WAL.
                 let mut with_row = values[2..].to_vec();
                 with_row.push(Value::Integer(row));
-                self.exec(
-                    "UPDATE device_twin SET description = ?1, expected = ?2, actual = ?3,
-                     expected_meta = ?4, actual_meta = ?5, expected_version = ?6,
-                     actual_version = ?7, optional = ?8, attr_type = ?9, metadata = ?10
-                     WHERE id = ?11",
-                    with_row,
-                )
-                .await?
+                let changed = self
+                    .exec(
+                        "UPDATE device_twin SET description = ?1, expected = ?2, actual = ?3,
+                         expected_meta = ?4, actual_meta = ?5, expected_version = ?6,
+                         actual_version = ?7, optional = ?8, attr_type = ?9, metadata = ?10
+                         WHERE id = ?11",
+                        with_row,
+                    )
+                    .await?;
+                if let (1, Some(mut twins)) = (changed, cached) {
+                    let same = |kept: &&mut Twin| kept.row == Some(row) && kept.name == twin.name;
+                    if let Some(kept) = twins.iter_mut().find(same) {
+                        kept.clone_from(twin);
+                        self.twin_cache().devices.insert(device.to_owned(), twins);
+                    }
+                }
             }
         };
         Ok(())
@@ -263,4 +323,104 @@ fn flag(row: &libsql::Row, index: i32) -> Result<bool, libsql::Error> {
         Value::Text(s) => matches!(s.as_str(), "1" | "true" | "TRUE" | "t"),
         _ => false,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::StoreConfig;
+
+    async fn open(dir: &tempfile::TempDir, twin_cache: usize) -> Db {
+        let config = StoreConfig {
+            path: dir.path().join("meta.db"),
+            twin_cache,
+            ..StoreConfig::default()
+        };
+        Db::open(&config).await.expect("open")
+    }
+
+    fn reported(name: &str, actual: &str) -> Twin {
+        Twin {
+            name: name.into(),
+            actual: Some(actual.into()),
+            ..Twin::default()
+        }
+    }
+
+    async fn actual(db: &Db, device: &str, name: &str) -> Option<String> {
+        let twins = db.twins(device).await.expect("read twins");
+        twins.get(name).and_then(|twin| twin.actual.clone())
+    }
+
+    /// A twin written and then undone, by a savepoint or the whole transaction, reads as the
+    /// row holds it again, though the write had put it in the cache.
+    #[tokio::test]
+    async fn an_undone_twin_write_is_not_read_back() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let db = open(&dir, 16).await;
+        db.write_twin("d1", &reported("temperature", "20"))
+            .await
+            .expect("insert");
+        let mut twin = db.twins("d1").await.expect("read")["temperature"].clone();
+
+        let tx = db.begin(true).await.expect("begin");
+        let step = tx.savepoint().await.expect("savepoint");
+        twin.actual = Some("21".into());
+        db.write_twin("d1", &twin).await.expect("update");
+        assert_eq!(
+            actual(&db, "d1", "temperature").await.as_deref(),
+            Some("21")
+        );
+        step.rollback().await.expect("roll back the step");
+        assert_eq!(
+            actual(&db, "d1", "temperature").await.as_deref(),
+            Some("20")
+        );
+
+        twin.actual = Some("22".into());
+        db.write_twin("d1", &twin).await.expect("update");
+        assert_eq!(
+            actual(&db, "d1", "temperature").await.as_deref(),
+            Some("22")
+        );
+        tx.rollback().await.expect("roll back");
+        assert_eq!(
+            actual(&db, "d1", "temperature").await.as_deref(),
+            Some("20")
+        );
+
+        let tx = db.begin(true).await.expect("begin");
+        twin.actual = Some("23".into());
+        db.write_twin("d1", &twin).await.expect("update");
+        tx.commit().await.expect("commit");
+        drop(db);
+        let db = open(&dir, 16).await;
+        assert_eq!(
+            actual(&db, "d1", "temperature").await.as_deref(),
+            Some("23")
+        );
+    }
+
+    /// With room for two devices, twenty read in turn each get their own twins while the cache
+    /// stays at two, and a deleted device's twins are gone.
+    #[tokio::test]
+    async fn a_full_cache_still_reads_each_device_right() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let db = open(&dir, 2).await;
+        let devices: Vec<String> = (0..20).map(|i| format!("d{i}")).collect();
+        for (i, device) in devices.iter().enumerate() {
+            db.write_twin(device, &reported("t", &i.to_string()))
+                .await
+                .expect("insert");
+        }
+        for _ in 0..2 {
+            for (i, device) in devices.iter().enumerate() {
+                let value = i.to_string();
+                assert_eq!(actual(&db, device, "t").await, Some(value));
+                assert!(db.twin_cache().devices.len() <= 2);
+            }
+        }
+        db.delete_device("d19").await.expect("delete");
+        assert!(db.twins("d19").await.expect("read").is_empty());
+    }
 }

@@ -65,6 +65,10 @@ pub struct StoreConfig {
     /// Most payload bytes waiting for the cloud.
     #[serde(default = "default_outbox_max_bytes")]
     pub outbox_max_bytes: u64,
+    /// Devices whose twins the store thread keeps in memory, so a twin report reads no rows
+    /// (0: none). Past it, each device read drops another's; about 0.4 KiB a twin.
+    #[serde(default = "default_twin_cache")]
+    pub twin_cache: usize,
     /// Changes of served objects kept for watches to resume from (`metaserver.history`, set by
     /// the binary; not a `store:` key).
     #[serde(skip, default = "default_history")]
@@ -95,6 +99,9 @@ const fn default_sync_delay_ms() -> u64 {
 const fn default_batch_max() -> usize {
     256
 }
+const fn default_twin_cache() -> usize {
+    16_384
+}
 const fn default_outbox_max_entries() -> u64 {
     1_000_000
 }
@@ -118,6 +125,7 @@ impl Default for StoreConfig {
             max_pages: 0,
             outbox_max_entries: default_outbox_max_entries(),
             outbox_max_bytes: default_outbox_max_bytes(),
+            twin_cache: default_twin_cache(),
             history: default_history(),
         }
     }
@@ -213,6 +221,8 @@ pub struct Db {
     history_pruned: AtomicU64,
     /// Versioned changes of the open transaction, in order (`versions.rs`).
     pending: Mutex<Vec<Change>>,
+    /// Devices' twins as their rows hold them, committed or not (`devices.rs`).
+    twins: Mutex<devices::TwinCache>,
     // Keeps the database alive as long as the connection.
     _db: libsql::Database,
 }
@@ -261,6 +271,7 @@ impl Db {
             history: config.history,
             history_pruned: AtomicU64::new(0),
             pending: Mutex::new(Vec::new()),
+            twins: Mutex::new(devices::TwinCache::new(config.twin_cache)),
             _db: db,
         };
         this.migrate(&config.path).await?;
@@ -345,6 +356,7 @@ impl Db {
                 error_code = "EM-STORE-TRANSACTION",
                 "rolling back a transaction left open"
             );
+            self.forget_twins();
             self.control("ROLLBACK").await?;
         }
         // `synchronous` cannot change inside a transaction, so it is set here, and only on change.
@@ -659,6 +671,7 @@ impl<'a> Transaction<'a> {
         };
         if committed.is_err() {
             self.db.forget_changes(0);
+            self.db.forget_twins();
             // The prune may be undone with the rest: the next commit prunes again.
             self.db.history_pruned.store(0, Ordering::Relaxed);
         }
@@ -673,6 +686,7 @@ impl<'a> Transaction<'a> {
     /// Undoes the whole transaction (a no-op when SQLite already did).
     pub async fn rollback(self) -> Result<(), libsql::Error> {
         self.db.forget_changes(0);
+        self.db.forget_twins();
         if self.db.in_transaction() {
             self.db.control("ROLLBACK").await?;
         }
@@ -703,6 +717,7 @@ impl Savepoint<'_> {
     /// Undoes the changes made since the savepoint and closes it; the transaction stays open.
     pub async fn rollback(self) -> Result<(), libsql::Error> {
         self.db.forget_changes(self.changes);
+        self.db.forget_twins();
         if self.whole {
             if self.db.in_transaction() {
                 self.db.control("ROLLBACK").await?;
