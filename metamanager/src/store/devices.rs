@@ -352,6 +352,17 @@ mod tests {
         twins.get(name).and_then(|twin| twin.actual.clone())
     }
 
+    /// Writes `value` as d1's temperature (its row exists).
+    async fn write(db: &Db, twin: &mut Twin, value: &str) {
+        twin.actual = Some(value.into());
+        db.write_twin("d1", twin).await.expect("update");
+    }
+
+    /// d1's temperature as the store reads it.
+    async fn temperature(db: &Db) -> Option<String> {
+        actual(db, "d1", "temperature").await
+    }
+
     /// A twin written and then undone, by a savepoint or the whole transaction, reads as the
     /// row holds it again, though the write had put it in the cache.
     #[tokio::test]
@@ -365,40 +376,22 @@ mod tests {
 
         let tx = db.begin(true).await.expect("begin");
         let step = tx.savepoint().await.expect("savepoint");
-        twin.actual = Some("21".into());
-        db.write_twin("d1", &twin).await.expect("update");
-        assert_eq!(
-            actual(&db, "d1", "temperature").await.as_deref(),
-            Some("21")
-        );
+        write(&db, &mut twin, "21").await;
+        assert_eq!(temperature(&db).await.as_deref(), Some("21"));
         step.rollback().await.expect("roll back the step");
-        assert_eq!(
-            actual(&db, "d1", "temperature").await.as_deref(),
-            Some("20")
-        );
+        assert_eq!(temperature(&db).await.as_deref(), Some("20"));
 
-        twin.actual = Some("22".into());
-        db.write_twin("d1", &twin).await.expect("update");
-        assert_eq!(
-            actual(&db, "d1", "temperature").await.as_deref(),
-            Some("22")
-        );
+        write(&db, &mut twin, "22").await;
+        assert_eq!(temperature(&db).await.as_deref(), Some("22"));
         tx.rollback().await.expect("roll back");
-        assert_eq!(
-            actual(&db, "d1", "temperature").await.as_deref(),
-            Some("20")
-        );
+        assert_eq!(temperature(&db).await.as_deref(), Some("20"));
 
         let tx = db.begin(true).await.expect("begin");
-        twin.actual = Some("23".into());
-        db.write_twin("d1", &twin).await.expect("update");
+        write(&db, &mut twin, "23").await;
         tx.commit().await.expect("commit");
         drop(db);
         let db = open(&dir, 16).await;
-        assert_eq!(
-            actual(&db, "d1", "temperature").await.as_deref(),
-            Some("23")
-        );
+        assert_eq!(temperature(&db).await.as_deref(), Some("23"));
     }
 
     /// With room for two devices, twenty read in turn each get their own twins while the cache
