@@ -356,7 +356,7 @@ impl Db {
                 error_code = "EM-STORE-TRANSACTION",
                 "rolling back a transaction left open"
             );
-            self.forget_twins();
+            self.undone(0);
             self.control("ROLLBACK").await?;
         }
         // `synchronous` cannot change inside a transaction, so it is set here, and only on change.
@@ -376,6 +376,13 @@ impl Db {
             db: self,
             fresh: std::cell::Cell::new(true),
         })
+    }
+
+    /// Forgets what is kept in memory of writes a rollback undid: the versioned changes past
+    /// the first `changes`, and every cached twin.
+    fn undone(&self, changes: usize) {
+        self.forget_changes(changes);
+        self.forget_twins();
     }
 
     /// Runs a transaction-control statement (`BEGIN`, `SAVEPOINT x`, `COMMIT`, ...).
@@ -670,8 +677,7 @@ impl<'a> Transaction<'a> {
             Err(e) => Err(e),
         };
         if committed.is_err() {
-            self.db.forget_changes(0);
-            self.db.forget_twins();
+            self.db.undone(0);
             // The prune may be undone with the rest: the next commit prunes again.
             self.db.history_pruned.store(0, Ordering::Relaxed);
         }
@@ -685,8 +691,7 @@ impl<'a> Transaction<'a> {
 
     /// Undoes the whole transaction (a no-op when SQLite already did).
     pub async fn rollback(self) -> Result<(), libsql::Error> {
-        self.db.forget_changes(0);
-        self.db.forget_twins();
+        self.db.undone(0);
         if self.db.in_transaction() {
             self.db.control("ROLLBACK").await?;
         }
@@ -716,8 +721,7 @@ impl Savepoint<'_> {
 
     /// Undoes the changes made since the savepoint and closes it; the transaction stays open.
     pub async fn rollback(self) -> Result<(), libsql::Error> {
-        self.db.forget_changes(self.changes);
-        self.db.forget_twins();
+        self.db.undone(self.changes);
         if self.whole {
             if self.db.in_transaction() {
                 self.db.control("ROLLBACK").await?;
