@@ -59,10 +59,10 @@ impl<'a> InboundTopic<'a> {
             .and_then(|t| t.strip_prefix(module))
             .and_then(|t| t.strip_prefix('/'))
             .ok_or_else(bad)?;
-        let mut parts = rest.splitn(3, '/');
-        let from = parts.next().filter(|f| !f.is_empty()).ok_or_else(bad)?;
-        let operation = parts.next().ok_or_else(bad)?;
-        let resource = parts.next().unwrap_or("");
+        let (from, after) = first_level(rest);
+        let after = after.filter(|_| !from.is_empty()).ok_or_else(bad)?;
+        let (operation, resource) = first_level(after);
+        let resource = resource.unwrap_or("");
         Ok(InboundTopic {
             from,
             operation,
@@ -80,12 +80,24 @@ impl<'a> InboundTopic<'a> {
     }
 }
 
+/// The first level of `levels` and what follows its `/`, if one does. A byte scan: topics are
+/// split on every message, and `str`'s char searchers cost several times as much.
+fn first_level(levels: &str) -> (&str, Option<&str>) {
+    match levels.bytes().position(|b| b == b'/') {
+        Some(at) => (&levels[..at], Some(&levels[at + 1..])),
+        None => (levels, None),
+    }
+}
+
 /// At most the first two levels of a resource string: `<namespace>/<type>` of a valid one.
 /// Malformed text is cut the same way, so an error reply's topic stays bounded too.
 pub fn type_level(resource: &str) -> &str {
-    match resource.match_indices('/').nth(1) {
-        Some((end, _)) => &resource[..end],
-        None => resource,
+    match first_level(resource) {
+        (namespace, Some(rest)) => {
+            let (res_type, _) = first_level(rest);
+            &resource[..namespace.len() + 1 + res_type.len()]
+        }
+        (_, None) => resource,
     }
 }
 
@@ -116,6 +128,31 @@ pub fn outbound(root: &str, to: &str, from: &str, operation: &str, resource: &st
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The byte scans split as `str::splitn` and `match_indices` do, on any text.
+        #[test]
+        fn levels_split_as_the_standard_library_splits(topic in "[a-z/é]{0,12}") {
+            let mut parts = topic.splitn(3, '/');
+            let expected = match (parts.next().filter(|f| !f.is_empty()), parts.next()) {
+                (Some(from), Some(operation)) => Some((from, operation, parts.next().unwrap_or(""))),
+                _ => None,
+            };
+            let split = InboundTopic::addressed_to("ke", "meta", &format!("ke/meta/{topic}"))
+                .ok()
+                .map(|t| (t.from.to_owned(), t.operation.to_owned(), t.resource.to_owned()));
+            prop_assert_eq!(
+                split,
+                expected.map(|(a, b, c)| (a.to_owned(), b.to_owned(), c.to_owned()))
+            );
+            let cut = match topic.match_indices('/').nth(1) {
+                Some((end, _)) => &topic[..end],
+                None => &topic[..],
+            };
+            prop_assert_eq!(type_level(&topic), cut);
+        }
+    }
 
     #[test]
     fn a_three_level_resource_topic_splits() {
