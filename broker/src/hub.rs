@@ -204,6 +204,20 @@ pub struct HubLimits {
     pub reader_stall: Duration,
 }
 
+/// Whether clients subscribe to the topics a caller asked about, valid for one generation of
+/// the index: the store thread asks for every reply and device document it might build, and
+/// matching the topic each time was 2 % of its instructions per stored message.
+#[derive(Debug, Default)]
+pub struct Heard {
+    generation: u64,
+    topics: HashMap<Box<str>, bool>,
+}
+
+impl Heard {
+    /// Topics remembered at most; past it the memory starts over (device topics name devices).
+    const MAX_TOPICS: usize = 16_384;
+}
+
 /// Sessions, subscriptions and retained messages, each behind its own short lock, taken in
 /// the order the module's documentation gives.
 #[derive(Debug)]
@@ -424,6 +438,21 @@ impl Hub {
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .reaches(topic, |session| session < FIRST_LINK)
+    }
+
+    /// [`Hub::reaches_clients`], answered from `heard` while no subscription changed since.
+    pub fn reaches_clients_heard(&self, topic: &str, heard: &mut Heard) -> bool {
+        let index = self.index.read().unwrap_or_else(PoisonError::into_inner);
+        if heard.generation != index.generation() || heard.topics.len() >= Heard::MAX_TOPICS {
+            heard.topics.clear();
+            heard.generation = index.generation();
+        }
+        if let Some(&reaches) = heard.topics.get(topic) {
+            return reaches;
+        }
+        let reaches = index.reaches(topic, |session| session < FIRST_LINK);
+        heard.topics.insert(topic.into(), reaches);
+        reaches
     }
 
     /// A CONNECT: the session it starts or resumes, with its mailroom; a connection it takes
@@ -815,6 +844,34 @@ mod tests {
                 .expect("a valid filter");
         }
         room
+    }
+
+    /// A remembered answer holds only while the subscriptions do: a subscribe, an unsubscribe
+    /// and a session's end each change what the next question hears.
+    #[test]
+    fn heard_answers_follow_every_subscription_change() {
+        let hub = hub();
+        let mut heard = Heard::default();
+        assert!(!hub.reaches_clients_heard("ke/cloud/meta/insert/default/pod", &mut heard));
+        let token = CancellationToken::new();
+        let (connected, _room) = hub.connect("c", true, Duration::ZERO, limits(&hub), token);
+        let options = crate::index::Options::v4(1);
+        hub.subscribe("c", connected.session, "ke/cloud/#", options)
+            .expect("a valid filter");
+        assert!(hub.reaches_clients_heard("ke/cloud/meta/insert/default/pod", &mut heard));
+        assert!(!hub.reaches_clients_heard("ke/edged/meta/insert/default/pod", &mut heard));
+        assert!(hub.unsubscribe("c", connected.session, "ke/cloud/#"));
+        assert!(!hub.reaches_clients_heard("ke/cloud/meta/insert/default/pod", &mut heard));
+        hub.subscribe(
+            "c",
+            connected.session,
+            "ke/+/meta/#",
+            crate::index::Options::v4(1),
+        )
+        .expect("a valid filter");
+        assert!(hub.reaches_clients_heard("ke/edged/meta/insert/default/pod", &mut heard));
+        hub.disconnect("c", connected.connection, None, Duration::ZERO);
+        assert!(!hub.reaches_clients_heard("ke/edged/meta/insert/default/pod", &mut heard));
     }
 
     /// A hand-on promised room is routed once, by its promise: a shared group's members take

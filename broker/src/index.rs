@@ -155,6 +155,8 @@ pub struct Index {
     exact: HashMap<Box<str>, Holders>,
     wild: Node,
     count: usize,
+    /// Bumped by every change, so an answer derived from the index can be kept until it moves.
+    generation: u64,
 }
 
 /// A filter split into its share group (if any) and the filter proper.
@@ -248,6 +250,7 @@ impl Index {
         if parsed.group.is_some() && options.no_local {
             return Err(FilterError::SharedNoLocal);
         }
+        self.generation += 1;
         let holders = self.holders_mut(&parsed);
         let members = match parsed.group {
             None => &mut holders.plain,
@@ -287,6 +290,7 @@ impl Index {
         let Ok(parsed) = parse(filter) else {
             return false;
         };
+        self.generation += 1;
         let removed = if parsed.wildcard {
             let levels: Vec<&str> = parsed.filter.split('/').collect();
             remove_in_trie(&mut self.wild, &levels, parsed.group, session)
@@ -392,6 +396,11 @@ impl Index {
             holders.plain.iter().any(member)
                 || holders.groups.iter().any(|g| g.members.iter().any(member))
         })
+    }
+
+    /// Changes so far: equal generations mean an unchanged index.
+    pub fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// The holders of every filter that matches `topic`. Inline room for the usual few

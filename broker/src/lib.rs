@@ -51,7 +51,7 @@ pub use conn::{serve_tcp as serve_connection, Shared};
 pub use direct::{Kept, Together};
 pub use dollar::is_carried;
 pub use error::Error;
-pub use hub::{Hub, HubLimits, Later, Mailroom, Take, Taken};
+pub use hub::{Heard, Hub, HubLimits, Later, Mailroom, Take, Taken};
 pub use index::{valid_topic, Delivery, FilterError, Index, Options, RetainHandling, SessionId};
 pub use link::{Link, Links, Publisher};
 pub use login::CheckConfig;

@@ -9,7 +9,7 @@ use rumqttc::v5::mqttbytes::v5::PublishProperties;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::hub::{hand_to_links, Hub, Take};
+use crate::hub::{hand_to_links, Heard, Hub, Take};
 use crate::index::SessionId;
 use crate::mailbox::Published;
 use crate::{Error, Message};
@@ -125,6 +125,14 @@ impl Publisher {
         match &self.to {
             Target::Channel(_) => true,
             Target::Hub(hub, _) => hub.reaches_clients(topic),
+        }
+    }
+
+    /// [`Publisher::reaches_anyone`], remembered in `heard` until a subscription changes.
+    pub fn reaches_anyone_heard(&self, topic: &str, heard: &mut Heard) -> bool {
+        match &self.to {
+            Target::Channel(_) => true,
+            Target::Hub(hub, _) => hub.reaches_clients_heard(topic, heard),
         }
     }
 

@@ -166,6 +166,8 @@ pub(crate) struct State {
     expiries: DelayQueue<String>,
     /// What waits in the outbox, kept in step with every push and acknowledgement.
     outbox: OutboxStats,
+    /// Whether clients subscribe to the topics asked about, until a subscription changes.
+    heard: edgemeta_broker::Heard,
 }
 
 /// A request waiting for an answer from the cloud (remote query) or from edged (volume call).
@@ -189,6 +191,7 @@ impl State {
             pending: HashMap::new(),
             expiries: DelayQueue::new(),
             outbox,
+            heard: edgemeta_broker::Heard::default(),
         }
     }
 
@@ -325,8 +328,10 @@ impl<'a> Context<'a> {
 
     /// Whether a client subscribes to the device topic `topic` (`$hw/...`) now: what nobody
     /// hears is dropped at the commit ([`crate::handon::unheard`]), so it need not be built.
-    pub(crate) fn heard(&self, topic: &str) -> bool {
-        self.settings.broker.reaches_anyone(topic)
+    pub(crate) fn heard(&mut self, topic: &str) -> bool {
+        self.settings
+            .broker
+            .reaches_anyone_heard(topic, &mut self.state.heard)
     }
 
     /// Publishes `message` after the commit.
@@ -381,8 +386,12 @@ impl<'a> Context<'a> {
     /// Whether an outbox row for `topic` reaches anyone. Standalone, a row is relayed to
     /// whoever subscribes to its topic when it goes out, and deleted: one nobody subscribes to
     /// now would only cost a write, a read and a delete, so it is neither built nor written.
-    fn cloud_hears(&self, topic: &str) -> bool {
-        !self.settings.relay || self.settings.broker.reaches_anyone(topic)
+    fn cloud_hears(&mut self, topic: &str) -> bool {
+        !self.settings.relay
+            || self
+                .settings
+                .broker
+                .reaches_anyone_heard(topic, &mut self.state.heard)
     }
 
     async fn append_for_cloud(&mut self, topic: &str, payload: &[u8]) -> Result<(), Error> {
