@@ -331,8 +331,9 @@ fn json_str(out: &mut Vec<u8>, text: &str) {
     }
 }
 
-/// Whether any byte is a control character, `"` or `\\`: eight bytes a step, each test exact
-/// (a flag is only ever raised by a byte that matches; Bit Twiddling Hacks, "haszero/hasless").
+/// Whether any byte is a control character, `"` or `\`: eight bytes a step. Each word test is
+/// true only when some byte of the word matches (the "haszero"/"hasless" tests of Bit Twiddling
+/// Hacks), so no string is escaped that serde_json would not escape.
 fn needs_escape(bytes: &[u8]) -> bool {
     const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
     const HIGH: u64 = u64::from_ne_bytes([0x80; 8]);
