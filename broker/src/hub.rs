@@ -211,11 +211,28 @@ pub struct HubLimits {
 pub struct Heard {
     generation: u64,
     topics: HashMap<Box<str>, bool>,
+    /// Bytes of the topics remembered.
+    bytes: usize,
 }
 
 impl Heard {
     /// Topics remembered at most; past it the memory starts over (device topics name devices).
     const MAX_TOPICS: usize = 16_384;
+    /// Topic bytes remembered at most: a reply's topic carries levels its sender chose, up to
+    /// `max_topic_bytes` each (10,000 device topics take about 0.6 MiB).
+    const MAX_BYTES: usize = 1 << 20;
+
+    /// Keeps `topic`'s answer, first forgetting the rest if it would not fit.
+    fn keep(&mut self, topic: &str, reaches: bool) {
+        if self.topics.len() >= Heard::MAX_TOPICS || self.bytes + topic.len() > Heard::MAX_BYTES {
+            self.topics.clear();
+            self.bytes = 0;
+        }
+        if topic.len() <= Heard::MAX_BYTES {
+            self.bytes += topic.len();
+            self.topics.insert(topic.into(), reaches);
+        }
+    }
 }
 
 /// Sessions, subscriptions and retained messages, each behind its own short lock, taken in
@@ -443,15 +460,16 @@ impl Hub {
     /// [`Hub::reaches_clients`], answered from `heard` while no subscription changed since.
     pub fn reaches_clients_heard(&self, topic: &str, heard: &mut Heard) -> bool {
         let index = self.index.read().unwrap_or_else(PoisonError::into_inner);
-        if heard.generation != index.generation() || heard.topics.len() >= Heard::MAX_TOPICS {
+        if heard.generation != index.generation() {
             heard.topics.clear();
+            heard.bytes = 0;
             heard.generation = index.generation();
         }
         if let Some(&reaches) = heard.topics.get(topic) {
             return reaches;
         }
         let reaches = index.reaches(topic, |session| session < FIRST_LINK);
-        heard.topics.insert(topic.into(), reaches);
+        heard.keep(topic, reaches);
         reaches
     }
 
@@ -872,6 +890,42 @@ mod tests {
         assert!(hub.reaches_clients_heard("ke/edged/meta/insert/default/pod", &mut heard));
         hub.disconnect("c", connected.connection, None, Duration::ZERO);
         assert!(!hub.reaches_clients_heard("ke/edged/meta/insert/default/pod", &mut heard));
+    }
+
+    /// Ten times the bytes and ten times the topics it may remember, each asked twice: what
+    /// it keeps stays within both bounds, and every answer stays right.
+    #[test]
+    fn heard_stays_bounded_by_topics_and_bytes() {
+        let hub = hub();
+        let token = CancellationToken::new();
+        let (connected, _room) = hub.connect("c", true, Duration::ZERO, limits(&hub), token);
+        hub.subscribe(
+            "c",
+            connected.session,
+            "ke/+/odd/#",
+            crate::index::Options::v4(1),
+        )
+        .expect("a valid filter");
+        let mut heard = Heard::default();
+        let long = "x".repeat(8 * 1024);
+        let by_bytes = 10 * Heard::MAX_BYTES / long.len();
+        for i in 0..by_bytes {
+            let kind = if i % 2 == 1 { "odd" } else { "even" };
+            let topic = format!("ke/{i}/{kind}/{long}");
+            for _ in 0..2 {
+                assert_eq!(hub.reaches_clients_heard(&topic, &mut heard), i % 2 == 1);
+                assert!(heard.bytes <= Heard::MAX_BYTES);
+            }
+        }
+        for i in 0..10 * Heard::MAX_TOPICS {
+            let kind = if i % 2 == 1 { "odd" } else { "even" };
+            let topic = format!("ke/{i}/{kind}");
+            assert_eq!(hub.reaches_clients_heard(&topic, &mut heard), i % 2 == 1);
+            assert!(heard.topics.len() <= Heard::MAX_TOPICS);
+        }
+        let huge = format!("ke/1/odd/{}", "y".repeat(Heard::MAX_BYTES + 1));
+        assert!(hub.reaches_clients_heard(&huge, &mut heard));
+        assert!(heard.bytes <= Heard::MAX_BYTES);
     }
 
     /// A hand-on promised room is routed once, by its promise: a shared group's members take
