@@ -222,11 +222,15 @@ impl Heard {
     /// `max_topic_bytes` each (10,000 device topics take about 0.6 MiB).
     const MAX_BYTES: usize = 1 << 20;
 
+    fn forget(&mut self) {
+        self.topics.clear();
+        self.bytes = 0;
+    }
+
     /// Keeps `topic`'s answer, first forgetting the rest if it would not fit.
     fn keep(&mut self, topic: &str, reaches: bool) {
         if self.topics.len() >= Heard::MAX_TOPICS || self.bytes + topic.len() > Heard::MAX_BYTES {
-            self.topics.clear();
-            self.bytes = 0;
+            self.forget();
         }
         if topic.len() <= Heard::MAX_BYTES {
             self.bytes += topic.len();
@@ -461,8 +465,7 @@ impl Hub {
     pub fn reaches_clients_heard(&self, topic: &str, heard: &mut Heard) -> bool {
         let index = self.index.read().unwrap_or_else(PoisonError::into_inner);
         if heard.generation != index.generation() {
-            heard.topics.clear();
-            heard.bytes = 0;
+            heard.forget();
             heard.generation = index.generation();
         }
         if let Some(&reaches) = heard.topics.get(topic) {
