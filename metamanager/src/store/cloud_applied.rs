@@ -54,34 +54,41 @@ fn applied_at(row: &Row, at: i32) -> Result<Option<Applied>, libsql::Error> {
     }))
 }
 
+/// The cloud change a `meta` row keeps ([`Db::claim_cloud_change`] looks there first).
+pub(super) const APPLIED_ON_ROW: &str =
+    "SELECT applied_rv, applied_msg_id, 0 FROM meta WHERE type = ?2 AND key = ?1";
+
+/// A cloud change's one read ([`Db::upsert_cloud_change`]): the stored value and what was
+/// applied, on the row or in `cloud_applied`.
+pub(super) const READ: &str = "SELECT 1, value, applied_rv, applied_msg_id, 0, rv FROM meta
+         WHERE type = ?2 AND key = ?1
+     UNION ALL SELECT 2, NULL, rv, msg_id, deleted, NULL FROM cloud_applied WHERE key = ?1";
+
 impl Db {
     /// The cloud change last applied to `key` as `cloud_applied` keeps it, if it does.
     #[cfg(test)]
     pub async fn cloud_applied(&self, key: &str) -> Result<Option<Applied>, libsql::Error> {
         self.applied_by(
             "SELECT rv, msg_id, deleted FROM cloud_applied WHERE key = ?1",
-            key,
+            vec![key],
         )
         .await
     }
 
     /// The cloud change last applied to `key` as its `meta` row keeps it, if it does.
-    async fn applied_on_row(&self, key: &str) -> Result<Option<Applied>, libsql::Error> {
-        self.applied_by(
-            "SELECT applied_rv, applied_msg_id, 0 FROM meta WHERE key = ?1",
-            key,
-        )
-        .await
+    pub(super) async fn applied_on_row(&self, key: &str) -> Result<Option<Applied>, libsql::Error> {
+        self.applied_by(APPLIED_ON_ROW, vec![key, super::type_of(key)])
+            .await
     }
 
-    /// The change `sql` reads for `key` (columns `rv, msg_id, deleted`), if any.
+    /// The change `sql` reads with `params` (columns `rv, msg_id, deleted`), if any.
     async fn applied_by(
         &self,
         sql: &'static str,
-        key: &str,
+        params: Vec<&str>,
     ) -> Result<Option<Applied>, libsql::Error> {
         let statement = self.statement(sql).await?;
-        let mut rows = statement.query([key]).await?;
+        let mut rows = statement.query(params).await?;
         let applied = match rows.next().await? {
             Some(row) => applied_at(&row, 0)?,
             None => None,
@@ -102,11 +109,8 @@ impl Db {
         value: &str,
         change: &Applied,
     ) -> Result<bool, libsql::Error> {
-        const READ: &str = "SELECT 1, value, applied_rv, applied_msg_id, 0, rv FROM meta
-                 WHERE key = ?1
-             UNION ALL SELECT 2, NULL, rv, msg_id, deleted, NULL FROM cloud_applied WHERE key = ?1";
         let statement = self.statement(READ).await?;
-        let mut rows = statement.query([key]).await?;
+        let mut rows = statement.query([key, super::type_of(key)]).await?;
         let (mut stored, mut on_row, mut kept, mut version) = (None, None, None, 0);
         while let Some(row) = rows.next().await? {
             if matches!(row.get_value(0)?, Value::Integer(1)) {
@@ -131,7 +135,7 @@ impl Db {
             self.exec(
                 "INSERT INTO meta (key, type, value, applied_rv, applied_msg_id)
                  VALUES (?1, ?2, ?3, ?4, ?5)
-                 ON CONFLICT(key) DO UPDATE SET value = excluded.value,
+                 ON CONFLICT(type, key) DO UPDATE SET value = excluded.value,
                      applied_rv = excluded.applied_rv, applied_msg_id = excluded.applied_msg_id",
                 params![key, res_type, value, rv, msg_id],
             )
@@ -143,8 +147,9 @@ impl Db {
             Some(old) if old == value => {
                 // Nothing changed for a watcher: no version, only the change remembered.
                 self.exec(
-                    "UPDATE meta SET applied_rv = ?2, applied_msg_id = ?3 WHERE key = ?1",
-                    params![key, rv, msg_id],
+                    "UPDATE meta SET applied_rv = ?2, applied_msg_id = ?3
+                     WHERE type = ?4 AND key = ?1",
+                    params![key, rv, msg_id, super::type_of(key)],
                 )
                 .await?;
                 return Ok(true);
@@ -158,7 +163,7 @@ impl Db {
         self.exec(
             "INSERT INTO meta (key, type, value, rv, applied_rv, applied_msg_id)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6)
-             ON CONFLICT(key) DO UPDATE SET value = excluded.value, rv = excluded.rv,
+             ON CONFLICT(type, key) DO UPDATE SET value = excluded.value, rv = excluded.rv,
                  applied_rv = excluded.applied_rv, applied_msg_id = excluded.applied_msg_id",
             params![key, res_type, value, version as i64, rv, msg_id],
         )

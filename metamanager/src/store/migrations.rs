@@ -141,6 +141,25 @@ pub const MIGRATIONS: &[(i64, &str)] = &[
          DROP TABLE meta_history;
          ALTER TABLE meta_history_next RENAME TO meta_history;",
     ),
+    (
+        11,
+        // `type` is the key's second level, so `(type, key)` is as unique as `key`: one index
+        // instead of the key's own and `meta_type_key`. Four publishers' new keys rewrote the
+        // leaves of both in every commit (a third of a P1 insert's WAL bytes).
+        "CREATE TABLE meta_next (
+             key TEXT NOT NULL,
+             type TEXT NOT NULL,
+             value TEXT,
+             rv INTEGER NOT NULL DEFAULT 0,
+             applied_rv INTEGER,
+             applied_msg_id TEXT
+         );
+         INSERT INTO meta_next (key, type, value, rv, applied_rv, applied_msg_id)
+             SELECT key, type, value, rv, applied_rv, applied_msg_id FROM meta ORDER BY rowid;
+         DROP TABLE meta;
+         ALTER TABLE meta_next RENAME TO meta;
+         CREATE UNIQUE INDEX meta_type_key ON meta(type, key);",
+    ),
 ];
 
 /// The schema version this build writes.

@@ -405,15 +405,14 @@ impl Db {
 
     /// `value` of `key`, if stored.
     pub async fn get(&self, key: &str) -> Result<Option<String>, libsql::Error> {
-        const SQL: &str = "SELECT value FROM meta WHERE key = ?1";
-        let statement = self.statement(SQL).await?;
-        let mut rows = statement.query([key]).await?;
+        let statement = self.statement(GET).await?;
+        let mut rows = statement.query([key, type_of(key)]).await?;
         let value = match rows.next().await? {
             Some(row) => text(&row, 0)?,
             None => None,
         };
         drop(rows);
-        self.keep(SQL, statement);
+        self.keep(GET, statement);
         Ok(value)
     }
 
@@ -432,7 +431,7 @@ impl Db {
         // SET, SQLite leaves the row's `meta_type_key` entry alone (one WAL page less).
         self.exec(
             "INSERT INTO meta (key, type, value) VALUES (?1, ?2, ?3)
-             ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+             ON CONFLICT(type, key) DO UPDATE SET value = excluded.value",
             params![key, res_type, value],
         )
         .await
@@ -441,10 +440,15 @@ impl Db {
 
     /// Deletes `key`; the number of rows removed. A served object's delete takes a version.
     pub async fn delete(&self, key: &str) -> Result<u64, libsql::Error> {
-        if let Some(res_type) = key.split('/').nth(1).filter(|t| versioned(t)) {
+        let res_type = type_of(key);
+        if versioned(res_type) {
             return self.delete_versioned(key, res_type).await;
         }
-        self.exec("DELETE FROM meta WHERE key = ?1", [key]).await
+        self.exec(
+            "DELETE FROM meta WHERE type = ?2 AND key = ?1",
+            [key, res_type],
+        )
+        .await
     }
 
     /// Every `value` of `res_type`, in every namespace, in key order.
@@ -743,6 +747,17 @@ impl Savepoint<'_> {
 
 /// A text column read without trusting its storage class: libsql panics when a `String` meets a
 /// non-text value, and a KubeEdge `edgecore.db` edited by hand may hold anything.
+/// An object's value by key ([`Db::get`]).
+const GET: &str = "SELECT value FROM meta WHERE type = ?2 AND key = ?1";
+
+/// The `type` of the object at `key` (`<namespace>/<type>[/<name>]`): its second level, as
+/// every writer stores it (docs/protocol.md §2). Lookups by key name it too, since `meta` is
+/// unique on `(type, key)`: one index for both, not one each.
+pub(crate) fn type_of(key: &str) -> &str {
+    let rest = key.find('/').map_or("", |at| &key[at + 1..]);
+    rest.find('/').map_or(rest, |at| &rest[..at])
+}
+
 fn text(row: &libsql::Row, index: i32) -> Result<Option<String>, libsql::Error> {
     match row.get_value(index)? {
         Value::Null => Ok(None),
@@ -758,6 +773,135 @@ fn text(row: &libsql::Row, index: i32) -> Result<Option<String>, libsql::Error> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each lookup of an object by key finds it through `meta_type_key`, never by reading the
+    /// table: with the key's own index gone, a statement that left out the type would scan
+    /// every object.
+    #[tokio::test]
+    async fn lookups_by_key_search_the_type_key_index() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = StoreConfig {
+            path: dir.path().join("meta.db"),
+            ..StoreConfig::default()
+        };
+        let db = Db::open(&config).await.expect("open");
+        for sql in [
+            GET,
+            versions::CURRENT,
+            cloud_applied::APPLIED_ON_ROW,
+            cloud_applied::READ,
+        ] {
+            let mut rows = db
+                .conn
+                .query(&format!("EXPLAIN QUERY PLAN {sql}"), ["ns/pod/a", "pod"])
+                .await
+                .expect("plan");
+            let mut plan = Vec::new();
+            while let Some(row) = rows.next().await.expect("row") {
+                plan.push(row.get::<String>(3).expect("detail"));
+            }
+            let on_meta: Vec<_> = plan
+                .iter()
+                .filter(|step| step.contains(" meta ") || step.ends_with(" meta"))
+                .collect();
+            assert!(!on_meta.is_empty(), "{sql}: {plan:?}");
+            for step in on_meta {
+                assert!(
+                    step.starts_with("SEARCH meta USING") && step.contains("meta_type_key"),
+                    "{sql}: {step}"
+                );
+            }
+        }
+    }
+
+    /// A store of schema 10 (`meta` keyed by `key`, with `meta_type_key` beside it) keeps its
+    /// objects, versions and applied changes; `(type, key)` is unique afterwards, so an upsert
+    /// of a stored key updates its row.
+    #[tokio::test]
+    async fn schema_11_keeps_every_object_under_one_index() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = StoreConfig {
+            path: dir.path().join("meta.db"),
+            ..StoreConfig::default()
+        };
+        let db = Db::open(&config).await.expect("open");
+        db.conn
+            .execute_batch(
+                "DROP TABLE meta;
+                 CREATE TABLE meta (key TEXT PRIMARY KEY, type TEXT NOT NULL, value TEXT,
+                     rv INTEGER NOT NULL DEFAULT 0, applied_rv INTEGER, applied_msg_id TEXT);
+                 CREATE INDEX meta_type_key ON meta(type, key);
+                 INSERT INTO meta VALUES ('ns/pod/a', 'pod', '{\"a\":1}', 3, 7, 'm7');
+                 INSERT INTO meta VALUES ('ns/configmap/c', 'configmap', '{}', 4, NULL, NULL);
+                 INSERT INTO meta VALUES ('ns/devicedata/d', 'devicedata', 'd', 0, NULL, NULL);
+                 PRAGMA user_version=10;",
+            )
+            .await
+            .expect("schema 10");
+        drop(db);
+        let db = Db::open(&config).await.expect("reopen");
+        assert_eq!(
+            db.scalar_i64("PRAGMA user_version").await.expect("version"),
+            11
+        );
+        let indexes = db
+            .scalar_i64(
+                "SELECT count(*) FROM sqlite_master WHERE type = 'index' AND tbl_name = 'meta'",
+            )
+            .await
+            .expect("indexes");
+        assert_eq!(indexes, 1, "only meta_type_key");
+        assert_eq!(
+            db.get("ns/pod/a").await.expect("get").as_deref(),
+            Some("{\"a\":1}")
+        );
+        assert_eq!(
+            db.get("ns/devicedata/d").await.expect("get").as_deref(),
+            Some("d")
+        );
+        assert_eq!(
+            db.current("ns/configmap/c").await.expect("current"),
+            Some(("{}".to_owned(), 4))
+        );
+        let applied = db
+            .applied_on_row("ns/pod/a")
+            .await
+            .expect("applied")
+            .expect("kept on the row");
+        assert!(applied.covers("m7", Some(7), false));
+        db.upsert("ns/devicedata/d", "devicedata", "e")
+            .await
+            .expect("upsert");
+        db.upsert("ns/pod/a", "pod", "{\"a\":2}")
+            .await
+            .expect("upsert");
+        assert_eq!(
+            db.get("ns/devicedata/d").await.expect("get").as_deref(),
+            Some("e")
+        );
+        assert_eq!(
+            db.get("ns/pod/a").await.expect("get").as_deref(),
+            Some("{\"a\":2}")
+        );
+        assert_eq!(
+            db.scalar_i64("SELECT count(*) FROM meta")
+                .await
+                .expect("count"),
+            3,
+            "updated in place"
+        );
+        assert_eq!(db.delete("ns/configmap/c").await.expect("delete"), 1);
+        assert_eq!(db.get("ns/configmap/c").await.expect("get"), None);
+    }
+
+    #[test]
+    fn the_type_is_the_second_level_of_the_key() {
+        assert_eq!(type_of("ns/pod/a"), "pod");
+        assert_eq!(type_of("ns/pod"), "pod");
+        assert_eq!(type_of("ns/devicedata/a/b"), "devicedata");
+        assert_eq!(type_of("ns"), "");
+        assert_eq!(type_of(""), "");
+    }
 
     /// A batch's first message is undone with the transaction, which opens again for the
     /// rest of the batch; a later message still gets a savepoint of its own.

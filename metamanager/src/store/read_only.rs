@@ -39,19 +39,30 @@ pub async fn read_meta(path: &Path, key: &str, list: bool) -> Result<Vec<MetaRow
         return Err(StoreError::Missing(path.display().to_string()));
     }
     let (_db, conn) = open(path).await?;
+    let res_type = super::type_of(key);
     let mut rows = if list {
         // A range, not LIKE: `_` and `%` are ordinary characters in names.
         let prefix = format!("{key}/");
         let end = format!("{key}0");
-        conn.query(
-            "SELECT key, type, coalesce(value, '') FROM meta WHERE key >= ?1 AND key < ?2 ORDER BY key",
-            [prefix, end],
-        )
-        .await?
+        if res_type.is_empty() {
+            // A whole namespace: every type's objects, so no index narrows it.
+            conn.query(
+                "SELECT key, type, coalesce(value, '') FROM meta WHERE key >= ?1 AND key < ?2 ORDER BY key",
+                [prefix, end],
+            )
+            .await?
+        } else {
+            conn.query(
+                "SELECT key, type, coalesce(value, '') FROM meta
+                 WHERE type = ?3 AND key >= ?1 AND key < ?2 ORDER BY key",
+                [prefix.as_str(), end.as_str(), res_type],
+            )
+            .await?
+        }
     } else {
         conn.query(
-            "SELECT key, type, coalesce(value, '') FROM meta WHERE key = ?1",
-            [key],
+            "SELECT key, type, coalesce(value, '') FROM meta WHERE type = ?2 AND key = ?1",
+            [key, res_type],
         )
         .await?
     };

@@ -261,7 +261,10 @@ async fn list(conn: &Connection, query: &ListQuery) -> Result<Option<ListPage>, 
 
 async fn get(conn: &Connection, key: &str) -> Result<Option<StoredObject>, libsql::Error> {
     let mut rows = conn
-        .query("SELECT key, value, rv FROM meta WHERE key = ?1", [key])
+        .query(
+            "SELECT key, value, rv FROM meta WHERE type = ?2 AND key = ?1",
+            [key, super::type_of(key)],
+        )
         .await?;
     match rows.next().await? {
         Some(row) => Ok(Some(StoredObject {

@@ -19,6 +19,9 @@ use super::Db;
 /// The `meta.type`s whose changes are versioned: what the MetaServer serves.
 pub const VERSIONED: &[&str] = &["pod", "configmap", "secret", "service", "endpoints", "node"];
 
+/// A served object's stored value and version by key ([`Db::current`]).
+pub(super) const CURRENT: &str = "SELECT value, rv FROM meta WHERE type = ?2 AND key = ?1";
+
 /// Rows past `keep` the history may hold before a prune: pruning every batch rewrote the
 /// history's oldest leaf and its parents in every commit; waiting frees whole leaves at once.
 fn prune_slack(keep: u64) -> u64 {
@@ -110,7 +113,7 @@ impl Db {
         let rv = self.record(res_type, key, event, value).await?;
         self.exec(
             "INSERT INTO meta (key, type, value, rv) VALUES (?1, ?2, ?3, ?4)
-             ON CONFLICT(key) DO UPDATE SET value = excluded.value, rv = excluded.rv",
+             ON CONFLICT(type, key) DO UPDATE SET value = excluded.value, rv = excluded.rv",
             params![key, res_type, value, rv as i64],
         )
         .await
@@ -128,14 +131,17 @@ impl Db {
         };
         self.settle(old_rv, &old).await?;
         self.record(res_type, key, Event::Deleted, &old).await?;
-        self.exec("DELETE FROM meta WHERE key = ?1", [key]).await
+        self.exec(
+            "DELETE FROM meta WHERE type = ?2 AND key = ?1",
+            [key, super::type_of(key)],
+        )
+        .await
     }
 
     /// A served object's stored value and version.
-    async fn current(&self, key: &str) -> Result<Option<(String, i64)>, libsql::Error> {
-        const SQL: &str = "SELECT value, rv FROM meta WHERE key = ?1";
-        let statement = self.statement(SQL).await?;
-        let mut rows = statement.query([key]).await?;
+    pub(super) async fn current(&self, key: &str) -> Result<Option<(String, i64)>, libsql::Error> {
+        let statement = self.statement(CURRENT).await?;
+        let mut rows = statement.query([key, super::type_of(key)]).await?;
         let found = match rows.next().await? {
             Some(row) => Some((
                 super::text(&row, 0)?.unwrap_or_default(),
@@ -144,7 +150,7 @@ impl Db {
             None => None,
         };
         drop(rows);
-        self.keep(SQL, statement);
+        self.keep(CURRENT, statement);
         Ok(found)
     }
 
