@@ -163,6 +163,16 @@ pub const MIGRATIONS: &[(i64, &str)] = &[
 ];
 
 /// The schema version this build writes.
+/// The table a migration rebuilds (creates anew and drops the old), whose triggers the
+/// migration must make again.
+pub fn rebuilds(version: i64) -> Option<&'static str> {
+    match version {
+        10 => Some("meta_history"),
+        11 => Some("meta"),
+        _ => None,
+    }
+}
+
 pub fn latest() -> i64 {
     MIGRATIONS.last().map_or(0, |(v, _)| *v)
 }

@@ -299,7 +299,16 @@ impl Db {
         for (version, sql) in migrations::MIGRATIONS.iter().filter(|(v, _)| *v > current) {
             self.conn.execute("BEGIN IMMEDIATE", ()).await?;
             let applied = async {
+                // A table the migration rebuilds loses its triggers with the old table: they
+                // are made again on the new one (SQLite's "generalized ALTER TABLE procedure").
+                let triggers = match migrations::rebuilds(*version) {
+                    Some(table) => self.triggers_on(table).await?,
+                    None => Vec::new(),
+                };
                 self.conn.execute_batch(sql).await?;
+                for trigger in &triggers {
+                    self.conn.execute_batch(trigger).await?;
+                }
                 self.conn
                     .execute(&format!("PRAGMA user_version={version}"), ())
                     .await?;
@@ -313,6 +322,23 @@ impl Db {
             tracing::info!(version, "store schema migrated");
         }
         Ok(())
+    }
+
+    /// The `CREATE TRIGGER` statements of `table`'s triggers.
+    async fn triggers_on(&self, table: &str) -> Result<Vec<String>, libsql::Error> {
+        let mut rows = self
+            .conn
+            .query(
+                "SELECT sql FROM sqlite_master
+                 WHERE type = 'trigger' AND tbl_name = ?1 AND sql IS NOT NULL",
+                [table],
+            )
+            .await?;
+        let mut found = Vec::new();
+        while let Some(row) = rows.next().await? {
+            found.push(row.get::<String>(0)?);
+        }
+        Ok(found)
     }
 
     async fn scalar_i64(&self, sql: &str) -> Result<i64, libsql::Error> {
@@ -834,6 +860,8 @@ mod tests {
                  INSERT INTO meta VALUES ('ns/pod/a', 'pod', '{\"a\":1}', 3, 7, 'm7');
                  INSERT INTO meta VALUES ('ns/configmap/c', 'configmap', '{}', 4, NULL, NULL);
                  INSERT INTO meta VALUES ('ns/devicedata/d', 'devicedata', 'd', 0, NULL, NULL);
+                 CREATE TRIGGER keep_x BEFORE INSERT ON meta WHEN NEW.key LIKE 'x/%'
+                     BEGIN SELECT RAISE(ABORT, 'refused'); END;
                  PRAGMA user_version=10;",
             )
             .await
@@ -851,6 +879,10 @@ mod tests {
             .await
             .expect("indexes");
         assert_eq!(indexes, 1, "only meta_type_key");
+        assert!(
+            db.upsert("x/pod/refused", "pod", "{}").await.is_err(),
+            "the table's trigger is made again on the new table"
+        );
         assert_eq!(
             db.get("ns/pod/a").await.expect("get").as_deref(),
             Some("{\"a\":1}")
