@@ -221,7 +221,7 @@ async fn passive(conn: &libsql::Connection) -> Result<(), libsql::Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{Db, StoreConfig};
+    use crate::store::{fresh_store, Db};
 
     /// Frames in the WAL and frames already copied back, from a passive checkpoint's answer.
     async fn wal_frames(db: &Db) -> (i64, i64) {
@@ -232,17 +232,6 @@ mod tests {
             .expect("pragma");
         let row = rows.next().await.expect("row").expect("one row");
         (row.get(1).expect("log"), row.get(2).expect("done"))
-    }
-
-    /// A fresh store in its own directory (kept alive by the returned guard).
-    async fn fresh_store() -> (tempfile::TempDir, StoreConfig, Db) {
-        let dir = tempfile::tempdir().expect("dir");
-        let config = StoreConfig {
-            path: dir.path().join("edgemeta.db"),
-            ..StoreConfig::default()
-        };
-        let db = Db::open(&config).await.expect("open");
-        (dir, config, db)
     }
 
     /// Commits pods `ids` of 2,000 bytes each, one per transaction.

@@ -275,12 +275,7 @@ mod tests {
     /// and what arrives, and records only what it takes as new.
     #[tokio::test]
     async fn the_claim_decides_as_covers_does() {
-        let dir = tempfile::tempdir().expect("dir");
-        let config = crate::store::StoreConfig {
-            path: dir.path().join("claim.db"),
-            ..crate::store::StoreConfig::default()
-        };
-        let db = Db::open(&config).await.expect("open");
+        let (_dir, _, db) = crate::store::fresh_store().await;
         let rvs = [None, Some(6), Some(7), Some(8)];
         let mut case = 0;
         for remembered_rv in rvs {
@@ -323,12 +318,7 @@ mod tests {
     /// what was stored is refused, and after a delete only a newer version comes back.
     #[tokio::test]
     async fn a_stored_objects_change_is_remembered_on_its_row() {
-        let dir = tempfile::tempdir().expect("dir");
-        let config = crate::store::StoreConfig {
-            path: dir.path().join("row.db"),
-            ..crate::store::StoreConfig::default()
-        };
-        let db = Db::open(&config).await.expect("open");
+        let (_dir, _, db) = crate::store::fresh_store().await;
         let change = |msg_id: &str, rv: u64, deleted: bool| Applied {
             rv: Some(rv),
             msg_id: msg_id.into(),
@@ -403,12 +393,7 @@ mod tests {
     /// Schema 8 rebuilds the table keyed by `key` alone; what it remembered stays.
     #[tokio::test]
     async fn what_was_applied_survives_the_rebuild() {
-        let dir = tempfile::tempdir().expect("dir");
-        let config = crate::store::StoreConfig {
-            path: dir.path().join("rebuild.db"),
-            ..crate::store::StoreConfig::default()
-        };
-        let db = Db::open(&config).await.expect("open");
+        let (_dir, config, db) = crate::store::fresh_store().await;
         let change = applied(Some(7), true);
         assert!(db
             .claim_cloud_change("default/pod/a", &change)

@@ -796,6 +796,18 @@ fn text(row: &libsql::Row, index: i32) -> Result<Option<String>, libsql::Error> 
     }
 }
 
+/// A fresh store in its own directory, for tests (the guard keeps the directory).
+#[cfg(test)]
+pub(crate) async fn fresh_store() -> (tempfile::TempDir, StoreConfig, Db) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = StoreConfig {
+        path: dir.path().join("edgemeta.db"),
+        ..StoreConfig::default()
+    };
+    let db = Db::open(&config).await.expect("open");
+    (dir, config, db)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -805,12 +817,7 @@ mod tests {
     /// every object.
     #[tokio::test]
     async fn lookups_by_key_search_the_type_key_index() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let config = StoreConfig {
-            path: dir.path().join("meta.db"),
-            ..StoreConfig::default()
-        };
-        let db = Db::open(&config).await.expect("open");
+        let (_dir, _, db) = fresh_store().await;
         for sql in [
             GET,
             versions::CURRENT,
@@ -845,12 +852,7 @@ mod tests {
     /// of a stored key updates its row.
     #[tokio::test]
     async fn schema_11_keeps_every_object_under_one_index() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let config = StoreConfig {
-            path: dir.path().join("meta.db"),
-            ..StoreConfig::default()
-        };
-        let db = Db::open(&config).await.expect("open");
+        let (_dir, config, db) = fresh_store().await;
         db.conn
             .execute_batch(
                 "DROP TABLE meta;
@@ -939,12 +941,7 @@ mod tests {
     /// rest of the batch; a later message still gets a savepoint of its own.
     #[tokio::test]
     async fn the_first_savepoint_undoes_only_its_message_and_the_batch_goes_on() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let config = StoreConfig {
-            path: dir.path().join("meta.db"),
-            ..StoreConfig::default()
-        };
-        let db = Db::open(&config).await.expect("open");
+        let (_dir, _, db) = fresh_store().await;
         db.upsert("ns/pod/kept", "pod", "v0").await.expect("upsert");
         let tx = db.begin(true).await.expect("begin");
         let first = tx.first_savepoint().await.expect("first");
@@ -978,12 +975,7 @@ mod tests {
     /// The statement cache must bind every call's own values, also after a statement failed.
     #[tokio::test]
     async fn reused_statements_see_each_calls_values() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let config = StoreConfig {
-            path: dir.path().join("meta.db"),
-            ..StoreConfig::default()
-        };
-        let db = Db::open(&config).await.expect("open");
+        let (_dir, _, db) = fresh_store().await;
         for i in 0..3 {
             db.upsert(&format!("ns/pod/p{i}"), "pod", &format!("v{i}"))
                 .await
@@ -1024,12 +1016,7 @@ mod tests {
     /// once the file is migrated; other topics keep their names.
     #[tokio::test]
     async fn stored_hand_ons_get_the_dollar_name_clients_use() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let config = StoreConfig {
-            path: dir.path().join("meta.db"),
-            ..StoreConfig::default()
-        };
-        let db = Db::open(&config).await.expect("open");
+        let (_dir, config, db) = fresh_store().await;
         for topic in [
             "edgemeta$hw/events/device/d1/twin/update/result",
             "edgemeta$ke/x",
@@ -1067,12 +1054,7 @@ mod tests {
     /// Early hand-on: no commit fsyncs (the worker's syncer does, after it).
     #[tokio::test]
     async fn with_early_hand_on_no_commit_syncs() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let config = StoreConfig {
-            path: dir.path().join("meta.db"),
-            ..StoreConfig::default()
-        };
-        let db = Db::open(&config).await.expect("open");
+        let (_dir, config, db) = fresh_store().await;
         for durable in [true, false, true] {
             let tx = db.begin(durable).await.expect("begin");
             db.upsert("ns/pod/p", "pod", "v").await.expect("upsert");
@@ -1081,7 +1063,7 @@ mod tests {
             assert_eq!(found, 1, "NORMAL, durable {durable}");
         }
         assert!(
-            dir.path().join("meta.db-wal").exists(),
+            config.path.with_extension("db-wal").exists(),
             "the WAL the syncer syncs"
         );
     }
