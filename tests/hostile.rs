@@ -213,6 +213,32 @@ async fn wrong_passwords_are_held_off_while_a_known_client_logs_in() {
     assert_answers_a_query(&node, "after-storm").await;
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failing_address_is_held_off_and_another_address_is_not() {
+    let node = Node::start_with(Options {
+        broker_yaml: auth_yaml(true, &["alice", "bob"]),
+        ..Options::default()
+    })
+    .await;
+    let port = node.port;
+    let guesser = std::net::Ipv4Addr::new(127, 0, 0, 2);
+    // Three failures are free (`login.free_failures`); the fourth holds the address off 1 s.
+    for i in 0..4 {
+        let guess = login(&format!("g{i}"), "alice", "guess");
+        let (_, code) = Raw::connected_from(port, guesser, &guess).await;
+        assert_eq!(code, 0x86, "guess {i} is checked and refused");
+    }
+    // bob's right password from the guessing address is not even checked: 0x89 Server busy.
+    let bob = login("bob", "bob", "bob-pw");
+    let (_, code) = Raw::connected_from(port, guesser, &bob).await;
+    assert_eq!(code, 0x89, "the guessing address is held off");
+    // From another address, bob is checked and admitted: the hold is the guesser's address,
+    // as the node accepted its connections, not every client's.
+    let (_, code) = Raw::connected(port, &bob).await;
+    assert_eq!(code, 0, "bob from 127.0.0.1 logs in");
+    assert_answers_a_query(&node, "after-guesses").await;
+}
+
 /// A CONNECT (MQTT 5) with a username and password.
 fn login(id: &str, user: &str, password: &str) -> Vec<u8> {
     let mut body = string(b"MQTT");

@@ -251,7 +251,7 @@ struct Accept {
 impl Accept {
     async fn run(self, listener: TcpListener) -> Error {
         loop {
-            let stream = tokio::select! {
+            let (stream, from) = tokio::select! {
                 _ = self.cancel.cancelled() => {
                     return Error::ListenerStopped {
                         name: self.name,
@@ -260,7 +260,7 @@ impl Accept {
                     };
                 }
                 accepted = listener.accept() => match accepted {
-                    Ok((stream, _)) => stream,
+                    Ok(accepted) => accepted,
                     Err(e) => {
                         // Out of file descriptors and the like: back off instead of spinning.
                         warn!(error_code = "EM-FRONT-ACCEPT", listener = %self.name, error = %e, "accept failed");
@@ -280,7 +280,8 @@ impl Accept {
                     // Counted here, in the order connections came: their tasks may run in
                     // another order, and a later one must not take an earlier one's place.
                     let admitted = shared.admit();
-                    tokio::spawn(serve_tcp_admitted(stream, admitted, shared, cancel));
+                    let peer = Some(from.ip());
+                    tokio::spawn(serve_tcp_admitted(stream, peer, admitted, shared, cancel));
                 }
                 Some(tls) => {
                     // Counted before the handshake, which holds memory too; one over the limit
@@ -290,7 +291,7 @@ impl Accept {
                         warn!(error_code = "EM-BROKER-CONNECTION-LIMIT", listener = %self.name, "closed a TLS connection: broker.max_connections reached");
                         continue;
                     };
-                    let peer = stream.peer_addr().ok().map(|a| a.ip());
+                    let peer = Some(from.ip());
                     tokio::spawn(async move {
                         match tls.accept(stream, shared.connect_within).await {
                             Ok((stream, certified)) => {

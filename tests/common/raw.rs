@@ -119,9 +119,32 @@ impl Raw {
         }
     }
 
+    /// A connection to the node from `local`, another loopback address (127.0.0.0/8): a
+    /// second client host, as the node tells clients apart.
+    pub async fn open_from(port: u16, local: std::net::Ipv4Addr) -> Raw {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket
+            .bind((local, 0).into())
+            .expect("bind a loopback address");
+        let to = (std::net::Ipv4Addr::LOCALHOST, port).into();
+        let stream = tokio::time::timeout(WAIT, socket.connect(to))
+            .await
+            .expect("connect in time")
+            .expect("connect");
+        Raw {
+            stream,
+            buf: Vec::new(),
+        }
+    }
+
     /// Opens a connection and sends `connect`; the CONNACK's reason code (its second byte).
     pub async fn connected(port: u16, connect: &[u8]) -> (Raw, u8) {
-        let mut raw = Raw::open(port).await;
+        Raw::connected_from(port, std::net::Ipv4Addr::LOCALHOST, connect).await
+    }
+
+    /// [`Raw::connected`] from `local` ([`Raw::open_from`]).
+    pub async fn connected_from(port: u16, local: std::net::Ipv4Addr, connect: &[u8]) -> (Raw, u8) {
+        let mut raw = Raw::open_from(port, local).await;
         raw.send(connect).await;
         let connack = raw.next().await.expect("a CONNACK");
         assert_eq!(connack.kind(), 2, "{connack:?}");

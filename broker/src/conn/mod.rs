@@ -306,14 +306,16 @@ pub async fn serve_tcp(
     cancel: CancellationToken,
 ) {
     let admitted = shared.admit();
-    serve_tcp_admitted(stream, admitted, shared, cancel).await;
+    let peer = stream.peer_addr().ok().map(|a| a.ip());
+    serve_tcp_admitted(stream, peer, admitted, shared, cancel).await;
 }
 
-/// [`serve_tcp`] of a connection counted already (`None`: it is over the limit). The accept
-/// loop counts each before it spawns its task, so connections are counted in the order they
-/// came, whichever task runs first.
+/// [`serve_tcp`] of a connection counted already (`None`: it is over the limit) from `peer`,
+/// as its accept gave it (no system call to ask again). The accept loop counts each before it
+/// spawns its task, so connections are counted in the order they came, whichever task runs first.
 pub(crate) async fn serve_tcp_admitted(
     stream: tokio::net::TcpStream,
+    peer: Option<IpAddr>,
     admitted: Option<Admitted>,
     shared: Arc<Shared>,
     cancel: CancellationToken,
@@ -321,7 +323,6 @@ pub(crate) async fn serve_tcp_admitted(
     let Some(admitted) = admitted else {
         return refuse_over_limit(stream, &shared).await;
     };
-    let peer = stream.peer_addr().ok().map(|a| a.ip());
     let stream = SharedTcp::new(stream);
     let accepted = Accepted {
         certified: None,
