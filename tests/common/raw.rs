@@ -109,14 +109,7 @@ pub struct Raw {
 
 impl Raw {
     pub async fn open(port: u16) -> Raw {
-        let stream = tokio::time::timeout(WAIT, TcpStream::connect(("127.0.0.1", port)))
-            .await
-            .expect("connect in time")
-            .expect("connect");
-        Raw {
-            stream,
-            buf: Vec::new(),
-        }
+        Raw::open_from(port, std::net::Ipv4Addr::LOCALHOST).await
     }
 
     /// A connection to the node from `local`, another loopback address (127.0.0.0/8): a
