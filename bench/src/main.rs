@@ -1341,11 +1341,10 @@ impl Server {
         broker: &str,
         extra: &str,
     ) -> anyhow::Result<Server> {
-        let port = free_port()?;
+        // The observe endpoints stay on, as by default, on a port of their own. The three are
+        // taken together: one at a time, the kernel may hand the same free port out twice.
+        let [port, observe, metaserver] = free_ports()?;
         let conf = dir.join("edge.yaml");
-        // The observe endpoints stay on, as by default, on a port of their own.
-        let observe = free_port()?;
-        let metaserver = free_port()?;
         std::fs::write(&conf, format!("broker:\n  listeners:\n    mqtt:\n      address: 127.0.0.1:{port}\n{broker}store:\n  path: {}\nobserve:\n  address: 127.0.0.1:{observe}\nmetaserver:\n  address: 127.0.0.1:{metaserver}\n{extra}", dir.join("bench.db").display()))?;
         let log_path = dir.join("edgemeta.log");
         let log = std::fs::OpenOptions::new()
@@ -1368,11 +1367,23 @@ impl Server {
         loop {
             let log = std::fs::read(&log_path)?;
             let ours = log.get(usize::try_from(start)?..).unwrap_or_default();
-            if String::from_utf8_lossy(ours).contains("edgemeta serving") {
+            let ours = String::from_utf8_lossy(ours);
+            if ours.contains("edgemeta serving") {
                 break;
             }
+            // What the node said is the only account of why it did not start: the bench
+            // removes its directory.
+            if let Some(status) = server.child.try_wait()? {
+                bail!(
+                    "edgemeta on port {port} exited ({status}) before it served; its log ends:\n{}",
+                    last_lines(&ours, 20)
+                );
+            }
             if started.elapsed() > Duration::from_secs(10) {
-                bail!("edgemeta on port {port} did not log \"edgemeta serving\" within 10 s");
+                bail!(
+                    "edgemeta on port {port} did not log \"edgemeta serving\" within 10 s; its log ends:\n{}",
+                    last_lines(&ours, 20)
+                );
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
@@ -1484,6 +1495,24 @@ fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
+}
+
+/// The last `n` lines of `text`.
+fn last_lines(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// `N` distinct free ports: each held until all are chosen.
+fn free_ports<const N: usize>() -> anyhow::Result<[u16; N]> {
+    let held = (0..N)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut ports = [0; N];
+    for (port, listener) in ports.iter_mut().zip(&held) {
+        *port = listener.local_addr()?.port();
+    }
+    Ok(ports)
 }
 
 /// A connected client whose received publishes arrive on a channel.
