@@ -1492,9 +1492,8 @@ fn limited(binary: &Path, open_files: Option<u64>) -> Command {
 }
 
 fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    let [port] = free_ports()?;
+    Ok(port)
 }
 
 /// The last `n` lines of `text`.
