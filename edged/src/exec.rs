@@ -27,6 +27,12 @@ const RESIZE: u8 = 4;
 const CLOSE: u8 = 255;
 /// What a terminal's end of input is: VEOF (^D) in canonical mode.
 const END_OF_TRANSMISSION: u8 = 4;
+/// How long after the upgrade the command starts. kubectl registers its channels only after it
+/// has begun reading the socket, and drops a frame for a channel not yet registered ("Unknown
+/// stream id", client-go `tools/remotecommand/websocket.go`: `StreamWithContext` starts
+/// `readDemuxLoop` before `streamer.stream` creates the streams): a status sent at once, as
+/// `sh -c 'exit 3'` sends it, could be lost, and kubectl would report exit code 0.
+const CHANNELS_GRACE: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// What the request asked for.
 pub struct ExecRequest {
@@ -93,6 +99,7 @@ type Incoming = futures_util::stream::SplitStream<WebSocket>;
 
 /// Runs `request` in `plan`'s environment over `socket` until the command exits.
 pub async fn run(socket: WebSocket, plan: ContainerPlan, request: ExecRequest) {
+    tokio::time::sleep(CHANNELS_GRACE).await;
     let (sink, incoming) = socket.split();
     if request.tty {
         run_on_terminal(sink, incoming, plan, request).await;
