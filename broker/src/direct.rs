@@ -4,7 +4,7 @@
 //! interleave and deliveries keep their queue's order; a socket that is full leaves the rest to
 //! the task, which waits for it without holding anyone up.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::io;
 use std::pin::Pin;
@@ -25,7 +25,13 @@ use crate::wire::{Packet, Wire};
 thread_local! {
     /// What a [`Together`] on this thread holds back until its end.
     static TOGETHER: RefCell<Option<Held>> = const { RefCell::new(None) };
+    /// The buffer this thread encodes outside writes into, kept between them: a commit's
+    /// hand-ons do not grow a fresh one each time.
+    static SCRATCH: Cell<BytesMut> = Cell::new(BytesMut::new());
 }
+
+/// The most a thread's [`SCRATCH`] keeps between writes.
+const SCRATCH_KEEP: usize = 128 * 1024;
 
 /// Who waits for a client's bytes: written or rung once, at a [`Together`]'s end, in one
 /// write with whatever else that end holds for the same socket.
@@ -340,15 +346,19 @@ impl Direct {
         if state.task_writing || state.closed || !state.leftover.is_empty() {
             return None;
         }
-        let mut out = BytesMut::new();
+        let mut out = SCRATCH.with(Cell::take);
         let filled = fill(self.wire, self.max_out, &mut out);
-        let all = out.is_empty() || self.write(&mut state, out);
+        let all = out.is_empty() || self.write(&mut state, &mut out);
+        out.clear();
+        if out.capacity() <= SCRATCH_KEEP {
+            SCRATCH.with(|scratch| scratch.set(out));
+        }
         Some((filled, all))
     }
 
     /// Writes `out` without waiting; what a full socket does not take is left for the task.
     /// Whether all of it went.
-    fn write(&self, state: &mut State, mut out: BytesMut) -> bool {
+    fn write(&self, state: &mut State, out: &mut BytesMut) -> bool {
         let _write = crate::stages::enter(crate::stages::Stage::Write);
         let mut written = 0;
         while written < out.len() {

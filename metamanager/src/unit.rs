@@ -408,12 +408,12 @@ impl<'a> Context<'a> {
     }
 
     /// Answers `requester` (and its v5 Response Topic) with `operation` and `content`; an
-    /// answer nobody would get is not built.
+    /// answer nobody would get is not built, its content included.
     pub(crate) async fn reply(
         &mut self,
         requester: &Requester,
         operation: Operation,
-        content: Box<RawValue>,
+        content: impl FnOnce() -> Box<RawValue>,
     ) -> Result<(), Error> {
         let module = requester.module();
         let topic = requester.topic(self.settings.root, operation);
@@ -421,7 +421,7 @@ impl<'a> Context<'a> {
         if !to_module && requester.response_topic.is_none() {
             return Ok(());
         }
-        let payload = Bytes::from(requester.envelope(operation, content).to_bytes());
+        let payload = Bytes::from(requester.envelope(operation, content()).to_bytes());
         if let Some(copy) = requester.v5_copy(&payload) {
             self.local.push(copy);
         }

@@ -213,6 +213,8 @@ impl Worker {
                 }
                 job = jobs.recv() => match job {
                     Some(job) => {
+                        // Sized once for what has queued: a burst's batch does not regrow.
+                        batch.steps.reserve(jobs.len().min(self.config.batch_max) + 1);
                         batch.add(job);
                         while batch.len() < self.config.batch_max {
                             match jobs.try_recv() {
@@ -475,7 +477,8 @@ impl Worker {
             state,
         } = parts;
         let mut done = BatchResult {
-            local: Vec::new(),
+            // Most steps hand one message on.
+            local: Vec::with_capacity(steps.len()),
             outbox_written: false,
             applied: Vec::with_capacity(steps.len()),
             aborted: None,

@@ -21,20 +21,16 @@ pub(crate) async fn answer_pending(
     let failed = answer.operation == Operation::Error;
     match pending.kind {
         PendingKind::Volume => {
-            cx.reply(
-                &original.requester,
-                answer.operation,
-                answer.envelope.content.clone(),
-            )
+            cx.reply(&original.requester, answer.operation, || {
+                answer.envelope.content.clone()
+            })
             .await
         }
         PendingKind::RemoteQuery => {
             if failed {
-                cx.reply(
-                    &original.requester,
-                    Operation::Error,
-                    answer.envelope.content.clone(),
-                )
+                cx.reply(&original.requester, Operation::Error, || {
+                    answer.envelope.content.clone()
+                })
                 .await?;
             } else {
                 let value = answer.envelope.content.get().to_owned();
@@ -47,7 +43,7 @@ pub(crate) async fn answer_pending(
                 answer_values(&original.requester, vec![value], cx).await?;
             }
             // §2.4.6: the cloud's answer is itself acknowledged.
-            cx.reply(&answer.requester, Operation::Response, json_string("OK"))
+            cx.reply(&answer.requester, Operation::Response, || json_string("OK"))
                 .await
         }
     }
@@ -77,10 +73,8 @@ pub(crate) async fn expire(id: &str, cx: &mut Context<'_>) -> Result<(), Error> 
             waited_ms: cx.waits().volume.as_millis() as u64,
         },
     };
-    cx.reply(
-        &request.requester,
-        Operation::Error,
-        json_string(&error.to_string()),
-    )
+    cx.reply(&request.requester, Operation::Error, || {
+        json_string(&error.to_string())
+    })
     .await
 }

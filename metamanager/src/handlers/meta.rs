@@ -129,11 +129,13 @@ async fn reply(rule: &Rule, request: &Request, cx: &mut Context<'_>) -> Result<(
     match rule.reply {
         Reply::Nothing => Ok(()),
         Reply::Ok => {
-            cx.reply(&request.requester, Operation::Response, json_string("OK"))
-                .await
+            cx.reply(&request.requester, Operation::Response, || {
+                json_string("OK")
+            })
+            .await
         }
         Reply::Null => {
-            cx.reply(&request.requester, Operation::Response, null())
+            cx.reply(&request.requester, Operation::Response, null)
                 .await
         }
     }

@@ -53,7 +53,7 @@ pub(crate) async fn answer_values(
     values: Vec<String>,
     cx: &mut Context<'_>,
 ) -> Result<(), Error> {
-    let content = serde_json::value::to_raw_value(&values).expect("strings serialize");
+    let content = || serde_json::value::to_raw_value(&values).expect("strings serialize");
     cx.reply(requester, Operation::Response, content).await
 }
 
