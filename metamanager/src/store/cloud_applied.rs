@@ -171,6 +171,49 @@ impl Db {
         Ok(true)
     }
 
+    /// Adds `value` under `key` as the cloud change `change` if the node has neither the object
+    /// nor a change remembered for it (a delete's): whether it was added. One statement, where
+    /// [`Db::upsert_cloud_change`] reads first: most inserts the cloud sends are of objects
+    /// the node has not got. When false, nothing was written and that function decides.
+    pub async fn add_cloud_object(
+        &self,
+        key: &str,
+        res_type: &str,
+        value: &str,
+        change: &Applied,
+    ) -> Result<bool, libsql::Error> {
+        let rv = change.rv.and_then(|rv| i64::try_from(rv).ok());
+        let msg_id = change.msg_id.as_str();
+        if !versioned(res_type) {
+            let added = self
+                .exec(
+                    "INSERT INTO meta (key, type, value, applied_rv, applied_msg_id)
+                     SELECT ?1, ?2, ?3, ?4, ?5
+                     WHERE NOT EXISTS (SELECT 1 FROM cloud_applied WHERE key = ?1)
+                     ON CONFLICT(type, key) DO NOTHING",
+                    params![key, res_type, value, rv, msg_id],
+                )
+                .await?;
+            return Ok(added == 1);
+        }
+        // The object's version is the history's next; `record` takes that same one just below,
+        // as nothing else writes the history in between on this connection.
+        let added = self
+            .exec(
+                "INSERT INTO meta (key, type, value, rv, applied_rv, applied_msg_id)
+                 SELECT ?1, ?2, ?3, coalesce((SELECT max(rv) FROM meta_history), 0) + 1, ?4, ?5
+                 WHERE NOT EXISTS (SELECT 1 FROM cloud_applied WHERE key = ?1)
+                 ON CONFLICT(type, key) DO NOTHING",
+                params![key, res_type, value, rv, msg_id],
+            )
+            .await?;
+        if added == 0 {
+            return Ok(false);
+        }
+        self.record(res_type, key, Event::Added, value).await?;
+        Ok(true)
+    }
+
     /// Records `change` (a delete, or a list's) as the last cloud change of `key` unless the one
     /// remembered covers it (the same message, or a version not older; [`Applied::covers`]):
     /// whether it is new and must be applied. What the object's row keeps is looked at first;
@@ -391,6 +434,107 @@ mod tests {
     }
 
     /// Schema 8 rebuilds the table keyed by `key` alone; what it remembered stays.
+    /// An insert of an object the node has not got is added in one statement, with the version
+    /// its history row takes and the change remembered on its row; an object stored already,
+    /// or one a remembered delete covers, is left to `upsert_cloud_change`, untouched.
+    #[tokio::test]
+    async fn a_new_object_from_the_cloud_is_added_with_its_version_and_its_change() {
+        let (_dir, _, db) = crate::store::fresh_store().await;
+        let change = |msg_id: &str, rv: u64, deleted: bool| Applied {
+            rv: Some(rv),
+            msg_id: msg_id.into(),
+            deleted,
+        };
+        let versions = |key: &'static str| {
+            let db = &db;
+            async move {
+                let mut rows = db
+                    .conn
+                    .query(
+                        "SELECT meta.rv, (SELECT max(rv) FROM meta_history WHERE key = ?1),
+                                (SELECT event FROM meta_history WHERE key = ?1 ORDER BY rv DESC)
+                         FROM meta WHERE key = ?1",
+                        [key],
+                    )
+                    .await
+                    .expect("versions");
+                let row = rows.next().await.expect("row").expect("stored");
+                (
+                    row.get::<i64>(0).expect("rv"),
+                    row.get::<i64>(1).expect("history rv"),
+                    row.get::<String>(2).expect("event"),
+                )
+            }
+        };
+        db.upsert("default/pod/first", "pod", "{}")
+            .await
+            .expect("upsert");
+        assert!(db
+            .add_cloud_object("default/pod/a", "pod", "v1", &change("m1", 1, false))
+            .await
+            .expect("add"));
+        assert_eq!(versions("default/pod/a").await, (2, 2, "ADDED".into()));
+        assert_eq!(
+            db.applied_on_row("default/pod/a").await.expect("applied"),
+            Some(change("m1", 1, false))
+        );
+        let pending = db.take_changes();
+        assert_eq!(
+            pending.last().map(|c| (c.rv, c.event)),
+            Some((2, Event::Added))
+        );
+        assert!(
+            !db.add_cloud_object("default/pod/a", "pod", "v2", &change("m2", 2, false))
+                .await
+                .expect("add"),
+            "stored already"
+        );
+        assert_eq!(
+            db.get("default/pod/a").await.expect("get").as_deref(),
+            Some("v1")
+        );
+        assert!(db
+            .claim_cloud_change("default/pod/gone", &change("d3", 3, true))
+            .await
+            .expect("claim"));
+        assert!(
+            !db.add_cloud_object("default/pod/gone", "pod", "v2", &change("m2", 2, false))
+                .await
+                .expect("add"),
+            "a delete is remembered"
+        );
+        assert_eq!(db.get("default/pod/gone").await.expect("get"), None);
+        assert!(db
+            .add_cloud_object(
+                "default/configmap/c",
+                "configmap",
+                "c1",
+                &change("c1", 1, false)
+            )
+            .await
+            .expect("add"));
+        assert_eq!(
+            versions("default/configmap/c").await,
+            (3, 3, "ADDED".into())
+        );
+        assert!(db
+            .add_cloud_object("default/device/d", "device", "d1", &change("d1", 1, false))
+            .await
+            .expect("add an unversioned object"));
+        assert_eq!(
+            db.get("default/device/d").await.expect("get").as_deref(),
+            Some("d1")
+        );
+        assert!(!db
+            .add_cloud_object("default/device/d", "device", "d2", &change("d2", 2, false))
+            .await
+            .expect("add"),);
+        assert_eq!(
+            db.get("default/device/d").await.expect("get").as_deref(),
+            Some("d1")
+        );
+    }
+
     #[tokio::test]
     async fn what_was_applied_survives_the_rebuild() {
         let (_dir, config, db) = crate::store::fresh_store().await;
