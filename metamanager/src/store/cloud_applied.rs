@@ -433,7 +433,6 @@ mod tests {
         }
     }
 
-    /// Schema 8 rebuilds the table keyed by `key` alone; what it remembered stays.
     /// An insert of an object the node has not got is added in one statement, with the version
     /// its history row takes and the change remembered on its row; an object stored already,
     /// or one a remembered delete covers, is left to `upsert_cloud_change`, untouched.
@@ -535,6 +534,7 @@ mod tests {
         );
     }
 
+    /// Schema 8 rebuilds the table keyed by `key` alone; what it remembered stays.
     #[tokio::test]
     async fn what_was_applied_survives_the_rebuild() {
         let (_dir, config, db) = crate::store::fresh_store().await;
