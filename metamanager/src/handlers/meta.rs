@@ -49,19 +49,17 @@ async fn run_rule(rule: &Rule, request: &Request, cx: &mut Context<'_>) -> Resul
         // A stored object's change is remembered by the upsert that stores it; a delete's or
         // a list's in `cloud_applied`.
         let new = if rule.store == Store::Upsert {
-            let (key, res_type) = (resource.key(), resource.res_type());
-            let added = request.operation == Operation::Insert
-                && cx
-                    .db()
-                    .add_cloud_object(key, res_type, content.get(), change)
-                    .await
-                    .map_err(Error::store("insert meta"))?;
-            added
-                || cx
-                    .db()
-                    .upsert_cloud_change(key, res_type, content.get(), change)
-                    .await
-                    .map_err(Error::store("insert or update meta"))?
+            let insert = request.operation == Operation::Insert;
+            cx.db()
+                .upsert_cloud_change(
+                    resource.key(),
+                    resource.res_type(),
+                    content.get(),
+                    change,
+                    insert,
+                )
+                .await
+                .map_err(Error::store("insert or update meta"))?
         } else {
             cx.db()
                 .claim_cloud_change(resource.key(), change)

@@ -101,14 +101,22 @@ impl Db {
     /// Stores `value` under `key` as the cloud change `change` unless the change remembered
     /// covers it ([`Applied::covers`]): whether it was new and stored. The change is kept on the
     /// row by the upsert that writes it; one read finds the stored value and what was applied,
-    /// on the row or, for an object without one there, in `cloud_applied`.
+    /// on the row or, for an object without one there, in `cloud_applied`. An `insert` is first
+    /// tried as an object the node has not got ([`Db::add_new`]), which needs no read.
     pub async fn upsert_cloud_change(
         &self,
         key: &str,
         res_type: &str,
         value: &str,
         change: &Applied,
+        insert: bool,
     ) -> Result<bool, libsql::Error> {
+        let rv = change.rv.and_then(|rv| i64::try_from(rv).ok());
+        let msg_id = change.msg_id.as_str();
+        // Most inserts the cloud sends are of objects the node has not got: one statement.
+        if insert && self.add_new(key, res_type, value, rv, msg_id).await? {
+            return Ok(true);
+        }
         let statement = self.statement(READ).await?;
         let mut rows = statement.query([key, super::type_of(key)]).await?;
         let (mut stored, mut on_row, mut kept, mut version) = (None, None, None, 0);
@@ -129,8 +137,6 @@ impl Db {
         {
             return Ok(false);
         }
-        let rv = change.rv.and_then(|rv| i64::try_from(rv).ok());
-        let msg_id = change.msg_id.as_str();
         if !versioned(res_type) {
             self.exec(
                 "INSERT INTO meta (key, type, value, applied_rv, applied_msg_id)
@@ -171,19 +177,17 @@ impl Db {
         Ok(true)
     }
 
-    /// Adds `value` under `key` as the cloud change `change` if the node has neither the object
-    /// nor a change remembered for it (a delete's): whether it was added. One statement, where
-    /// [`Db::upsert_cloud_change`] reads first: most inserts the cloud sends are of objects
-    /// the node has not got. When false, nothing was written and that function decides.
-    pub async fn add_cloud_object(
+    /// Adds `value` under `key` as a cloud change (`applied_rv`, `applied_msg_id`) if the node
+    /// has neither the object nor a change remembered for it (a delete's): whether it was
+    /// added. When not, nothing was written, and [`Db::upsert_cloud_change`] reads and decides.
+    async fn add_new(
         &self,
         key: &str,
         res_type: &str,
         value: &str,
-        change: &Applied,
+        rv: Option<i64>,
+        msg_id: &str,
     ) -> Result<bool, libsql::Error> {
-        let rv = change.rv.and_then(|rv| i64::try_from(rv).ok());
-        let msg_id = change.msg_id.as_str();
         if !versioned(res_type) {
             let added = self
                 .exec(
@@ -356,23 +360,27 @@ mod tests {
         }
     }
 
+    /// A change of message `msg_id` and version `rv`, a delete or not.
+    fn change(msg_id: &str, rv: u64, deleted: bool) -> Applied {
+        Applied {
+            rv: Some(rv),
+            msg_id: msg_id.into(),
+            deleted,
+        }
+    }
+
     /// A stored object's change is remembered on its own row, served type or not: the same
     /// message or an older version again is neither stored nor recorded, a delete older than
     /// what was stored is refused, and after a delete only a newer version comes back.
     #[tokio::test]
     async fn a_stored_objects_change_is_remembered_on_its_row() {
         let (_dir, _, db) = crate::store::fresh_store().await;
-        let change = |msg_id: &str, rv: u64, deleted: bool| Applied {
-            rv: Some(rv),
-            msg_id: msg_id.into(),
-            deleted,
-        };
         for res_type in ["pod", "configmap", "device"] {
             let key = format!("default/{res_type}/a");
             let store = |value: &'static str, applied: Applied| {
                 let (db, key) = (&db, key.clone());
                 async move {
-                    db.upsert_cloud_change(&key, res_type, value, &applied)
+                    db.upsert_cloud_change(&key, res_type, value, &applied, true)
                         .await
                         .expect("upsert")
                 }
@@ -426,7 +434,7 @@ mod tests {
             (change("m8", 8, false), true),
         ] {
             let stored = db
-                .upsert_cloud_change("default/pod/old", "pod", "v", &applied)
+                .upsert_cloud_change("default/pod/old", "pod", "v", &applied, false)
                 .await
                 .expect("upsert");
             assert_eq!(stored, new, "{applied:?}");
@@ -435,15 +443,10 @@ mod tests {
 
     /// An insert of an object the node has not got is added in one statement, with the version
     /// its history row takes and the change remembered on its row; an object stored already,
-    /// or one a remembered delete covers, is left to `upsert_cloud_change`, untouched.
+    /// or one a remembered delete covers, is left untouched to the read that decides.
     #[tokio::test]
     async fn a_new_object_from_the_cloud_is_added_with_its_version_and_its_change() {
         let (_dir, _, db) = crate::store::fresh_store().await;
-        let change = |msg_id: &str, rv: u64, deleted: bool| Applied {
-            rv: Some(rv),
-            msg_id: msg_id.into(),
-            deleted,
-        };
         let versions = |key: &'static str| {
             let db = &db;
             async move {
@@ -469,7 +472,7 @@ mod tests {
             .await
             .expect("upsert");
         assert!(db
-            .add_cloud_object("default/pod/a", "pod", "v1", &change("m1", 1, false))
+            .add_new("default/pod/a", "pod", "v1", Some(1), "m1")
             .await
             .expect("add"));
         assert_eq!(versions("default/pod/a").await, (2, 2, "ADDED".into()));
@@ -483,7 +486,7 @@ mod tests {
             Some((2, Event::Added))
         );
         assert!(
-            !db.add_cloud_object("default/pod/a", "pod", "v2", &change("m2", 2, false))
+            !db.add_new("default/pod/a", "pod", "v2", Some(2), "m2")
                 .await
                 .expect("add"),
             "stored already"
@@ -497,19 +500,14 @@ mod tests {
             .await
             .expect("claim"));
         assert!(
-            !db.add_cloud_object("default/pod/gone", "pod", "v2", &change("m2", 2, false))
+            !db.add_new("default/pod/gone", "pod", "v2", Some(2), "m2")
                 .await
                 .expect("add"),
             "a delete is remembered"
         );
         assert_eq!(db.get("default/pod/gone").await.expect("get"), None);
         assert!(db
-            .add_cloud_object(
-                "default/configmap/c",
-                "configmap",
-                "c1",
-                &change("c1", 1, false)
-            )
+            .add_new("default/configmap/c", "configmap", "c1", Some(1), "c1")
             .await
             .expect("add"));
         assert_eq!(
@@ -517,7 +515,7 @@ mod tests {
             (3, 3, "ADDED".into())
         );
         assert!(db
-            .add_cloud_object("default/device/d", "device", "d1", &change("d1", 1, false))
+            .add_new("default/device/d", "device", "d1", Some(1), "d1")
             .await
             .expect("add an unversioned object"));
         assert_eq!(
@@ -525,9 +523,9 @@ mod tests {
             Some("d1")
         );
         assert!(!db
-            .add_cloud_object("default/device/d", "device", "d2", &change("d2", 2, false))
+            .add_new("default/device/d", "device", "d2", Some(2), "d2")
             .await
-            .expect("add"),);
+            .expect("add"));
         assert_eq!(
             db.get("default/device/d").await.expect("get").as_deref(),
             Some("d1")

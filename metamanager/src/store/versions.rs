@@ -484,7 +484,7 @@ mod tests {
                 deleted: false,
             };
             assert!(db
-                .upsert_cloud_change("default/pod/c", "pod", value, &change)
+                .upsert_cloud_change("default/pod/c", "pod", value, &change, false)
                 .await
                 .expect("cloud change"));
         }
