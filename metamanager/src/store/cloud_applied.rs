@@ -113,7 +113,7 @@ impl Db {
     ) -> Result<bool, libsql::Error> {
         let rv = change.rv.and_then(|rv| i64::try_from(rv).ok());
         let msg_id = change.msg_id.as_str();
-        // Most inserts the cloud sends are of objects the node has not got: one statement.
+        // Most inserts the cloud sends are of objects the node has not got: no read first.
         if insert && self.add_new(key, res_type, value, rv, msg_id).await? {
             return Ok(true);
         }
@@ -441,7 +441,7 @@ mod tests {
         }
     }
 
-    /// An insert of an object the node has not got is added in one statement, with the version
+    /// An insert of an object the node has not got is added without a read, with the version
     /// its history row takes and the change remembered on its row; an object stored already,
     /// or one a remembered delete covers, is left untouched to the read that decides.
     #[tokio::test]
