@@ -188,13 +188,17 @@ impl Db {
         rv: Option<i64>,
         msg_id: &str,
     ) -> Result<bool, libsql::Error> {
+        // `OR IGNORE` rather than `ON CONFLICT DO NOTHING`: `(type, key)` is meta's one unique
+        // index, so both skip the same rows, but an `INSERT … SELECT` that may abort opens a
+        // statement journal, a copy of every page it touches (SQLite's insert.c,
+        // `sqlite3BeginWriteOperation(pParse, pSelect || pTrigger, iDb)`, and vdbeaux.c,
+        // `usesStmtJournal = isMultiWrite && mayAbort`); one that ignores cannot abort.
         if !versioned(res_type) {
             let added = self
                 .exec(
-                    "INSERT INTO meta (key, type, value, applied_rv, applied_msg_id)
+                    "INSERT OR IGNORE INTO meta (key, type, value, applied_rv, applied_msg_id)
                      SELECT ?1, ?2, ?3, ?4, ?5
-                     WHERE NOT EXISTS (SELECT 1 FROM cloud_applied WHERE key = ?1)
-                     ON CONFLICT(type, key) DO NOTHING",
+                     WHERE NOT EXISTS (SELECT 1 FROM cloud_applied WHERE key = ?1)",
                     params![key, res_type, value, rv, msg_id],
                 )
                 .await?;
@@ -204,10 +208,9 @@ impl Db {
         // as nothing else writes the history in between on this connection.
         let added = self
             .exec(
-                "INSERT INTO meta (key, type, value, rv, applied_rv, applied_msg_id)
+                "INSERT OR IGNORE INTO meta (key, type, value, rv, applied_rv, applied_msg_id)
                  SELECT ?1, ?2, ?3, coalesce((SELECT max(rv) FROM meta_history), 0) + 1, ?4, ?5
-                 WHERE NOT EXISTS (SELECT 1 FROM cloud_applied WHERE key = ?1)
-                 ON CONFLICT(type, key) DO NOTHING",
+                 WHERE NOT EXISTS (SELECT 1 FROM cloud_applied WHERE key = ?1)",
                 params![key, res_type, value, rv, msg_id],
             )
             .await?;
