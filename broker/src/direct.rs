@@ -33,6 +33,21 @@ thread_local! {
 /// The most a thread's [`SCRATCH`] keeps between writes.
 const SCRATCH_KEEP: usize = 128 * 1024;
 
+/// This thread's encoding buffer, empty, for bytes that leave in one write: a batch of
+/// deliveries does not grow a fresh buffer each time (a grown buffer is copied at each doubling).
+pub(crate) fn lend() -> BytesMut {
+    SCRATCH.with(Cell::take)
+}
+
+/// Returns a buffer [`lend`] gave, once its bytes are written: cleared, kept for this thread's
+/// next write unless it grew past [`SCRATCH_KEEP`], so a thread holds at most that much.
+pub(crate) fn give_back(mut out: BytesMut) {
+    out.clear();
+    if out.capacity() <= SCRATCH_KEEP {
+        SCRATCH.with(|scratch| scratch.set(out));
+    }
+}
+
 /// Who waits for a client's bytes: written or rung once, at a [`Together`]'s end, in one
 /// write with whatever else that end holds for the same socket.
 pub(crate) trait Waiting: Send + Sync {
@@ -346,13 +361,10 @@ impl Direct {
         if state.task_writing || state.closed || !state.leftover.is_empty() {
             return None;
         }
-        let mut out = SCRATCH.with(Cell::take);
+        let mut out = lend();
         let filled = fill(self.wire, self.max_out, &mut out);
         let all = out.is_empty() || self.write(&mut state, &mut out);
-        out.clear();
-        if out.capacity() <= SCRATCH_KEEP {
-            SCRATCH.with(|scratch| scratch.set(out));
-        }
+        give_back(out);
         Some((filled, all))
     }
 
@@ -405,7 +417,9 @@ impl Direct {
 pub fn drain(mailbox: &mut Mailbox, wire: Wire, max_out: Option<u32>, out: &mut BytesMut) -> bool {
     let _encode = crate::stages::enter(crate::stages::Stage::Encode);
     let mut took = false;
-    while let Some(next) = mailbox.next(Instant::now(), |o| {
+    // One clock read per drain: the messages' expiry is counted in seconds.
+    let now = Instant::now();
+    while let Some(next) = mailbox.next(now, |o| {
         let mut probe = BytesMut::new();
         wire.write(Packet::Publish(publish_of(o)), &mut probe, None)
             .map_or(usize::MAX, |n| n)

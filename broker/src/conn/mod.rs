@@ -56,7 +56,7 @@ const RECEIVE_MAX: u16 = 100;
 /// which is bounded, rather than in the socket.
 const INFLIGHT_MAX: u16 = 100;
 
-/// A read buffer larger than this is given back once drained.
+/// A read or write buffer larger than this is given back once drained.
 const KEEP_BUFFER: usize = 4096;
 
 /// What a busy connection reads at a time once a read filled its small buffer.
@@ -452,6 +452,25 @@ impl Conn {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         drain(&mut mailbox, self.wire, self.max_out, &mut self.out)
+    }
+
+    /// Before an empty write buffer is filled: the thread's larger one, if it has one free, so a
+    /// batch of deliveries (up to the receive maximum) is encoded without regrowing a buffer.
+    fn borrow_out(&mut self) {
+        let lent = crate::direct::lend();
+        if lent.capacity() > self.out.capacity() {
+            crate::direct::give_back(std::mem::replace(&mut self.out, lent));
+        } else {
+            crate::direct::give_back(lent);
+        }
+    }
+
+    /// Once the write buffer is empty again: one larger than [`KEEP_BUFFER`] goes back to the
+    /// thread, so an idle connection holds at most that much.
+    fn return_out(&mut self) {
+        if self.out.capacity() > KEEP_BUFFER {
+            crate::direct::give_back(std::mem::take(&mut self.out));
+        }
     }
 
     /// The task's own bytes for the socket: what its session may be sent and the released

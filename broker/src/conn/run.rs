@@ -74,8 +74,14 @@ impl Conn {
         let mut brisk = false;
         let mut ack_now = false;
         loop {
+            if self.out.is_empty() {
+                self.borrow_out();
+            }
             if self.fill() {
                 self.room.taken();
+            }
+            if self.out.is_empty() {
+                self.return_out();
             }
             if std::mem::take(&mut ack_now) && self.out.is_empty() {
                 stream.ack_now();
@@ -94,9 +100,7 @@ impl Conn {
                     crate::stages::Stage::Write.add(writing);
                 }
                 self.out.clear();
-                if self.out.capacity() > KEEP_BUFFER {
-                    self.out = BytesMut::new();
-                }
+                self.return_out();
                 if let Some(direct) = &self.direct {
                     direct.done();
                 }

@@ -205,19 +205,40 @@ impl Db {
             return Ok(added == 1);
         }
         // The object's version is the history's next; `record` takes that same one just below,
-        // as nothing else writes the history in between on this connection.
-        let added = self
-            .exec(
-                "INSERT OR IGNORE INTO meta (key, type, value, rv, applied_rv, applied_msg_id)
-                 SELECT ?1, ?2, ?3, coalesce((SELECT max(rv) FROM meta_history), 0) + 1, ?4, ?5
-                 WHERE NOT EXISTS (SELECT 1 FROM cloud_applied WHERE key = ?1)",
-                params![key, res_type, value, rv, msg_id],
-            )
-            .await?;
+        // as nothing else writes the history in between on this connection. After the first
+        // change of a transaction it is known here, which spares a batch's other adds the
+        // read of the history's last row.
+        let next = self.next_version();
+        let added = match next {
+            Some(next) => {
+                self.exec(
+                    "INSERT OR IGNORE INTO meta (key, type, value, rv, applied_rv, applied_msg_id)
+                     SELECT ?1, ?2, ?3, ?6, ?4, ?5
+                     WHERE NOT EXISTS (SELECT 1 FROM cloud_applied WHERE key = ?1)",
+                    params![key, res_type, value, rv, msg_id, next],
+                )
+                .await?
+            }
+            None => {
+                self.exec(
+                    "INSERT OR IGNORE INTO meta (key, type, value, rv, applied_rv, applied_msg_id)
+                     SELECT ?1, ?2, ?3, coalesce((SELECT max(rv) FROM meta_history), 0) + 1, ?4, ?5
+                     WHERE NOT EXISTS (SELECT 1 FROM cloud_applied WHERE key = ?1)",
+                    params![key, res_type, value, rv, msg_id],
+                )
+                .await?
+            }
+        };
         if added == 0 {
             return Ok(false);
         }
-        self.record(res_type, key, Event::Added, value).await?;
+        let recorded = self.record(res_type, key, Event::Added, value).await?;
+        if next.is_some_and(|next| u64::try_from(next) != Ok(recorded)) {
+            // Never expected; the message fails and its savepoint undoes both rows.
+            return Err(libsql::Error::Misuse(format!(
+                "{key} took version {recorded}, its row says {next:?}"
+            )));
+        }
         Ok(true)
     }
 

@@ -223,6 +223,14 @@ impl Db {
         std::mem::take(&mut *self.pending())
     }
 
+    /// The version the next change takes, when this transaction has recorded one already:
+    /// the history's largest `rv` is then that change's (a savepoint undone forgets its
+    /// changes with their rows, and the prune never removes the newest row).
+    pub(super) fn next_version(&self) -> Option<i64> {
+        let last = self.pending().last()?.rv;
+        i64::try_from(last).ok()?.checked_add(1)
+    }
+
     /// Changes not yet committed, for a savepoint to cut back to.
     pub(super) fn pending_len(&self) -> usize {
         self.pending().len()
